@@ -1,0 +1,168 @@
+"""Element formats of one quantized state: how a normalized value becomes an 8-bit code and back.
+
+A format only maps numbers; grouping into blocks, scales and outlier patches lives in
+``blockquant.py``. Every backend (eager reference, Triton, inductor) encodes and decodes with the
+definitions here, so they agree on every code.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+FORMAT_NAMES = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """The storage of one per-element state: element format, block size, patches per block, sign.
+
+    ``nonneg`` marks a state that is never negative (a second moment): its codes spend all 256
+    values on [0, max], and a positive value never encodes to zero (the zero-point problem of
+    Li et al. 2023, "Memory Efficient Optimizers with 4-bit States", Sec. 4.1), because
+    ``m / (sqrt(v) + eps)`` turns a v that decodes to 0 into a step of ``m / eps``.
+    """
+
+    name: str
+    block_size: int = 2048
+    outliers: int = 2
+    nonneg: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name not in FORMAT_NAMES:
+            raise ValueError(f"unknown format {self.name!r}; expected one of {FORMAT_NAMES}")
+
+    @property
+    def passthrough(self) -> bool:
+        """fp32 keeps the stock tensor: no codes, no scales, bit-for-bit stock behaviour."""
+        return self.name == "fp32"
+
+    @property
+    def blockwise(self) -> bool:
+        """Whether codes are relative to a per-block scale (and so can carry outlier patches)."""
+        return self.name not in ("bf16", "fp32")
+
+    @property
+    def patches(self) -> int:
+        return self.outliers if self.blockwise else 0
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return {
+            "int8": torch.uint8 if self.nonneg else torch.int8,
+            "dynamic8": torch.uint8,
+            "fp8_e4m3": torch.float8_e4m3fn,
+            "fp8_e5m2": torch.float8_e5m2,
+            "bf16": torch.bfloat16,
+            "fp32": torch.float32,
+        }[self.name]
+
+    @property
+    def qmax(self) -> float:
+        """The largest code magnitude: a block's absmax maps onto it."""
+        return {
+            "int8": 255.0 if self.nonneg else 127.0,
+            "dynamic8": 1.0,
+            "fp8_e4m3": 448.0,
+            "fp8_e5m2": 57344.0,
+            "bf16": 1.0,
+            "fp32": 1.0,
+        }[self.name]
+
+    @property
+    def min_positive(self) -> float:
+        """The smallest positive normalized value this format can hold (what a tiny v rounds up to)."""
+        return {
+            "int8": 1.0,
+            "dynamic8": float(dynamic_map(self.nonneg)[1 if self.nonneg else 128]),
+            "fp8_e4m3": 2.0**-9,
+            "fp8_e5m2": 2.0**-16,
+            "bf16": float(torch.finfo(torch.bfloat16).smallest_normal) * 2.0**-7,
+            "fp32": 0.0,
+        }[self.name]
+
+    @staticmethod
+    def make(name: str, block_size: int, outliers: int, nonneg: bool) -> StateFormat:
+        """The canonical format: block size and patches only where the format is blockwise."""
+        if name in ("bf16", "fp32"):
+            return StateFormat(name, 0, 0, nonneg)
+        return StateFormat(name, block_size, outliers, nonneg)
+
+    def tag(self) -> str:
+        """A short stable name, used in op arguments, state dicts and cache keys."""
+        return f"{self.name}:{self.block_size}:{self.outliers}:{'u' if self.nonneg else 's'}"
+
+    @staticmethod
+    def from_tag(tag: str) -> StateFormat:
+        name, block, k, sign = tag.split(":")
+        return StateFormat(name, int(block), int(k), sign == "u")
+
+
+@functools.cache
+def dynamic_map(nonneg: bool) -> torch.Tensor:
+    """The 256 sorted values of the dynamic tree map (Dettmers et al. 2022, "8-bit Optimizers via
+    Block-wise Quantization", Sec. 2.2): a decimal exponent 1e-6..1e0 and a linear fraction whose
+    resolution grows with the exponent, so small magnitudes keep relative precision.
+
+    The signed map holds 0, 1 and 127 magnitudes of each sign (so -1 itself is not representable,
+    as in bitsandbytes); the unsigned map holds 0, 1 and 254 positive values.
+    """
+    exponent_bits = 7
+    values: list[float] = []
+    for i in range(exponent_bits):
+        n_frac = 2 ** (i + (0 if not nonneg else 1)) + 1
+        bounds = torch.linspace(0.1, 1.0, n_frac, dtype=torch.float64)
+        means = ((bounds[:-1] + bounds[1:]) / 2.0) * 10.0 ** (-(exponent_bits - 1) + i)
+        values += means.tolist()
+        if not nonneg:
+            values += (-means).tolist()
+    values = sorted(set(values + [0.0, 1.0]))
+    table = torch.tensor(values, dtype=torch.float32)
+    assert table.numel() == 256 and torch.all(table[1:] > table[:-1])
+    return table
+
+
+@functools.cache
+def dynamic_midpoints(nonneg: bool) -> torch.Tensor:
+    """Decision boundaries between neighbouring map values: encode is a search over these."""
+    table = dynamic_map(nonneg).double()
+    return ((table[:-1] + table[1:]) / 2).float()
+
+
+def encode(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """Encode values already divided by their block scale (|x| <= qmax) into codes.
+
+    Rounding is to nearest, ties to even; for a non-negative state a positive value never becomes
+    code 0.
+    """
+    name = fmt.name
+    if name == "int8":
+        lo = 0.0 if fmt.nonneg else -fmt.qmax
+        q = torch.round(x).clamp_(lo, fmt.qmax)
+        if fmt.nonneg:
+            q = torch.where((x > 0) & (q == 0), 1.0, q)
+        return q.to(fmt.code_dtype)
+    if name == "dynamic8":
+        mids = dynamic_midpoints(fmt.nonneg).to(x.device)
+        # right=True puts an exact tie on the upper value, matching searchsorted in the kernels
+        idx = torch.bucketize(x.contiguous(), mids, right=True)
+        if fmt.nonneg:
+            idx = torch.where((x > 0) & (idx == 0), 1, idx)
+        return idx.to(torch.uint8)
+    if name in ("fp8_e4m3", "fp8_e5m2", "bf16"):
+        y = x.clamp(-fmt.qmax, fmt.qmax) if name != "bf16" else x
+        if fmt.nonneg:
+            y = torch.where(y > 0, y.clamp(min=fmt.min_positive), y)
+        return y.to(fmt.code_dtype)
+    if name == "fp32":
+        return x.float()
+    raise AssertionError(name)
+
+
+def decode(codes: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """Codes back to fp32 values relative to the block scale."""
+    if fmt.name == "dynamic8":
+        return dynamic_map(fmt.nonneg).to(codes.device)[codes.long()]
+    return codes.float()

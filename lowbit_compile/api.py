@@ -1,0 +1,223 @@
+"""``lowbit_compile(opt)`` and ``restore(opt)``: switch a stock optimizer to low-bit states and back.
+
+The optimizer object stays the same instance of the same class with the same ``param_groups``;
+only its ``step`` (an instance attribute shadowing the class method) and its state tensors change.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_MIN_8BIT_SIZE, DEFAULT_OUTLIERS, Config
+from .runner import StateSchema, compile_step, init_state, probe_schema, run_param
+from .state import QuantizedState
+
+SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
+_ATTR = "_lowbit"
+
+
+class _Wrapped:
+    """What ``lowbit_compile`` attaches to an optimizer: its config, the hooks it added, and the
+    ``step`` instance attribute it replaced (e.g. an LR scheduler's wrapper)."""
+
+    def __init__(self, config: Config, previous_step: Any, hooks: list) -> None:
+        self.config = config
+        self.previous_step = previous_step
+        self.hooks = hooks
+
+
+def lowbit_compile(
+    opt: torch.optim.Optimizer,
+    fmt: str | Mapping[str, str] = DEFAULT_FMT,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    outliers: int = DEFAULT_OUTLIERS,
+    min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
+    backend: str = "auto",
+) -> torch.optim.Optimizer:
+    """Keep every per-element state of ``opt`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
+    block-quantized, and run its step through the traced, rewritten update.
+
+    Args:
+        opt: a ``torch.optim.Adam`` or ``AdamW`` (its existing fp32 state is converted).
+        fmt: ``"int8"``, ``"dynamic8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` or ``"fp32"``
+            (stock, bit for bit), or a dict from state name to one of those.
+        block_size: elements sharing one scale; a power of two.
+        outliers: largest-magnitude values per block kept exactly in bf16 (patches).
+        min_8bit_size: tensors with fewer elements keep stock fp32 states.
+        backend: ``"auto"`` or ``"reference"`` (eager lowering).
+
+    Returns ``opt`` itself. Calling it again re-configures; it never quantizes twice.
+    """
+    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend)
+    _check_optimizer(opt)
+    wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+    if wrapped is None:
+        previous = opt.__dict__.get("step")
+        hooks = [
+            opt.register_state_dict_post_hook(_pack_state_dict),
+            opt.register_load_state_dict_pre_hook(_unpack_pre_hook),
+            opt.register_load_state_dict_post_hook(_unpack_post_hook),
+        ]
+        wrapped = _Wrapped(config, previous, hooks)
+    else:
+        wrapped.config = config
+    _conform_state(opt, config)
+    setattr(opt, _ATTR, wrapped)
+    opt.step = _make_step(opt, wrapped.previous_step)
+    return opt
+
+
+def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Turn a wrapped optimizer back into a stock one: fp32 (stock-dtype) states, the class's step."""
+    wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+    if wrapped is None:
+        return opt
+    for state in opt.state.values():
+        for key, value in list(state.items()):
+            if isinstance(value, QuantizedState):
+                state[key] = value.dequantize()
+    for hook in wrapped.hooks:
+        hook.remove()
+    del opt.step
+    if wrapped.previous_step is not None:
+        opt.step = wrapped.previous_step
+    delattr(opt, _ATTR)
+    return opt
+
+
+def is_wrapped(opt: torch.optim.Optimizer) -> bool:
+    return hasattr(opt, _ATTR)
+
+
+def _check_optimizer(opt: object) -> None:
+    if not isinstance(opt, SUPPORTED):
+        raise TypeError(
+            f"lowbit_compile supports torch.optim.Adam and torch.optim.AdamW, got {type(opt).__name__}; "
+            "pass one of those (or leave this optimizer unwrapped)"
+        )
+    for i, group in enumerate(opt.param_groups):
+        if group.get("differentiable"):
+            raise ValueError(
+                f"param_groups[{i}] has differentiable=True, which lowbit_compile does not support "
+                "(quantized states cannot carry autograd history); construct the optimizer with "
+                "differentiable=False"
+            )
+        for p in group["params"]:
+            if torch.is_complex(p):
+                raise TypeError(f"param_groups[{i}] holds a complex parameter; lowbit_compile supports real "
+                                "floating-point parameters only")
+            if not p.is_floating_point():
+                raise TypeError(f"param_groups[{i}] holds a {p.dtype} parameter; parameters must be floating point")
+
+
+def _make_step(opt: torch.optim.Optimizer, previous: Any) -> Callable:
+    """The instance ``step``: stock hooks around the rewritten update; keeps an LR scheduler's
+    "optimizer.step() was called" tracking working when the scheduler wrapped ``step`` first."""
+    hooked = torch.optim.Optimizer.profile_hook_step(_lowbit_step)
+    if previous is not None and getattr(previous, "_wrapped_by_lr_sched", False):
+        def step(self, closure=None):
+            self._opt_called = True
+            return hooked(self, closure)
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        return types.MethodType(step, opt)
+    return types.MethodType(hooked, opt)
+
+
+@torch.no_grad()
+def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    config: Config = getattr(opt, _ATTR).config
+    for group in opt.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    "lowbit_compile: a parameter has a sparse gradient, which Adam/AdamW do not "
+                    "support; use torch.optim.SparseAdam for sparse gradients"
+                )
+            schema = probe_schema(opt, group, param)
+            formats = dict(config.formats_for(param, schema.per_element))
+            state = opt.state[param]
+            if not state:
+                state.update(init_state(param, schema, formats))
+            compiled = compile_step(opt, group, param, state, schema, formats, config)
+            run_param(compiled, group, param, grad, state)
+    return loss
+
+
+def _conform_state(opt: torch.optim.Optimizer, config: Config) -> None:
+    """Bring every existing per-element state to the configured format (adoption mid-training,
+    a re-configuration, or a loaded checkpoint). All-or-nothing: new states are built first."""
+    updates = []
+    for group in opt.param_groups:
+        for param in group["params"]:
+            state = opt.state.get(param)
+            if not state:
+                continue
+            schema: StateSchema = probe_schema(opt, group, param)
+            for key, fmt in config.formats_for(param, schema.per_element):
+                value = state.get(key)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if value.shape != param.shape:
+                    raise ValueError(
+                        f"state {key!r} of a parameter of shape {tuple(param.shape)} has shape "
+                        f"{tuple(value.shape)}; the optimizer state does not belong to these parameters"
+                    )
+                if isinstance(value, QuantizedState):
+                    if value.fmt == fmt:
+                        continue
+                    dense = value.dequantize()
+                else:
+                    if fmt.passthrough:
+                        continue
+                    dense = value
+                new = dense if fmt.passthrough else QuantizedState.from_dense(dense, fmt)
+                updates.append((state, key, new))
+    for state, key, new in updates:
+        state[key] = new
+
+
+# checkpoints: quantized states travel as plain dicts of tensors -----------------------------------
+def _pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    packed = {}
+    for idx, entry in state_dict["state"].items():
+        if any(isinstance(v, QuantizedState) for v in entry.values()):
+            entry = {k: (v.to_packed() if isinstance(v, QuantizedState) else v) for k, v in entry.items()}
+        packed[idx] = entry
+    state_dict["state"] = packed
+    return state_dict
+
+
+def _unpack_pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Take our packed states out before the stock loader casts their codes to the param dtype."""
+    pending: dict = {}
+    plain: dict = {}
+    for idx, entry in state_dict["state"].items():
+        ours = {k: v for k, v in entry.items() if QuantizedState.is_packed(v)}
+        if ours:
+            pending[idx] = ours
+            entry = {k: v for k, v in entry.items() if k not in ours}
+        plain[idx] = entry
+    opt.__dict__["_lowbit_pending"] = pending
+    return {**state_dict, "state": plain}
+
+
+def _unpack_post_hook(opt: torch.optim.Optimizer) -> None:
+    pending = opt.__dict__.pop("_lowbit_pending", {})
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for idx, entries in pending.items():
+        param = params[idx]
+        for key, packed in entries.items():
+            opt.state[param][key] = QuantizedState.from_packed(packed, param.device)
+    _conform_state(opt, getattr(opt, _ATTR).config)

@@ -1,0 +1,206 @@
+"""The wrapped ``step()``: per parameter, find the compiled step for its signature and run it.
+
+A signature is everything a trace depends on: optimizer class, the group's static flags, which
+hyperparameters are tensors, param dtype and device type, the state schema and the state formats.
+Compiled steps are cached per process across optimizers; hyperparameter values are read from
+``param_groups`` on every call, so schedulers never cause a retrace.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import Config
+from .kernels.formats import StateFormat
+from .kernels.reference import lower_reference
+from .passes.quantize_states import quantize_states
+from .passes.roles import label_roles
+from .passes.split import split_prologue
+from .passes.trace import (
+    _shell,
+    _unhooked_step,
+    hyper_slots,
+    static_group_items,
+    tensor_meta,
+    trace_step,
+)
+from .state import QuantizedState
+
+# Group flags that select the foreach/fused implementations: the trace always takes the
+# single-tensor path, whatever the group asks for.
+_IMPL_FLAGS = {"foreach": False, "fused": False}
+
+
+@dataclass(frozen=True)
+class StateSchema:
+    """What the stock optimizer keeps per parameter, learned by stepping a tiny probe parameter.
+
+    ``init`` maps each state key to how the stock step creates it: ``("fill", value, dtype)`` for
+    a per-element state, ``("tensor", example)`` for a scalar state, ``("value", obj)`` otherwise.
+    """
+
+    per_element: tuple[str, ...]
+    init: tuple[tuple[str, tuple], ...]
+
+
+def trace_group(group: dict) -> dict:
+    """The group as the trace sees it: the single-tensor implementation."""
+    return {**group, **{k: v for k, v in _IMPL_FLAGS.items() if k in group}}
+
+
+class _RecordingState(dict):
+    """A state dict that remembers the first value stored under each key (the stock initial state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.initial: dict[str, Any] = {}
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self.initial:
+            self.initial[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        super().__setitem__(key, value)
+
+
+_schemas: dict[tuple, StateSchema] = {}
+
+
+def probe_schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> StateSchema:
+    """Run the stock step once on a 2-element copy-free probe to learn the state layout."""
+    key = (type(opt), static_group_items(trace_group(group)), param.dtype, param.device.type)
+    cached = _schemas.get(key)
+    if cached is not None:
+        return cached
+    probe = torch.tensor([1.5, -2.5], dtype=param.dtype, device=param.device)
+    probe.grad = torch.tensor([0.25, -0.5], dtype=param.dtype, device=param.device)
+    shell = _shell(opt, trace_group(group), probe, {})
+    shell.state = collections.defaultdict(_RecordingState)
+    with torch.no_grad():
+        _unhooked_step(type(opt))(shell)
+    recorded = shell.state[probe].initial
+    per_element, init = [], []
+    for name, value in recorded.items():
+        if isinstance(value, torch.Tensor) and value.shape == probe.shape:
+            if not torch.all(value == value[0]):
+                raise NotImplementedError(
+                    f"{type(opt).__name__} initializes state {name!r} from the parameter's values; "
+                    "lowbit-compile supports per-element states that start from a constant"
+                )
+            per_element.append(name)
+            init.append((name, ("fill", value[0].item(), value.dtype)))
+        elif isinstance(value, torch.Tensor):
+            init.append((name, ("tensor", value)))
+        else:
+            init.append((name, ("value", value)))
+    schema = StateSchema(tuple(per_element), tuple(init))
+    _schemas[key] = schema
+    return schema
+
+
+def init_state(param: torch.Tensor, schema: StateSchema, formats: dict[str, StateFormat]) -> dict:
+    """The stock initial state of ``param`` with per-element states created directly quantized."""
+    state: dict[str, Any] = {}
+    for name, (kind, *rest) in schema.init:
+        if kind == "fill":
+            value, dtype = rest
+            fmt = formats[name]
+            if fmt.passthrough:
+                state[name] = torch.full_like(param, value, dtype=dtype, memory_format=torch.preserve_format)
+            else:
+                state[name] = QuantizedState.full(param.shape, value, fmt, dtype, param.device)
+        elif kind == "tensor":
+            state[name] = rest[0].clone()
+        else:
+            state[name] = rest[0]
+    return state
+
+
+@dataclass
+class CompiledStep:
+    """One signature's rewritten step and how to bind a parameter's tensors to its inputs."""
+
+    run: Callable[..., None]
+    inputs: tuple[tuple[str, Any], ...]
+    guard: Callable
+    graph: torch.fx.GraphModule
+
+
+_compiled: dict[tuple, list[CompiledStep]] = {}
+
+
+def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
+                 schema: StateSchema, formats: dict[str, StateFormat], config: Config) -> CompiledStep:
+    """Trace, rewrite and lower the step for this parameter's signature (cached)."""
+    tgroup = trace_group(group)
+    slots = hyper_slots(tgroup)
+    key = (
+        type(opt), _unhooked_step(type(opt)), static_group_items(tgroup),
+        tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots),
+        param.dtype, param.device.type,
+        tuple((k, tensor_meta(v) if isinstance(v, torch.Tensor) else type(v)) for k, v in sorted(state.items())),
+        tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
+    )
+    values = [s.get(tgroup) for s in slots]
+    candidates = _compiled.setdefault(key, [])
+    for compiled in candidates:
+        if compiled.guard(values):
+            return compiled
+    traced = trace_step(opt, tgroup, param.dtype, param.device, _example_state(state), schema.per_element)
+    graph = split_prologue(quantize_states(label_roles(traced.graph), formats))
+    inputs = tuple(_binding(n) for n in graph.graph.nodes if n.op == "placeholder")
+    compiled = CompiledStep(lower_reference(graph), inputs, traced.guard, graph)
+    candidates.append(compiled)
+    return compiled
+
+
+def _example_state(state: dict) -> dict:
+    """The state as the trace needs it: quantized entries stand for tensors of their stock dtype."""
+    return {k: (torch.empty(0, dtype=v.dtype, device=v.device) if isinstance(v, QuantizedState) else v)
+            for k, v in state.items()}
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A 1-D view of ``t`` in logical order, or a contiguous copy (then it must be written back)."""
+    if t.is_contiguous():
+        return t.view(-1), False
+    return t.reshape(-1).clone(), True
+
+
+def run_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+    """Bind ``param``'s tensors to the compiled step's inputs and run it."""
+    write_back = []
+    args = []
+    for kind, key in compiled.inputs:
+        if kind in ("param", "per_element_state"):
+            tensor = param if kind == "param" else state[key]
+            flat, copied = _flat(tensor)
+            if copied:
+                write_back.append((tensor, flat))
+            args.append(flat)
+        elif kind == "grad":
+            args.append(grad.reshape(-1))
+        elif kind == "scalar_state":
+            args.append(state[key])
+        elif kind == "state_part":
+            args.append(getattr(state[key[0]], key[1]))
+        else:
+            args.append(key.get(group))
+    compiled.run(*args)
+    for dst, flat in write_back:
+        dst.copy_(flat.view(dst.shape))
+
+
+def _binding(node: torch.fx.Node) -> tuple[str, Any]:
+    """How the runner finds the value of one top-level input of a compiled step."""
+    role, desc = node.meta["role"], node.meta["lowbit_input"]
+    if role in ("param", "grad"):
+        return role, None
+    if role in ("per_element_state", "scalar_state"):
+        return role, desc[1]
+    if role == "state_part":
+        return role, (desc[1], desc[2])
+    return "hyper", desc[1]
