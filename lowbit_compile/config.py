@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.backends import resolve
 from .kernels.formats import FORMAT_NAMES, StateFormat
 
 BACKENDS = ("auto", "triton", "inductor", "reference")
@@ -53,10 +54,7 @@ class Config:
             raise ValueError(f"min_8bit_size must be a non-negative int, got {min_8bit_size!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if backend in ("triton", "inductor"):
-            raise NotImplementedError(
-                f"backend={backend!r} is not available in this version; use backend='reference' or 'auto'"
-            )
+        resolve(backend, "cpu")  # an unavailable backend fails here, before anything is converted
         return Config(fmt_key, block_size, outliers, min_8bit_size, backend)
 
     def format_name(self, state_key: str) -> str:

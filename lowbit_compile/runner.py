@@ -16,18 +16,18 @@ from typing import Any
 import torch
 
 from .config import Config
+from .kernels.backends import lower, resolve
 from .kernels.formats import StateFormat
-from .kernels.reference import lower_reference
 from .passes.quantize_states import quantize_states
 from .passes.roles import label_roles
 from .passes.split import split_prologue
 from .passes.trace import (
-    _shell,
-    _unhooked_step,
     hyper_slots,
+    shell_optimizer,
     static_group_items,
     tensor_meta,
     trace_step,
+    unhooked_step,
 )
 from .state import QuantizedState
 
@@ -77,10 +77,10 @@ def probe_schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor) -
         return cached
     probe = torch.tensor([1.5, -2.5], dtype=param.dtype, device=param.device)
     probe.grad = torch.tensor([0.25, -0.5], dtype=param.dtype, device=param.device)
-    shell = _shell(opt, trace_group(group), probe, {})
+    shell = shell_optimizer(opt, trace_group(group), probe, {})
     shell.state = collections.defaultdict(_RecordingState)
     with torch.no_grad():
-        _unhooked_step(type(opt))(shell)
+        unhooked_step(type(opt))(shell)
     recorded = shell.state[probe].initial
     per_element, init = [], []
     for name, value in recorded.items():
@@ -138,11 +138,11 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
     key = (
-        type(opt), _unhooked_step(type(opt)), static_group_items(tgroup),
+        type(opt), unhooked_step(type(opt)), static_group_items(tgroup),
         tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots),
         param.dtype, param.device.type,
         tuple((k, tensor_meta(v) if isinstance(v, torch.Tensor) else type(v)) for k, v in sorted(state.items())),
-        tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
+        tuple(sorted((k, f.tag()) for k, f in formats.items())), resolve(config.backend, param.device.type),
     )
     values = [s.get(tgroup) for s in slots]
     candidates = _compiled.setdefault(key, [])
@@ -152,7 +152,7 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     traced = trace_step(opt, tgroup, param.dtype, param.device, _example_state(state), schema.per_element)
     graph = split_prologue(quantize_states(label_roles(traced.graph), formats))
     inputs = tuple(_binding(n) for n in graph.graph.nodes if n.op == "placeholder")
-    compiled = CompiledStep(lower_reference(graph), inputs, traced.guard, graph)
+    compiled = CompiledStep(lower(graph, key[-1]), inputs, traced.guard, graph)
     candidates.append(compiled)
     return compiled
 

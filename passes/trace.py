@@ -97,7 +97,7 @@ class TracedStep:
     guard_text: str
 
 
-def _unhooked_step(cls: type) -> Callable:
+def unhooked_step(cls: type) -> Callable:
     """The class's own ``step`` without the hook/profiler and grad-mode wrappers torch adds."""
     fn = cls.step
     while hasattr(fn, "__wrapped__"):
@@ -105,7 +105,7 @@ def _unhooked_step(cls: type) -> Callable:
     return fn
 
 
-def _shell(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict) -> Any:
+def shell_optimizer(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict) -> Any:
     shell = object.__new__(type(opt))
     shell.__dict__.update(opt.__dict__)
     shell.param_groups = [dict(group, params=[param])]
@@ -157,7 +157,7 @@ def trace_step(
         else:
             fake_hypers.append(sym_float(slot.name, value))
 
-    step_fn = _unhooked_step(type(opt))
+    step_fn = unhooked_step(type(opt))
     n_state = len(tensor_keys)
 
     def one_step(param, grad, *rest):
@@ -174,7 +174,7 @@ def trace_step(
         st.update(zip(tensor_keys, states))
         param.grad = grad
         try:
-            step_fn(_shell(opt, fake_group, param, st))
+            step_fn(shell_optimizer(opt, fake_group, param, st))
         finally:
             param.grad = None
 
