@@ -22,6 +22,7 @@ from .passes.quantize_states import quantize_states
 from .passes.roles import label_roles
 from .passes.split import split_prologue
 from .passes.trace import (
+    TracedStep,
     hyper_slots,
     shell_optimizer,
     static_group_items,
@@ -149,7 +150,7 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     for compiled in candidates:
         if compiled.guard(values):
             return compiled
-    traced = trace_step(opt, tgroup, param.dtype, param.device, _example_state(state), schema.per_element)
+    traced = trace_for(opt, group, param, state, schema)
     graph = split_prologue(quantize_states(label_roles(traced.graph), formats))
     inputs = tuple(_binding(n) for n in graph.graph.nodes if n.op == "placeholder")
     compiled = CompiledStep(lower(graph, key[-1]), inputs, traced.guard, graph)
@@ -157,10 +158,13 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     return compiled
 
 
-def _example_state(state: dict) -> dict:
-    """The state as the trace needs it: quantized entries stand for tensors of their stock dtype."""
-    return {k: (torch.empty(0, dtype=v.dtype, device=v.device) if isinstance(v, QuantizedState) else v)
-            for k, v in state.items()}
+def trace_for(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
+              schema: StateSchema) -> TracedStep:
+    """Trace the stock step of ``param`` in ``group``; quantized states stand for tensors of their
+    stock dtype, so the traced graph is the stock one whatever the formats."""
+    example = {k: (torch.empty(0, dtype=v.dtype, device=v.device) if isinstance(v, QuantizedState) else v)
+               for k, v in state.items()}
+    return trace_step(opt, trace_group(group), param.dtype, param.device, example, schema.per_element)
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
