@@ -1,0 +1,190 @@
+"""Each storage format against a float64 reference: patches, per-element error bounds, the
+zero-point rule, odd sizes, and the QuantizedState tensor protocol."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit_compile import QuantizedState
+from lowbit_compile.kernels import blockquant
+from lowbit_compile.kernels.formats import StateFormat, dynamic_map
+
+BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"]
+ALL = BLOCKWISE + ["bf16"]
+# Half a code step of each element format, relative to the largest code (qmax) or to the value.
+FP8_REL = {"fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}
+FP8_SUBNORMAL_STEP = {"fp8_e4m3": 2.0**-9, "fp8_e5m2": 2.0**-16}
+
+
+def _values(n: int, nonneg: bool, seed: int = 0) -> torch.Tensor:
+    """Heavy-tailed values (log-normal magnitudes over ~6 decades) with a few giants and zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen, dtype=torch.float64) * torch.exp(2 * torch.randn(n, generator=gen, dtype=torch.float64))
+    x[:: max(n // 7, 1)] *= 1e3
+    x[3::50] = 0.0
+    return (x.abs() if nonneg else x).float()
+
+
+def _reference_patches(x64: torch.Tensor, fmt: StateFormat):
+    """Per block, offsets of the K largest |x| (ties: lowest offset), in float64."""
+    b, n = fmt.block_size, x64.numel()
+    nb = -(-n // b)
+    padded = torch.zeros(nb * b, dtype=torch.float64)
+    padded[:n] = x64
+    blocks = padded.view(nb, b)
+    mag = blocks.abs()
+    # sort by (-|x|, offset): stable sort on -|x| keeps lower offsets first among equals
+    order = torch.sort(-mag, dim=1, stable=True).indices[:, : fmt.outliers]
+    return blocks, order
+
+
+@pytest.mark.parametrize("nonneg", [False, True], ids=["signed", "nonneg"])
+@pytest.mark.parametrize("name", BLOCKWISE)
+@pytest.mark.parametrize(("n", "block", "k"), [(5000, 2048, 2), (1000, 256, 4), (300, 256, 0), (1, 256, 2), (3, 256, 4)])
+def test_blockwise_format_against_float64(name, nonneg, n, block, k):
+    fmt = StateFormat(name, block, k, nonneg)
+    x = _values(n, nonneg)
+    q = blockquant.quantize(x, fmt)
+    dq = blockquant.dequantize(q, fmt).double()
+    x64 = x.double()
+    blocks, order = _reference_patches(x64, fmt)
+
+    # patches: the K largest magnitudes, kept as bf16
+    assert torch.equal(q.patch_index.long(), order)
+    assert torch.equal(q.patch_values, blocks.gather(1, order).to(torch.bfloat16))
+
+    # everything else: within half a code step of the block's non-patch absmax
+    rest = blocks.clone()
+    rest.scatter_(1, order, 0.0)
+    absmax = rest.abs().amax(1)
+    assert torch.allclose(q.scales.double(), absmax / fmt.qmax, rtol=1e-6, atol=0)
+    nb = absmax.numel()
+    is_patch = torch.zeros(nb * block, dtype=torch.bool)
+    is_patch.view(nb, block).scatter_(1, order, True)
+    is_patch = is_patch[:n]
+    scale = (absmax / fmt.qmax).repeat_interleave(block)[:n]
+    err = (dq - x64).abs()
+    if name == "int8":
+        bound = scale / 2
+    elif name == "dynamic8":
+        table = dynamic_map(nonneg).double()
+        gaps = (table[1:] - table[:-1]).max()  # the widest gap of the map bounds the rounding
+        bound = (gaps / 2) * scale * fmt.qmax
+    else:
+        bound = torch.maximum(FP8_REL[name] * x64.abs(), FP8_SUBNORMAL_STEP[name] / 2 * scale)
+    if nonneg:  # a tiny positive value is raised to the smallest code instead of 0
+        bound = torch.maximum(bound, fmt.min_positive * scale)
+    slack = 1e-6 * scale + 1e-30  # fp32 arithmetic of x * (qmax / absmax)
+    keep = ~is_patch
+    assert torch.all(err[keep] <= bound[keep] + slack[keep]), (err - bound)[keep].max()
+
+    if nonneg:  # the zero-point problem: nothing positive decodes to zero
+        assert not torch.any((x64 > 0) & (dq == 0))
+        assert torch.all(dq >= 0)
+
+
+def test_dynamic8_encodes_to_the_nearest_map_value():
+    """Beyond the bound: every code is the nearest entry of the map (float64 search)."""
+    for nonneg in (False, True):
+        fmt = StateFormat("dynamic8", 256, 0, nonneg)
+        x = _values(4096, nonneg)
+        q = blockquant.quantize(x, fmt)
+        table = dynamic_map(nonneg).double()
+        norm = (x.double().view(16, 256) / q.scales.double()[:, None]).reshape(-1)
+        nearest = (norm[:, None] - table[None, :]).abs()
+        best = nearest.min(1).values
+        chosen = nearest.gather(1, q.codes.long()[:, None])[:, 0]
+        tie_or_fp32 = 1e-6 * norm.abs() + 1e-12
+        raised = nonneg & (x > 0) & (q.codes == 1)  # zero-point rule may pick the smallest positive
+        assert torch.all((chosen <= best + tie_or_fp32) | raised)
+
+
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_bf16_format_is_round_to_nearest(nonneg):
+    fmt = StateFormat.make("bf16", 256, 2, nonneg)
+    x = _values(3000, nonneg)
+    dq = blockquant.dequantize(blockquant.quantize(x, fmt), fmt)
+    assert torch.equal(dq, x.to(torch.bfloat16).float())
+    assert fmt.patches == 0 and blockquant.quantize(x, fmt).scales.numel() == 0
+
+
+def test_ties_in_magnitude_go_to_the_lowest_offset():
+    fmt = StateFormat("int8", 8, 2, False)
+    x = torch.tensor([1.0, -3.0, 2.0, 3.0, -3.0, 0.5, 0.0, 1.0])
+    q = blockquant.quantize(x, fmt)
+    assert q.patch_index.tolist() == [[1, 3]]
+
+
+def test_all_zero_block_has_zero_scale_and_decodes_to_zero():
+    for name in BLOCKWISE:
+        fmt = StateFormat(name, 256, 2, False)
+        q = blockquant.quantize(torch.zeros(600), fmt)
+        assert torch.all(q.scales == 0)
+        assert torch.all(blockquant.dequantize(q, fmt) == 0)
+
+
+def test_full_builds_the_same_storage_as_quantizing_a_constant():
+    for name in ALL:
+        fmt = StateFormat.make(name, 256, 2, False)
+        for value in (0.0, 0.25):
+            a = blockquant.full(1000, value, fmt)
+            b = blockquant.quantize(torch.full((1000,), value), fmt)
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), name
+
+
+class TestQuantizedState:
+    fmt = StateFormat("int8", 256, 2, False)
+
+    def _state(self, shape=(30, 20)):
+        return QuantizedState.from_dense(torch.randn(shape), self.fmt)
+
+    def test_shape_dtype_and_dequantize(self):
+        x = torch.randn(30, 20)
+        s = QuantizedState.from_dense(x, self.fmt)
+        assert s.shape == x.shape and s.dtype == x.dtype and isinstance(s, torch.Tensor)
+        assert s.dequantize().shape == x.shape
+        assert (s.dequantize() - x).abs().max() <= x.abs().max() / 127
+
+    def test_from_dense_in_chunks_equals_one_pass(self):
+        x = torch.randn(5000)
+        a = QuantizedState.from_dense(x, self.fmt, chunk_blocks=3)
+        b = blockquant.quantize(x, self.fmt)
+        for u, v in zip(a.storage_parts, b):
+            assert torch.equal(u, v)
+
+    def test_ops_see_dequantized_values(self):
+        s = self._state()
+        assert torch.allclose(s.norm(), s.dequantize().norm())
+        assert torch.equal(s + 1, s.dequantize() + 1)
+
+    def test_inplace_op_requantizes(self):
+        s = self._state()
+        expected = s.dequantize() * 2
+        s.mul_(2)
+        assert isinstance(s, QuantizedState)
+        assert (s.dequantize() - expected).abs().max() <= expected.abs().max() / 127
+
+    def test_clone_detach_to_copy(self):
+        s = self._state()
+        c = s.clone()
+        assert isinstance(c, QuantizedState) and c.codes.data_ptr() != s.codes.data_ptr()
+        assert torch.equal(c.dequantize(), s.dequantize())
+        assert torch.equal(s.detach().dequantize(), s.dequantize())
+        assert torch.equal(s.to(torch.float64), s.dequantize().double())
+
+    def test_copy_from_dense_and_quantized(self):
+        s = self._state()
+        x = torch.randn(30, 20)
+        s.copy_(x)
+        assert torch.equal(s.dequantize(), QuantizedState.from_dense(x, self.fmt).dequantize())
+        t = self._state()
+        s.copy_(t)
+        assert torch.equal(s.codes, t.codes)
+
+    def test_packed_round_trip(self):
+        s = self._state()
+        back = QuantizedState.from_packed(s.to_packed())
+        assert back.fmt == s.fmt and back.shape == s.shape
+        assert all(torch.equal(a, b) for a, b in zip(back.storage_parts, s.storage_parts))
