@@ -1,0 +1,278 @@
+"""The user API: same optimizer object, per-tensor format choice, restore, adoption, re-wrapping,
+schedulers without retracing, memory accounting, and clear errors that leave the optimizer untouched."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lowbit_compile import QuantizedState, lowbit_compile, memory_report, restore, trace_count
+
+
+def transformer_params(d: int = 128, layers: int = 2, vocab: int = 512) -> list[torch.nn.Parameter]:
+    """Shapes of a small GPT: embeddings, attention and MLP matrices, norms and biases."""
+    shapes = [(vocab, d), (256, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    shapes += [(d,), (d,)]
+    return [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+
+
+def _step(opt, params, n=1, scale=1.0):
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.randn_like(p) * scale
+        opt.step()
+
+
+def test_returns_the_same_optimizer_with_quantized_states():
+    params = transformer_params()
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    groups = opt.param_groups
+    out = lowbit_compile(opt)
+    assert out is opt and type(out) is torch.optim.AdamW and out.param_groups is groups
+    _step(opt, params)
+    for p in params:
+        state = opt.state[p]
+        big = p.numel() >= 4096
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(state[key], QuantizedState) == big
+            assert state[key].shape == p.shape
+        assert state["step"].item() == 1.0
+
+
+def test_min_8bit_size_decides_on_the_full_shape():
+    small, exact = torch.nn.Parameter(torch.randn(63, 65)), torch.nn.Parameter(torch.randn(64, 64))
+    opt = lowbit_compile(torch.optim.Adam([small, exact]), min_8bit_size=4096)
+    _step(opt, [small, exact])
+    assert not isinstance(opt.state[small]["exp_avg"], QuantizedState)
+    assert isinstance(opt.state[exact]["exp_avg"], QuantizedState)
+
+
+def test_fmt_per_state_name():
+    p = torch.nn.Parameter(torch.randn(8192))
+    opt = lowbit_compile(torch.optim.Adam([p], amsgrad=True), {"exp_avg": "fp8_e4m3", "exp_avg_sq": "dynamic8"})
+    _step(opt, [p])
+    s = opt.state[p]
+    assert s["exp_avg"].fmt.name == "fp8_e4m3" and s["exp_avg_sq"].fmt.name == "dynamic8"
+    assert s["exp_avg_sq"].fmt.nonneg and not s["exp_avg"].fmt.nonneg
+    assert s["max_exp_avg_sq"].fmt.name == "int8"  # states not named use the default format
+
+
+def test_restore_returns_stock_fp32_states_and_class_step():
+    params = transformer_params()
+    opt = lowbit_compile(torch.optim.AdamW(params))
+    _step(opt, params, 3)
+    quantized = {id(p): opt.state[p]["exp_avg"].dequantize() for p in params if p.numel() >= 4096}
+    assert restore(opt) is opt
+    assert "step" not in opt.__dict__ and not hasattr(opt, "_lowbit")
+    for p in params:
+        for value in opt.state[p].values():
+            assert type(value) is torch.Tensor
+        if id(p) in quantized:
+            assert torch.equal(opt.state[p]["exp_avg"], quantized[id(p)])
+    _step(opt, params)  # the stock step runs on the restored states
+    assert opt.state[params[0]]["step"].item() == 4.0
+
+
+def test_adopting_mid_training_converts_existing_state():
+    params = transformer_params()
+    opt = torch.optim.AdamW(params)
+    _step(opt, params, 5)
+    dense = {id(p): opt.state[p]["exp_avg_sq"].clone() for p in params}
+    lowbit_compile(opt, "int8")
+    for p in params:
+        v = opt.state[p]["exp_avg_sq"]
+        if p.numel() >= 4096:
+            assert isinstance(v, QuantizedState)
+            ref = dense[id(p)]
+            # one requantization: error within a code step of the block max (plus bf16 patches)
+            assert (v.dequantize() - ref).abs().max() <= ref.max() / 255 + 1e-12
+        else:
+            assert torch.equal(v, dense[id(p)])
+    _step(opt, params)
+    assert opt.state[params[0]]["step"].item() == 6.0
+
+
+def test_wrapping_twice_reconfigures_without_double_quantizing():
+    params = transformer_params()
+    opt = lowbit_compile(torch.optim.Adam(params), "int8")
+    _step(opt, params, 2)
+    big = params[0]
+    before = opt.state[big]["exp_avg"]
+    codes = before.codes.clone()
+    lowbit_compile(opt, "int8")  # same config: nothing changes
+    assert opt.state[big]["exp_avg"] is before and torch.equal(before.codes, codes)
+    values = before.dequantize()
+    lowbit_compile(opt, "bf16")  # new format: converted from the decoded values, once
+    after = opt.state[big]["exp_avg"]
+    assert after.fmt.name == "bf16"
+    assert torch.equal(after.dequantize(), values.to(torch.bfloat16).float())
+    _step(opt, params)  # still the rewritten step, now on bf16 states
+    assert opt.state[big]["exp_avg"].fmt.name == "bf16" and opt.state[big]["step"].item() == 3.0
+    restore(opt)
+    assert "step" not in opt.__dict__
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float lr", "tensor lr"])
+@pytest.mark.parametrize("order", ["scheduler first", "wrap first"])
+def test_lr_schedule_never_retraces(order, tensor_lr):
+    params = transformer_params(d=64, layers=1)
+    lr = torch.tensor(0.01) if tensor_lr else 0.01
+    opt = torch.optim.AdamW(params, lr=lr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        if order == "scheduler first":
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=20)
+            lowbit_compile(opt)
+        else:
+            lowbit_compile(opt)
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=20)
+        _step(opt, params)
+        sched.step()
+        traces = trace_count()
+        lrs = set()
+        for _ in range(10):
+            _step(opt, params)
+            sched.step()
+            lrs.add(float(opt.param_groups[0]["lr"]))
+    assert len(lrs) == 10
+    assert trace_count() == traces
+
+
+def test_signature_is_traced_once_across_params_and_optimizers():
+    lowbit_compile(torch.optim.Adam([torch.nn.Parameter(torch.randn(5000))], lr=0.5))  # warm
+    params = transformer_params()
+    opt = lowbit_compile(torch.optim.Adam(params, lr=0.1))
+    before = trace_count()
+    _step(opt, params, 3)
+    opt2 = lowbit_compile(torch.optim.Adam(params, lr=0.2))
+    _step(opt2, params)
+    # one trace per distinct signature: quantized (>= 4096) and fp32 (< 4096) tensors
+    assert trace_count() - before <= 2
+
+
+def test_memory_report_int8_is_about_two_bytes_per_param():
+    params = transformer_params(d=256, layers=4, vocab=4096)
+    opt = lowbit_compile(torch.optim.AdamW(params), "int8", min_8bit_size=4096)
+    _step(opt, params)
+    report = memory_report(opt)
+    n = sum(p.numel() for p in params)
+    assert report.total.params == n
+    mv = report.per_state["exp_avg"].bytes + report.per_state["exp_avg_sq"].bytes
+    assert mv / n <= 2.05, report
+    stock = torch.optim.AdamW(params)
+    _step(stock, params)
+    stock_report = memory_report(stock)
+    assert (stock_report.per_state["exp_avg"].bytes + stock_report.per_state["exp_avg_sq"].bytes) / n == 8.0
+    assert "exp_avg" in str(report)
+
+
+def test_closure_hooks_and_params_without_grad():
+    p, q = torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(10))
+    opt = lowbit_compile(torch.optim.Adam([p, q]))
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+
+    def closure():
+        p.grad = torch.ones_like(p)
+        return torch.tensor(3.0)
+
+    assert opt.step(closure).item() == 3.0
+    assert calls == ["pre", "post"]
+    assert q not in opt.state and opt.state[p]["step"].item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_keep_stock_state_dtype(dtype):
+    p = torch.nn.Parameter(torch.randn(6000, dtype=dtype))
+    q = torch.nn.Parameter(p.detach().clone())
+    eps = 1e-4 if dtype == torch.float16 else 1e-8  # fp16 rounds 1e-8 to 0: stock Adam then divides by 0
+    opt = lowbit_compile(torch.optim.AdamW([p], lr=1e-2, eps=eps), "dynamic8")
+    ref = torch.optim.AdamW([q], lr=1e-2, eps=eps)
+    for _ in range(5):
+        g = torch.randn(6000).to(dtype)
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert p.dtype == dtype and opt.state[p]["exp_avg"].dtype == dtype
+    assert torch.isfinite(q).all()
+    # within one low-precision rounding of the param plus a fraction of one lr step
+    assert (p.float() - q.float()).abs().max() <= 2 * torch.finfo(dtype).eps * q.float().abs().max() + 5e-3
+
+
+def test_odd_shapes_and_non_contiguous_params():
+    shapes = [torch.randn(()), torch.randn(1), torch.randn(90, 70).t(), torch.randn(4097)]
+    params = [torch.nn.Parameter(t) for t in shapes]
+    twins = [torch.nn.Parameter(t.detach().clone()) for t in shapes]
+    opt = lowbit_compile(torch.optim.Adam(params, lr=1e-2), "int8", min_8bit_size=0, block_size=256)
+    ref = torch.optim.Adam(twins, lr=1e-2)
+    for _ in range(5):
+        for p, q in zip(params, twins):
+            g = torch.randn(p.shape)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(params, twins):
+        assert p.shape == q.shape and p.stride() == q.stride()
+        assert (p - q).abs().max() <= 2e-2  # at most ~2 lr of drift after 5 steps
+
+
+# bad input ---------------------------------------------------------------------------------------
+def _untouched(opt, params, states):
+    assert "step" not in opt.__dict__ and not hasattr(opt, "_lowbit")
+    for p in params:
+        for k, v in states[id(p)].items():
+            assert type(opt.state[p][k]) is torch.Tensor and torch.equal(opt.state[p][k], v)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"fmt": "int4"}, ValueError, "fmt must be one of"),
+        ({"fmt": {"exp_avg": "fp4"}}, ValueError, r"fmt\['exp_avg'\]"),
+        ({"block_size": 100}, ValueError, "block_size must be a positive power of two"),
+        ({"block_size": 0}, ValueError, "block_size"),
+        ({"block_size": True}, ValueError, "block_size"),
+        ({"outliers": -1}, ValueError, "outliers"),
+        ({"min_8bit_size": -5}, ValueError, "min_8bit_size"),
+        ({"backend": "cuda"}, ValueError, "backend must be one of"),
+    ],
+)
+def test_bad_options_fail_early_and_leave_the_optimizer_untouched(kwargs, error, match):
+    params = transformer_params(d=64, layers=1)
+    opt = torch.optim.AdamW(params)
+    _step(opt, params)
+    states = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    with pytest.raises(error, match=match):
+        lowbit_compile(opt, **kwargs)
+    _untouched(opt, params, states)
+
+
+def test_unsupported_optimizer_is_named():
+    with pytest.raises(TypeError, match="SGD"):
+        lowbit_compile(torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1))
+
+
+def test_differentiable_is_refused():
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.randn(3))], differentiable=True)
+    with pytest.raises(ValueError, match="differentiable=True"):
+        lowbit_compile(opt)
+    assert "step" not in opt.__dict__
+
+
+def test_sparse_grad_is_refused_with_the_fix():
+    p = torch.nn.Parameter(torch.randn(10, 3))
+    opt = lowbit_compile(torch.optim.Adam([p]))
+    p.grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (10, 3))
+    with pytest.raises(RuntimeError, match="SparseAdam"):
+        opt.step()
+    assert not opt.state[p]
+
+
+def test_complex_and_integer_params_are_refused():
+    with pytest.raises(TypeError, match="complex"):
+        lowbit_compile(torch.optim.Adam([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))]))
