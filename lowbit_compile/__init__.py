@@ -1,9 +1,14 @@
 """lowbit-compile: 8-bit optimizer states for stock torch.optim.Adam/AdamW, traced and rewritten."""
 
 from .api import is_wrapped, lowbit_compile, restore
+from .enable import Scope, enable
 from .memory import memory_report
 from .passes.trace import trace_count
 from .state import QuantizedState
 
-__all__ = ["QuantizedState", "is_wrapped", "lowbit_compile", "memory_report", "restore", "trace_count"]
+__all__ = ["QuantizedState", "Scope", "enable", "is_wrapped", "lowbit_compile", "memory_report", "restore",
+           "trace_count"]
+
+# `from lowbit_compile import lowbit_compile` gives the function; `@lowbit_compile.enable(...)` works on it too.
+lowbit_compile.enable = enable  # type: ignore[attr-defined]
 __version__ = "0.1.0"

@@ -7,12 +7,20 @@ only its ``step`` (an instance attribute shadowing the class method) and its sta
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from .config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_MIN_8BIT_SIZE, DEFAULT_OUTLIERS, Config
+from .config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_FMT,
+    DEFAULT_MIN_8BIT_SIZE,
+    DEFAULT_OUTLIERS,
+    Config,
+    Overrides,
+    param_names,
+)
 from .runner import StateSchema, compile_step, init_state, probe_schema, run_param
 from .state import QuantizedState
 
@@ -21,13 +29,15 @@ _ATTR = "_lowbit"
 
 
 class _Wrapped:
-    """What ``lowbit_compile`` attaches to an optimizer: its config, the hooks it added, and the
-    ``step`` instance attribute it replaced (e.g. an LR scheduler's wrapper)."""
+    """What ``lowbit_compile`` attaches to an optimizer: its config, the hooks it added, the
+    ``step`` instance attribute it replaced (e.g. an LR scheduler's wrapper), and the parameter
+    names that name-pattern overrides match against."""
 
     def __init__(self, config: Config, previous_step: Any, hooks: list) -> None:
         self.config = config
         self.previous_step = previous_step
         self.hooks = hooks
+        self.names: dict[torch.Tensor, str] = {}
 
 
 def lowbit_compile(
@@ -38,6 +48,8 @@ def lowbit_compile(
     outliers: int = DEFAULT_OUTLIERS,
     min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
     backend: str = "auto",
+    overrides: Overrides | None = None,
+    model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> torch.optim.Optimizer:
     """Keep every per-element state of ``opt`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
     block-quantized, and run its step through the traced, rewritten update.
@@ -50,11 +62,17 @@ def lowbit_compile(
         outliers: largest-magnitude values per block kept exactly in bf16 (patches).
         min_8bit_size: tensors with fewer elements keep stock fp32 states.
         backend: ``"auto"`` or ``"reference"`` (eager lowering).
+        overrides: per-parameter formats, first match wins: ``{pattern: fmt}`` or ``[(pattern, fmt)]``
+            where a pattern is a glob on the parameter name (``"*embed*"``), a compiled regex, or a
+            predicate ``(name, param) -> bool``; e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``.
+            Overrides win over ``min_8bit_size``; sizes and shapes are the full (unsharded) tensor's.
+        model: the module (or ``named_parameters()`` pairs) that gives name patterns their names.
 
     Returns ``opt`` itself. Calling it again re-configures; it never quantizes twice.
     """
-    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend)
+    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
     _check_optimizer(opt)
+    names = _names_for(opt, config, model)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if wrapped is None:
         previous = opt.__dict__.get("step")
@@ -66,7 +84,9 @@ def lowbit_compile(
         wrapped = _Wrapped(config, previous, hooks)
     else:
         wrapped.config = config
-    _conform_state(opt, config)
+    if names is not None:
+        wrapped.names = names
+    _conform_state(opt, wrapped)
     setattr(opt, _ATTR, wrapped)
     opt.step = _make_step(opt, wrapped.previous_step)
     return opt
@@ -92,6 +112,24 @@ def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 def is_wrapped(opt: torch.optim.Optimizer) -> bool:
     return hasattr(opt, _ATTR)
+
+
+def _names_for(opt: torch.optim.Optimizer, config: Config,
+               model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None) -> dict | None:
+    """The names of ``opt``'s parameters in ``model``; name-pattern overrides need every one."""
+    if model is None:
+        wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+        if config.uses_names and (wrapped is None or not wrapped.names):
+            raise ValueError("overrides match parameter names, so lowbit_compile needs model=<the module> "
+                             "(or model=module.named_parameters()) to know them")
+        return None
+    known = param_names(model)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    missing = sum(p not in known for p in params)
+    if missing and config.uses_names:
+        raise ValueError(f"{missing} of the optimizer's {len(params)} parameters are not in model=, so name "
+                         "patterns cannot apply to them; pass the module whose parameters the optimizer holds")
+    return {p: known[p] for p in params if p in known}
 
 
 def _check_optimizer(opt: object) -> None:
@@ -134,7 +172,15 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    config: Config = getattr(opt, _ATTR).config
+    wrapped: _Wrapped = getattr(opt, _ATTR)
+    config = wrapped.config
+    # torch.amp.GradScaler hands an optimizer whose _step_supports_amp_scaling is True (fused=True)
+    # still-scaled grads plus these two tensors, and expects it to skip or unscale as the fused
+    # stock step does (which also writes the unscaled grad back).
+    found_inf = getattr(opt, "found_inf", None)
+    if found_inf is not None and found_inf.item():
+        return loss
+    grad_scale = getattr(opt, "grad_scale", None)
     for group in opt.param_groups:
         for param in group["params"]:
             grad = param.grad
@@ -145,8 +191,10 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
                     "lowbit_compile: a parameter has a sparse gradient, which Adam/AdamW do not "
                     "support; use torch.optim.SparseAdam for sparse gradients"
                 )
+            if grad_scale is not None:
+                grad.div_(grad_scale)
             schema = probe_schema(opt, group, param)
-            formats = dict(config.formats_for(param, schema.per_element))
+            formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param)))
             state = opt.state[param]
             if not state:
                 state.update(init_state(param, schema, formats))
@@ -155,7 +203,7 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     return loss
 
 
-def _conform_state(opt: torch.optim.Optimizer, config: Config) -> None:
+def _conform_state(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
     """Bring every existing per-element state to the configured format (adoption mid-training,
     a re-configuration, or a loaded checkpoint). All-or-nothing: new states are built first."""
     updates = []
@@ -165,7 +213,7 @@ def _conform_state(opt: torch.optim.Optimizer, config: Config) -> None:
             if not state:
                 continue
             schema: StateSchema = probe_schema(opt, group, param)
-            for key, fmt in config.formats_for(param, schema.per_element):
+            for key, fmt in wrapped.config.formats_for(param, schema.per_element, wrapped.names.get(param)):
                 value = state.get(key)
                 if not isinstance(value, torch.Tensor):
                     continue
@@ -220,4 +268,4 @@ def _unpack_post_hook(opt: torch.optim.Optimizer) -> None:
         param = params[idx]
         for key, packed in entries.items():
             opt.state[param][key] = QuantizedState.from_packed(packed, param.device)
-    _conform_state(opt, getattr(opt, _ATTR).config)
+    _conform_state(opt, getattr(opt, _ATTR))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,13 @@ DEFAULT_BLOCK_SIZE = 2048
 DEFAULT_OUTLIERS = 2
 DEFAULT_MIN_8BIT_SIZE = 4096
 
+FmtSpec = str | Mapping[str, str]
+# Which parameters an override applies to: a glob on the qualified parameter name
+# ("*embed*", "blocks.*.norm.weight"), a compiled regex (``re.search`` on the name), or a predicate
+# ``(name, param) -> bool`` (``name`` is None when the parameter's name is unknown).
+Matcher = str | re.Pattern | Callable[[str | None, torch.Tensor], bool]
+Overrides = Mapping[Matcher, FmtSpec] | Sequence[tuple[Matcher, FmtSpec]]
+
 
 @dataclass(frozen=True)
 class Config:
@@ -32,18 +41,23 @@ class Config:
     outliers: int
     min_8bit_size: int
     backend: str
+    overrides: tuple[tuple[Matcher, str | tuple[tuple[str, str], ...]], ...] = ()
 
     @staticmethod
-    def make(fmt: str | Mapping[str, str], block_size: int, outliers: int, min_8bit_size: int,
-             backend: str) -> Config:
+    def make(fmt: FmtSpec, block_size: int, outliers: int, min_8bit_size: int,
+             backend: str, overrides: Overrides | None = None) -> Config:
         """Validate every option up front, naming the bad one and the fix."""
-        if isinstance(fmt, Mapping):
-            for key, value in fmt.items():
-                _check_fmt(value, f"fmt[{key!r}]")
-            fmt_key: str | tuple = tuple(sorted(fmt.items()))
-        else:
-            _check_fmt(fmt, "fmt")
-            fmt_key = fmt
+        fmt_key = _fmt_key(fmt, "fmt")
+        pairs = overrides.items() if isinstance(overrides, Mapping) else (overrides or ())
+        override_keys = []
+        for i, pair in enumerate(pairs):
+            if not isinstance(pair, Sequence) or len(pair) != 2:
+                raise ValueError(f"overrides[{i}] must be a (pattern or predicate, fmt) pair, got {pair!r}")
+            matcher, spec = pair
+            if not isinstance(matcher, (str, re.Pattern)) and not callable(matcher):
+                raise TypeError(f"override pattern {matcher!r} must be a glob string, a compiled regex or a "
+                                "predicate (name, param) -> bool")
+            override_keys.append((matcher, _fmt_key(spec, f"overrides[{matcher!r}]")))
         if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two (e.g. 256 or 2048), got {block_size!r}")
         if block_size > 32768:
@@ -55,22 +69,69 @@ class Config:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         resolve(backend, "cpu")  # an unavailable backend fails here, before anything is converted
-        return Config(fmt_key, block_size, outliers, min_8bit_size, backend)
+        return Config(fmt_key, block_size, outliers, min_8bit_size, backend, tuple(override_keys))
+
+    @property
+    def uses_names(self) -> bool:
+        """Whether some override matches on parameter names (so the names must be known)."""
+        return any(isinstance(m, (str, re.Pattern)) for m, _ in self.overrides)
 
     def format_name(self, state_key: str) -> str:
-        if isinstance(self.fmt, str):
-            return self.fmt
-        return dict(self.fmt).get(state_key, DEFAULT_FMT)
+        return _pick(self.fmt, state_key) or DEFAULT_FMT
 
-    def formats_for(self, param: torch.Tensor, per_element: tuple[str, ...]) -> tuple[tuple[str, StateFormat], ...]:
-        """The format of each per-element state of ``param``; tensors under ``min_8bit_size``
-        elements (counted on the full, unsharded shape) keep the stock fp32 state."""
+    def formats_for(self, param: torch.Tensor, per_element: tuple[str, ...],
+                    name: str | None = None) -> tuple[tuple[str, StateFormat], ...]:
+        """The format of each per-element state of ``param`` (named ``name`` in its model).
+
+        The first override whose pattern or predicate matches wins (a state its format dict leaves
+        out falls through to the rules below); otherwise tensors under ``min_8bit_size`` elements
+        keep the stock fp32 state, and the rest get ``fmt``. Sizes and the shape a predicate sees
+        are the full (unsharded) tensor's: a DTensor reports its global shape, so every rank of a
+        sharded model decides alike.
+        """
+        spec = next((s for m, s in self.overrides if _matches(m, name, param)), None)
         small = param.numel() < self.min_8bit_size
         out = []
         for key in per_element:
-            name = "fp32" if small else self.format_name(key)
-            out.append((key, StateFormat.make(name, self.block_size, self.outliers, key in NONNEG_STATES)))
+            fmt_name = _pick(spec, key) if spec is not None else None
+            fmt_name = fmt_name or ("fp32" if small else self.format_name(key))
+            out.append((key, StateFormat.make(fmt_name, self.block_size, self.outliers, key in NONNEG_STATES)))
         return tuple(out)
+
+
+def param_names(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> dict[torch.Tensor, str]:
+    """Parameter -> qualified name, from a module or from ``named_parameters()``-style pairs
+    (a parameter shared under several names keeps the first)."""
+    pairs = model.named_parameters(remove_duplicate=False) if isinstance(model, torch.nn.Module) else model
+    names: dict[torch.Tensor, str] = {}
+    for name, param in pairs:
+        names.setdefault(param, name)
+    return names
+
+
+def _matches(matcher: Matcher, name: str | None, param: torch.Tensor) -> bool:
+    if isinstance(matcher, str):
+        return name is not None and fnmatch.fnmatchcase(name, matcher)
+    if isinstance(matcher, re.Pattern):
+        return name is not None and matcher.search(name) is not None
+    return bool(matcher(name, param))
+
+
+def _pick(spec: str | tuple[tuple[str, str], ...] | None, state_key: str) -> str | None:
+    """The format a (validated) fmt spec gives ``state_key``; None when a per-state dict omits it."""
+    if spec is None or isinstance(spec, str):
+        return spec
+    return dict(spec).get(state_key)
+
+
+def _fmt_key(fmt: object, what: str) -> str | tuple[tuple[str, str], ...]:
+    """A validated, hashable form of a fmt argument: a name, or sorted (state, name) pairs."""
+    if isinstance(fmt, Mapping):
+        for key, value in fmt.items():
+            _check_fmt(value, f"{what}[{key!r}]")
+        return tuple(sorted(fmt.items()))
+    _check_fmt(fmt, what)
+    return fmt
 
 
 def _check_fmt(value: object, what: str) -> None:

@@ -1,0 +1,303 @@
+"""``enable(...)``: a scope (decorator or ``with`` block) in which every Adam/AdamW that steps is
+rewritten by ``lowbit_compile`` on its first step, whoever created it and whoever calls ``step``.
+
+It is built on torch's process-wide optimizer step pre-hook, not on patching classes. That hook runs
+*inside* the stock ``Adam.step`` wrapper, before the per-optimizer pre-hooks and before the stock
+update, and may only replace the step's ``(args, kwargs)``. On an optimizer's first step in scope
+the hook converts it (from then on its ``step`` is the rewritten one) and hands the stock update an
+idle twin (same class and defaults, no param groups: it updates nothing) plus a closure that runs
+the rewritten update. The stock step calls that closure where it would call the user's, so the
+per-optimizer pre-hooks have run by then, exactly once each, and the closure's loss is returned as
+usual. Post-hooks run on the real optimizer; they see the twin in ``args[0]`` on that one step.
+
+Scopes are per context (a ``contextvars`` value): a step taken in another thread, or after the
+scope ends, is not touched. An optimizer rewritten inside keeps its low-bit states after the scope
+ends unless ``restore_on_exit=True``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from .api import SUPPORTED, _lowbit_step, is_wrapped, lowbit_compile, restore
+from .config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_FMT,
+    DEFAULT_MIN_8BIT_SIZE,
+    DEFAULT_OUTLIERS,
+    Config,
+    Overrides,
+    param_names,
+)
+from .memory import memory_report
+
+_active: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar("lowbit_enable_scopes", default=())
+_hook_lock = threading.Lock()
+_hook_users = 0
+_hook_handles: list = []
+
+
+@dataclass
+class Rewritten:
+    """What one scope did to one optimizer, for the end-of-run summary."""
+
+    label: str
+    params: int
+    steps: int = 0
+    state_bytes: int = 0
+    stock_state_bytes: int = 0
+    restored_at_step: int | None = None
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.stock_state_bytes - self.state_bytes
+
+    def measure(self, opt: torch.optim.Optimizer) -> None:
+        """Bytes the optimizer's states hold now, and what stock states of the same dtypes would."""
+        self.state_bytes = memory_report(opt).total.bytes
+        self.stock_state_bytes = sum(
+            v.numel() * v.element_size()
+            for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+        )
+
+
+class Scope(contextlib.ContextDecorator):
+    """The object ``enable(...)`` returns: use it as ``with scope:`` or ``@scope``.
+
+    ``rewritten`` lists what it converted; ``skipped`` counts optimizers stepped in scope that it
+    left stock, by reason; ``summary()`` formats both.
+    """
+
+    def __init__(
+        self,
+        fmt: str | Mapping[str, str] = DEFAULT_FMT,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        outliers: int = DEFAULT_OUTLIERS,
+        min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
+        backend: str = "auto",
+        overrides: Overrides | None = None,
+        model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
+        restore_at_step: int | None = None,
+        restore_on_exit: bool = False,
+    ) -> None:
+        self.config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
+        if restore_at_step is not None and (not isinstance(restore_at_step, int) or restore_at_step < 0):
+            raise ValueError(f"restore_at_step must be a non-negative int or None, got {restore_at_step!r}")
+        self._options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
+                             backend=backend, overrides=overrides)
+        self._names = param_names(model) if model is not None else None
+        self.restore_at_step = restore_at_step
+        self.restore_on_exit = restore_on_exit
+        self.rewritten: list[Rewritten] = []
+        self.skipped: collections.Counter[str] = collections.Counter()
+        self._records: weakref.WeakKeyDictionary[torch.optim.Optimizer, Rewritten] = weakref.WeakKeyDictionary()
+        self._decided: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._restore_requested = False
+        self._tokens: list[contextvars.Token] = []
+        self._seen_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._module_hook: Any = None
+
+    # entering and leaving ---------------------------------------------------------------------
+    def __enter__(self) -> Scope:
+        _acquire_hooks()
+        self._tokens.append(_active.set((*_active.get(), self)))
+        if self.config.uses_names and self._names is None and self._module_hook is None:
+            # Name patterns without model=: learn names from the modules that run forward in scope.
+            self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                lambda module, args: self._seen_modules.add(module))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _active.reset(self._tokens.pop())
+        _release_hooks()
+        if self._tokens:
+            return
+        self._stop_learning_names()
+        if self.restore_on_exit:
+            for opt in list(self._records.keys()):
+                if is_wrapped(opt):
+                    self._restore(opt)
+
+    def request_restore(self) -> None:
+        """Switch every optimizer this scope rewrote back to stock fp32 states at the end of its next
+        step (safe to call from a signal handler or another thread), and rewrite no more."""
+        self._restore_requested = True
+
+    # the hooks --------------------------------------------------------------------------------
+    def _pre_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if opt in self._decided or is_wrapped(opt):
+            return None
+        self._decided.add(opt)
+        if not isinstance(opt, SUPPORTED):
+            self.skipped[f"{type(opt).__name__} (not Adam/AdamW)"] += 1
+            return None
+        if self._restore_requested:
+            self.skipped[f"{type(opt).__name__} (stepped after a restore request)"] += 1
+            return None
+        names = self._names_of(opt)
+        try:
+            lowbit_compile(opt, **self._options, model=names)
+        except (TypeError, ValueError, NotImplementedError) as err:
+            warnings.warn(f"lowbit_compile.enable left a {type(opt).__name__} stock: {err}", stacklevel=4)
+            self.skipped[f"{type(opt).__name__} (unsupported: {err})"] += 1
+            return None
+        n_params = sum(p.numel() for group in opt.param_groups for p in group["params"])
+        record = Rewritten(f"{type(opt).__name__} #{len(self.rewritten) + 1}", n_params)
+        self.rewritten.append(record)
+        self._records[opt] = record
+        self._stop_learning_names()
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        return (_idle_twin(opt),), {"closure": lambda: _lowbit_step(opt, closure)}
+
+    def _post_step(self, opt: torch.optim.Optimizer) -> bool:
+        """Count a step of an optimizer this scope rewrote; False if it is not one of ours."""
+        record = self._records.get(opt)
+        if record is None:
+            return False
+        if record.restored_at_step is not None:
+            return True
+        if not is_wrapped(opt):  # the user called restore(opt) during the step's hooks or before it
+            record.restored_at_step = record.steps
+            return True
+        record.steps += 1
+        if record.steps == 1:
+            record.measure(opt)
+        if self._restore_requested or (self.restore_at_step is not None and record.steps >= self.restore_at_step):
+            self._restore(opt)
+        return True
+
+    def _restore(self, opt: torch.optim.Optimizer) -> None:
+        record = self._records[opt]
+        record.measure(opt)  # the low-bit figures, before the states turn back to fp32
+        restore(opt)
+        record.restored_at_step = record.steps
+
+    # parameter names for name-pattern overrides ------------------------------------------------
+    def _names_of(self, opt: torch.optim.Optimizer) -> dict[torch.Tensor, str] | None:
+        if not self.config.uses_names:
+            return None
+        names = self._names if self._names is not None else _outermost_names(self._seen_modules)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        missing = sum(p not in names for p in params)
+        if missing:
+            raise RuntimeError(
+                f"lowbit_compile.enable: {missing} of the {len(params)} parameters of a {type(opt).__name__} "
+                "have no known name, so the name-pattern overrides cannot be applied to them; run the "
+                "model's forward inside the scope before the first step, or pass model= to enable()"
+            )
+        return names
+
+    def _stop_learning_names(self) -> None:
+        if self._module_hook is not None:
+            self._module_hook.remove()
+            self._module_hook = None
+
+    # reporting --------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-measure the optimizers still alive and still rewritten (params may have been added)."""
+        for opt, record in list(self._records.items()):
+            if record.restored_at_step is None and is_wrapped(opt):
+                record.measure(opt)
+
+    def summary(self) -> str:
+        """A one-screen account of what the scope rewrote and the state memory it saved."""
+        fmt = self.config.fmt if isinstance(self.config.fmt, str) else dict(self.config.fmt)
+        lines = [f"lowbit-compile: {len(self.rewritten)} optimizer(s) rewritten (fmt={fmt}, "
+                 f"block_size={self.config.block_size}, outliers={self.config.outliers})"]
+        if self.rewritten:
+            lines.append(f"  {'optimizer':<12}{'params':>15}{'steps':>8}{'stock states':>16}{'low-bit states':>16}"
+                         f"{'saved':>16}{'%':>7}")
+            for r in self.rewritten:
+                lines.append(_summary_row(r.label, r.params, r.steps, r.stock_state_bytes, r.state_bytes)
+                             + (f"   restored to fp32 after step {r.restored_at_step}"
+                                if r.restored_at_step is not None else ""))
+            if len(self.rewritten) > 1:
+                lines.append(_summary_row("total", sum(r.params for r in self.rewritten),
+                                          sum(r.steps for r in self.rewritten),
+                                          sum(r.stock_state_bytes for r in self.rewritten),
+                                          sum(r.state_bytes for r in self.rewritten)))
+            lines.append("  (bytes of optimizer state; stock = the same states at their stock dtype)")
+        for reason, count in sorted(self.skipped.items()):
+            lines.append(f"  left stock: {count} x {reason}")
+        return "\n".join(lines)
+
+
+def enable(fmt: str | Mapping[str, str] | Callable = DEFAULT_FMT, **options: Any) -> Any:
+    """Rewrite every ``torch.optim.Adam``/``AdamW`` stepped inside the scope with low-bit states.
+
+    Use as ``@enable(fmt="int8")``, bare ``@enable``, or ``with enable(...):``. Options are those of
+    ``lowbit_compile`` (``block_size``, ``outliers``, ``min_8bit_size``, ``backend``, ``overrides``,
+    ``model``) plus ``restore_at_step`` (switch each rewritten optimizer back to stock fp32 states
+    after that many steps) and ``restore_on_exit``. Name-pattern overrides without ``model=`` take
+    the names from the modules whose forward runs in scope (the outermost module names them).
+    Optimizers already wrapped by ``lowbit_compile`` keep their own configuration.
+    """
+    if callable(fmt) and not options:
+        return Scope()(fmt)
+    return Scope(fmt, **options)
+
+
+def _summary_row(label: str, params: int, steps: int, stock: int, held: int) -> str:
+    saved = stock - held
+    pct = 100.0 * saved / stock if stock else 0.0
+    return f"  {label:<12}{params:>15,}{steps:>8,}{stock:>16,}{held:>16,}{saved:>16,}{pct:>6.1f}%"
+
+
+def _idle_twin(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An optimizer of the same class and defaults with no param groups: its stock step updates nothing."""
+    twin = object.__new__(type(opt))
+    twin.__dict__.update(opt.__dict__)
+    twin.param_groups = []
+    twin.state = collections.defaultdict(dict)
+    return twin
+
+
+def _outermost_names(modules: Iterable[torch.nn.Module]) -> dict[torch.Tensor, str]:
+    """Each parameter's name in the outermost of ``modules`` holding it (its longest name)."""
+    names: dict[torch.Tensor, str] = {}
+    for module in list(modules):
+        for param, name in param_names(module).items():
+            if len(name) > len(names.get(param, "")):
+                names[param] = name
+    return names
+
+
+def _global_pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    scopes = _active.get()
+    return scopes[-1]._pre_step(opt, args, kwargs) if scopes else None
+
+
+def _global_post_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for scope in reversed(_active.get()):
+        if scope._post_step(opt):
+            return
+
+
+def _acquire_hooks() -> None:
+    global _hook_users
+    with _hook_lock:
+        if _hook_users == 0:
+            _hook_handles.append(register_optimizer_step_pre_hook(_global_pre_hook))
+            _hook_handles.append(register_optimizer_step_post_hook(_global_post_hook))
+        _hook_users += 1
+
+
+def _release_hooks() -> None:
+    global _hook_users
+    with _hook_lock:
+        _hook_users -= 1
+        if _hook_users == 0:
+            while _hook_handles:
+                _hook_handles.pop().remove()
