@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import logging
 import threading
 import warnings
 import weakref
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .api import SUPPORTED, _lowbit_step, is_wrapped, lowbit_compile, restore
+from .api import SUPPORTED, _check_optimizer, _lowbit_step, is_wrapped, lowbit_compile, restore
 from .config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -42,6 +43,7 @@ from .config import (
 )
 from .memory import memory_report
 
+_log = logging.getLogger(__name__)
 _active: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar("lowbit_enable_scopes", default=())
 _hook_lock = threading.Lock()
 _hook_users = 0
@@ -146,18 +148,19 @@ class Scope(contextlib.ContextDecorator):
         if self._restore_requested:
             self.skipped[f"{type(opt).__name__} (stepped after a restore request)"] += 1
             return None
-        names = self._names_of(opt)
         try:
-            lowbit_compile(opt, **self._options, model=names)
-        except (TypeError, ValueError, NotImplementedError) as err:
+            _check_optimizer(opt)
+        except (TypeError, ValueError) as err:
             warnings.warn(f"lowbit_compile.enable left a {type(opt).__name__} stock: {err}", stacklevel=4)
             self.skipped[f"{type(opt).__name__} (unsupported: {err})"] += 1
             return None
+        lowbit_compile(opt, **self._options, model=self._names_of(opt))
         n_params = sum(p.numel() for group in opt.param_groups for p in group["params"])
         record = Rewritten(f"{type(opt).__name__} #{len(self.rewritten) + 1}", n_params)
         self.rewritten.append(record)
         self._records[opt] = record
         self._stop_learning_names()
+        _log.info("rewrote %s (%s params) with low-bit states", record.label, f"{n_params:,}")
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         return (_idle_twin(opt),), {"closure": lambda: _lowbit_step(opt, closure)}
 
@@ -183,9 +186,10 @@ class Scope(contextlib.ContextDecorator):
         record.measure(opt)  # the low-bit figures, before the states turn back to fp32
         restore(opt)
         record.restored_at_step = record.steps
+        _log.info("switched %s back to stock fp32 states after its step %d", record.label, record.steps)
 
     # parameter names for name-pattern overrides ------------------------------------------------
-    def _names_of(self, opt: torch.optim.Optimizer) -> dict[torch.Tensor, str] | None:
+    def _names_of(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]] | None:
         if not self.config.uses_names:
             return None
         names = self._names if self._names is not None else _outermost_names(self._seen_modules)
@@ -197,7 +201,7 @@ class Scope(contextlib.ContextDecorator):
                 "have no known name, so the name-pattern overrides cannot be applied to them; run the "
                 "model's forward inside the scope before the first step, or pass model= to enable()"
             )
-        return names
+        return [(names[p], p) for p in params]
 
     def _stop_learning_names(self) -> None:
         if self._module_hook is not None:

@@ -1,0 +1,143 @@
+"""``python -m lowbit_compile``: ``run`` an unmodified training script with low-bit Adam/AdamW
+states, or ``estimate`` the training memory of a model size with and without them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import runpy
+import signal
+import sys
+from collections.abc import Sequence
+
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_MIN_8BIT_SIZE, DEFAULT_OUTLIERS, FmtSpec
+from .enable import Scope
+from .estimate import PARAM_DTYPES, estimate, parse_count
+
+# The runner's own options, as (flags, argparse keywords); everything from the script path (or
+# -m MODULE) on belongs to the script. The list also tells the splitter which flags take a value.
+_RUN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
+    (("--fmt",), dict(default=DEFAULT_FMT, help="state format (int8, dynamic8, fp8_e4m3, fp8_e5m2, bf16, "
+                                                  "fp32) or per state: exp_avg=int8,exp_avg_sq=dynamic8")),
+    (("--block-size",), dict(type=int, default=DEFAULT_BLOCK_SIZE, help="elements per scale")),
+    (("--outliers",), dict(type=int, default=DEFAULT_OUTLIERS, help="bf16 outlier patches per block")),
+    (("--min-8bit-size",), dict(type=int, default=DEFAULT_MIN_8BIT_SIZE,
+                                help="tensors with fewer elements keep stock fp32 states")),
+    (("--backend",), dict(default="auto", help="auto, inductor, triton or reference")),
+    (("--override",), dict(action="append", default=[], metavar="PATTERN=FMT",
+                           help="format for parameters whose name matches the glob, e.g. '*embed*=fp32' "
+                                "(repeatable; first match wins; names come from the modules run)")),
+    (("--restore-at-step",), dict(type=int, metavar="N",
+                                  help="switch each optimizer back to stock fp32 states after its N-th step")),
+    (("--restore-on-signal",), dict(metavar="SIG", help="switch back to stock fp32 states at the next step "
+                                                        "after this signal, e.g. USR2 (kill -USR2 PID)")),
+    (("--no-summary",), dict(action="store_true", help="do not print the summary at exit")),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m lowbit_compile", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a training script with its Adam/AdamW rewritten",
+                         usage="python -m lowbit_compile run [options] (script.py | -m module) [args...]")
+    for flags, kwargs in _RUN_OPTIONS:
+        run.add_argument(*flags, **kwargs)
+    est = sub.add_parser("estimate", help="training memory of a model size, stock AdamW vs low-bit states")
+    est.add_argument("--params", required=True, type=parse_count, help="parameter count: 7e9, 7B, 125M")
+    est.add_argument("--param-dtype", default="fp32", choices=tuple(PARAM_DTYPES))
+    est.add_argument("--master-weights", action="store_true", help="fp32 master copy of 16-bit params")
+    est.add_argument("--fmt", default=DEFAULT_FMT, help="low-bit state format, as for run")
+    est.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    est.add_argument("--outliers", type=int, default=DEFAULT_OUTLIERS)
+    est.add_argument("--shards", type=int, default=1, help="devices the sharded components are split over")
+    est.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
+                     help="what --shards splits: 1 states, 2 +grads, 3 +params (FSDP full shard)")
+    est.add_argument("--amsgrad", action="store_true", help="count the max_exp_avg_sq state too")
+
+    if argv[:1] == ["run"]:
+        ours, target, script_args = _split_run_argv(argv[1:])
+        args = parser.parse_args(["run", *ours])
+        if target is None:
+            run.error("give the script to run (script.py or -m module)")
+        return _run(args, target, script_args, run)
+    args = parser.parse_args(argv)
+    try:
+        fmt = _parse_fmt(args.fmt)
+        print(estimate(args.params, param_dtype=args.param_dtype, master_weights=args.master_weights, fmt=fmt,
+                       block_size=args.block_size, outliers=args.outliers, shards=args.shards,
+                       zero_stage=args.zero_stage, amsgrad=args.amsgrad))
+    except ValueError as err:
+        est.error(str(err))
+    return 0
+
+
+def _split_run_argv(argv: list[str]) -> tuple[list[str], tuple[str, str] | None, list[str]]:
+    """(runner options, ("script", path) or ("module", name), the script's own arguments)."""
+    takes_value = {f for flags, kw in _RUN_OPTIONS if kw.get("action") != "store_true" for f in flags}
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-m", "--"):
+        i += 1 + (argv[i] in takes_value)
+    if i >= len(argv):
+        return argv, None, []
+    if argv[i] == "--":
+        return (argv[:i], ("script", argv[i + 1]), argv[i + 2:]) if i + 1 < len(argv) else (argv[:i], None, [])
+    if argv[i] == "-m":
+        return (argv[:i], ("module", argv[i + 1]), argv[i + 2:]) if i + 1 < len(argv) else (argv[:i], None, [])
+    return argv[:i], ("script", argv[i]), argv[i + 1:]
+
+
+def _parse_fmt(text: str) -> FmtSpec:
+    """``int8`` or ``exp_avg=int8,exp_avg_sq=dynamic8``."""
+    if "=" not in text:
+        return text
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"--fmt {text!r}: expected a format or state=format pairs separated by commas")
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[str],
+         parser: argparse.ArgumentParser) -> int:
+    try:
+        overrides = [tuple(item.rsplit("=", 1)) for item in args.override]
+        if any(len(o) != 2 for o in overrides):
+            raise ValueError(f"--override takes PATTERN=FMT, got {args.override}")
+        scope = Scope(_parse_fmt(args.fmt), block_size=args.block_size, outliers=args.outliers,
+                      min_8bit_size=args.min_8bit_size, backend=args.backend, overrides=overrides or None,
+                      restore_at_step=args.restore_at_step)
+        signum = _signal_number(args.restore_on_signal) if args.restore_on_signal else None
+    except (ValueError, TypeError, NotImplementedError) as err:
+        parser.error(str(err))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("lowbit-compile: %(message)s"))
+    logging.getLogger(__package__).addHandler(handler)
+    logging.getLogger(__package__).setLevel(logging.INFO)
+    if signum is not None:
+        signal.signal(signum, lambda *_: scope.request_restore())
+    kind, name = target
+    try:
+        with scope:
+            if kind == "script":
+                sys.argv = [name, *script_args]
+                sys.path[0] = os.path.dirname(os.path.abspath(name))
+                globals_ = runpy.run_path(name, run_name="__main__")
+            else:
+                sys.argv = [name, *script_args]
+                sys.path[0] = os.getcwd()
+                globals_ = runpy.run_module(name, run_name="__main__", alter_sys=True)
+            scope.refresh()  # optimizers the script kept at module level are still alive here
+            del globals_
+    finally:
+        if not args.no_summary and os.environ.get("RANK", "0") == "0":
+            print(scope.summary(), file=sys.stderr)
+    return 0
+
+
+def _signal_number(name: str) -> int:
+    upper = name.upper()
+    number = getattr(signal, upper if upper.startswith("SIG") else f"SIG{upper}", None)
+    if not isinstance(number, signal.Signals):
+        raise ValueError(f"--restore-on-signal: unknown signal {name!r} (e.g. USR1, USR2)")
+    return int(number)

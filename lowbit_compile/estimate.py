@@ -1,0 +1,140 @@
+"""Training-memory estimate for Adam/AdamW: stock fp32 states against a low-bit format, per component.
+
+The same accounting people do by hand ("7B params, fp16 weights and grads, fp32 m, v and master
+weights: 7e9 x (2 + 2 + 4 + 4 + 4) B = 112 GB"), with the low-bit states' sizes taken from the real
+storage layout (``kernels.blockquant.empty`` on the meta device: codes, per-block scales, outlier
+patches), so the estimate follows any change of layout. Activations, the allocator's caches and
+per-tensor scalars (the step counters) are not counted; the block count assumes tensors much
+larger than a block (each tensor's last, partial block adds at most one block per tensor).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS, NONNEG_STATES, Config
+from .kernels import blockquant
+from .kernels.formats import StateFormat
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GB = 10**9
+
+# ZeRO stages (Rajbhandari et al. 2020): 1 shards optimizer states (and the fp32 master weights the
+# optimizer steps), 2 also gradients, 3 also parameters (FSDP's full sharding).
+_SHARDED_FROM_STAGE = {"states": 1, "master": 1, "grads": 2, "params": 3}
+
+
+@dataclass(frozen=True)
+class Row:
+    component: str
+    stock: int
+    lowbit: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per device of each component, stock AdamW and with the chosen low-bit format."""
+
+    rows: tuple[Row, ...]
+    title: str
+
+    @property
+    def stock_total(self) -> int:
+        return sum(r.stock for r in self.rows)
+
+    @property
+    def lowbit_total(self) -> int:
+        return sum(r.lowbit for r in self.rows)
+
+    def row(self, component: str) -> Row:
+        return next(r for r in self.rows if r.component == component)
+
+    def __str__(self) -> str:
+        lines = [self.title, f"{'component':<24}{'stock bytes':>19}{'GB':>9}{'low-bit bytes':>19}{'GB':>9}"]
+        for r in (*self.rows, Row("total", self.stock_total, self.lowbit_total)):
+            lines.append(f"{r.component:<24}{r.stock:>19,}{r.stock / GB:>9.3f}{r.lowbit:>19,}{r.lowbit / GB:>9.3f}")
+        saved = self.stock_total - self.lowbit_total
+        pct = 100.0 * saved / self.stock_total if self.stock_total else 0.0
+        lines.append(f"saved {saved:,} bytes = {saved / GB:.3f} GB ({pct:.1f}% of the total)   [GB = 10^9 bytes]")
+        return "\n".join(lines)
+
+
+def parse_count(text: str) -> int:
+    """A parameter count: ``7e9``, ``7000000000``, ``7B``, ``1.3b``, ``125M``, ``350k``."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*", text.lower())
+    if not match:
+        raise ValueError(f"not a parameter count: {text!r} (examples: 7e9, 7B, 125M)")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[match.group(2)]
+    count = round(float(match.group(1)) * scale)
+    if count <= 0:
+        raise ValueError(f"the parameter count must be positive, got {text!r}")
+    return count
+
+
+def estimate(
+    params: int,
+    *,
+    param_dtype: str = "fp32",
+    master_weights: bool = False,
+    fmt: str | Mapping[str, str] = DEFAULT_FMT,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    outliers: int = DEFAULT_OUTLIERS,
+    shards: int = 1,
+    zero_stage: int = 3,
+    amsgrad: bool = False,
+) -> Estimate:
+    """Bytes per device for ``params`` parameters trained with Adam/AdamW.
+
+    Gradients have the parameters' dtype. The optimizer steps the fp32 master weights when
+    ``master_weights`` (mixed precision), else the parameters, and stock states have the dtype of
+    what it steps. With ``shards`` > 1 the components ZeRO stage ``zero_stage`` shards are divided
+    evenly (rounded up) over the devices.
+    """
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {tuple(PARAM_DTYPES)}, got {param_dtype!r}")
+    if master_weights and param_dtype == "fp32":
+        raise ValueError("master weights are an fp32 copy of 16-bit params; pass param_dtype='bf16' or 'fp16'")
+    if not isinstance(shards, int) or shards < 1:
+        raise ValueError(f"shards must be a positive int, got {shards!r}")
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage!r}")
+    config = Config.make(fmt, block_size, outliers, 0, "reference")
+
+    def local(kind: str) -> int:
+        return -(-params // shards) if zero_stage >= _SHARDED_FROM_STAGE[kind] else params
+
+    p_bytes = PARAM_DTYPES[param_dtype].itemsize
+    state_dtype = torch.float32 if master_weights else PARAM_DTYPES[param_dtype]
+    n_state = local("states")
+    rows = [
+        Row(f"params ({param_dtype})", local("params") * p_bytes, local("params") * p_bytes),
+        Row(f"grads ({param_dtype})", local("grads") * p_bytes, local("grads") * p_bytes),
+    ]
+    if master_weights:
+        rows.append(Row("master weights (fp32)", local("master") * 4, local("master") * 4))
+    extra = 0
+    states = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    short = {"exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "max v"}
+    dtype_name = next(k for k, v in PARAM_DTYPES.items() if v == state_dtype)
+    for key in states:
+        label = f"{key} ({short[key]}, {dtype_name})"
+        state_fmt = StateFormat.make(config.format_name(key), block_size, outliers, key in NONNEG_STATES)
+        stock = n_state * state_dtype.itemsize
+        if state_fmt.passthrough:
+            rows.append(Row(label, stock, stock))
+            continue
+        codes, *side = blockquant.empty(n_state, state_fmt, "meta")
+        rows.append(Row(label, stock, codes.numel() * codes.element_size()))
+        extra += sum(t.numel() * t.element_size() for t in side)
+    rows.append(Row("scales + patches", 0, extra))
+
+    what = f"{param_dtype} params and grads" + (", fp32 master weights" if master_weights else "")
+    where = "1 device" if shards == 1 else f"per device of {shards} (ZeRO stage {zero_stage})"
+    fmt_text = config.fmt if isinstance(config.fmt, str) else dict(config.fmt)
+    title = (f"Adam/AdamW memory for {params:,} parameters ({what}), {where}; low-bit: fmt={fmt_text}, "
+             f"block_size={block_size}, outliers={outliers}")
+    return Estimate(tuple(rows), title)
