@@ -1,0 +1,259 @@
+"""``lowbit_compile.enable``: which optimizers a scope rewrites, when, and what it leaves alone."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import lowbit_compile as package
+from lowbit_compile import QuantizedState, enable, is_wrapped, lowbit_compile, memory_report, restore
+
+SHAPES = [(64, 80), (80,)]  # one tensor above min_8bit_size=4096 (quantized), one below (stock fp32)
+
+
+def make(cls=torch.optim.AdamW, **kw) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    return params, cls(params, lr=1e-2, **kw)
+
+
+def step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], n: int = 1, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def test_lowbit_compile_carries_enable_and_stays_a_function():
+    assert package.lowbit_compile is lowbit_compile and lowbit_compile.enable is enable
+    _, opt = make()
+    assert lowbit_compile(opt) is opt and is_wrapped(opt)
+
+
+def test_first_step_in_scope_is_already_the_rewritten_update():
+    """An optimizer created outside and stepped inside: its very first step is the low-bit one,
+    identical to the step of an optimizer wrapped explicitly with the same options."""
+    params, opt = make()
+    ref_params, ref = make()
+    lowbit_compile(ref, fmt="int8")
+    with enable(fmt="int8"):
+        step(opt, params)
+    step(ref, ref_params)
+    assert is_wrapped(opt) and isinstance(opt.state[params[0]]["exp_avg"], QuantizedState)
+    assert type(opt.state[params[1]]["exp_avg"]) is torch.Tensor  # under min_8bit_size
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q)
+
+
+def test_decorator_rewrites_optimizers_created_inside():
+    made = []
+
+    @enable(fmt="bf16")
+    def train():
+        params, opt = make(torch.optim.Adam)
+        step(opt, params, n=2)
+        made.append((opt, params))
+
+    train()
+    opt, params = made[0]
+    assert is_wrapped(opt)
+    assert opt.state[params[0]]["exp_avg"].fmt.name == "bf16"
+
+
+def test_bare_decorator_uses_the_defaults():
+    @enable
+    def train():
+        params, opt = make()
+        step(opt, params)
+        return opt, params
+
+    opt, params = train()
+    assert opt.state[params[0]]["exp_avg"].fmt.name == "int8"
+
+
+def test_nothing_outside_the_scope_is_touched():
+    before_params, before = make()
+    step(before, before_params)  # stepped before the scope
+    with enable():
+        pass
+    after_params, after = make()
+    step(after, after_params)  # stepped after the scope
+    step(before, before_params)
+    for opt, params in ((before, before_params), (after, after_params)):
+        assert not is_wrapped(opt) and "step" not in opt.__dict__
+        assert all(type(v) is torch.Tensor for p in params for v in opt.state[p].values())
+
+
+def test_a_step_in_another_thread_is_outside_the_scope():
+    params, opt = make()
+    with enable():
+        worker = threading.Thread(target=step, args=(opt, params))
+        worker.start()
+        worker.join()
+    assert not is_wrapped(opt)
+
+
+def test_per_optimizer_hooks_run_once_and_the_pre_hook_before_the_update():
+    params, opt = make(torch.optim.Adam)  # no weight decay: a zero grad leaves the param unchanged
+    start = [p.detach().clone() for p in params]
+    calls = []
+
+    def pre(o, args, kwargs):
+        calls.append(("pre", is_wrapped(o)))
+        for p in params:
+            p.grad.zero_()
+
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", is_wrapped(o))))
+    with enable():
+        step(opt, params, n=2)
+    assert calls == [("pre", True), ("post", True)] * 2
+    for p, p0 in zip(params, start):
+        assert torch.equal(p, p0)
+
+
+def test_closure_is_called_once_and_its_loss_returned():
+    params, opt = make()
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = sum((p**2).sum() for p in params)
+        loss.backward()
+        return loss
+
+    with enable():
+        first = opt.step(closure)
+        second = opt.step(closure)
+    assert len(calls) == 2 and is_wrapped(opt)
+    assert first.requires_grad and second < first
+
+
+def test_other_optimizers_are_left_stock_and_reported():
+    params, sgd = make(torch.optim.SGD)
+    with enable() as scope:
+        step(sgd, params, n=2)
+    assert not is_wrapped(sgd)
+    assert scope.skipped == {"SGD (not Adam/AdamW)": 1}
+    assert "left stock: 1 x SGD (not Adam/AdamW)" in scope.summary()
+
+
+def test_an_unsupported_adam_is_left_stock_with_a_warning():
+    p = torch.nn.Parameter(torch.randn(8, dtype=torch.complex64))
+    opt = torch.optim.Adam([p])
+    p.grad = torch.randn_like(p)
+    with enable() as scope, pytest.warns(UserWarning, match="complex parameter"):
+        opt.step()
+    assert not is_wrapped(opt) and scope.rewritten == [] and opt.state[p]["exp_avg"].dtype == torch.complex64
+
+
+def test_an_explicitly_wrapped_optimizer_keeps_its_own_options():
+    params, opt = make()
+    lowbit_compile(opt, fmt="fp8_e4m3")
+    with enable(fmt="int8") as scope:
+        step(opt, params)
+    assert opt.state[params[0]]["exp_avg"].fmt.name == "fp8_e4m3" and scope.rewritten == []
+
+
+def test_the_innermost_scope_decides():
+    params, opt = make()
+    with enable(fmt="int8") as outer, enable(fmt="dynamic8") as inner:
+        step(opt, params)
+    assert opt.state[params[0]]["exp_avg"].fmt.name == "dynamic8"
+    assert len(inner.rewritten) == 1 and outer.rewritten == []
+
+
+def test_restore_inside_the_scope_sticks():
+    params, opt = make()
+    with enable() as scope:
+        step(opt, params)
+        restore(opt)
+        step(opt, params, n=2)
+    assert not is_wrapped(opt)
+    assert scope.rewritten[0].steps == 1 and scope.rewritten[0].restored_at_step == 1
+
+
+def test_restore_at_step_switches_back_after_that_many_steps():
+    params, opt = make()
+    with enable(restore_at_step=2) as scope:
+        step(opt, params, n=2)
+        assert not is_wrapped(opt)
+        assert all(type(v) is torch.Tensor for p in params for v in opt.state[p].values())
+        step(opt, params)
+    record = scope.rewritten[0]
+    assert record.restored_at_step == 2 and record.steps == 2
+    assert record.state_bytes < record.stock_state_bytes  # measured before the switch
+    assert "restored to fp32 after step 2" in scope.summary()
+
+
+def test_request_restore_applies_at_the_end_of_the_next_step():
+    params, opt = make()
+    with enable() as scope:
+        step(opt, params)
+        scope.request_restore()
+        assert is_wrapped(opt)
+        step(opt, params)
+        assert not is_wrapped(opt)
+        late_params, late = make()
+        step(late, late_params)  # after a restore request nothing new is rewritten
+    assert not is_wrapped(late) and scope.skipped == {"AdamW (stepped after a restore request)": 1}
+
+
+def test_restore_on_exit():
+    params, opt = make()
+    with enable(restore_on_exit=True):
+        step(opt, params)
+        assert is_wrapped(opt)
+    assert not is_wrapped(opt)
+
+
+def test_summary_counts_the_bytes_saved():
+    params, opt = make()
+    with enable() as scope:
+        step(opt, params, n=3)
+    record = scope.rewritten[0]
+    held = memory_report(opt).total.bytes
+    stock = (64 * 80 + 80) * 4 * 2 + 4  # fp32 m and v of both tensors, and the 0-d fp32 step of the small one
+    stock += 4  # the step counter of the large one
+    assert (record.params, record.steps, record.state_bytes, record.stock_state_bytes) == (64 * 80 + 80, 3, held, stock)
+    row = scope.summary().splitlines()[2].split()
+    assert row[:2] == ["AdamW", "#1"] and row[6] == f"{stock - held:,}"
+    assert row[7] == f"{100 * (stock - held) / stock:.1f}%"
+
+
+def test_name_patterns_learn_names_from_the_forward_in_scope():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 64), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    opt = torch.optim.AdamW(model.parameters())
+    with enable(overrides={"0.*": "bf16", "*.bias": "int8"}, min_8bit_size=4096):
+        model(torch.arange(10)).sum().backward()
+        opt.step()
+    formats = {name: getattr(opt.state[p]["exp_avg"], "fmt", None) for name, p in model.named_parameters()}
+    assert formats["0.weight"].name == "bf16"  # 6400 elements, override
+    assert formats["1.weight"].name == "int8"  # 4096 elements: not under min_8bit_size, the default
+    assert formats["1.bias"].name == "int8"  # 64 elements, the override beats min_8bit_size
+    assert formats["2.weight"] is None  # 64 elements, stock fp32
+
+
+def test_name_patterns_without_a_forward_or_model_fail_loudly():
+    params, opt = make()
+    with enable(overrides={"*embed*": "fp32"}), pytest.raises(RuntimeError, match="no known name"):
+        step(opt, params)
+
+
+def test_name_patterns_with_model_given():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(100, 100)
+    opt = torch.optim.Adam(model.parameters())
+    with enable(overrides={"weight": "fp8_e5m2"}, model=model, min_8bit_size=0):
+        model(torch.randn(2, 100)).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step()
+    assert opt.state[model.weight]["exp_avg"].fmt.name == "fp8_e5m2"
+    assert opt.state[model.bias]["exp_avg"].fmt.name == "int8"
