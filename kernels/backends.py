@@ -12,6 +12,13 @@ Lowering = Callable[[GraphModule], Callable[..., None]]
 
 LOWERINGS: dict[str, Lowering] = {"reference": lower_reference}
 
+try:  # the fused GPU lowering, wherever triton imports
+    from .triton_backend import lower_triton
+except ImportError:
+    pass
+else:
+    LOWERINGS["triton"] = lower_triton
+
 
 def resolve(backend: str, device_type: str) -> str:
     """The concrete backend for ``backend`` on ``device_type`` ("auto" picks the fastest available)."""

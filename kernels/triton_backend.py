@@ -1,0 +1,212 @@
+"""The Triton lowering (``LOWERINGS["triton"]``): compile the emitted kernel of a step and launch it
+per parameter, plus standalone quantize/dequantize kernels of one state.
+
+Every launch goes through a ``torch.library`` custom op (``lowbit::fused_step``,
+``lowbit::quantize_triton``, ``lowbit::dequantize_triton``) with a fake implementation, so launches
+show by name in the profiler and a graph captured by ``torch.compile`` holds an opaque call it can
+run. On CUDA the kernels are compiled; CPU tensors run only under ``TRITON_INTERPRET=1`` (set before
+the first kernel is built: ``triton.jit`` reads it when it decorates), which the tests use.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import linecache
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import triton
+from torch.fx import GraphModule
+from triton.runtime.interpreter import InterpretedFunction
+
+from . import blockquant
+from .formats import StateFormat, dynamic_map, dynamic_midpoints
+from .triton_emitter import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
+
+
+def interpreting() -> bool:
+    """Whether kernels built now run under the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def flavor_of(device: torch.device) -> str:
+    """Which device's ATen formulas a kernel for ``device`` reproduces (see ``triton_emitter``)."""
+    return "cuda" if device.type == "cuda" else "cpu"
+
+
+class TritonKernel:
+    """One emitted kernel, compiled (or interpreted), bound to the tensors and numbers of its inputs.
+
+    Custom ops take tensors and numbers in separate lists, so inputs travel as ``written`` tensors
+    (the kernel stores into them), ``read`` tensors and ``numbers``, each in kernel-parameter order.
+    """
+
+    def __init__(self, emitted: EmittedKernel) -> None:
+        self.emitted = emitted
+        self.key = kernel_key(emitted)
+        self.interpreted = interpreting()
+        self.fn = _compile(emitted.source, emitted.name, self.key)
+
+    def split(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+        """The body inputs ``inputs`` (in graph order) as the op's (written, read, numbers) lists."""
+        lists: dict[str, list] = {"written": [], "read": [], "numbers": []}
+        for p in self.emitted.params:
+            if p.kind == "input":
+                value = inputs[p.index]
+                lists[self._list_of(p)].append(value if p.tensor else float(value))
+        return lists["written"], lists["read"], lists["numbers"]
+
+    def launch(self, written: Sequence[torch.Tensor], read: Sequence[torch.Tensor], numbers: Sequence[float],
+               first_block: int = 0) -> None:
+        """Run the kernel over quantization blocks ``first_block, first_block + 1, ...`` to the end."""
+        e = self.emitted
+        lists = {"written": iter(written), "read": iter(read), "numbers": iter(numbers)}
+        values = {p.index: next(lists[self._list_of(p)]) for p in e.params if p.kind == "input"}
+        anchor = values[e.numel_input]
+        device = anchor.device
+        if device.type != "cuda" and not self.interpreted:
+            raise RuntimeError(
+                f"the triton backend runs {device.type} tensors only under TRITON_INTERPRET=1, set before the "
+                "first kernel is built; use backend='reference' or 'auto' on this device"
+            )
+        args: list[Any] = []
+        for p in e.params:
+            if p.kind == "table":
+                args.append(_table(p.table, p.nonneg, device))
+                continue
+            value = values[p.index]
+            if isinstance(value, torch.Tensor) and value.device != device:
+                value = value.to(device, non_blocking=True)  # a 0-d hyperparameter kept on the host
+            args.append(value)
+        n = anchor.numel()
+        blocks = triton.cdiv(n, e.block) - first_block
+        if blocks <= 0:
+            return
+        tile = e.block * e.rows
+        self.fn[(triton.cdiv(blocks, e.rows),)](
+            *args, n, first_block, BLOCK=e.block, ROWS=e.rows,
+            num_warps=4 if tile <= 1024 else 8 if tile <= 4096 else 16, enable_fp_fusion=False,
+        )
+
+    def _list_of(self, p: KernelParam) -> str:
+        if not p.tensor:
+            return "numbers"
+        return "written" if p.index in self.emitted.written else "read"
+
+
+def kernel_key(emitted: EmittedKernel) -> str:
+    """A process-wide name for ``emitted`` built in the current mode (compiled or interpreted)."""
+    digest = hashlib.sha256(emitted.source.encode()).hexdigest()[:16]
+    return f"{emitted.name}_{digest}{'_interpreted' if interpreting() else ''}"
+
+
+def _compile(source: str, name: str, key: str) -> Callable:
+    """Exec the generated module, registered with linecache so ``triton.jit`` can read its source."""
+    from . import triton_lib  # first imported here, so that TRITON_INTERPRET is read when kernels are built
+
+    if isinstance(triton_lib.rne, InterpretedFunction) != interpreting():
+        raise RuntimeError(
+            "TRITON_INTERPRET changed after the first lowbit-compile Triton kernel was built; set it once, "
+            "before the first step (triton.jit reads it when it decorates)"
+        )
+    filename = f"<lowbit-triton-{key}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict[str, Any] = {"__name__": f"lowbit_triton_{key}"}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[name]
+
+
+@functools.cache
+def _table(kind: str, nonneg: bool, device: torch.device) -> torch.Tensor:
+    """A dynamic8 table on ``device``: the 256 map values, or the 255 midpoints padded with +inf."""
+    if kind == "map":
+        return dynamic_map(nonneg).to(device)
+    return torch.cat([dynamic_midpoints(nonneg), torch.tensor([float("inf")])]).to(device)
+
+
+_KERNELS: dict[str, TritonKernel] = {}
+
+
+def kernel_for(emitted: EmittedKernel) -> TritonKernel:
+    """The process-wide kernel of ``emitted`` (compiled once per source)."""
+    key = kernel_key(emitted)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = TritonKernel(emitted)
+    return kernel
+
+
+def _define_launch_op(name: str, doc: str):
+    @torch.library.custom_op(f"lowbit::{name}", mutates_args=("written",))
+    def launch(kernel: str, written: list[torch.Tensor], read: list[torch.Tensor], numbers: list[float]) -> None:
+        _KERNELS[kernel].launch(written, read, numbers)
+
+    @launch.register_fake
+    def _(kernel, written, read, numbers):
+        return None
+
+    launch.__doc__ = doc
+    return launch
+
+
+fused_step_op = _define_launch_op("fused_step", "One parameter's fused optimizer step (an emitted Triton kernel).")
+quantize_op = _define_launch_op("quantize_triton", "Quantize one state into its storage with a Triton kernel.")
+dequantize_op = _define_launch_op("dequantize_triton", "Dequantize one state into a dense tensor with a Triton kernel.")
+
+
+# the step lowering ---------------------------------------------------------------------------------
+class FusedStepBody(torch.nn.Module):
+    """Stands in for the ``body`` child of a split step: emits its kernel for the device it first
+    runs on (once per device type) and launches it through ``lowbit::fused_step``."""
+
+    def __init__(self, body: GraphModule, name: str = "lowbit_step") -> None:
+        super().__init__()
+        self.graph_module = body
+        self.kernel_name = name
+        self._kernels: dict[str, TritonKernel] = {}
+
+    def kernel(self, device: torch.device) -> TritonKernel:
+        flavor = flavor_of(device)
+        kernel = self._kernels.get(flavor)
+        if kernel is None:
+            kernel = self._kernels[flavor] = kernel_for(emit_kernel(self.graph_module, self.kernel_name, flavor))
+        return kernel
+
+    def forward(self, *inputs: Any) -> None:
+        anchor = next(x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0)
+        kernel = self.kernel(anchor.device)
+        fused_step_op(kernel.key, *kernel.split(inputs))
+
+
+def lower_triton(step: GraphModule) -> Callable[..., None]:
+    """``LOWERINGS["triton"]``: the split step with its body replaced by the fused kernel; the scalar
+    prologue still runs on the host, as in the reference."""
+    root = torch.nn.Module()
+    root.prologue = step.prologue
+    root.body = FusedStepBody(step.body)
+    return GraphModule(root, copy.deepcopy(step.graph), "FusedStep").forward
+
+
+# standalone state kernels --------------------------------------------------------------------------
+@functools.cache
+def _state_kernel(kind: str, fmt: StateFormat, dtype: torch.dtype, flavor: str) -> TritonKernel:
+    graph = quantize_graph(fmt, dtype) if kind == "quantize" else dequantize_graph(fmt, dtype)
+    return kernel_for(emit_kernel(graph, f"lowbit_{kind}", flavor))
+
+
+def quantize_into(x: torch.Tensor, out: blockquant.Quantized, fmt: StateFormat) -> None:
+    """``blockquant.quantize_into`` with a Triton kernel: ``x`` (any float dtype, any shape) into ``out``."""
+    flat = x.reshape(-1)
+    kernel = _state_kernel("quantize", fmt, flat.dtype, flavor_of(flat.device))
+    quantize_op(kernel.key, *kernel.split((flat, *out)))
+
+
+def dequantize(q: blockquant.Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``blockquant.dequantize`` with a Triton kernel: the flat values of ``q`` as a new ``dtype`` tensor."""
+    out = torch.empty(q.codes.numel(), dtype=dtype, device=q.codes.device)
+    kernel = _state_kernel("dequantize", fmt, dtype, flavor_of(out.device))
+    dequantize_op(kernel.key, *kernel.split((*q, out)))
+    return out
