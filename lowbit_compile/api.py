@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from . import checkpoint, sharding
 from .config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -22,7 +23,6 @@ from .config import (
     param_names,
 )
 from .runner import StateSchema, compile_step, init_state, probe_schema, run_param
-from .state import QuantizedState
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 _ATTR = "_lowbit"
@@ -77,9 +77,9 @@ def lowbit_compile(
     if wrapped is None:
         previous = opt.__dict__.get("step")
         hooks = [
-            opt.register_state_dict_post_hook(_pack_state_dict),
-            opt.register_load_state_dict_pre_hook(_unpack_pre_hook),
-            opt.register_load_state_dict_post_hook(_unpack_post_hook),
+            opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
+            opt.register_load_state_dict_pre_hook(checkpoint.unpack_pre_hook),
+            opt.register_load_state_dict_post_hook(_after_load),
         ]
         wrapped = _Wrapped(config, previous, hooks)
     else:
@@ -99,8 +99,8 @@ def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return opt
     for state in opt.state.values():
         for key, value in list(state.items()):
-            if isinstance(value, QuantizedState):
-                state[key] = value.dequantize()
+            if sharding.is_quantized(value):
+                state[key] = sharding.dequantize(value)
     for hook in wrapped.hooks:
         hook.remove()
     del opt.step
@@ -198,6 +198,8 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
             state = opt.state[param]
             if not state:
                 state.update(init_state(param, schema, formats))
+            # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
+            checkpoint.conform(param, state, formats)
             compiled = compile_step(opt, group, param, state, schema, formats, config)
             run_param(compiled, group, param, grad, state)
     return loss
@@ -214,58 +216,15 @@ def _conform_state(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
                 continue
             schema: StateSchema = probe_schema(opt, group, param)
             for key, fmt in wrapped.config.formats_for(param, schema.per_element, wrapped.names.get(param)):
-                value = state.get(key)
-                if not isinstance(value, torch.Tensor):
-                    continue
-                if value.shape != param.shape:
-                    raise ValueError(
-                        f"state {key!r} of a parameter of shape {tuple(param.shape)} has shape "
-                        f"{tuple(value.shape)}; the optimizer state does not belong to these parameters"
-                    )
-                if isinstance(value, QuantizedState):
-                    if value.fmt == fmt:
-                        continue
-                    dense = value.dequantize()
-                else:
-                    if fmt.passthrough:
-                        continue
-                    dense = value
-                new = dense if fmt.passthrough else QuantizedState.from_dense(dense, fmt)
-                updates.append((state, key, new))
+                new = checkpoint.converted(param, key, state.get(key), fmt)
+                if new is not None:
+                    updates.append((state, key, new))
     for state, key, new in updates:
         state[key] = new
 
 
-# checkpoints: quantized states travel as plain dicts of tensors -----------------------------------
-def _pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-    packed = {}
-    for idx, entry in state_dict["state"].items():
-        if any(isinstance(v, QuantizedState) for v in entry.values()):
-            entry = {k: (v.to_packed() if isinstance(v, QuantizedState) else v) for k, v in entry.items()}
-        packed[idx] = entry
-    state_dict["state"] = packed
-    return state_dict
-
-
-def _unpack_pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """Take our packed states out before the stock loader casts their codes to the param dtype."""
-    pending: dict = {}
-    plain: dict = {}
-    for idx, entry in state_dict["state"].items():
-        ours = {k: v for k, v in entry.items() if QuantizedState.is_packed(v)}
-        if ours:
-            pending[idx] = ours
-            entry = {k: v for k, v in entry.items() if k not in ours}
-        plain[idx] = entry
-    opt.__dict__["_lowbit_pending"] = pending
-    return {**state_dict, "state": plain}
-
-
-def _unpack_post_hook(opt: torch.optim.Optimizer) -> None:
-    pending = opt.__dict__.pop("_lowbit_pending", {})
-    params = [p for group in opt.param_groups for p in group["params"]]
-    for idx, entries in pending.items():
-        param = params[idx]
-        for key, packed in entries.items():
-            opt.state[param][key] = QuantizedState.from_packed(packed, param.device)
+def _after_load(opt: torch.optim.Optimizer) -> None:
+    """``load_state_dict`` post hook: restore the packed states, then convert every state (stock fp32
+    ones included) to the configured format."""
+    checkpoint.reinsert_packed(opt)
     _conform_state(opt, getattr(opt, _ATTR))

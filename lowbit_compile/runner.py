@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from . import sharding
 from .config import Config
 from .kernels.backends import lower, resolve
 from .kernels.formats import StateFormat
@@ -103,7 +104,8 @@ def probe_schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor) -
 
 
 def init_state(param: torch.Tensor, schema: StateSchema, formats: dict[str, StateFormat]) -> dict:
-    """The stock initial state of ``param`` with per-element states created directly quantized."""
+    """The stock initial state of ``param`` with per-element states created directly quantized
+    (of the local shard, inside a ``DTensor`` like the parameter, for a sharded parameter)."""
     state: dict[str, Any] = {}
     for name, (kind, *rest) in schema.init:
         if kind == "fill":
@@ -112,7 +114,8 @@ def init_state(param: torch.Tensor, schema: StateSchema, formats: dict[str, Stat
             if fmt.passthrough:
                 state[name] = torch.full_like(param, value, dtype=dtype, memory_format=torch.preserve_format)
             else:
-                state[name] = QuantizedState.full(param.shape, value, fmt, dtype, param.device)
+                shard = sharding.local(param)
+                state[name] = sharding.like(QuantizedState.full(shard.shape, value, fmt, dtype, shard.device), param)
         elif kind == "tensor":
             state[name] = rest[0].clone()
         else:
@@ -175,7 +178,10 @@ def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def run_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
-    """Bind ``param``'s tensors to the compiled step's inputs and run it."""
+    """Bind ``param``'s tensors to the compiled step's inputs and run it. A sharded (``DTensor``)
+    parameter steps its local shard: the update is elementwise, so shards step independently."""
+    param, grad = sharding.local(param), sharding.local(grad)
+    state = {k: sharding.local(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     write_back = []
     args = []
     for kind, key in compiled.inputs:

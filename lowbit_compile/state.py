@@ -9,8 +9,6 @@ itself never goes through that path; the runner hands the raw codes to the compi
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.utils._pytree import tree_map
 
@@ -78,27 +76,6 @@ class QuantizedState(torch.Tensor):
         flat = blockquant.dequantize(self.storage_parts, self.fmt, dtype or self.dtype)
         return flat.view(self.shape)
 
-    # checkpoints ------------------------------------------------------------------------------
-    def to_packed(self) -> dict[str, Any]:
-        """A plain dict of tensors, strings and ints: what ``state_dict()`` saves (loads with
-        ``torch.load(weights_only=True)``)."""
-        return {
-            "lowbit_format": self.fmt.tag(),
-            "shape": list(self.shape),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            **{part: getattr(self, part) for part in _PARTS},
-        }
-
-    @staticmethod
-    def is_packed(value: object) -> bool:
-        return isinstance(value, dict) and "lowbit_format" in value
-
-    @classmethod
-    def from_packed(cls, packed: dict[str, Any], device: torch.device | None = None) -> QuantizedState:
-        fmt = StateFormat.from_tag(packed["lowbit_format"])
-        parts = blockquant.Quantized(*(packed[p].to(device) if device else packed[p] for p in _PARTS))
-        return cls(parts, fmt, torch.Size(packed["shape"]), getattr(torch, packed["dtype"]))
-
     # tensor protocol --------------------------------------------------------------------------
     def __repr__(self) -> str:
         return (f"QuantizedState(shape={tuple(self.shape)}, dtype={self.dtype}, format={self.fmt.tag()}, "
@@ -163,7 +140,15 @@ def _to_copy(self: QuantizedState, *, dtype=None, layout=None, device=None, pin_
     return self._map_parts(lambda t: t.to(device, non_blocking=non_blocking))
 
 
+def _view(self: QuantizedState, size: list[int]) -> QuantizedState:
+    """A reshape shares the storage: codes are kept flat, in the state's logical element order
+    (``DTensor.from_local``/``to_local`` take such a view of the local shard)."""
+    shape = torch.empty(self.shape, device="meta").view(size).shape
+    return QuantizedState(self.storage_parts, self.fmt, shape, self.dtype)
+
+
 _HANDLERS = {
+    aten.view.default: _view,
     aten.detach.default: lambda self: self._map_parts(lambda t: t),
     aten.clone.default: lambda self, memory_format=None: self._map_parts(torch.clone),
     aten._to_copy.default: _to_copy,

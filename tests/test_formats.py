@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit_compile import QuantizedState
+from lowbit_compile import QuantizedState, checkpoint
 from lowbit_compile.kernels import blockquant
 from lowbit_compile.kernels.formats import StateFormat, dynamic_map
 
@@ -185,6 +185,7 @@ class TestQuantizedState:
 
     def test_packed_round_trip(self):
         s = self._state()
-        back = QuantizedState.from_packed(s.to_packed())
+        param = torch.empty(s.shape)
+        back = checkpoint.unpack(checkpoint.pack(s, param), param)
         assert back.fmt == s.fmt and back.shape == s.shape
         assert all(torch.equal(a, b) for a, b in zip(back.storage_parts, s.storage_parts))

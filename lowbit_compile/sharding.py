@@ -1,0 +1,102 @@
+"""States of sharded (``DTensor``) parameters, as FSDP2's ``fully_shard`` makes them.
+
+Each rank steps and keeps the state of its local shard only. A quantized state of a ``DTensor``
+parameter is a ``DTensor`` too, with the parameter's global shape and placements around a
+:class:`QuantizedState` of the local shard, so code that walks optimizer state sees what stock
+AdamW gives it (``.shape`` is global, ``.full_tensor()`` gathers) and
+``torch.distributed.checkpoint`` sees a sharded tensor, never a per-rank plain one (which it would
+take for a replica and save from one rank only). Which states are low-bit is decided on the
+parameter's global shape (``param.numel()`` of a ``DTensor`` is global), so every rank and every
+world size makes the same choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels.formats import StateFormat
+from .state import QuantizedState
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+else:  # a torch build without distributed support has no sharded parameters
+    DTensor = Replicate = Shard = None
+
+
+def is_sharded(t: object) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own tensor inside ``t`` (the very object, not a view), or ``t`` itself."""
+    return t._local_tensor if is_sharded(t) else t
+
+
+def like(local_value: torch.Tensor, template: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``local_value`` (this rank's part) as a ``DTensor`` on ``template``'s mesh and placements, of
+    global ``shape`` (default: ``template``'s); ``local_value`` itself if ``template`` is not sharded."""
+    if not is_sharded(template):
+        return local_value
+    if shape is None:
+        shape, stride = template.shape, template.stride()
+    else:
+        shape = torch.Size(shape)
+        stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local_value, template.device_mesh, template.placements, run_check=False,
+                              shape=shape, stride=stride)
+
+
+def is_quantized(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and isinstance(local(value), QuantizedState)
+
+
+def quantize(value: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """``value`` (plain or ``DTensor``, dense or quantized) stored in ``fmt``, sharded like ``value``."""
+    dense = local(value)
+    if isinstance(dense, QuantizedState):
+        dense = dense.dequantize()
+    new = dense if fmt.passthrough else QuantizedState.from_dense(dense, fmt)
+    return like(new, value)
+
+
+def dequantize(value: torch.Tensor) -> torch.Tensor:
+    """The stock dense tensor of a (possibly sharded) quantized state."""
+    return like(local(value).dequantize(), value)
+
+
+def row_splits(param: torch.Tensor) -> list[int]:
+    """Where the dim-0 shards of ``param`` start and end: ``[0, s1, ..., rows]``, the same on every rank.
+
+    Only dim-0 sharding (FSDP2's default) and replication keep a rank's shard one contiguous range of
+    the flattened parameter; other placements are refused here, which is when a checkpoint needs it.
+    """
+    rows = param.shape[0] if param.dim() else 1
+    if not is_sharded(param):
+        return [0, rows]
+    ranges = [(0, rows)]
+    for dim, placement in enumerate(param.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard or placement.dim != 0:
+            raise NotImplementedError(
+                f"lowbit_compile checkpoints support parameters sharded on dim 0 (FSDP2's default) or "
+                f"replicated; this one has placements {param.placements}"
+            )
+        n = param.device_mesh.size(dim)
+        split = []
+        for start, stop in ranges:
+            for i in range(n):
+                size, offset = Shard.local_shard_size_and_offset(stop - start, n, i)
+                split.append((start + offset, start + offset + size))
+        ranges = split
+    return sorted({0, rows, *(b for r in ranges for b in r)})
+
+
+def local_rows(param: torch.Tensor) -> tuple[int, int]:
+    """The global rows ``[start, stop)`` this rank's shard of ``param`` holds."""
+    rows = param.shape[0] if param.dim() else 1
+    if not is_sharded(param):
+        return 0, rows
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return (offset[0], offset[0] + shape[0]) if param.dim() else (0, rows)
