@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"training loss by log step: {' '.join(f'{x:.3f}' for x in losses)}")
     if args.fmt != "none":
         print(scope.summary())
-    return {"optimizer": opt, "losses": losses, "train_loss": result.training_loss, "scope": scope}
+    return {"model": model, "optimizer": opt, "losses": losses, "train_loss": result.training_loss, "scope": scope}
 
 
 if __name__ == "__main__":

@@ -269,12 +269,14 @@ def _idle_twin(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _outermost_names(modules: Iterable[torch.nn.Module]) -> dict[torch.Tensor, str]:
-    """Each parameter's name in the outermost of ``modules`` holding it (its longest name)."""
+    """Parameter names in the outermost of ``modules`` (those no other one contains)."""
+    modules = list(modules)
+    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
     names: dict[torch.Tensor, str] = {}
-    for module in list(modules):
-        for param, name in param_names(module).items():
-            if len(name) > len(names.get(param, "")):
-                names[param] = name
+    for module in modules:
+        if id(module) not in inner:
+            for param, name in param_names(module).items():
+                names.setdefault(param, name)
     return names
 
 

@@ -107,7 +107,9 @@ def unhooked_step(cls: type) -> Callable:
 
 def shell_optimizer(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict) -> Any:
     shell = object.__new__(type(opt))
-    shell.__dict__.update(opt.__dict__)
+    # Not GradScaler's grad_scale/found_inf (set on fused optimizers during scaler.step): the
+    # single-tensor step refuses them, and the runner applies them itself.
+    shell.__dict__.update({k: v for k, v in opt.__dict__.items() if k not in ("grad_scale", "found_inf")})
     shell.param_groups = [dict(group, params=[param])]
     shell.state = collections.defaultdict(dict, {param: state})
     return shell
