@@ -348,22 +348,27 @@ def _emit_lerp(em: _Emitter, node: Node) -> None:
     em.define(node, f"lb.lerp({em.operand(start, dtype)}, {em.operand(end, dtype)}, {w})")
 
 
-def _emit_addc(unit: str, scaled_cuda: str, scaled_cpu: str) -> Callable[[_Emitter, Node], None]:
+def _emit_addc(unit: str, scaled_cuda: str, scaled_cpu: str, shared: str = "") -> Callable[[_Emitter, Node], None]:
     """addcmul/addcdiv, ``s + value * op(t1, t2)``: ``unit`` is the formula at value 1 (which CUDA
-    checks at run time), ``scaled_*`` the one for any other value; templates over s, t1, t2, v."""
+    checks at run time), ``scaled_*`` the one for any other value. Templates over s, t1, t2, v, and q:
+    the ``shared`` subexpression, computed once."""
     def emit(em: _Emitter, node: Node) -> None:
         dtype = em.dtype(node)
         s, t1, t2 = (em.operand(a, dtype) for a in node.args[:3])
         value = node.kwargs.get("value", 1)
         if value == 1:
-            em.define(node, unit.format(s=s, t1=t1, t2=t2))
+            em.define(node, unit.format(s=s, t1=t1, t2=t2, q=shared.format(t1=t1, t2=t2)))
             return
         v = em.operand(value, dtype, as_opmath=True)
-        if em.flavor == "cuda":
-            formula = scaled_cuda.format(s=s, t1=t1, t2=t2, v=v)
-            em.define(node, f"tl.where({v} == 1.0, {unit.format(s=s, t1=t1, t2=t2)}, {formula})")
-        else:
+        if em.flavor == "cpu":
             em.define(node, scaled_cpu.format(s=s, t1=t1, t2=t2, v=v))
+            return
+        q = shared.format(t1=t1, t2=t2)
+        if shared:
+            q = f"{em.names[node]}_q"
+            em.lines.append(f"{q} = {shared.format(t1=t1, t2=t2)}")
+        terms = {"s": s, "t1": t1, "t2": t2, "v": v, "q": q}
+        em.define(node, f"tl.where({v} == 1.0, {unit.format(**terms)}, {scaled_cuda.format(**terms)})")
     return emit
 
 
@@ -440,8 +445,8 @@ _OPS: dict[object, Callable[[_Emitter, Node], None]] = {
     aten.lerp.Tensor: _emit_lerp,
     aten.addcmul.default: _emit_addc("tl.fma({t1}, {t2}, {s})", "tl.fma({v}, {t1} * {t2}, {s})",
                                      "tl.fma({v} * {t1}, {t2}, {s})"),
-    aten.addcdiv.default: _emit_addc("{s} + tl.math.div_rn({t1}, {t2})", "tl.fma({v}, tl.math.div_rn({t1}, {t2}), {s})",
-                                     "{s} + tl.math.div_rn({v} * {t1}, {t2})"),
+    aten.addcdiv.default: _emit_addc("{s} + {q}", "tl.fma({v}, {q}, {s})", "{s} + tl.math.div_rn({v} * {t1}, {t2})",
+                                     shared="tl.math.div_rn({t1}, {t2})"),
     aten.sqrt.default: _emit_unary("tl.sqrt_rn({})"),
     aten.neg.default: _emit_unary("-{}"),
     aten.maximum.default: _emit_maximum,

@@ -205,7 +205,8 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
             x = tl.where(hit, 0.0, x)
         absmax = tl.max(tl.abs(x), axis=1)
         # qmax / absmax in the reference is Tensor.__rtruediv__: reciprocal, then times qmax
-        inverse = tl.where(absmax > 0, tl.math.div_rn(1.0, absmax) * QMAX, 0.0)
+        nonzero = absmax > 0
+        inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.where(nonzero, absmax, 1.0)) * QMAX, 0.0)
         if INV_QMAX != 0.0:
             scale = absmax * INV_QMAX
         else:

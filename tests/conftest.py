@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton kernels run on CPU tensors under the interpreter. triton.language builds its own jit helpers
+# (tl.argmax, ...) when triton is first imported, so this must be set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
