@@ -1,0 +1,157 @@
+"""``python -m lowbit_compile run``: an unmodified script runs with its AdamW rewritten, sees its own
+argv, exits with its own code, and the runner prints what it rewrote and the bytes saved."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from lowbit_compile.cli import _split_run_argv, main
+
+# A training script that knows nothing of lowbit-compile except to report what happened to it.
+SCRIPT = '''
+import os, signal, sys
+import torch
+from lowbit_compile import is_wrapped, memory_report
+
+print("argv", sys.argv[1:], __name__)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Embedding(80, 64), torch.nn.Linear(64, 80))
+opt = torch.optim.AdamW(model.parameters())
+for i in range(int(sys.argv[1])):
+    loss = model(torch.arange(8)).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if i == 0 and os.environ.get("SEND_SIGNAL"):
+        os.kill(os.getpid(), signal.SIGUSR2)
+    print("step", i + 1, "wrapped", is_wrapped(opt))
+print("formats", {n: getattr(opt.state[p]["exp_avg"], "fmt", None) and opt.state[p]["exp_avg"].fmt.name
+                  for n, p in model.named_parameters()})
+print("held", memory_report(opt).total.bytes)
+sys.exit(int(os.environ.get("EXIT_CODE", "0")))
+'''
+# fp32 m and v of 80*64 + 64*80 + 80 elements, and three 0-d fp32 step counters
+STOCK_BYTES = (80 * 64 + 64 * 80 + 80) * 4 * 2 + 3 * 4
+
+
+@pytest.fixture
+def runner(tmp_path, monkeypatch, capsys):
+    """``python -m lowbit_compile run ARGS`` in this process (the trace cache is warm, so it is quick):
+    returns (exit code, stdout, stderr), and puts back argv, sys.path, logging and SIGUSR2."""
+    (tmp_path / "train.py").write_text(SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    usr2 = signal.getsignal(signal.SIGUSR2)
+    log = logging.getLogger("lowbit_compile")
+    handlers, level = list(log.handlers), log.level
+
+    def run(*args: str, **env: str) -> tuple[int, str, str]:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        try:
+            code = main(["run", *args])
+        except SystemExit as exit_:
+            code = exit_.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    yield run
+    signal.signal(signal.SIGUSR2, usr2)
+    log.handlers[:], log.level = handlers, level
+
+
+def summary_row(stderr: str) -> list[str]:
+    return next(line for line in stderr.splitlines() if line.strip().startswith("AdamW #1")).split()
+
+
+def test_a_fresh_interpreter_runs_the_script_with_its_adamw_rewritten(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "lowbit_compile", "run", "--min-8bit-size", "0", "train.py", "1"],
+                          cwd=tmp_path, text=True, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "argv ['1'] __main__" in done.stdout and "step 1 wrapped True" in done.stdout
+    assert "lowbit-compile: 1 optimizer(s) rewritten" in done.stderr and "AdamW #1" in done.stderr
+
+
+def test_runs_the_script_unmodified_with_its_adamw_rewritten(runner):
+    code, out, err = runner("--min-8bit-size", "0", "--override", "0.*=fp32", "train.py", "2", "--fmt", "x")
+    assert code == 0, err
+    assert "argv ['2', '--fmt', 'x'] __main__" in out  # options after the script are the script's
+    assert "step 1 wrapped True" in out and "step 2 wrapped True" in out
+    assert "formats {'0.weight': None, '1.weight': 'int8', '1.bias': 'int8'}" in out  # names learned
+    held = int(re.search(r"held (\d+)", out).group(1))
+    assert "lowbit-compile: 1 optimizer(s) rewritten (fmt=int8, block_size=2048, outliers=2)" in err
+    saved = STOCK_BYTES - held
+    assert summary_row(err)[2:] == ["10,320", "2", f"{STOCK_BYTES:,}", f"{held:,}", f"{saved:,}",
+                                    f"{100 * saved / STOCK_BYTES:.1f}%"]
+
+
+def test_restore_at_step_switches_back_mid_run(runner):
+    code, out, err = runner("--restore-at-step", "1", "--min-8bit-size", "0", "train.py", "2")
+    assert code == 0, err
+    assert "step 1 wrapped False" in out and "step 2 wrapped False" in out
+    assert "formats {'0.weight': None, '1.weight': None, '1.bias': None}" in out
+    assert "switched AdamW #1 back to stock fp32 states after its step 1" in err
+    assert "restored to fp32 after step 1" in err
+
+
+def test_restore_on_signal_switches_back_at_the_next_step(runner):
+    code, out, err = runner("--restore-on-signal", "USR2", "train.py", "3", SEND_SIGNAL="1")
+    assert code == 0, err
+    assert "step 1 wrapped True" in out and "step 2 wrapped False" in out
+    assert "restored to fp32 after step 2" in err
+
+
+def test_module_form_keeps_the_exit_code_and_still_reports(runner, tmp_path):
+    (tmp_path / "train_module.py").write_text(SCRIPT)
+    code, out, err = runner("--fmt", "exp_avg=bf16,exp_avg_sq=int8", "-m", "train_module", "1", EXIT_CODE="3")
+    assert code == 3
+    assert "argv ['1'] __main__" in out and "step 1 wrapped True" in out
+    assert "fmt={'exp_avg': 'bf16', 'exp_avg_sq': 'int8'}" in err and "AdamW #1" in err
+
+
+def test_only_rank_zero_prints_the_summary(runner):
+    code, out, err = runner("train.py", "1", RANK="1")
+    assert code == 0 and "step 1 wrapped True" in out
+    assert "optimizer(s) rewritten" not in err
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--fmt", "int4", "train.py"], "fmt must be one of"),
+    (["--override", "embed", "train.py"], "PATTERN=FMT"),
+    (["--restore-on-signal", "NOPE", "train.py"], "unknown signal"),
+    (["--fmt", "int8"], "give the script to run"),
+])
+def test_bad_options_fail_before_the_script_runs(runner, args, error):
+    code, out, err = runner(*args)
+    assert code == 2 and error in err and "argv" not in out
+
+
+@pytest.mark.parametrize("argv,split", [
+    (["train.py", "--lr", "3"], ([], ("script", "train.py"), ["--lr", "3"])),
+    (["--fmt", "fp8_e4m3", "--no-summary", "t.py", "-m", "x"], (["--fmt", "fp8_e4m3", "--no-summary"],
+                                                                ("script", "t.py"), ["-m", "x"])),
+    (["--fmt=bf16", "-m", "pkg.train", "--lr", "3"], (["--fmt=bf16"], ("module", "pkg.train"), ["--lr", "3"])),
+    (["--override", "*embed*=fp32", "--", "-odd-name.py", "a"], (["--override", "*embed*=fp32"],
+                                                                 ("script", "-odd-name.py"), ["a"])),
+    (["--fmt", "int8"], (["--fmt", "int8"], None, [])),
+])
+def test_split_run_argv(argv, split):
+    assert _split_run_argv(argv) == split
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tqdm") is None, reason="tqdm not installed")
+def test_the_plain_example_runs_under_the_runner(runner):
+    example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train_plain.py"
+    code, out, err = runner("--override", "*embed*=fp32", str(example), "--steps", "3")
+    assert code == 0, err
+    assert "final loss (EMA)" in out and "lowbit-compile: 1 optimizer(s) rewritten" in err
