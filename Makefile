@@ -11,12 +11,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]" $(TORCH_PIN)
 	touch $@
 
+$(VENV)/.demo: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[demo]" $(TORCH_PIN)
+	touch $@
+
 $(VENV)/.peers: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[peers,bench]" $(TORCH_PIN)
 	touch $@
 
 .PHONY: demo test bench-deps
-demo: $(VENV)/.installed
+demo: $(VENV)/.demo
 	$(PY) examples/demo.py
 
 test: $(VENV)/.installed

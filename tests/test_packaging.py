@@ -1,0 +1,45 @@
+"""The wheel adds exactly one top-level name, and it imports outside the source tree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_has_one_top_level_name_and_imports(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        check=True, cwd=tmp_path,
+    )
+    (wheel,) = tmp_path.glob("lowbit_compile-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"lowbit_compile"}
+    assert "lowbit_compile/passes/trace.py" in names and "lowbit_compile/kernels/formats.py" in names
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True)
+    code = (
+        "import lowbit_compile, torch;"
+        "from lowbit_compile import lowbit_compile as lc, restore;"
+        "from lowbit_compile.kernels import formats;"
+        f"assert lowbit_compile.__file__.startswith({str(target)!r}), lowbit_compile.__file__;"
+        "p = torch.nn.Parameter(torch.randn(5000)); o = lc(torch.optim.Adam([p]));"
+        "p.grad = torch.ones_like(p); o.step(); print(type(o.state[p]['exp_avg']).__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "QuantizedState"
+
+
+def test_editable_install_maps_passes_and_kernels_into_the_package():
+    import lowbit_compile.kernels.formats as formats
+    import lowbit_compile.passes.trace as trace
+
+    assert Path(trace.__file__).resolve() == ROOT / "passes" / "trace.py"
+    assert Path(formats.__file__).resolve() == ROOT / "kernels" / "formats.py"
