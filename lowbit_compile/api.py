@@ -6,11 +6,14 @@ only its ``step`` (an instance attribute shadowing the class method) and its sta
 
 from __future__ import annotations
 
+import collections
+import contextvars
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import checkpoint, sharding
 from .config import (
@@ -26,6 +29,9 @@ from .runner import StateSchema, compile_step, init_state, probe_schema, run_par
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 _ATTR = "_lowbit"
+# True while a rewritten ``step`` (the instance attribute) runs its hooks and update, so that the
+# redirect below can tell it from the class's stock ``step`` reached some other way.
+_IN_REWRITTEN_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("lowbit_in_rewritten_step", default=False)
 
 
 class _Wrapped:
@@ -157,15 +163,55 @@ def _make_step(opt: torch.optim.Optimizer, previous: Any) -> Callable:
     """The instance ``step``: stock hooks around the rewritten update; keeps an LR scheduler's
     "optimizer.step() was called" tracking working when the scheduler wrapped ``step`` first."""
     hooked = torch.optim.Optimizer.profile_hook_step(_lowbit_step)
-    if previous is not None and getattr(previous, "_wrapped_by_lr_sched", False):
-        def step(self, closure=None):
+    track_lr_sched = previous is not None and getattr(previous, "_wrapped_by_lr_sched", False)
+
+    def step(self, closure=None):
+        if track_lr_sched:
             self._opt_called = True
+        token = _IN_REWRITTEN_STEP.set(True)
+        try:
             return hooked(self, closure)
+        finally:
+            _IN_REWRITTEN_STEP.reset(token)
+
+    if track_lr_sched:
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        return types.MethodType(step, opt)
-    return types.MethodType(hooked, opt)
+    return types.MethodType(step, opt)
 
 
+def stock_step_runs_rewritten(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """New ``(args, kwargs)`` for a global step pre-hook to return, so that the stock ``step`` being
+    called runs the rewritten update instead.
+
+    A global pre-hook runs inside the stock step's hook wrapper and cannot cancel the stock update;
+    it can only replace its arguments. The stock update gets an idle twin (same class and defaults,
+    no param groups: it updates nothing) and a closure that runs the rewritten update (with the
+    caller's closure, if any). The stock step calls that closure where it would call the caller's,
+    after every per-optimizer pre-hook, and returns its loss. Post-hooks see the twin in ``args``.
+    """
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    twin = object.__new__(type(opt))
+    twin.__dict__.update(opt.__dict__)
+    twin.param_groups = []
+    twin.state = collections.defaultdict(dict)
+    return (twin,), {"closure": lambda: _lowbit_step(opt, closure)}
+
+
+def _redirect_stock_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A wrapped optimizer stepped through its class's stock ``step`` -- a bound method captured
+    before it was wrapped, which accelerate's AcceleratedOptimizer puts back after every GradScaler
+    step -- still runs the rewritten update, never the stock one on quantized states."""
+    if getattr(opt, _ATTR, None) is None or _IN_REWRITTEN_STEP.get():
+        return None
+    return stock_step_runs_rewritten(opt, args, kwargs)
+
+
+register_optimizer_step_pre_hook(_redirect_stock_step)
+
+
+# Under torch.compile the step is a graph break that runs as is: its host side (tracing, caches,
+# the scalar prologue) is not traceable, and each param's update is already one fused launch.
+@torch.compiler.disable
 @torch.no_grad()
 def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
     loss = None

@@ -1,0 +1,94 @@
+"""The Triton lowering with the rest of PyTorch: a torch.compile'd training step that calls the wrapped
+``opt.step()``, the launch ops inside a full graph, the profiler, and the error on CPU without the
+interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lowbit_compile import lowbit_compile
+from lowbit_compile.kernels import blockquant
+from lowbit_compile.kernels.formats import StateFormat
+
+triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
+assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before triton is imported
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, lowbit_compile(opt, fmt="int8", block_size=256, min_8bit_size=0, backend="triton")
+
+
+def train_step(model, opt, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()  # a graph break: the wrapped step runs eagerly, one fused launch per param
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_compiled_training_step_calling_the_wrapped_step_runs_like_eager():
+    x = torch.randn(16, 32)
+    runs = []
+    for compiled in (False, True):
+        model, opt = model_and_optimizer()
+        step = torch.compile(train_step, backend="aot_eager") if compiled else train_step
+        losses = [step(model, opt, x) for _ in range(3)]
+        runs.append((losses, [p.detach().clone() for p in model.parameters()],
+                     [s["exp_avg"].codes.clone() for s in opt.state.values()]))
+    (eager_losses, eager_params, eager_codes), (losses, params, codes) = runs
+    assert torch.equal(torch.stack(losses), torch.stack(eager_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
+    assert all(torch.equal(a, b) for a, b in zip(codes, eager_codes))
+
+
+def test_a_launch_op_is_captured_in_a_full_graph():
+    fmt = StateFormat("int8", 64, 2, False)
+    x = torch.randn(300)
+    expected = blockquant.quantize(x, fmt)
+    triton_backend.quantize_into(x, blockquant.empty(300, fmt), fmt)  # builds the kernel
+    key = triton_backend.kernel_for(triton_backend.emit_kernel(
+        triton_backend.quantize_graph(fmt, torch.float32), "lowbit_quantize", "cpu")).key
+
+    def quantize_and_count(x, codes, scales, patch_values, patch_index):
+        torch.ops.lowbit.quantize_triton(key, [codes, scales, patch_values, patch_index], [x], [])
+        return (codes != 0).sum()
+
+    out = blockquant.empty(300, fmt)
+    nonzero = torch.compile(quantize_and_count, backend="aot_eager", fullgraph=True)(x, *out)
+    assert all(torch.equal(a, b) for a, b in zip(out, expected))
+    assert nonzero == (expected.codes != 0).sum()
+
+
+def test_the_profiler_shows_each_launch_by_name():
+    model, opt = model_and_optimizer()
+    model(torch.randn(4, 32)).sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    names = [e.name for e in prof.events()]
+    assert names.count("lowbit::fused_step") == len(list(model.parameters()))
+
+
+def test_cpu_tensors_without_the_interpreter_are_a_clear_error():
+    code = textwrap.dedent("""
+        import torch
+        from lowbit_compile import lowbit_compile
+        p = torch.nn.Parameter(torch.randn(300))
+        opt = lowbit_compile(torch.optim.Adam([p]), min_8bit_size=0, backend="triton")
+        p.grad = torch.randn(300)
+        try:
+            opt.step()
+        except RuntimeError as e:
+            print(e)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "runs cpu tensors only under TRITON_INTERPRET=1" in done.stdout, done.stderr[-2000:]
