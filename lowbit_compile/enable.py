@@ -2,13 +2,11 @@
 rewritten by ``lowbit_compile`` on its first step, whoever created it and whoever calls ``step``.
 
 It is built on torch's process-wide optimizer step pre-hook, not on patching classes. That hook runs
-*inside* the stock ``Adam.step`` wrapper, before the per-optimizer pre-hooks and before the stock
-update, and may only replace the step's ``(args, kwargs)``. On an optimizer's first step in scope
-the hook converts it (from then on its ``step`` is the rewritten one) and hands the stock update an
-idle twin (same class and defaults, no param groups: it updates nothing) plus a closure that runs
-the rewritten update. The stock step calls that closure where it would call the user's, so the
-per-optimizer pre-hooks have run by then, exactly once each, and the closure's loss is returned as
-usual. Post-hooks run on the real optimizer; they see the twin in ``args[0]`` on that one step.
+*inside* the stock ``Adam.step`` wrapper, before the per-optimizer pre-hooks and the stock update,
+and may only replace the step's ``(args, kwargs)``. On an optimizer's first step in scope the hook
+converts it (from then on its ``step`` is the rewritten one) and, through
+``api.stock_step_runs_rewritten``, turns the stock update of this very call into the rewritten
+one: the first step is already low-bit, and every per-optimizer hook still runs once, in order.
 
 Scopes are per context (a ``contextvars`` value): a step taken in another thread, or after the
 scope ends, is not touched. An optimizer rewritten inside keeps its low-bit states after the scope
@@ -31,7 +29,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .api import SUPPORTED, _check_optimizer, _lowbit_step, is_wrapped, lowbit_compile, restore
+from .api import SUPPORTED, _check_optimizer, is_wrapped, lowbit_compile, restore, stock_step_runs_rewritten
 from .config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -161,8 +159,7 @@ class Scope(contextlib.ContextDecorator):
         self._records[opt] = record
         self._stop_learning_names()
         _log.info("rewrote %s (%s params) with low-bit states", record.label, f"{n_params:,}")
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        return (_idle_twin(opt),), {"closure": lambda: _lowbit_step(opt, closure)}
+        return stock_step_runs_rewritten(opt, args, kwargs)
 
     def _post_step(self, opt: torch.optim.Optimizer) -> bool:
         """Count a step of an optimizer this scope rewrote; False if it is not one of ours."""
@@ -257,15 +254,6 @@ def _summary_row(label: str, params: int, steps: int, stock: int, held: int) -> 
     saved = stock - held
     pct = 100.0 * saved / stock if stock else 0.0
     return f"  {label:<12}{params:>15,}{steps:>8,}{stock:>16,}{held:>16,}{saved:>16,}{pct:>6.1f}%"
-
-
-def _idle_twin(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """An optimizer of the same class and defaults with no param groups: its stock step updates nothing."""
-    twin = object.__new__(type(opt))
-    twin.__dict__.update(opt.__dict__)
-    twin.param_groups = []
-    twin.state = collections.defaultdict(dict)
-    return twin
 
 
 def _outermost_names(modules: Iterable[torch.nn.Module]) -> dict[torch.Tensor, str]:

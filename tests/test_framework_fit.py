@@ -181,6 +181,59 @@ def test_step_hooks_run_once_in_order_around_the_update():
     assert all(not torch.equal(v, start) for t, v in seen if "post" in t)
 
 
+def reference_steps(n: int) -> list[torch.Tensor]:
+    """Params after ``n`` plain ``opt.step()`` calls of an explicitly wrapped AdamW on ``batches``."""
+    model = make_model()
+    opt = lowbit_compile(torch.optim.AdamW(model.parameters()), min_8bit_size=0)
+    for batch in batches(n):
+        opt.zero_grad()
+        loss_of(model, batch).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_step_method_captured_before_wrapping_still_runs_the_rewritten_update():
+    """Wrappers that kept the bound stock ``step`` from before (accelerate puts one back after every
+    GradScaler step) must not run the stock update on quantized states."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters())
+    captured = opt.step
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    lowbit_compile(opt, min_8bit_size=0)
+    opt.step = captured
+    for batch in batches(3):
+        opt.zero_grad()
+        loss_of(model, batch).backward()
+        opt.step()
+    assert calls == ["pre"] * 3 and isinstance(opt.state[model.net[0].weight]["exp_avg"], QuantizedState)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference_steps(3)))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate not installed")
+def test_accelerate_optimizer_with_grad_scaler_under_enable():
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState
+
+    Accelerator(cpu=True)
+    try:
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters())
+        wrapped = AcceleratedOptimizer(opt, device_placement=False, scaler=torch.amp.GradScaler("cpu"))
+        skipped = []
+        with enable(min_8bit_size=0):
+            for batch in batches(3):
+                wrapped.zero_grad()
+                wrapped.scaler.scale(loss_of(model, batch)).backward()
+                wrapped.step()
+                skipped.append(wrapped.step_was_skipped)
+        assert skipped == [False] * 3 and opt.state[model.net[0].weight]["step"].item() == 3
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference_steps(3)))
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 # -- every LR scheduler -----------------------------------------------------------------------------
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], object]] = {
     "LambdaLR": lambda o: lr_scheduler.LambdaLR(o, lambda s: 0.9**s),
