@@ -93,8 +93,8 @@ class Scope(contextlib.ContextDecorator):
         restore_on_exit: bool = False,
     ) -> None:
         self.config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
-        if restore_at_step is not None and (not isinstance(restore_at_step, int) or restore_at_step < 0):
-            raise ValueError(f"restore_at_step must be a non-negative int or None, got {restore_at_step!r}")
+        if restore_at_step is not None and (not isinstance(restore_at_step, int) or restore_at_step < 1):
+            raise ValueError(f"restore_at_step must be a positive int or None, got {restore_at_step!r}")
         self._options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
                              backend=backend, overrides=overrides)
         self._names = param_names(model) if model is not None else None

@@ -129,6 +129,7 @@ def test_only_rank_zero_prints_the_summary(runner):
     (["--fmt", "int4", "train.py"], "fmt must be one of"),
     (["--override", "embed", "train.py"], "PATTERN=FMT"),
     (["--restore-on-signal", "NOPE", "train.py"], "unknown signal"),
+    (["--restore-at-step", "0", "train.py"], "positive int"),
     (["--fmt", "int8"], "give the script to run"),
 ])
 def test_bad_options_fail_before_the_script_runs(runner, args, error):

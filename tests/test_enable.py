@@ -257,3 +257,14 @@ def test_name_patterns_with_model_given():
             opt.step()
     assert opt.state[model.weight]["exp_avg"].fmt.name == "fp8_e5m2"
     assert opt.state[model.bias]["exp_avg"].fmt.name == "int8"
+
+
+@pytest.mark.parametrize("options,error", [
+    ({"fmt": "int4"}, "fmt must be one of"),
+    ({"block_size": 1000}, "power of two"),
+    ({"overrides": {"*": "q"}}, "must be one of"),
+    ({"restore_at_step": 0}, "positive int"),
+])
+def test_bad_options_are_refused_when_the_scope_is_made(options, error):
+    with pytest.raises(ValueError, match=error):
+        enable(**options)
