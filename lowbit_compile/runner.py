@@ -145,7 +145,9 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
         type(opt), unhooked_step(type(opt)), static_group_items(tgroup),
         tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots),
         param.dtype, param.device.type,
-        tuple((k, tensor_meta(v) if isinstance(v, torch.Tensor) else type(v)) for k, v in sorted(state.items())),
+        # per-element states by dtype only: the trace is 1-D and elementwise, so one serves every shape
+        tuple((k, (v.dtype, v.device.type) if k in schema.per_element else tensor_meta(v))
+              if isinstance(v, torch.Tensor) else (k, type(v)) for k, v in sorted(state.items())),
         tuple(sorted((k, f.tag()) for k, f in formats.items())), resolve(config.backend, param.device.type),
     )
     values = [s.get(tgroup) for s in slots]
