@@ -1,0 +1,23 @@
+"""bench/gpu_check.py, which needs a GPU to mean anything, at least runs here: its dry run takes the same
+code paths (correctness against the reference, state kernels, timing, table, JSON) on tiny CPU sizes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+gpu_check = pytest.importorskip("bench.gpu_check")
+
+
+def test_dry_run_checks_times_and_writes_json(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    report = gpu_check.main(["--device", "cpu", "--dry-run", "--formats", "int8", "--cases", "adam-bf16-params-wd",
+                             "--skip-peers", "--out", str(out)])
+    assert report["correct"], report["correctness"]
+    assert json.loads(out.read_text())["correct"]
+    timed = {(r["method"], r["param_dtype"]) for r in report["timing"]}
+    assert timed == {(m, d) for m in ("torch_adamw_fused", "lowbit_int8") for d in ("float32", "bfloat16")}
+    ours = next(r for r in report["timing"] if r["method"] == "lowbit_int8" and r["param_dtype"] == "float32")
+    assert ours["bytes_per_param"] == pytest.approx(16 + 2 * 24 / 2048)
