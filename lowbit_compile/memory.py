@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import sharding
 from .state import QuantizedState
 
 
@@ -35,6 +36,7 @@ class MemoryReport:
 
 
 def tensor_bytes(value: torch.Tensor) -> int:
+    value = sharding.local(value)
     if isinstance(value, QuantizedState):
         return value.nbytes_held
     return value.numel() * value.element_size()
@@ -42,7 +44,8 @@ def tensor_bytes(value: torch.Tensor) -> int:
 
 def memory_report(opt: torch.optim.Optimizer) -> MemoryReport:
     """Count the bytes of every tensor in ``opt.state``: codes, scales and patches for quantized
-    states, the tensor itself for stock ones. ``params`` counts elements of params with state."""
+    states, the tensor itself for stock ones. ``params`` counts elements of params with state.
+    A sharded (FSDP2) parameter counts this rank's shard: what this process holds."""
     n_params = 0
     per: dict[str, list[int]] = {}
     for group in opt.param_groups:
@@ -50,7 +53,7 @@ def memory_report(opt: torch.optim.Optimizer) -> MemoryReport:
             state = opt.state.get(param)
             if not state:
                 continue
-            n_params += param.numel()
+            n_params += sharding.local(param).numel()
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     per.setdefault(key, [0])[0] += tensor_bytes(value)

@@ -1,0 +1,290 @@
+"""One rank of a multi-process check for tests/test_distributed.py (gloo on CPU, file rendezvous).
+
+Run as ``python -m tests.dist_worker SCENARIO RANK WORLD WORKDIR``. A scenario asserts what it
+checks and prints what it measured; the process then meets the others at a barrier, leaves the
+process group and ends with ``os._exit`` (gloo can abort at interpreter exit otherwise).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from lowbit_compile import QuantizedState, lowbit_compile, memory_report, restore
+from lowbit_compile.checkpoint import stock_state_dict
+
+LR = 1e-2
+# low-bit from 1000 elements: a.weight (129x10, shards of 650/640) and extra (3001, shards 1501/1500)
+# are quantized although no shard reaches 1000; c.weight (7x101 = 707) keeps fp32 on every rank
+CONFIG = {"fmt": "int8", "block_size": 256, "min_8bit_size": 1000}
+
+
+class Net(torch.nn.Module):
+    """Dim-0 sizes 129, 101, 7, 3001: uneven shards at world size 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(10, 129)
+        self.b = torch.nn.Linear(129, 101)
+        self.c = torch.nn.Linear(101, 7)
+        self.extra = torch.nn.Parameter(torch.randn(3001) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return y.square().mean() + (self.extra.square() * x[0, 0]).mean()
+
+
+def fsdp_net() -> Net:
+    net = Net()
+    for layer in (net.a, net.b, net.c):
+        fully_shard(layer)
+    fully_shard(net)
+    return net
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    """The same batches on every rank, so averaged gradients equal one process's (g + g) / 2 == g."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(16, 10, generator=gen)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def full(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    """The recipe of torch.distributed.checkpoint: a template from get_state_dict, load, set."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def one_process(steps_before: int, steps_after: int) -> dict[str, list[torch.Tensor]]:
+    """The parameters one process reaches with int8 and with fp32 states (computed on rank 0)."""
+    runs: list = [None]
+    if dist.get_rank() == 0:
+        runs[0] = {}
+        for fmt in ("int8", "fp32"):
+            net = Net()
+            opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **{**CONFIG, "fmt": fmt})
+            train(net, opt, steps_before, seed=1)
+            train(net, opt, steps_after, seed=2)
+            runs[0][fmt] = full(net)
+            if fmt == "int8":
+                runs[0]["bytes"] = memory_report(opt).total.bytes
+    dist.broadcast_object_list(runs, src=0)
+    return runs[0]
+
+
+def tolerance(runs: dict[str, list[torch.Tensor]]) -> float:
+    """How far int8 states take training from fp32 AdamW over the same steps: blocking the states
+    differently (other shards) is an error of the same kind, so it must stay within this."""
+    return max_diff(runs["int8"], runs["fp32"])
+
+
+# scenarios -------------------------------------------------------------------------------------------
+def fsdp(rank: int, world: int, workdir: Path) -> None:
+    """FSDP2 at world size ``world``: formats by full shape, stock-exact fp32, single-process match,
+    DCP states are DTensors, exact DCP and torch.save resume; saves a checkpoint for other sizes."""
+    # fp32 through the rewritten step on local shards is stock AdamW bit for bit
+    nets = [fsdp_net(), fsdp_net()]
+    opts = [lowbit_compile(torch.optim.AdamW(nets[0].parameters(), lr=LR), "fp32"),
+            torch.optim.AdamW(nets[1].parameters(), lr=LR)]
+    for net, opt in zip(nets, opts):
+        train(net, opt, 2, seed=1)
+    assert bitwise(full(nets[0]), full(nets[1])), "fp32 on FSDP2 shards differs from stock AdamW"
+    stock_dcp_into_wrapped(nets[1], opts[1], workdir)
+
+    net = fsdp_net()
+    opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **CONFIG)
+    train(net, opt, 3, seed=1)
+    layout = {}
+    for name, p in net.named_parameters():
+        value = opt.state[p]["exp_avg"]
+        assert isinstance(value, DTensor) and value.shape == p.shape and value.placements == p.placements
+        local = value.to_local()
+        assert local.shape == p.to_local().shape
+        layout[name] = isinstance(local, QuantizedState)
+    assert layout == {"a.weight": True, "a.bias": False, "b.weight": True, "b.bias": False,
+                      "c.weight": False, "c.bias": False, "extra": True}, layout
+    every = [None] * world
+    dist.all_gather_object(every, layout)
+    assert all(x == layout for x in every)
+
+    runs = one_process(3, 0)
+    drift, allowed = max_diff(full(net), runs["int8"]), tolerance(runs)
+    print(f"rank {rank}: FSDP2 vs one process after 3 steps {drift:.2e}, int8 vs fp32 {allowed:.2e}")
+    assert drift <= allowed
+    # each rank holds its shard's states only: together what one process holds, plus per extra rank
+    # its own 4-byte step per parameter and at most one more partial block (12 bytes of scale and
+    # patches) per quantized state (3 params x 2 states)
+    held = torch.tensor(memory_report(opt).total.bytes)
+    dist.all_reduce(held)
+    print(f"rank {rank}: state bytes on this rank {memory_report(opt).total.bytes}, all ranks {held.item()}, "
+          f"one process {runs['bytes']}")
+    assert 0 <= held.item() - runs["bytes"] <= (world - 1) * (7 * 4 + 3 * 2 * 12)
+
+    model_sd, optim_sd = get_state_dict(net, opt)
+    for fqn, entry in optim_sd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            tensors = list(entry[key].values()) if isinstance(entry[key], dict) else [entry[key]]
+            tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+            assert tensors and all(isinstance(t, DTensor) for t in tensors), f"{fqn}.{key} has a plain tensor"
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(workdir / f"dcp{world}"))
+    path = workdir / f"rank{rank}.pt"
+    torch.save(copy.deepcopy({"model": net.state_dict(), "optim": opt.state_dict()}), path)
+    train(net, opt, 3, seed=2)
+    expected = full(net)
+    if rank == 0:
+        torch.save(expected, workdir / f"continued{world}.pt")
+
+    resumed = fsdp_net()
+    resumed_opt = lowbit_compile(torch.optim.AdamW(resumed.parameters(), lr=LR), **CONFIG)
+    dcp_load(resumed, resumed_opt, workdir / f"dcp{world}")
+    train(resumed, resumed_opt, 3, seed=2)
+    assert bitwise(full(resumed), expected), "DCP resume at the same world size is not exact"
+
+    loaded = torch.load(path, weights_only=True)
+    again = fsdp_net()
+    again_opt = lowbit_compile(torch.optim.AdamW(again.parameters(), lr=LR), **CONFIG)
+    again.load_state_dict(loaded["model"])
+    again_opt.load_state_dict(loaded["optim"])
+    train(again, again_opt, 3, seed=2)
+    assert bitwise(full(again), expected), "per-rank torch.save resume is not exact"
+
+    restore(again_opt)
+    assert all(type(opt_state["exp_avg"].to_local()) is torch.Tensor for opt_state in again_opt.state.values())
+    train(again, again_opt, 1, seed=3)
+
+
+def stock_dcp_into_wrapped(stock_net: torch.nn.Module, stock_opt: torch.optim.Optimizer, workdir: Path) -> None:
+    """A DCP checkpoint of stock FSDP2 AdamW loads into a wrapped optimizer through a stock-shaped
+    template (stock_state_dict of the wrapped one's), and its states come out quantized."""
+    dcp.save({"optim": get_state_dict(stock_net, stock_opt)[1]}, checkpoint_id=str(workdir / "stock"))
+    net = fsdp_net()
+    opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **CONFIG)
+    template = stock_state_dict(get_state_dict(net, opt)[1])
+    dcp.load({"optim": template}, checkpoint_id=str(workdir / "stock"))
+    set_optimizer_state_dict(net, opt, template)
+    for (name, p), q in zip(net.named_parameters(), stock_net.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            local, stock = opt.state[p][key].to_local(), stock_opt.state[q][key].to_local()
+            if isinstance(local, QuantizedState):
+                expected = QuantizedState.from_dense(stock, local.fmt)
+                assert all(torch.equal(a, b) for a, b in zip(local.storage_parts, expected.storage_parts))
+            else:
+                assert name in ("a.bias", "b.bias", "c.weight", "c.bias") and torch.equal(local, stock)
+
+
+def reshard(rank: int, world: int, workdir: Path) -> None:
+    """Resume from the DCP checkpoint of the other world size (1 or 2), re-quantizing the blocks the
+    new shards cut differently; train on and compare with that size's run. The first leg at this
+    size also saves its checkpoint and run for the way back."""
+    other = 3 - world
+    net = fsdp_net()
+    opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **CONFIG)
+    dcp_load(net, opt, workdir / f"dcp{other}")
+    assert isinstance(opt.state[net.a.weight]["exp_avg"].to_local(), QuantizedState)
+    first_leg = not (workdir / f"dcp{world}").exists()
+    if first_leg:
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(net, opt))), checkpoint_id=str(workdir / f"dcp{world}"))
+    train(net, opt, 3, seed=2)
+    reached = full(net)
+    if first_leg and rank == 0:
+        torch.save(reached, workdir / f"continued{world}.pt")
+    drift, allowed = max_diff(reached, torch.load(workdir / f"continued{other}.pt")), tolerance(one_process(3, 3))
+    print(f"rank {rank}: world {other} -> {world}, 3 steps on: {drift:.2e} from world {other}'s run, "
+          f"int8 vs fp32 {allowed:.2e}")
+    assert drift <= allowed
+
+
+def ddp_and_zero(rank: int, world: int, workdir: Path) -> None:
+    """DDP and ZeroRedundancyOptimizer (inner optimizer wrapped) train exactly like one process;
+    ZeRO's state_dict/load_state_dict (which bypasses the inner hooks) resumes exactly."""
+    single = Net()
+    single_opt = lowbit_compile(torch.optim.AdamW(single.parameters(), lr=LR), **CONFIG)
+    train(single, single_opt, 3, seed=1)
+    train(single, single_opt, 2, seed=2)
+    expected = full(single)
+
+    ddp = DistributedDataParallel(Net())
+    ddp_opt = lowbit_compile(torch.optim.AdamW(ddp.parameters(), lr=LR), **CONFIG)
+    train(ddp, ddp_opt, 3, seed=1)
+    train(ddp, ddp_opt, 2, seed=2)
+    assert bitwise(full(ddp.module), expected), "DDP differs from one process"
+
+    def zero_run() -> tuple[torch.nn.Module, ZeroRedundancyOptimizer]:
+        model = DistributedDataParallel(Net())
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+        lowbit_compile(zero.optim, **CONFIG)
+        return model, zero
+
+    model, zero = zero_run()
+    train(model, zero, 3, seed=1)
+    owned = [p for p in model.parameters() if p in zero.optim.state]
+    assert owned and len(owned) < len(list(model.parameters())), "ZeRO should give each rank a part"
+    zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save(zero.state_dict(), workdir / "zero.pt")
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    train(model, zero, 2, seed=2)
+    assert bitwise(full(model.module), expected), "ZeroRedundancyOptimizer differs from one process"
+
+    dist.barrier()
+    model, zero = zero_run()
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), snapshot):
+            p.copy_(value)
+    zero.load_state_dict(torch.load(workdir / "zero.pt", weights_only=True))
+    train(model, zero, 2, seed=2)
+    assert bitwise(full(model.module), expected), "ZeroRedundancyOptimizer resume is not exact"
+
+
+SCENARIOS = {"fsdp": fsdp, "reshard": reshard, "ddp_and_zero": ddp_and_zero}
+
+
+def main() -> None:
+    scenario, rank, world, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    dist.init_process_group("gloo", init_method=f"file://{workdir / 'rendezvous'}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        SCENARIOS[scenario](rank, world, workdir)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

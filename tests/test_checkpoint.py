@@ -1,0 +1,262 @@
+"""Checkpoints of a wrapped optimizer in one process: compact state_dict, bitwise resume through
+torch.save/torch.load(weights_only=True), stock fp32 checkpoints in and out, other formats
+converted, unreadable states named, row-sharded checkpoints loaded unsharded."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from lowbit_compile import QuantizedState, checkpoint, lowbit_compile, restore
+from lowbit_compile.kernels.formats import StateFormat
+
+# odd shapes on purpose: partial blocks, blocks that span rows, a 1-D and a 0-d parameter
+SHAPES = [(67, 33), (300,), (), (5, 1, 7)]
+OPTIONS = {"block_size": 64, "min_8bit_size": 0}
+
+
+def make_params(shapes=SHAPES) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def train(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+def saved_and_loaded(obj: object) -> object:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def state_bits(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor that makes up the states of ``params``, quantized parts included."""
+    out = []
+    for p in params:
+        for value in opt.state[p].values():
+            out += list(value.storage_parts) if isinstance(value, QuantizedState) else [value]
+    return out
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+
+
+def test_state_dict_holds_codes_and_block_tables_not_fp32():
+    """int8 m and v of 2-D parameters: 1 code byte per element plus per-row block records; the file
+    is about a quarter of stock AdamW's."""
+    shapes = [(256, 512), (96, 2048), (64, 3000)]
+    params = make_params(shapes)
+    opt = lowbit_compile(torch.optim.AdamW(params), "int8")
+    stock = torch.optim.AdamW(params)
+    train(opt, params, 1, 0)
+    train(stock, params, 1, 0)
+    state = opt.state_dict()["state"]
+    held = 0
+    for idx, shape in enumerate(shapes):
+        for key in ("exp_avg", "exp_avg_sq"):
+            packed = state[idx][key]
+            assert checkpoint.is_packed(packed) and packed["lowbit_format"].startswith("int8:2048:2:")
+            assert packed["codes"].dtype == torch.uint8 and packed["codes"].shape == shape
+            # a row of width w meets at most (w + 2046) // 2048 + 1 blocks of 2048
+            slots = (shape[1] + 2046) // 2048 + 1
+            assert packed["block_scales"].shape == (shape[0], slots)
+            held += sum(t.numel() * t.element_size() for t in packed.values() if isinstance(t, torch.Tensor))
+    elements = sum(p.numel() for p in params)
+    # codes (1 B) + per row `slots` records of 12 B (fp32 scale, 2 bf16 patches, 2 int16 offsets)
+    assert held == 2 * elements + 2 * sum(s[0] * ((s[1] + 2046) // 2048 + 1) * 12 for s in shapes)
+    ours, theirs = io.BytesIO(), io.BytesIO()
+    torch.save(opt.state_dict(), ours)
+    torch.save(stock.state_dict(), theirs)
+    assert ours.tell() < 0.27 * theirs.tell()
+
+
+@pytest.mark.parametrize("fmt, amsgrad", [("int8", False), ("dynamic8", True), ("fp8_e4m3", False),
+                                           ("fp8_e5m2", True), ("bf16", False),
+                                           ({"exp_avg": "fp8_e4m3", "exp_avg_sq": "dynamic8"}, True)])
+def test_resume_continues_bitwise_like_an_uninterrupted_run(fmt, amsgrad):
+    params = make_params()
+    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2, amsgrad=amsgrad), fmt, **OPTIONS)
+    train(opt, params, 3, seed=1)
+    saved = saved_and_loaded({"params": [p.detach().clone() for p in params], "optim": opt.state_dict()})
+    train(opt, params, 3, seed=2)
+
+    resumed = [torch.nn.Parameter(p) for p in saved["params"]]
+    opt2 = lowbit_compile(torch.optim.AdamW(resumed, lr=0.5, amsgrad=amsgrad), fmt, **OPTIONS)
+    opt2.load_state_dict(saved["optim"])
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    train(opt2, resumed, 3, seed=2)
+    assert_same([p.detach() for p in params], [p.detach() for p in resumed])
+    assert_same(state_bits(opt, params), state_bits(opt2, resumed))
+
+
+def test_loading_a_stock_adamw_checkpoint_quantizes_it():
+    params = make_params()
+    stock = torch.optim.AdamW(params, lr=1e-2)
+    train(stock, params, 2, seed=1)
+    sd = saved_and_loaded(stock.state_dict())
+    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "int8", **OPTIONS)
+    opt.load_state_dict(sd)
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = opt.state[p][key]
+            assert isinstance(value, QuantizedState), "a stock state must not stay fp32"
+            expected = QuantizedState.from_dense(stock.state[p][key], value.fmt)
+            assert_same(list(value.storage_parts), list(expected.storage_parts))
+        assert torch.equal(opt.state[p]["step"], stock.state[p]["step"])
+    train(opt, params, 1, seed=2)
+
+
+def test_export_gives_a_stock_fp32_state_dict_a_stock_adamw_loads():
+    params = make_params()
+    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "dynamic8", **OPTIONS)
+    train(opt, params, 2, seed=1)
+    for source in (opt, saved_and_loaded(opt.state_dict())):
+        exported = checkpoint.stock_state_dict(source)
+        for idx, p in enumerate(params):
+            for key in ("exp_avg", "exp_avg_sq"):
+                dense = exported["state"][idx][key]
+                assert type(dense) is torch.Tensor and dense.dtype == torch.float32 and dense.shape == p.shape
+                assert torch.equal(dense, opt.state[p][key].dequantize())
+    stock = torch.optim.AdamW(params, lr=1e-2)
+    stock.load_state_dict(checkpoint.stock_state_dict(opt))
+    train(stock, params, 1, seed=2)
+
+
+def test_restore_after_loading_gives_a_stock_optimizer_with_fp32_states():
+    params = make_params()
+    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "int8", **OPTIONS)
+    train(opt, params, 2, seed=1)
+    sd = saved_and_loaded(opt.state_dict())
+    plain = torch.optim.AdamW(params)
+    lowbit_compile(plain, **OPTIONS).load_state_dict(sd)
+    restore(plain)
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert type(plain.state[p][key]) is torch.Tensor
+            assert torch.equal(plain.state[p][key], opt.state[p][key].dequantize())
+    train(plain, params, 1, seed=2)
+
+
+@pytest.mark.parametrize("target", [{"fmt": "fp8_e4m3", "block_size": 16}, {"fmt": "int8", "block_size": 128},
+                                    {"fmt": "fp32", "block_size": 64}])
+def test_another_format_or_block_size_is_converted(target):
+    params = make_params()
+    opt = lowbit_compile(torch.optim.AdamW(params), "int8", block_size=64, min_8bit_size=0)
+    train(opt, params, 2, seed=1)
+    sd = saved_and_loaded(opt.state_dict())
+    opt2 = lowbit_compile(torch.optim.AdamW(params), target["fmt"], block_size=target["block_size"], min_8bit_size=0)
+    opt2.load_state_dict(sd)
+    for p in params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            saved, loaded = opt.state[p][key], opt2.state[p][key]
+            fmt = StateFormat.make(target["fmt"], target["block_size"], 2, key == "exp_avg_sq")
+            if fmt.passthrough:
+                assert type(loaded) is torch.Tensor and torch.equal(loaded, saved.dequantize())
+                continue
+            assert loaded.fmt == fmt
+            expected = QuantizedState.from_dense(saved.dequantize(), fmt)
+            assert_same(list(loaded.storage_parts), list(expected.storage_parts))
+    train(opt2, params, 1, seed=2)
+
+
+def _corrupt(sd: dict, change) -> dict:
+    sd["state"][0]["exp_avg"] = change(dict(sd["state"][0]["exp_avg"]))
+    return sd
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: {**d, "lowbit_format": "int9:64:2:s"}, r"'exp_avg'.*int9"),
+    (lambda d: {**d, "lowbit_format": "int8"}, r"'exp_avg'.*not a lowbit_compile state this version can read"),
+    (lambda d: {k: v for k, v in d.items() if k != "block_scales"}, r"'exp_avg'.*lacks \['block_scales'\]"),
+    (lambda d: {**d, "shape": [3, 3]}, r"'exp_avg' was saved for a parameter of shape \(3, 3\)"),
+])
+def test_unreadable_states_fail_naming_the_state(change, match):
+    params = make_params()
+    opt = lowbit_compile(torch.optim.AdamW(params), **OPTIONS)
+    train(opt, params, 1, seed=1)
+    sd = _corrupt(saved_and_loaded(opt.state_dict()), change)
+    with pytest.raises(ValueError, match=match):
+        lowbit_compile(torch.optim.AdamW(params), **OPTIONS).load_state_dict(sd)
+
+
+def _two_shard_checkpoint(x: torch.Tensor, fmt: StateFormat, split: int) -> dict:
+    """What FSDP2 on two ranks saves for a state ``x`` (gathered, as full_state_dict gives it):
+    each rank quantized its rows on their own, blocks counted from its first element."""
+    halves = [checkpoint.pack(QuantizedState.from_dense(part, fmt), part) for part in (x[:split], x[split:])]
+    gathered = {name: torch.cat([h[name] for h in halves]) for name in ("codes", *checkpoint._TABLES)}
+    return {**halves[0], **gathered, "shape": list(x.shape), "row_splits": [0, split, x.shape[0]]}
+
+
+@pytest.mark.parametrize("shape, split", [((129, 10), 65), ((7, 300), 4), ((3001,), 1501)])
+def test_a_checkpoint_of_two_shards_loads_unsharded(shape, split):
+    fmt = StateFormat("int8", 64, 2, False)
+    x = torch.randn(shape)
+    packed = _two_shard_checkpoint(x, fmt, split)
+    shards = [QuantizedState.from_dense(part, fmt) for part in (x[:split], x[split:])]
+    dense = torch.cat([s.dequantize() for s in shards])
+    assert torch.equal(checkpoint.stock_state_dict({"state": {0: {"m": packed}}})["state"][0]["m"], dense)
+
+    loaded = checkpoint.unpack(packed, torch.empty(shape))
+    # blocks of the first shard start where the unsharded blocks do: all but its last are kept bit for bit
+    whole = (split * dense[0].numel()) // 64
+    assert torch.equal(loaded.codes[: whole * 64], shards[0].codes[: whole * 64])
+    assert torch.equal(loaded.scales[:whole], shards[0].scales[:whole])
+    # the rest is re-quantized from the saved values: a code is off by at most half a step (the
+    # block's scale), a patch by bf16 rounding (2^-9 relative); twice those leaves room for rounding
+    error = (loaded.dequantize() - dense).abs().reshape(-1)
+    bound = torch.maximum(loaded.scales.repeat_interleave(64)[: error.numel()], dense.abs().reshape(-1) * 2**-8)
+    assert bool((error <= bound).all())
+
+
+def test_a_loader_that_bypasses_load_state_dict_is_caught_at_the_next_step():
+    """ZeroRedundancyOptimizer writes ``optim.state[p]`` itself; the step unpacks what it finds."""
+    params = make_params()
+    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "int8", **OPTIONS)
+    train(opt, params, 2, seed=1)
+    sd = saved_and_loaded({"params": [p.detach().clone() for p in params], "optim": opt.state_dict()})
+    train(opt, params, 2, seed=2)
+
+    resumed = [torch.nn.Parameter(p) for p in sd["params"]]
+    opt2 = lowbit_compile(torch.optim.AdamW(resumed, lr=1e-2), "int8", **OPTIONS)
+    for i, p in enumerate(resumed):
+        opt2.state[p] = dict(sd["optim"]["state"][i])
+    train(opt2, resumed, 2, seed=2)
+    assert_same([p.detach() for p in params], [p.detach() for p in resumed])
+
+
+def test_distributed_state_dict_api_in_one_process():
+    """get_state_dict/set_state_dict key states by parameter name; the hooks follow."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 16))
+
+    def steps(m, opt, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(2):
+            m(torch.randn(8, 64, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    m = model()
+    opt = lowbit_compile(torch.optim.AdamW(m.parameters(), lr=1e-2), **OPTIONS)
+    steps(m, opt, 1)
+    msd, osd = saved_and_loaded(get_state_dict(m, opt))
+    assert set(osd["state"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    steps(m, opt, 2)
+    m2 = model()
+    opt2 = lowbit_compile(torch.optim.AdamW(m2.parameters(), lr=1e-2), **OPTIONS)
+    set_state_dict(m2, opt2, model_state_dict=msd, optim_state_dict=osd)
+    steps(m2, opt2, 2)
+    assert_same([p.detach() for p in m.parameters()], [p.detach() for p in m2.parameters()])
