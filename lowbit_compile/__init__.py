@@ -5,10 +5,12 @@ from .enable import Scope, enable
 from .memory import memory_report
 from .passes.trace import trace_count
 from .state import QuantizedState
+from .stats import StateStats, stats
 
-__all__ = ["QuantizedState", "Scope", "enable", "is_wrapped", "lowbit_compile", "memory_report", "restore",
-           "trace_count"]
+__all__ = ["QuantizedState", "Scope", "StateStats", "enable", "is_wrapped", "lowbit_compile", "memory_report",
+           "restore", "stats", "trace_count"]
 
 # `from lowbit_compile import lowbit_compile` gives the function; `@lowbit_compile.enable(...)` works on it too.
 lowbit_compile.enable = enable  # type: ignore[attr-defined]
+lowbit_compile.stats = stats  # type: ignore[attr-defined]
 __version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Benchmarks of lowbit-compile: training quality against fp32 AdamW and peers, state-storage checks."""

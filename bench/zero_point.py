@@ -1,0 +1,148 @@
+"""The zero-point check: 20 AdamW steps with random gradients on a transformer-shaped parameter set,
+then, per optimizer, (a) how many second-moment entries are stored as exactly 0 where fp32 AdamW's
+are positive (ppm), and (b) how far any parameter ends from fp32 AdamW's, in units of lr.
+
+A v stored as 0 turns ``m / (sqrt(v) + eps)`` into a step of ``m / eps`` (the zero-point problem of
+Li et al. 2023, "Memory Efficient Optimizers with 4-bit States", Sec. 4.1).
+
+    python bench/zero_point.py             # 12.6M params (d=384, 6 layers): ours, bitsandbytes, torchao
+    python bench/zero_point.py --small     # the 0.5M-param set of tests/test_zero_point.py
+
+Writes ``bench/results/zero_point.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find bench/ and tests/
+
+import torch
+
+from tests.test_api import transformer_params
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FULL = {"d": 384, "layers": 6, "vocab": 4864}  # 12,613,632 params
+SMALL = {"d": 128, "layers": 2, "vocab": 512}  # 496,640 params, same kinds of tensors
+LR, WEIGHT_DECAY, STEPS = 1e-3, 0.01, 20
+OURS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16")
+
+MakeOptimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class ZeroPoint:
+    zeros_ppm: float  # v stored as exactly 0 where fp32 v > 0, per million such entries
+    max_off_lr: float  # max |param - fp32 param| / lr
+    mean_off_lr: float
+    seconds: float
+
+
+def ours(fmt: str, **options) -> MakeOptimizer:
+    from lowbit_compile import lowbit_compile
+
+    return lambda params: lowbit_compile(torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY), fmt, **options)
+
+
+def peer(module: str, cls: str) -> MakeOptimizer:
+    import importlib
+
+    return lambda params: getattr(importlib.import_module(module), cls)(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def stored_v(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    """The second moment ``opt`` holds for ``p``, decoded to fp32 (ours, torchao, bitsandbytes, stock)."""
+    state = opt.state[p]
+    if "state2" in state:  # bitsandbytes: uint8 codes into the unsigned dynamic map, blocks of 256
+        v = state["state2"]
+        if v.dtype == torch.uint8:
+            v = state["qmap2"][v.reshape(-1).long()] * state["absmax2"].repeat_interleave(256)[: p.numel()]
+        return v.reshape(p.shape).float()
+    v = state["exp_avg_sq"]
+    return (v.dequantize() if hasattr(v, "dequantize") else v).reshape(p.shape).float()
+
+
+def _run(params0: list[torch.Tensor], make: MakeOptimizer, steps: int, seed: int):
+    params = [torch.nn.Parameter(p.clone()) for p in params0]
+    opt = make(params)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return params, opt
+
+
+def zero_point_check(makers: dict[str, MakeOptimizer], size: dict, steps: int = STEPS, seed: int = 1,
+                     progress: Callable[[str, ZeroPoint], None] | None = None) -> dict[str, ZeroPoint]:
+    """Run fp32 AdamW and each optimizer of ``makers`` for ``steps`` steps with the same random
+    gradients from the same ``transformer_params(**size)``; measure each against fp32."""
+    torch.manual_seed(0)
+    params0 = [p.detach() for p in transformer_params(**size)]
+    ref, ref_opt = _run(params0, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY), steps, seed)
+    ref_v = [ref_opt.state[p]["exp_avg_sq"] for p in ref]
+    out = {}
+    for name, make in makers.items():
+        start = time.perf_counter()
+        params, opt = _run(params0, make, steps, seed)
+        seconds = time.perf_counter() - start
+        zeros = positive = 0
+        off = []
+        for p, r, rv in zip(params, ref, ref_v):
+            v = stored_v(opt, p)
+            zeros += int(((v == 0) & (rv > 0)).sum())
+            positive += int((rv > 0).sum())
+            off.append((p.detach() - r.detach()).abs().flatten() / LR)
+        off_all = torch.cat(off)
+        out[name] = ZeroPoint(zeros / positive * 1e6, off_all.max().item(), off_all.mean().item(), seconds)
+        if progress:
+            progress(name, out[name])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small", action="store_true", help="the 0.5M-param set of the test")
+    ap.add_argument("--no-peers", action="store_true", help="ours only")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    torch.set_num_threads(1)
+    size = SMALL if args.small else FULL
+    makers = {f"ours {fmt}": ours(fmt) for fmt in OURS}
+    if not args.no_peers:
+        makers.update({
+            "bitsandbytes AdamW8bit": peer("bitsandbytes.optim", "AdamW8bit"),
+            "torchao AdamW8bit": peer("torchao.optim", "AdamW8bit"),
+            "torchao AdamWFp8": peer("torchao.optim", "AdamWFp8"),
+            "torchao AdamW4bit": peer("torchao.optim", "AdamW4bit"),
+        })
+    n = sum(p.numel() for p in transformer_params(**size))
+    with tqdm(total=len(makers), desc="optimizers") as bar:
+        results = zero_point_check(makers, size, progress=lambda name, r: (
+            bar.set_postfix_str(f"{name}: {r.zeros_ppm:.0f} ppm, {r.max_off_lr:.2f} lr"), bar.update()))
+    lines = [f"Zero-point check: {n:,} params ({size}), {STEPS} AdamW steps, lr {LR}, weight decay "
+             f"{WEIGHT_DECAY}, N(0, 1) gradients", "",
+             "| optimizer | v stored as 0 where fp32 v > 0 | max \\|p - p_fp32\\| / lr | mean / lr | s |",
+             "|---|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r.zeros_ppm:.1f} ppm | {r.max_off_lr:.3f} | {r.mean_off_lr:.4f} | {r.seconds:.0f} |")
+    text = "\n".join(lines) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "zero_point_small" if args.small else "zero_point"
+    (args.out / f"{stem}.md").write_text(text)
+    (args.out / f"{stem}.json").write_text(json.dumps(
+        {"size": size, "params": n, "steps": STEPS, "lr": LR, "weight_decay": WEIGHT_DECAY,
+         "results": {k: asdict(v) for k, v in results.items()}}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

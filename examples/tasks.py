@@ -1,0 +1,352 @@
+"""The three CPU-sized training tasks of the quality evidence, and the one training loop they share.
+
+``examples/train.py`` runs one task with one optimizer; ``bench/quality.py`` runs all of them with
+every state format and the peer 8-bit optimizers. Each task fixes its data, model, step count and
+AdamW hyperparameters, so every optimizer sees the same initial weights and the same batches for a
+given seed and only the optimizer differs:
+
+* ``char_gpt``: a character-level GPT (0.8M parameters) on the English text that ships with Python
+  (``pydoc_data.topics``), the last 10% held out for validation.
+* ``digits``: an MLP on scikit-learn's 8x8 handwritten digits, 30% held out, accuracy reported.
+* ``zipf``: the stress case. An embedding table whose rows are used with Zipf-distributed
+  frequencies (token ids shuffled, so every quantization block mixes frequent and rare rows): a
+  few rows get large gradients every step, most get rare, small ones, and a linear 8-bit grid
+  scaled by a block's absmax flushes them. The label of a bag of tokens is a fixed random
+  function of the tokens' hidden teacher vectors, so validation loss falls only as far as the rare
+  rows are learned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """What the training loop needs from a task: length, AdamW settings, evaluation cadence."""
+
+    steps: int
+    lr: float
+    weight_decay: float
+    warmup: int
+    eval_every: int
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+class Task:
+    """One training problem: data, model, loss. Subclasses fill in the four methods."""
+
+    name: str
+    hyper: Hyper
+    metric: str | None = None  # a second validation metric (higher is better), if any
+
+    def model(self, seed: int) -> nn.Module:
+        raise NotImplementedError
+
+    def batch(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training batch drawn with ``gen`` (the same sequence for every optimizer)."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Validation ``loss`` (and ``self.metric`` where the task has one) on held-out data."""
+        raise NotImplementedError
+
+
+# character-level GPT -------------------------------------------------------------------------------
+def pydoc_text() -> str:
+    """The help-topic text of the standard library's ``pydoc_data`` (~465k characters of English)."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[k] for k in sorted(topics))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention and a 4x GELU MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, ctx: int, d: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(layers)))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                # GPT-2 init: N(0, 0.02), residual projections scaled down by depth
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos.weight[: idx.shape[1]]
+        return self.head(self.ln(self.blocks(x)))
+
+
+class CharGPT(Task):
+    name = "char_gpt"
+
+    def __init__(self, d: int = 128, layers: int = 4, heads: int = 4, ctx: int = 64, batch: int = 8,
+                 hyper: Hyper | None = None, val_windows: int = 128) -> None:
+        text = pydoc_text()
+        chars = sorted(set(text))
+        self.vocab = len(chars)
+        lookup = {c: i for i, c in enumerate(chars)}
+        data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+        split = int(0.9 * len(data))
+        self.train_data, self.val_data = data[:split], data[split:]
+        self.d, self.layers, self.heads, self.ctx, self.batch_size = d, layers, heads, ctx, batch
+        self.hyper = hyper or Hyper(steps=150, lr=3e-3, weight_decay=0.1, warmup=15, eval_every=50)
+        # a fixed validation set: evenly spaced windows over the held-out text
+        starts = torch.linspace(0, len(self.val_data) - ctx - 2, val_windows).long()
+        self.val_x = torch.stack([self.val_data[s: s + ctx] for s in starts])
+        self.val_y = torch.stack([self.val_data[s + 1: s + ctx + 1] for s in starts])
+
+    def model(self, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return GPT(self.vocab, self.ctx, self.d, self.layers, self.heads)
+
+    def batch(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(self.train_data) - self.ctx - 1, (self.batch_size,), generator=gen)
+        offsets = torch.arange(self.ctx)
+        x = self.train_data[starts[:, None] + offsets]
+        y = self.train_data[starts[:, None] + offsets + 1]
+        return x, y
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        losses = [self.loss(model, (x, y)).item() for x, y in zip(self.val_x.split(64), self.val_y.split(64))]
+        return {"loss": sum(losses) / len(losses)}
+
+
+class Classification(Task):
+    """A task scored by cross-entropy and accuracy on the held-out ``val_x``, ``val_y``."""
+
+    metric = "acc"
+    val_x: torch.Tensor
+    val_y: torch.Tensor
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        logits = model(self.val_x)
+        return {"loss": F.cross_entropy(logits, self.val_y).item(),
+                "acc": (logits.argmax(1) == self.val_y).float().mean().item()}
+
+
+# digits classifier ---------------------------------------------------------------------------------
+class Digits(Classification):
+    name = "digits"
+
+    def __init__(self, hidden: int = 256, batch: int = 64, hyper: Hyper | None = None) -> None:
+        from sklearn.datasets import load_digits
+
+        data = load_digits()
+        x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+        y = torch.tensor(data.target, dtype=torch.long)
+        perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))  # one fixed split
+        n_val = int(0.3 * len(y))
+        self.val_x, self.val_y = x[perm[:n_val]], y[perm[:n_val]]
+        self.train_x, self.train_y = x[perm[n_val:]], y[perm[n_val:]]
+        mean, std = self.train_x.mean(0), self.train_x.std(0) + 0.1
+        self.train_x, self.val_x = (self.train_x - mean) / std, (self.val_x - mean) / std
+        self.hidden, self.batch_size = hidden, batch
+        self.hyper = hyper or Hyper(steps=300, lr=1e-3, weight_decay=0.01, warmup=20, eval_every=25)
+
+    def model(self, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        h = self.hidden
+        return nn.Sequential(nn.Linear(64, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 10))
+
+    def batch(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(self.train_y), (self.batch_size,), generator=gen)
+        return self.train_x[idx], self.train_y[idx]
+
+
+# Zipf embedding stress case ------------------------------------------------------------------------
+class BagModel(nn.Module):
+    """Mean of the bag's token embeddings, then a small MLP to class logits."""
+
+    def __init__(self, vocab: int, d: int, classes: int) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(vocab, d, mode="mean")
+        self.mlp = nn.Sequential(nn.Linear(d, 128), nn.GELU(), nn.Linear(128, classes))
+        nn.init.normal_(self.emb.weight, std=0.1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.emb(tokens))
+
+
+class ZipfEmbedding(Classification):
+    name = "zipf"
+
+    def __init__(self, vocab: int = 8192, d: int = 32, classes: int = 16, bag: int = 8, exponent: float = 1.1,
+                 batch: int = 256, hyper: Hyper | None = None, val_bags: int = 8192) -> None:
+        gen = torch.Generator().manual_seed(1234)  # the problem itself is fixed; seeds vary the model
+        ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
+        by_rank = ranks.pow(-exponent)
+        # token id -> probability; ids are a random permutation of frequency ranks
+        self.probs = torch.empty(vocab, dtype=torch.float64)
+        self.probs[torch.randperm(vocab, generator=gen)] = by_rank / by_rank.sum()
+        teacher = torch.randn(vocab, 16, generator=gen)
+        readout = torch.randn(16, classes, generator=gen)
+        self.teacher_logits = teacher @ readout
+        self.vocab, self.d, self.classes, self.bag, self.batch_size = vocab, d, classes, bag, batch
+        self.hyper = hyper or Hyper(steps=300, lr=1e-2, weight_decay=0.0, warmup=20, eval_every=25)
+        self.val_x, self.val_y = self._sample(val_bags, torch.Generator().manual_seed(4321))
+
+    def _sample(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.multinomial(self.probs, n * self.bag, replacement=True, generator=gen).view(n, self.bag)
+        return tokens, self.teacher_logits[tokens].mean(1).argmax(1)
+
+    def model(self, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return BagModel(self.vocab, self.d, self.classes)
+
+    def batch(self, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._sample(self.batch_size, gen)
+
+
+TASKS: dict[str, Callable[[], Task]] = {"char_gpt": CharGPT, "digits": Digits, "zipf": ZipfEmbedding}
+
+
+# the shared training loop --------------------------------------------------------------------------
+@dataclass
+class History:
+    """What one run produced: the training loss of every step and the validation curve."""
+
+    train_loss: list[float] = field(default_factory=list)
+    val_steps: list[int] = field(default_factory=list)
+    val: list[dict[str, float]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def final(self) -> dict[str, float]:
+        return self.val[-1]
+
+
+def lr_at(step: int, hyper: Hyper) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < hyper.warmup:
+        return hyper.lr * (step + 1) / hyper.warmup
+    progress = (step - hyper.warmup) / max(1, hyper.steps - hyper.warmup)
+    return hyper.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's learning rate; a tensor lr (torchao keeps one) is filled in place."""
+    for group in opt.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def train(task: Task, make_optimizer: Callable[[list[nn.Parameter], Hyper], torch.optim.Optimizer], seed: int,
+          steps: int | None = None, on_step: Callable[[int, float], None] | None = None) -> History:
+    """Train ``task``'s model from seed ``seed`` with the optimizer ``make_optimizer(params, hyper)``
+    builds; the data order depends on ``seed`` only. Evaluates every ``eval_every`` steps and at the end."""
+    import time
+
+    hyper = task.hyper if steps is None else replace(task.hyper, steps=steps)
+    steps = hyper.steps
+    model = task.model(seed)
+    opt = make_optimizer(list(model.parameters()), hyper)
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    hist = History()
+    start = time.perf_counter()
+    for step in range(steps):
+        set_lr(opt, lr_at(step, hyper))
+        loss = task.loss(model, task.batch(gen))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        hist.train_loss.append(loss.item())
+        if (step + 1) % hyper.eval_every == 0 or step + 1 == steps:
+            model.eval()
+            hist.val_steps.append(step + 1)
+            hist.val.append(task.evaluate(model))
+            model.train()
+        if on_step is not None:
+            on_step(step, hist.train_loss[-1])
+    hist.seconds = time.perf_counter() - start
+    return hist
+
+
+# optimizers by name --------------------------------------------------------------------------------
+PEERS = {
+    "bnb-AdamW8bit": ("bitsandbytes.optim", "AdamW8bit"),
+    "ao-AdamW8bit": ("torchao.optim", "AdamW8bit"),
+    "ao-AdamWFp8": ("torchao.optim", "AdamWFp8"),
+    "ao-AdamW4bit": ("torchao.optim", "AdamW4bit"),
+}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer by name: ``fp32`` (stock AdamW), one of ours such as ``int8`` or ``int8-b256-k0``
+    (format, then optional ``-b<block_size>`` and ``-k<outliers>``), or a peer from ``PEERS``."""
+
+    name: str
+
+    @property
+    def kind(self) -> str:
+        if self.name == "fp32":
+            return "fp32"
+        return "peer" if self.name in PEERS else "ours"
+
+    def lowbit_options(self) -> dict:
+        """``lowbit_compile`` keyword arguments of one of ours (defaults left out)."""
+        fmt, *opts = self.name.split("-")
+        out: dict = {"fmt": fmt}
+        for opt in opts:
+            key = {"b": "block_size", "k": "outliers"}.get(opt[:1])
+            if key is None or not opt[1:].isdigit():
+                raise ValueError(f"bad option {opt!r} in optimizer {self.name!r}; expected -b<int> or -k<int>")
+            out[key] = int(opt[1:])
+        return out
+
+    def build(self, params: list[nn.Parameter], hyper: Hyper) -> torch.optim.Optimizer:
+        kwargs = {"lr": hyper.lr, "betas": hyper.betas, "eps": hyper.eps, "weight_decay": hyper.weight_decay}
+        if self.kind == "peer":
+            import importlib
+
+            module, cls = PEERS[self.name]
+            return getattr(importlib.import_module(module), cls)(params, **kwargs)
+        opt = torch.optim.AdamW(params, **kwargs)
+        if self.kind == "fp32":
+            return opt
+        from lowbit_compile import lowbit_compile
+
+        return lowbit_compile(opt, **self.lowbit_options())

@@ -1,0 +1,127 @@
+"""``lowbit_compile.stats(opt)``: what it measures matches the real next step, it changes nothing, and
+known block layouts give the known flush and patch numbers."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import lowbit_compile as lc
+from lowbit_compile import lowbit_compile, stats
+
+from .test_api import transformer_params
+
+
+def _grads(params, gen):
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def _snapshot(opt, params):
+    parts = []
+    for p in params:
+        parts.append(p.detach().clone())
+        for v in opt.state[p].values():
+            if isinstance(v, lc.QuantizedState):
+                parts += [t.clone() for t in v.storage_parts]
+            elif isinstance(v, torch.Tensor):
+                parts.append(v.clone())
+    return parts
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_stats_measure_what_the_next_step_does_and_change_nothing(fmt):
+    params = transformer_params(d=32, layers=1, vocab=256)
+    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), fmt, block_size=256)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        _grads(params, gen)
+        opt.step()
+    _grads(params, gen)
+    # an fp32 twin starting from the dequantized states: its next states are the x of StateStats
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = torch.optim.AdamW(twin_params, lr=1e-2, weight_decay=0.1)
+    for p, q in zip(params, twin_params):
+        q.grad = p.grad.clone()
+        twin.state[q] = {k: (v.dequantize() if isinstance(v, lc.QuantizedState) else v.clone())
+                         for k, v in opt.state[p].items()}
+
+    before = _snapshot(opt, params)
+    rows = stats(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(opt, params)))
+
+    start = [p.detach().clone() for p in params]
+    opt.step()
+    twin.step()
+    by_param = {id(p): i for i, p in enumerate(params)}
+    quantized = [(p, k) for p in params for k, v in opt.state[p].items() if isinstance(v, lc.QuantizedState)]
+    assert len(rows) == len(quantized) > 0
+    for row, (p, key) in zip(rows, quantized):
+        i = by_param[id(p)]
+        assert row.param == f"group0.{i}" and row.state == key and row.numel == p.numel()
+        x = twin.state[twin_params[i]][key]
+        stored = opt.state[p][key].dequantize()
+        # the real step stores Q(x) for the same x (same stock arithmetic), so the two errors agree
+        # to fp32 rounding of the norms
+        assert row.rel_error == pytest.approx(((stored - x).norm() / x.norm()).item(), rel=1e-5)
+        assert row.zero_flush == ((x != 0) & (stored == 0)).sum().item() / (x != 0).sum().item()
+        ratio = ((p.detach() - start[i]).norm() / start[i].norm()).item()
+        assert row.update_ratio == pytest.approx(ratio, rel=1e-5)
+
+
+def _spiky_optimizer(outliers):
+    """One 4096-element param, blocks of 256; every block holds one gradient 1000x the others."""
+    p = torch.nn.Parameter(torch.zeros(4096))
+    opt = lowbit_compile(torch.optim.Adam([p], lr=1e-3), "int8", block_size=256, outliers=outliers)
+    g = torch.ones(4096)
+    g[::256] = 1000.0
+    p.grad = g
+    opt.step()
+    return opt
+
+
+def test_linear_int8_without_patches_flushes_the_small_moments():
+    # exp_avg next = 0.9 * 0 (flushed) + 0.1 * 1 beside 190 in the same block: code step 190/127 > 2 * 0.1
+    rows = {r.state: r for r in stats(_spiky_optimizer(outliers=0))}
+    assert rows["exp_avg"].zero_flush == 255 / 256
+    assert rows["exp_avg"].patched_blocks is None
+    # the second moment never stores a positive value as 0
+    assert rows["exp_avg_sq"].zero_flush == 0.0
+
+
+def test_patches_take_the_spike_and_nothing_is_flushed():
+    rows = {r.state: r for r in stats(_spiky_optimizer(outliers=2))}
+    assert rows["exp_avg"].zero_flush == 0.0 and rows["exp_avg_sq"].zero_flush == 0.0
+    assert rows["exp_avg"].patched_blocks == 1.0 and rows["exp_avg_sq"].patched_blocks == 1.0
+    assert rows["exp_avg"].rel_error < 1e-2
+
+
+def test_rows_are_named_and_print_as_a_table():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 8))
+    opt = lowbit_compile(torch.optim.AdamW(model.parameters()), "dynamic8")
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    rows = lowbit_compile.stats(opt, model.named_parameters())
+    assert [(r.param, r.state) for r in rows] == [("0.weight", "exp_avg"), ("0.weight", "exp_avg_sq")]
+    # without gradients only what the stored state shows is measured
+    assert rows[0].rel_error is None and rows[0].update_ratio is None and rows[0].patched_blocks is not None
+    text = str(rows)
+    assert text.splitlines()[0].split()[:3] == ["param", "state", "format"] and "0.weight" in text
+
+
+def test_stepping_never_calls_stats(monkeypatch):
+    stats_module = importlib.import_module("lowbit_compile.stats")  # the name alone is the function
+
+    def fail(*args, **kwargs):
+        raise AssertionError("stats code ran during step()")
+
+    for name in ("_next_step", "_round_trip", "_patched_blocks", "stats"):
+        monkeypatch.setattr(stats_module, name, fail)
+    params = transformer_params(d=32, layers=1, vocab=256)
+    opt = lowbit_compile(torch.optim.AdamW(params))
+    _grads(params, torch.Generator().manual_seed(0))
+    opt.step()
+    assert all(set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in params)
