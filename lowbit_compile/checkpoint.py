@@ -8,8 +8,11 @@ A quantized state is saved *packed*: a plain dict of tensors, strings and int li
 * ``codes``: per row, the row's code bytes (raw ``uint8``, whatever the code dtype);
 * ``block_scales`` / ``block_patch_values`` / ``block_patch_index``: per row, the scale and outlier
   patches of every block that intersects the row (``_slots`` of them, zero-padded);
-* ``row_splits``: the first row of each shard the blocks were counted in (blocks start at each
-  shard's first element), plus ``lowbit_format`` (format tag), ``shape`` and ``dtype``.
+* ``row_splits``: where the shards the blocks were counted in start and end (blocks start at each
+  shard's first element), plus ``lowbit_format`` (format tag), ``shape`` and ``dtype``. These
+  four are text stored as one int each (little-endian UTF-8, e.g. ``"0,65,129"``), because a state
+  dict that torch flattens (``flatten_optimizer_state_dict``) may hold only tensors, ints, floats
+  and dicts.
 
 For a ``DTensor`` parameter every tensor is a ``DTensor`` sharded on dim 0 like the parameter, so
 ``torch.distributed.checkpoint`` saves each rank's rows and hands any world size (or an unsharded
@@ -34,6 +37,7 @@ from .state import QuantizedState
 
 _PENDING = "_lowbit_pending"
 _TABLES = ("block_scales", "block_patch_values", "block_patch_index")
+_TEXT = ("lowbit_format", "shape", "dtype", "row_splits")
 
 
 def is_packed(value: object) -> bool:
@@ -66,12 +70,20 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
         # patch offsets as raw bytes too: gloo and NCCL cannot gather or broadcast int16
         tables.update(zip(_TABLES, (scales, values, index.view(torch.uint8))))
     return {
-        "lowbit_format": qs.fmt.tag(),
-        "shape": list(param.shape),
-        "dtype": str(qs.dtype).removeprefix("torch."),
-        "row_splits": sharding.row_splits(param),
+        "lowbit_format": _int(qs.fmt.tag()),
+        "shape": _int(",".join(map(str, param.shape))),
+        "dtype": _int(str(qs.dtype).removeprefix("torch.")),
+        "row_splits": _int(",".join(map(str, sharding.row_splits(param)))),
         **{name: sharding.like(t, param, (rows, *t.shape[1:])) for name, t in tables.items()},
     }
+
+
+def _int(text: str) -> int:
+    return int.from_bytes(text.encode(), "little")
+
+
+def _text(value: int) -> str:
+    return value.to_bytes((value.bit_length() + 7) // 8, "little").decode()
 
 
 def _slots(width: int, block_size: int) -> int:
@@ -94,13 +106,18 @@ def _row_tables(qs: QuantizedState, width: int) -> tuple[torch.Tensor, torch.Ten
 # load_state_dict() ---------------------------------------------------------------------------------
 def unpack_pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
     """``load_state_dict`` pre hook: take the packed states out before the stock loader casts their
-    tensors to the parameter dtype; :func:`reinsert_packed` puts them back afterwards."""
+    tensors to the parameter dtype; :func:`reinsert_packed` puts them back afterwards. A packed
+    state that cannot be read fails here, before the stock loader changes anything."""
     position = {idx: i for i, idx in enumerate(itertools.chain.from_iterable(
         g["params"] for g in state_dict["param_groups"]))}
+    params = [p for group in opt.param_groups for p in group["params"]]
     pending: dict[int, dict] = {}
     plain: dict = {}
     for idx, entry in state_dict["state"].items():
         ours = {k: v for k, v in entry.items() if is_packed(v)}
+        if ours and position[idx] < len(params):
+            for key, packed in ours.items():
+                _read_header(packed, params[position[idx]], key)
         if ours:
             pending[position[idx]] = ours
             entry = {k: v for k, v in entry.items() if k not in ours}
@@ -161,16 +178,15 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state") -> t
     The blocks of the shard are the saved blocks (bit for bit) wherever a saved block has the same
     first element and length; the other blocks are re-quantized from the saved values.
     """
-    fmt = _format(packed, param, key)
+    fmt, _, dtype, splits = _read_header(packed, param, key)
     rows, width = _rows(param.shape)
     start, stop = sharding.local_rows(param)
     shard = sharding.local(param)
-    dtype = getattr(torch, packed["dtype"])
     codes = _codes(packed, fmt, start, stop, rows).to(shard.device)
     if not fmt.blockwise:
         empty = blockquant.empty(0, fmt, shard.device)
         return sharding.like(QuantizedState(blockquant.Quantized(codes, *empty[1:]), fmt, shard.shape, dtype), param)
-    saved = _saved_blocks(packed, fmt, start, stop, rows, width)
+    saved = _saved_blocks(packed, fmt, splits, start, stop, width)
     n, b = codes.numel(), fmt.block_size
     first = start * width + torch.arange(blockquant.n_blocks(n, fmt)) * b
     length = torch.clamp(start * width + n - first, max=b)
@@ -189,24 +205,53 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state") -> t
     return sharding.like(qs, param)
 
 
-def _format(packed: dict[str, Any], param: torch.Tensor, key: str) -> StateFormat:
-    """The saved format, after checking the packed state belongs to ``param`` and can be read."""
+class _Header(NamedTuple):
+    """The text fields of a packed state, read."""
+
+    fmt: StateFormat
+    shape: torch.Size
+    dtype: torch.dtype
+    row_splits: list[int]
+
+
+def _header(packed: dict[str, Any]) -> _Header:
+    text = {name: _text(packed[name]) for name in _TEXT}
+    fmt = StateFormat.from_tag(text["lowbit_format"])
+    dtype = getattr(torch, text["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {text['dtype']!r}")
+    missing = {"codes", *(_TABLES if fmt.blockwise else ())} - packed.keys()
+    if missing:
+        raise ValueError(f"it lacks {sorted(missing)}")
+    shape = torch.Size(int(n) for n in text["shape"].split(",") if n)
+    return _Header(fmt, shape, dtype, [int(n) for n in text["row_splits"].split(",")])
+
+
+def _check_splits(header: _Header) -> None:
+    splits, rows = header.row_splits, _rows(header.shape)[0]
+    if splits[0] != 0 or splits[-1] != rows or any(a > b for a, b in zip(splits, splits[1:])):
+        raise ValueError(f"row_splits {splits} do not split the {rows} rows of the parameter")
+
+
+def _read_header(packed: dict[str, Any], param: torch.Tensor, key: str) -> _Header:
+    """The header of a packed state, after checking it can be read and belongs to ``param``."""
     try:
-        fmt = StateFormat.from_tag(packed["lowbit_format"])
-        missing = {"shape", "dtype", "row_splits", "codes", *(_TABLES if fmt.blockwise else ())} - packed.keys()
-        if missing:
-            raise ValueError(f"it lacks {sorted(missing)}")
-    except (ValueError, TypeError, AttributeError) as err:
+        header = _header(packed)
+    except (ValueError, TypeError, AttributeError, KeyError, UnicodeDecodeError) as err:
         raise ValueError(
             f"state {key!r} of a parameter of shape {tuple(param.shape)} is not a lowbit_compile state "
-            f"this version can read (format {packed.get('lowbit_format')!r}: {err})"
+            f"this version can read ({type(err).__name__}: {err})"
         ) from err
-    if list(packed["shape"]) != list(param.shape):
+    if header.shape != param.shape:
         raise ValueError(
-            f"state {key!r} was saved for a parameter of shape {tuple(packed['shape'])}, not "
+            f"state {key!r} was saved for a parameter of shape {tuple(header.shape)}, not "
             f"{tuple(param.shape)}; the optimizer state does not belong to these parameters"
         )
-    return fmt
+    try:
+        _check_splits(header)
+    except ValueError as err:
+        raise ValueError(f"state {key!r} of a parameter of shape {tuple(param.shape)}: {err}") from err
+    return header
 
 
 class _Blocks(NamedTuple):
@@ -224,12 +269,10 @@ def _codes(packed: dict[str, Any], fmt: StateFormat, start: int, stop: int, rows
     return _rows_of(packed["codes"], start, stop, rows).contiguous().view(fmt.code_dtype).reshape(-1)
 
 
-def _saved_blocks(packed: dict, fmt: StateFormat, start: int, stop: int, rows: int, width: int) -> _Blocks:
+def _saved_blocks(packed: dict, fmt: StateFormat, row_splits: list[int], start: int, stop: int,
+                  width: int) -> _Blocks:
     """Every saved block that holds an element of rows ``[start, stop)``."""
-    b = fmt.block_size
-    splits = torch.tensor(packed["row_splits"])
-    if splits[0] != 0 or splits[-1] != rows or bool((splits[1:] < splits[:-1]).any()):
-        raise ValueError(f"row_splits {packed['row_splits']} do not split the {rows} rows of the parameter")
+    b, rows, splits = fmt.block_size, row_splits[-1], torch.tensor(row_splits)
     scales, values, index = (_rows_of(packed[name], start, stop, rows) for name in _TABLES)
     index = index.contiguous().view(blockquant.PATCH_INDEX_DTYPE)
     row = torch.arange(start, stop)
@@ -310,17 +353,18 @@ def stock_state_dict(source: torch.optim.Optimizer | dict) -> dict:
 def _dense(packed: dict[str, Any]) -> torch.Tensor:
     """The dense tensor a packed state holds: this rank's rows in a ``DTensor`` if its tensors are
     ``DTensor``s, else the whole state."""
-    shape = torch.Size(packed["shape"])
+    header = _header(packed)
+    _check_splits(header)
+    fmt, shape, dtype, splits = header
     rows, width = _rows(shape)
     codes = packed["codes"]
     start, stop = sharding.local_rows(codes) if sharding.is_sharded(codes) else (0, rows)
-    fmt = StateFormat.from_tag(packed["lowbit_format"])
     local = _codes(packed, fmt, start, stop, rows)
     if fmt.blockwise:
-        values = _dequantize(local, _saved_blocks(packed, fmt, start, stop, rows, width), start * width, fmt)
+        values = _dequantize(local, _saved_blocks(packed, fmt, splits, start, stop, width), start * width, fmt)
     else:
         values = decode(local, fmt)
-    values = values.to(getattr(torch, packed["dtype"]))
+    values = values.to(dtype)
     if not sharding.is_sharded(codes):
         return values.view(shape)
     return sharding.like(values.view(stop - start, *shape[1:]), codes, shape)

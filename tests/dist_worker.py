@@ -17,7 +17,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -77,12 +82,13 @@ def bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+def dcp_load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path,
+             options: StateDictOptions | None = None) -> None:
     """The recipe of torch.distributed.checkpoint: a template from get_state_dict, load, set."""
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
 
 
 def one_process(steps_before: int, steps_after: int) -> dict[str, list[torch.Tensor]]:
@@ -157,6 +163,10 @@ def fsdp(rank: int, world: int, workdir: Path) -> None:
             tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
             assert tensors and all(isinstance(t, DTensor) for t in tensors), f"{fqn}.{key} has a plain tensor"
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(workdir / f"dcp{world}"))
+    # torchtitan's way: states flattened to one level, which allows only tensors, ints, floats, dicts
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(net, opt, options=flat))),
+             checkpoint_id=str(workdir / f"flat{world}"))
     path = workdir / f"rank{rank}.pt"
     torch.save(copy.deepcopy({"model": net.state_dict(), "optim": opt.state_dict()}), path)
     train(net, opt, 3, seed=2)
@@ -166,7 +176,7 @@ def fsdp(rank: int, world: int, workdir: Path) -> None:
 
     resumed = fsdp_net()
     resumed_opt = lowbit_compile(torch.optim.AdamW(resumed.parameters(), lr=LR), **CONFIG)
-    dcp_load(resumed, resumed_opt, workdir / f"dcp{world}")
+    dcp_load(resumed, resumed_opt, workdir / f"flat{world}", flat)
     train(resumed, resumed_opt, 3, seed=2)
     assert bitwise(full(resumed), expected), "DCP resume at the same world size is not exact"
 

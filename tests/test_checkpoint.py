@@ -31,6 +31,11 @@ def train(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, se
         opt.step()
 
 
+def text(value: str) -> int:
+    """How a packed state stores its text fields (format, shape, dtype, row splits): one int each."""
+    return int.from_bytes(value.encode(), "little")
+
+
 def saved_and_loaded(obj: object) -> object:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -67,7 +72,10 @@ def test_state_dict_holds_codes_and_block_tables_not_fp32():
     for idx, shape in enumerate(shapes):
         for key in ("exp_avg", "exp_avg_sq"):
             packed = state[idx][key]
-            assert checkpoint.is_packed(packed) and packed["lowbit_format"].startswith("int8:2048:2:")
+            sign = "u" if key == "exp_avg_sq" else "s"
+            assert checkpoint.is_packed(packed) and packed["lowbit_format"] == text(f"int8:2048:2:{sign}")
+            assert packed["shape"] == text(",".join(map(str, shape))) and packed["dtype"] == text("float32")
+            assert packed["row_splits"] == text(f"0,{shape[0]}")
             assert packed["codes"].dtype == torch.uint8 and packed["codes"].shape == shape
             # a row of width w meets at most (w + 2046) // 2048 + 1 blocks of 2048
             slots = (shape[1] + 2046) // 2048 + 1
@@ -177,18 +185,22 @@ def _corrupt(sd: dict, change) -> dict:
 
 
 @pytest.mark.parametrize("change, match", [
-    (lambda d: {**d, "lowbit_format": "int9:64:2:s"}, r"'exp_avg'.*int9"),
-    (lambda d: {**d, "lowbit_format": "int8"}, r"'exp_avg'.*not a lowbit_compile state this version can read"),
+    (lambda d: {**d, "lowbit_format": text("int9:64:2:s")}, r"'exp_avg'.*int9"),
+    (lambda d: {**d, "lowbit_format": text("int8")}, r"'exp_avg'.*not a lowbit_compile state this version can read"),
+    (lambda d: {**d, "lowbit_format": "int8:64:2:s"}, r"'exp_avg'.*not a lowbit_compile state"),
     (lambda d: {k: v for k, v in d.items() if k != "block_scales"}, r"'exp_avg'.*lacks \['block_scales'\]"),
-    (lambda d: {**d, "shape": [3, 3]}, r"'exp_avg' was saved for a parameter of shape \(3, 3\)"),
+    (lambda d: {**d, "row_splits": text("0,40")}, r"'exp_avg'.*row_splits \[0, 40\] do not split the 67 rows"),
+    (lambda d: {**d, "shape": text("3,3")}, r"'exp_avg' was saved for a parameter of shape \(3, 3\)"),
 ])
-def test_unreadable_states_fail_naming_the_state(change, match):
+def test_unreadable_states_fail_naming_the_state_and_change_nothing(change, match):
     params = make_params()
     opt = lowbit_compile(torch.optim.AdamW(params), **OPTIONS)
     train(opt, params, 1, seed=1)
     sd = _corrupt(saved_and_loaded(opt.state_dict()), change)
+    before = {p: dict(opt.state[p]) for p in params}
     with pytest.raises(ValueError, match=match):
-        lowbit_compile(torch.optim.AdamW(params), **OPTIONS).load_state_dict(sd)
+        opt.load_state_dict(sd)
+    assert all(opt.state[p] == before[p] for p in params)
 
 
 def _two_shard_checkpoint(x: torch.Tensor, fmt: StateFormat, split: int) -> dict:
@@ -196,7 +208,8 @@ def _two_shard_checkpoint(x: torch.Tensor, fmt: StateFormat, split: int) -> dict
     each rank quantized its rows on their own, blocks counted from its first element."""
     halves = [checkpoint.pack(QuantizedState.from_dense(part, fmt), part) for part in (x[:split], x[split:])]
     gathered = {name: torch.cat([h[name] for h in halves]) for name in ("codes", *checkpoint._TABLES)}
-    return {**halves[0], **gathered, "shape": list(x.shape), "row_splits": [0, split, x.shape[0]]}
+    return {**halves[0], **gathered, "shape": text(",".join(map(str, x.shape))),
+            "row_splits": text(f"0,{split},{x.shape[0]}")}
 
 
 @pytest.mark.parametrize("shape, split", [((129, 10), 65), ((7, 300), 4), ((3001,), 1501)])
