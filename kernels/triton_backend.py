@@ -14,6 +14,7 @@ import copy
 import functools
 import hashlib
 import linecache
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +30,10 @@ from .triton_emitter import EmittedKernel, KernelParam, dequantize_graph, emit_k
 
 def interpreting() -> bool:
     """Whether kernels built now run under the Triton interpreter (``TRITON_INTERPRET=1``)."""
-    return bool(triton.knobs.runtime.interpret)
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; earlier ones read the variable directly
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def flavor_of(device: torch.device) -> str:

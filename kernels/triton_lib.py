@@ -3,8 +3,9 @@ block encode of every format in ``formats.py`` (the reference is ``blockquant.py
 
 Every rounding here ends in a value that is exactly representable in the target type, computed with
 IEEE fp32 arithmetic or integer bit arithmetic, so a kernel gives the same bits on a GPU and under
-``TRITON_INTERPRET=1`` (whose float downcasts truncate instead of rounding to nearest even, and
-mishandle bf16 subnormals). Two rules for kernels that use these helpers:
+``TRITON_INTERPRET=1``, whose own float downcasts are not round-to-nearest-even (fp32 to bf16
+truncates, fp32 to fp8 loses the carry into the exponent, bf16 subnormals go wrong both ways). Two
+rules for kernels that use these helpers:
 
 * compile them with ``enable_fp_fusion=False``: :func:`rne` relies on ``(x + C) - C`` not being
   contracted with the product that feeds it, and the emitter writes every fma ATen uses explicitly;
