@@ -5,6 +5,9 @@ bitsandbytes AdamW8bit and torchao AdamW8bit/AdamWFp8, with fp32 and bf16 params
     python bench/gpu_check.py --out gpu_check.json      # one H200: under 8 minutes
     python bench/gpu_check.py --device cpu --dry-run    # here: same code paths, tiny sizes, Triton interpreter
 
+On a fresh machine install the checkout first (offline is fine): ``pip install --no-deps
+--no-build-isolation -e .``; bitsandbytes and torchao are timed where they import.
+
 Times are medians over CUDA events around ``opt.step()`` (warm-up steps first, which compile). Each
 method is judged by the bytes a step must move at the least (param read+write, grad read, states
 read+write, per-block scales and patches), as GB/s and as % of the measured device-to-device copy
