@@ -6,11 +6,13 @@ from collections.abc import Callable
 
 from torch.fx import GraphModule
 
+from .cpu import lower_cpu
 from .reference import lower_reference
 
 Lowering = Callable[[GraphModule], Callable[..., None]]
 
-LOWERINGS: dict[str, Lowering] = {"reference": lower_reference}
+# "inductor" is the CPU lowering: C++ emitted from the rewritten graph, built with inductor's toolchain
+LOWERINGS: dict[str, Lowering] = {"reference": lower_reference, "inductor": lower_cpu}
 
 try:  # the fused GPU lowering, wherever triton imports
     from .triton_backend import lower_triton

@@ -25,7 +25,7 @@ from .config import (
     Overrides,
     param_names,
 )
-from .runner import StateSchema, compile_step, init_state, probe_schema, run_param
+from .runner import Prepared, StateSchema, compile_step, group_signature, init_state, probe_schema, run_params
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
 _ATTR = "_lowbit"
@@ -44,6 +44,7 @@ class _Wrapped:
         self.previous_step = previous_step
         self.hooks = hooks
         self.names: dict[torch.Tensor, str] = {}
+        self.prepared: dict[torch.Tensor, Prepared] = {}  # per parameter, reused while valid
 
 
 def lowbit_compile(
@@ -227,7 +228,10 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     if found_inf is not None and found_inf.item():
         return loss
     grad_scale = getattr(opt, "grad_scale", None)
+    items = []
     for group in opt.param_groups:
+        group_sig, values = group_signature(group)
+        guards: dict[int, bool] = {}
         for param in group["params"]:
             grad = param.grad
             if grad is None:
@@ -239,15 +243,19 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
                 )
             if grad_scale is not None:
                 grad.div_(grad_scale)
-            schema = probe_schema(opt, group, param)
-            formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param)))
             state = opt.state[param]
-            if not state:
-                state.update(init_state(param, schema, formats))
-            # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
-            checkpoint.conform(param, state, formats)
-            compiled = compile_step(opt, group, param, state, schema, formats, config)
-            run_param(compiled, group, param, grad, state)
+            prepared = wrapped.prepared.get(param)
+            if prepared is None or not prepared.still_valid(state, param, config, group_sig, guards, values):
+                schema = probe_schema(opt, group, param)
+                formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param)))
+                if not state:
+                    state.update(init_state(param, schema, formats))
+                # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
+                checkpoint.conform(param, state, formats)
+                compiled = compile_step(opt, group, param, state, schema, formats, config)
+                prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
+            items.append((prepared.compiled, group, param, grad, state))
+    run_params(items)
     return loss
 
 

@@ -179,9 +179,11 @@ def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return t.reshape(-1).clone(), True
 
 
-def run_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
-    """Bind ``param``'s tensors to the compiled step's inputs and run it. A sharded (``DTensor``)
-    parameter steps its local shard: the update is elementwise, so shards step independently."""
+def bind_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: torch.Tensor,
+               state: dict) -> tuple[list, list]:
+    """The compiled step's inputs for ``param``, and the (tensor, flat copy) pairs to write back after
+    the run. A sharded (``DTensor``) parameter steps its local shard: the update is elementwise, so
+    shards step independently."""
     param, grad = sharding.local(param), sharding.local(grad)
     state = {k: sharding.local(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     write_back = []
@@ -201,9 +203,85 @@ def run_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: to
             args.append(getattr(state[key[0]], key[1]))
         else:
             args.append(key.get(group))
+    return args, write_back
+
+
+def run_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+    """Bind ``param``'s tensors to the compiled step's inputs and run it."""
+    args, write_back = bind_param(compiled, group, param, grad, state)
     compiled.run(*args)
     for dst, flat in write_back:
         dst.copy_(flat.view(dst.shape))
+
+
+def run_params(items: list[tuple[CompiledStep, dict, torch.Tensor, torch.Tensor, dict]]) -> None:
+    """Run the step of every (compiled, group, param, grad, state). Parameters of one group that share
+    a compiled step go to its lowering in one call when it can take several (``run_many``): many
+    small tensors (biases, norms) then cost one kernel launch, not one each."""
+    buckets: dict[tuple[int, int], list] = {}
+    for item in items:
+        buckets.setdefault((id(item[0]), id(item[1])), []).append(item)
+    for bucket in buckets.values():
+        compiled = bucket[0][0]
+        run_many = getattr(compiled.run, "run_many", None)
+        if run_many is None or len(bucket) == 1:
+            for item in bucket:
+                run_param(*item)
+            continue
+        rows, write_back = [], []
+        for item in bucket:
+            args, wb = bind_param(*item)
+            rows.append(args)
+            write_back += wb
+        run_many(rows)
+        for dst, flat in write_back:
+            dst.copy_(flat.view(dst.shape))
+
+
+def group_signature(group: dict) -> tuple[tuple, list]:
+    """What of a param group a prepared step depends on (its flags, which hyperparameters are
+    tensors), and the hyperparameter values its guards are checked on. Computed once per group and
+    step."""
+    tgroup = trace_group(group)
+    slots = hyper_slots(tgroup)
+    meta = tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots)
+    return (static_group_items(tgroup), meta), [s.get(tgroup) for s in slots]
+
+
+@dataclass
+class Prepared:
+    """One parameter's compiled step and state as the last full preparation found them. Reused while
+    the config, the group's signature, the guard, the param's storage and every state entry are
+    still the same objects, so a steady step costs a few attribute checks per parameter."""
+
+    compiled: CompiledStep
+    state: dict
+    entries: tuple
+    param_meta: tuple
+    config: Config
+    group_sig: tuple
+
+    @staticmethod
+    def make(compiled: CompiledStep, state: dict, param: torch.Tensor, config: Config,
+             group_sig: tuple) -> Prepared:
+        return Prepared(compiled, state, tuple(state.items()), _param_meta(param), config, group_sig)
+
+    def still_valid(self, state: dict, param: torch.Tensor, config: Config, group_sig: tuple,
+                    guards: dict[int, bool], values: list) -> bool:
+        if state is not self.state or config is not self.config or group_sig != self.group_sig:
+            return False
+        if len(state) != len(self.entries) or any(state.get(k) is not v for k, v in self.entries):
+            return False
+        if _param_meta(param) != self.param_meta:
+            return False
+        ok = guards.get(id(self.compiled))
+        if ok is None:
+            ok = guards[id(self.compiled)] = bool(self.compiled.guard(values))
+        return ok
+
+
+def _param_meta(param: torch.Tensor) -> tuple:
+    return (param.dtype, param.shape, param.device, sharding.local(param).data_ptr(), type(param))
 
 
 def _binding(node: torch.fx.Node) -> tuple[str, Any]:

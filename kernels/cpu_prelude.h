@@ -1,0 +1,440 @@
+// Runtime of the fused CPU step kernels that kernels/cpu_emit.py generates: SIMD helpers, the
+// element formats of kernels/formats.py, and block (de)quantization with outlier patches exactly as
+// kernels/blockquant.py defines them. The emitter pastes this file in front of every kernel, so a
+// kernel's source (and its cache key) is self-contained.
+//
+// Vectors are GCC vector extensions of LB_W float lanes (16 with AVX-512, else 8); the compiler maps
+// them onto the machine's SIMD registers. Per-lane loops over __builtin_fmaf/__builtin_sqrtf/
+// __builtin_rintf compile to one vector instruction each under -O3 -fno-math-errno.
+//
+// Rounding: every value is rounded exactly where torch rounds it (fp32 per op, bf16 per op where a
+// state or param is bf16), FMA only where torch's own CPU kernels fuse (lerp, add with alpha,
+// addcmul), so the emitted update reproduces the traced aten ops bit for bit.
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef LB_W
+#if defined(__AVX512F__)
+#define LB_W 16
+#else
+#define LB_W 8
+#endif
+#endif
+
+typedef float vf __attribute__((vector_size(4 * LB_W)));
+typedef int32_t vi __attribute__((vector_size(4 * LB_W)));
+typedef uint32_t vu __attribute__((vector_size(4 * LB_W)));
+typedef uint16_t vh __attribute__((vector_size(2 * LB_W)));
+typedef uint8_t vb __attribute__((vector_size(LB_W)));
+typedef int8_t vc __attribute__((vector_size(LB_W)));
+
+#define LB_INLINE static inline __attribute__((always_inline))
+
+LB_INLINE vf lb_splat(float x) { return (vf){} + x; }
+LB_INLINE vi lb_splat_i(int32_t x) { return (vi){} + x; }
+LB_INLINE vf lb_bits_f(vi x) { return (vf)x; }
+LB_INLINE vi lb_bits_i(vf x) { return (vi)x; }
+
+// ---- lane-wise math ---------------------------------------------------------------------------
+LB_INLINE vf lb_fma(vf a, vf b, vf c) {
+  vf r;
+  for (int l = 0; l < LB_W; ++l) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return r;
+}
+LB_INLINE vf lb_sqrt(vf a) {
+  vf r;
+  for (int l = 0; l < LB_W; ++l) r[l] = __builtin_sqrtf(a[l]);
+  return r;
+}
+LB_INLINE vf lb_rint(vf a) {  // round half to even (the default rounding mode), like torch.round
+  vf r;
+  for (int l = 0; l < LB_W; ++l) r[l] = __builtin_rintf(a[l]);
+  return r;
+}
+LB_INLINE vf lb_nan() { return lb_bits_f(lb_splat_i(0x7FC00000)); }
+LB_INLINE vf lb_maximum(vf a, vf b) {  // torch.maximum: NaN if either is NaN
+  vf m = a > b ? a : b;
+  return (a != a) | (b != b) ? lb_nan() : m;
+}
+LB_INLINE vf lb_minimum(vf a, vf b) {
+  vf m = a < b ? a : b;
+  return (a != a) | (b != b) ? lb_nan() : m;
+}
+LB_INLINE vf lb_clamp(vf x, float lo, float hi) {  // NaN stays NaN, like Tensor.clamp
+  x = x < lb_splat(lo) ? lb_splat(lo) : x;
+  return x > lb_splat(hi) ? lb_splat(hi) : x;
+}
+
+// ---- loads and stores: full vectors, and the first r lanes of a tail ----------------------------
+LB_INLINE vf lb_ld(const float* p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+LB_INLINE void lb_st(float* p, vf v) { memcpy(p, &v, sizeof v); }
+LB_INLINE vf lb_ld_n(const float* p, int64_t r) {
+  float t[LB_W] = {0};
+  memcpy(t, p, r * sizeof(float));
+  return lb_ld(t);
+}
+LB_INLINE void lb_st_n(float* p, vf v, int64_t r) {
+  float t[LB_W];
+  lb_st(t, v);
+  memcpy(p, t, r * sizeof(float));
+}
+
+// Widening loads and narrowing stores of 8- and 16-bit lanes. GCC scalarizes these conversions on
+// vector extensions, so x86 gets one or two intrinsics each; other targets the generic version.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && LB_W == 16
+#include <immintrin.h>
+LB_INLINE vi lb_ld_u8(const uint8_t* p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+LB_INLINE void lb_st_u8(uint8_t* p, vi x) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8((__m512i)x)); }
+LB_INLINE vi lb_ld_u16(const uint16_t* p) { return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
+LB_INLINE void lb_st_u16(uint16_t* p, vi x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)x)); }
+LB_INLINE int lb_any(vi m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }  // any lane set
+#elif defined(__AVX2__) && LB_W == 8
+#include <immintrin.h>
+LB_INLINE vi lb_ld_u8(const uint8_t* p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+LB_INLINE void lb_st_u8(uint8_t* p, vi x) {  // the low byte of each lane (lanes hold 0..255)
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  __m256i t = _mm256_shuffle_epi8((__m256i)x, pick);
+  _mm_storel_epi64((__m128i*)p, _mm_unpacklo_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+}
+LB_INLINE vi lb_ld_u16(const uint16_t* p) { return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
+LB_INLINE void lb_st_u16(uint16_t* p, vi x) {  // lanes hold 0..65535
+  __m256i t = _mm256_permute4x64_epi64(_mm256_packus_epi32((__m256i)x, (__m256i)x), 0xD8);
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(t));
+}
+LB_INLINE int lb_any(vi m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
+#else
+LB_INLINE vi lb_ld_u8(const uint8_t* p) {
+  vb b;
+  memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
+}
+LB_INLINE void lb_st_u8(uint8_t* p, vi x) {
+  vb b = __builtin_convertvector(x, vb);
+  memcpy(p, &b, sizeof b);
+}
+LB_INLINE vi lb_ld_u16(const uint16_t* p) {
+  vh h;
+  memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vi);
+}
+LB_INLINE void lb_st_u16(uint16_t* p, vi x) {
+  vh h = __builtin_convertvector(x, vh);
+  memcpy(p, &h, sizeof h);
+}
+LB_INLINE int lb_any(vi m) {
+  int any = 0;
+  for (int l = 0; l < LB_W; ++l) any |= m[l];
+  return any != 0;
+}
+#endif
+
+// bf16 <-> fp32. Rounding is c10's round_to_nearest_even, NaN -> 0x7FC0.
+LB_INLINE vi lb_f32_to_bf16_bits(vf x) {  // in the low 16 bits of each lane
+  vu u = (vu)x;
+  vu r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+  return (x != x) ? lb_splat_i(0x7FC0) : (vi)r;
+}
+LB_INLINE vf lb_round_bf16(vf x) {
+  vu u = (vu)x;
+  vu r = (u + (((u >> 16) & 1u) + 0x7FFFu)) & 0xFFFF0000u;
+  return (x != x) ? lb_bits_f(lb_splat_i(0x7FC00000)) : (vf)r;
+}
+LB_INLINE vf lb_ld_bf16(const uint16_t* p) { return lb_bits_f(lb_ld_u16(p) << 16); }
+LB_INLINE void lb_st_bf16(uint16_t* p, vf v) { lb_st_u16(p, lb_f32_to_bf16_bits(v)); }
+LB_INLINE vf lb_ld_bf16_n(const uint16_t* p, int64_t r) {
+  uint16_t t[LB_W] = {0};
+  memcpy(t, p, r * sizeof(uint16_t));
+  return lb_ld_bf16(t);
+}
+LB_INLINE void lb_st_bf16_n(uint16_t* p, vf v, int64_t r) {
+  uint16_t t[LB_W];
+  lb_st_bf16(t, v);
+  memcpy(p, t, r * sizeof(uint16_t));
+}
+static inline float lb_bf16_scalar(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t lb_bf16_bits(float x) {
+  if (x != x) return 0x7FC0;
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+
+// ---- element formats (kernels/formats.py) -----------------------------------------------------
+enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3 };
+
+LB_INLINE vi lb_ld_codes(const uint8_t* p) { return lb_ld_u8(p); }  // one byte per lane, zero-extended
+LB_INLINE vi lb_ld_codes_n(const uint8_t* p, int64_t r) {
+  uint8_t t[LB_W] = {0};
+  memcpy(t, p, r);
+  return lb_ld_u8(t);
+}
+LB_INLINE void lb_st_codes(uint8_t* p, vi c) { lb_st_u8(p, c); }  // lanes hold 0..255
+LB_INLINE void lb_st_codes_n(uint8_t* p, vi c, int64_t r) {
+  uint8_t t[LB_W];
+  lb_st_u8(t, c);
+  memcpy(p, t, r);
+}
+
+// float8_e4m3fn: bias 7, no infinities, 0x7F is NaN.
+LB_INLINE vf lb_decode_e4m3(vi u) {
+  vi em = u & 0x7F, e = em >> 3, m = em & 7;
+  vf normal = lb_bits_f(((e + 120) << 23) | (m << 20));
+  vf sub = __builtin_convertvector(m, vf) * lb_splat(0x1p-9f);
+  vf v = e == 0 ? sub : normal;
+  v = em == 0x7F ? lb_nan() : v;
+  return lb_bits_f(lb_bits_i(v) | ((u & 0x80) << 24));
+}
+// c10's fp8e4m3fn_from_fp32_value, lane-wise.
+LB_INLINE vi lb_encode_e4m3(vf f) {
+  vi bits = lb_bits_i(f);
+  vi sign = bits & (int32_t)0x80000000;
+  vi fb = bits ^ sign;  // |f|, so signed compares order like unsigned ones
+  const int32_t denorm_mask = 141 << 23;
+  vi dres = lb_bits_i(lb_bits_f(fb) + lb_bits_f(lb_splat_i(denorm_mask))) - denorm_mask;
+  vi odd = (fb >> 20) & 1;
+  vi nres = (vi)(((vu)fb + (vu){} + (uint32_t)(((uint32_t)(7 - 127) << 23) + 0x7FFFF) + (vu)odd) >> 20) & 0xFF;
+  nres = nres == 0x7F ? lb_splat_i(0x7E) : nres;
+  vi res = fb < (121 << 23) ? dres : nres;
+  vi big = fb > 0x7F800000 ? lb_splat_i(0x7F) : lb_splat_i(0x7E);
+  res = fb >= (1087 << 20) ? big : res;
+  return (res | ((vi)((vu)sign >> 24))) & 0xFF;
+}
+// float8_e5m2: bias 15, infinities and NaNs like IEEE.
+LB_INLINE vf lb_decode_e5m2(vi u) {
+  vi e = (u >> 2) & 0x1F, m = u & 3;
+  vf normal = lb_bits_f(((e + 112) << 23) | (m << 21));
+  vf special = lb_bits_f((255 << 23) | (m << 21));
+  vf sub = __builtin_convertvector(m, vf) * lb_splat(0x1p-16f);
+  vf v = e == 0 ? sub : normal;
+  v = e == 31 ? special : v;
+  return lb_bits_f(lb_bits_i(v) | ((u & 0x80) << 24));
+}
+// c10's fp8e5m2_from_fp32_value, lane-wise.
+LB_INLINE vi lb_encode_e5m2(vf f) {
+  vi bits = lb_bits_i(f);
+  vi sign = bits & (int32_t)0x80000000;
+  vi fb = bits ^ sign;
+  const int32_t denorm_mask = 134 << 23;
+  vi dres = lb_bits_i(lb_bits_f(fb) + lb_bits_f(lb_splat_i(denorm_mask))) - denorm_mask;
+  vi odd = (fb >> 21) & 1;
+  vi nres = (vi)(((vu)fb + (vu){} + (uint32_t)(((uint32_t)(15 - 127) << 23) + 0xFFFFF) + (vu)odd) >> 21) & 0xFF;
+  vi res = fb < (113 << 23) ? dres : nres;
+  vi big = fb > 0x7F800000 ? lb_splat_i(0x7F) : lb_splat_i(0x7C);
+  res = fb >= (143 << 23) ? big : res;
+  return (res | ((vi)((vu)sign >> 24))) & 0xFF;
+}
+
+// dynamic8: a sorted 256-entry map; encode is bucketize(x, midpoints, right=True).
+LB_INLINE vf lb_decode_dynamic8(vi u, const float* map) {
+  vf r;
+  for (int l = 0; l < LB_W; ++l) r[l] = map[u[l]];
+  return r;
+}
+LB_INLINE vi lb_encode_dynamic8(vf y, const float* mids) {
+  vi r;
+  for (int l = 0; l < LB_W; ++l) {
+    float x = y[l];
+    int idx = 0;
+    for (int s = 128; s; s >>= 1) idx += (mids[idx + s - 1] <= x) ? s : 0;
+    r[l] = idx;
+  }
+  return r;
+}
+
+// Codes (one byte per lane) -> values relative to the block scale.
+template <int F, bool U>
+LB_INLINE vf lb_decode(vi u, const float* map) {
+  if (F == LB_INT8) return U ? __builtin_convertvector(u, vf) : __builtin_convertvector((u << 24) >> 24, vf);
+  if (F == LB_E4M3) return lb_decode_e4m3(u);
+  if (F == LB_E5M2) return lb_decode_e5m2(u);
+  return lb_decode_dynamic8(u, map);
+}
+
+// Values already multiplied by qmax/absmax -> codes; a positive value of a non-negative state never
+// becomes code 0 (formats.encode).
+template <int F, bool U>
+LB_INLINE vi lb_encode(vf y, const float* mids) {
+  if (F == LB_INT8) {
+    vf q = lb_clamp(lb_rint(y), U ? 0.0f : -127.0f, U ? 255.0f : 127.0f);
+    if (U) q = (y > 0) & (q == 0) ? lb_splat(1.0f) : q;
+    return __builtin_convertvector(q, vi) & 0xFF;
+  }
+  if (F == LB_DYNAMIC8) {
+    vi idx = lb_encode_dynamic8(y, mids);
+    if (U) idx = (y > 0) & (idx == 0) ? lb_splat_i(1) : idx;
+    return idx;
+  }
+  const float qmax = F == LB_E4M3 ? 448.0f : 57344.0f;
+  const float min_positive = F == LB_E4M3 ? 0x1p-9f : 0x1p-16f;
+  vf c = lb_clamp(y, -qmax, qmax);
+  if (U) c = (c > 0) & (c < min_positive) ? lb_splat(min_positive) : c;
+  return F == LB_E4M3 ? lb_encode_e4m3(c) : lb_encode_e5m2(c);
+}
+
+// bf16 state storage (not blockwise): a positive value of a non-negative state stays positive.
+template <bool U>
+LB_INLINE vf lb_bf16_state_clamp(vf x) {
+  const float min_positive = 0x1p-133f;  // the smallest positive bf16
+  return U ? ((x > 0) & (x < min_positive) ? lb_splat(min_positive) : x) : x;
+}
+
+// ---- block quantization with outlier patches (blockquant.quantize_into) -------------------------
+// Magnitudes compare as the integer bits of |x| (NaN above inf, like argmax); -1 marks no element.
+LB_INLINE vi lb_key(vf x) { return lb_bits_i(x) & 0x7FFFFFFF; }
+
+// Per lane, the K+1 largest keys seen so far, in decreasing order.
+template <int K>
+struct lb_top {
+  vi t[K + 1];
+};
+template <int K>
+LB_INLINE void lb_top_init(lb_top<K>& a) {
+  for (int j = 0; j <= K; ++j) a.t[j] = lb_splat_i(-1);
+}
+template <int K>
+LB_INLINE void lb_top_insert(lb_top<K>& a, vi x) {
+  for (int j = 0; j <= K; ++j) {
+    vi hi = a.t[j] > x ? a.t[j] : x;
+    x = a.t[j] > x ? x : a.t[j];
+    a.t[j] = hi;
+  }
+}
+LB_INLINE vi lb_lane_mask(int64_t r) {  // lanes [0, r) set
+  vi lane;
+  for (int l = 0; l < LB_W; ++l) lane[l] = l;
+  return lane < lb_splat_i((int32_t)r);
+}
+
+struct lb_patch {
+  int32_t key;
+  int32_t index;
+  float value;
+};
+
+// Quantize the block held in buf[0, len) (a block of `block` elements, zero-padded past len) into
+// its codes, scale and K patches. `acc` holds the per-lane top keys of buf, gathered while buf was
+// written. The K patches are the K largest |x| (ties: lowest offset), listed in the order the
+// reference's repeated argmax finds them; the scale is the absmax of the rest over qmax.
+template <int F, bool U, int K>
+static void lb_quantize_block(const lb_top<K>& acc, float* buf, int64_t len, int64_t block, float qmax, uint8_t* codes,
+                              float* scale, uint16_t* patch_values, int16_t* patch_index, const float* mids) {
+  // The K+1 largest keys of the block, popped off the lanes' sorted columns one at a time; the
+  // padding (a partial last block) holds zeros, which rank below every real key.
+  lb_top<K> top = acc;
+  int64_t pads = block - len;
+  int32_t best[K + 1];
+  for (int j = 0; j <= K; ++j) {
+    vi m = top.t[0];
+    int32_t v = m[0];
+    for (int l = 1; l < LB_W; ++l) v = m[l] > v ? m[l] : v;
+    if (v < 0 && pads > 0) {
+      best[j] = 0;
+      --pads;
+      continue;
+    }
+    best[j] = v;
+    int l = 0;
+    while (m[l] != v) ++l;
+    for (int t = 0; t < K; ++t) top.t[t][l] = top.t[t + 1][l];
+    top.t[K][l] = -1;
+  }
+  const int32_t rest = best[K] > 0 ? best[K] : 0;
+  float absmax;
+  memcpy(&absmax, &rest, 4);
+  const float inv = absmax > 0 ? (1.0f / absmax) * qmax : 0.0f;  // torch's `qmax / absmax` is reciprocal() * qmax
+  *scale = absmax / qmax;
+
+  // Patches: every key above the K-th largest, then the first keys equal to it.
+  const int32_t thr = K > 0 ? best[K > 0 ? K - 1 : 0] : 0;
+  int eq_left = 0;
+  for (int j = 0; j < K; ++j) eq_left += best[j] == thr;
+  lb_patch found[K > 0 ? K : 1];
+  int taken = 0;
+  const vf vinv = lb_splat(inv);
+  const vi vthr = lb_splat_i(thr);
+  // Find the patches (scanning until all K are found) and zero them in buf; then encode buf.
+  for (int64_t i = 0; K > 0 && taken < K && i < len; i += LB_W) {
+    const int64_t r = len - i < LB_W ? len - i : LB_W;
+    const vi key = lb_key(r == LB_W ? lb_ld(buf + i) : lb_ld_n(buf + i, r));
+    if (!lb_any((key >= vthr) & lb_lane_mask(r))) continue;
+    for (int l = 0; l < r && taken < K; ++l) {
+      if (key[l] > thr || (key[l] == thr && eq_left > 0)) {
+        if (key[l] == thr) --eq_left;
+        found[taken++] = lb_patch{key[l], (int32_t)(i + l), buf[i + l]};
+        buf[i + l] = 0.0f;
+      }
+    }
+  }
+  int64_t i = 0;
+  for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, mids));
+  if (i < len) lb_st_codes_n(codes + i, lb_encode<F, U>(lb_ld_n(buf + i, len - i) * vinv, mids), len - i);
+  for (int64_t pad = len; taken < K; ++pad) found[taken++] = lb_patch{0, (int32_t)pad, 0.0f};
+  for (int a = 1; a < K; ++a) {  // order of discovery by repeated argmax: key desc, offset asc
+    lb_patch p = found[a];
+    int b = a - 1;
+    while (b >= 0 && (found[b].key < p.key || (found[b].key == p.key && found[b].index > p.index))) {
+      found[b + 1] = found[b];
+      --b;
+    }
+    found[b + 1] = p;
+  }
+  for (int k = 0; k < K; ++k) {
+    patch_values[k] = lb_bf16_bits(found[k].value);
+    patch_index[k] = (int16_t)found[k].index;
+  }
+}
+
+// Decode one block into buf[0, len): codes times scale, then the patches that fall inside it.
+template <int F, bool U, int K>
+static void lb_dequantize_block(float* buf, const uint8_t* codes, int64_t len, float scale,
+                                const uint16_t* patch_values, const int16_t* patch_index, const float* map) {
+  const vf s = lb_splat(scale);
+  int64_t i = 0;
+  for (; i + LB_W <= len; i += LB_W) lb_st(buf + i, lb_decode<F, U>(lb_ld_codes(codes + i), map) * s);
+  if (i < len) lb_st_n(buf + i, lb_decode<F, U>(lb_ld_codes_n(codes + i, len - i), map) * s, len - i);
+  for (int k = 0; k < K; ++k)
+    if (patch_index[k] < len) buf[patch_index[k]] = lb_bf16_scalar(patch_values[k]);
+}
+
+// ---- float32 square roots as torch computes them ------------------------------------------------
+// torch built with MKL takes float32 square roots with vmsSqrt(VML_HA), which is not correctly
+// rounded; the Python side passes that function here so a step without quantized states stays
+// bit-for-bit stock. Without it, the SIMD square root (what torch uses when built without MKL).
+typedef void (*lb_vsqrt_fn)(int, const float*, float*, long long);
+static lb_vsqrt_fn lb_vsqrt_impl = nullptr;
+static const long long LB_VML_MODE = 0x2 | 0x140000 | 0x100;  // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
+extern "C" void lowbit_set_vsqrt(void* fn) { lb_vsqrt_impl = (lb_vsqrt_fn)fn; }
+static void lb_vsqrt(int64_t n, float* x) {
+  if (lb_vsqrt_impl) {
+    lb_vsqrt_impl((int)n, x, x, LB_VML_MODE);
+    return;
+  }
+  int64_t i = 0;
+  for (; i + LB_W <= n; i += LB_W) lb_st(x + i, lb_sqrt(lb_ld(x + i)));
+  if (i < n) lb_st_n(x + i, lb_sqrt(lb_ld_n(x + i, n - i)), n - i);
+}
+
+// ---- per-thread scratch ---------------------------------------------------------------------------
+static float* lb_scratch(int64_t floats) {
+  static thread_local float* buf = nullptr;
+  static thread_local int64_t cap = 0;
+  if (cap < floats) {
+    free(buf);
+    buf = (float*)aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
+    cap = floats;
+  }
+  return buf;
+}

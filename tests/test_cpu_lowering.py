@@ -1,0 +1,312 @@
+"""The CPU lowering (backend="inductor") against the eager reference: formats code by code, whole steps
+for every format, flag and dtype, partial blocks, thread counts and the 16-lane (AVX-512) code path."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from lowbit_compile import QuantizedState, lowbit_compile, runner
+from lowbit_compile.kernels import cpu, cpu_build, cpu_emit
+from lowbit_compile.kernels.backends import resolve
+from lowbit_compile.kernels.formats import StateFormat, decode, dynamic_map, dynamic_midpoints, encode
+
+FORMATS = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32"]
+BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"]
+
+# Lets the prelude's element formats be called on whole arrays from Python.
+_HARNESS = r"""
+static const float map_s[256] = {%s};
+static const float mids_s[255] = {%s};
+static const float map_u[256] = {%s};
+static const float mids_u[255] = {%s};
+template <int F, bool U> static void run(int dir, void* codes, float* x, int64_t n) {
+  const float* table = F == LB_DYNAMIC8 ? (dir ? (U ? mids_u : mids_s) : (U ? map_u : map_s)) : nullptr;
+  uint8_t* c = (uint8_t*)codes;
+  for (int64_t i = 0; i < n; i += LB_W)
+    if (dir) lb_st_codes(c + i, lb_encode<F, U>(lb_ld(x + i), table));
+    else lb_st(x + i, lb_decode<F, U>(lb_ld_codes(c + i), table));
+}
+extern "C" void convert(int fmt, int nonneg, int dir, void* codes, float* x, int64_t n) {
+  switch (fmt * 2 + nonneg) {
+    case 0: run<LB_INT8, false>(dir, codes, x, n); break;
+    case 1: run<LB_INT8, true>(dir, codes, x, n); break;
+    case 2: run<LB_DYNAMIC8, false>(dir, codes, x, n); break;
+    case 3: run<LB_DYNAMIC8, true>(dir, codes, x, n); break;
+    case 4: run<LB_E4M3, false>(dir, codes, x, n); break;
+    case 5: run<LB_E4M3, true>(dir, codes, x, n); break;
+    case 6: run<LB_E5M2, false>(dir, codes, x, n); break;
+    case 7: run<LB_E5M2, true>(dir, codes, x, n); break;
+  }
+}
+"""
+
+
+def _harness(lanes: int | None):
+    tables = (dynamic_map(False), dynamic_midpoints(False), dynamic_map(True), dynamic_midpoints(True))
+    source = cpu_emit.PRELUDE + _HARNESS % tuple(", ".join(f"{v.hex()}f" for v in t.tolist()) for t in tables)
+    return cpu_build.load(source, () if lanes is None else (f"-DLB_W={lanes}",))
+
+
+def _probe_values(fmt: StateFormat) -> torch.Tensor:
+    """Dense and random values over the whole code range, every code point and every midpoint
+    between neighbours (exact ties), subnormals, and signed zeros."""
+    points = decode(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.code_dtype), fmt)
+    points = points[torch.isfinite(points)].unique()
+    mids = (points[1:] + points[:-1]) / 2
+    x = torch.cat([
+        torch.linspace(-fmt.qmax, fmt.qmax, 20011), torch.randn(20000) * fmt.qmax / 8,
+        torch.randn(4000) * 1e-3, (torch.rand(2000) * 2 - 1) * 2.0**-12, points, mids,
+        torch.tensor([0.0, -0.0, 2.0**-20, -(2.0**-20), fmt.qmax, -fmt.qmax]),
+    ])
+    if fmt.nonneg:
+        x = x.abs()
+    return torch.nn.functional.pad(x, (0, -len(x) % 16)).contiguous()
+
+
+@pytest.mark.parametrize("lanes", [None, 16], ids=["native", "16-lanes"])
+def test_prelude_formats_match_torch_code_for_code(lanes):
+    """Every code decodes, and every probe value (ties included) encodes, exactly as formats.py."""
+    lib = _harness(lanes)
+    for index, name in enumerate(BLOCKWISE):
+        for nonneg in (False, True):
+            fmt = StateFormat(name, 2048, 2, nonneg)
+            codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+            out = torch.empty(256)
+            lib.convert(index, int(nonneg), 0, ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                        ctypes.c_int64(256))
+            torch.testing.assert_close(out, decode(codes.view(fmt.code_dtype), fmt), rtol=0, atol=0, equal_nan=True)
+            x = _probe_values(fmt)
+            got = torch.empty(len(x), dtype=torch.uint8)
+            lib.convert(index, int(nonneg), 1, ctypes.c_void_p(got.data_ptr()), ctypes.c_void_p(x.data_ptr()),
+                        ctypes.c_int64(len(x)))
+            assert torch.equal(got, encode(x, fmt).view(torch.uint8)), (name, nonneg)
+
+
+def _twins(fmt, cls, kwargs, dtype, sizes, steps=3, block_size=64, outliers=2, threads=None):
+    """The same training run under the reference and the CPU lowering; grads carry 1% outliers so
+    every block has patches to take."""
+    results = []
+    for backend in ("reference", "inductor"):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in sizes]
+        kw = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        opt = lowbit_compile(cls(params, **kw), fmt, block_size=block_size, outliers=outliers, min_8bit_size=0,
+                             backend=backend)
+        for _ in range(steps):
+            for p in params:
+                g = torch.randn(p.shape, generator=gen) * (1 + 30 * (torch.rand(p.shape, generator=gen) < 0.01))
+                p.grad = g.to(dtype)
+            if threads is not None and backend == "inductor":
+                before = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    opt.step()
+                finally:
+                    torch.set_num_threads(before)
+            else:
+                opt.step()
+        results.append((params, opt))
+    return results
+
+
+def _assert_same_states(ref, ours):
+    (pr, opt_r), (pc, opt_c) = ref, ours
+    for a, b in zip(pr, pc):
+        for key, va in opt_r.state[a].items():
+            vb = opt_c.state[b][key]
+            if isinstance(va, QuantizedState):
+                for part in ("codes", "scales", "patch_values", "patch_index"):
+                    x, y = getattr(va, part), getattr(vb, part)
+                    if x.element_size() == 1:
+                        x, y = x.view(torch.uint8), y.view(torch.uint8)
+                    assert torch.equal(x, y), (key, part, a.numel())
+            else:
+                assert torch.equal(va, vb), (key, a.numel())
+
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1})
+ADAM_FLAGS = (torch.optim.Adam, {"lr": torch.tensor(1e-2), "amsgrad": True, "maximize": True, "weight_decay": 0.01})
+# partial last blocks, a 1-element param, sizes below one SIMD vector, several whole blocks
+SIZES = [1000, 64, 1, 7, 131]
+
+
+# Every format with Adam's flags; AdamW's decoupled weight decay once quantized, once stock.
+FP32_CASES = [pytest.param(fmt, *ADAM_FLAGS, id=f"{fmt}-Adam-amsgrad-maximize-tensor-lr") for fmt in FORMATS] + [
+    pytest.param(fmt, *ADAMW, id=f"{fmt}-AdamW-wd") for fmt in ("int8", "fp32")]
+BF16_CASES = [pytest.param(fmt, *ADAMW, id=f"{fmt}-AdamW-wd") for fmt in FORMATS] + [
+    pytest.param("int8", *ADAM_FLAGS, id="int8-Adam-amsgrad-maximize-tensor-lr")]
+
+
+@pytest.mark.parametrize(("fmt", "cls", "kwargs"), FP32_CASES)
+def test_fp32_params_match_reference(fmt, cls, kwargs):
+    """States are bit-identical (their update has no sqrt or division, and the kernel rounds every
+    op, FMA included, as aten does; codes then cannot differ, ties included). Params with quantized
+    states use the SIMD sqrt and a multiply by 1/bias_correction, each within one rounding of
+    torch's (MKL sqrt, true division): after 3 steps a param is within 4 ulps of the reference
+    (rtol 4.8e-7) plus 4 ulps of one update, whose size is about lr <= 1e-2 (ulp 9.3e-10, so atol
+    4e-9). With fp32 states (stock) the kernel takes torch's own sqrt: bit for bit."""
+    ref, ours = _twins(fmt, cls, kwargs, torch.float32, SIZES)
+    _assert_same_states(ref, ours)
+    for a, b in zip(ref[0], ours[0]):
+        if fmt == "fp32":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=4.8e-7, atol=4e-9)
+
+
+# aten's bf16 kernels run their last (n mod 32) elements through a scalar path that, for an add with
+# alpha (Adam's weight decay), rounds alpha * other to bf16 first; the vector path (and this kernel)
+# does not. Sizes that are multiples of 32 keep every element on aten's vector path.
+BF16_SIZES = [1024, 64, 96, 32]
+
+
+@pytest.mark.parametrize(("fmt", "cls", "kwargs"), BF16_CASES)
+def test_bf16_params_match_reference_bit_for_bit(fmt, cls, kwargs):
+    """bf16 params and states: every op rounds to bf16 as aten's does, sqrt and division of bf16
+    values are correctly rounded in both, so params and states are identical."""
+    ref, ours = _twins(fmt, cls, kwargs, torch.bfloat16, BF16_SIZES)
+    _assert_same_states(ref, ours)
+    for a, b in zip(ref[0], ours[0]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("fmt", "outliers"), [("int8", 4), ("fp8_e4m3", 0), ("dynamic8", 1)])
+def test_tiny_blocks_and_patches_into_the_padding(fmt, outliers):
+    """Block 16 with 0-4 patches, params of 1-33 elements: a last block shorter than its patch count
+    places patches in the padding, exactly as the reference does."""
+    ref, ours = _twins(fmt, *ADAMW, torch.float32, [1, 2, 3, 5, 15, 16, 17, 33], block_size=16, outliers=outliers)
+    _assert_same_states(ref, ours)
+
+
+def test_default_block_and_two_threads():
+    """Block 2048 over several blocks, stepped with 2 threads: the split of blocks over threads does
+    not change any result."""
+    ref, ours = _twins("int8", *ADAMW, torch.float32, [3 * 2048 + 100, 2048], block_size=2048, threads=2)
+    _assert_same_states(ref, ours)
+
+
+def test_sixteen_lane_kernel_matches(monkeypatch, tmp_path):
+    """The whole step compiled with 16 lanes (the AVX-512 width, here through the generic path)."""
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-DLB_W=16"))
+    monkeypatch.setattr(runner, "_compiled", {})  # lower again, with these flags
+    ref, ours = _twins("fp8_e4m3", *ADAM_FLAGS, torch.float32, SIZES)
+    _assert_same_states(ref, ours)
+
+
+def test_auto_picks_the_cpu_kernel():
+    assert resolve("auto", "cpu") == "inductor"
+
+
+def test_unsupported_dtype_falls_back_to_the_reference_with_a_warning():
+    p = torch.nn.Parameter(torch.randn(100, dtype=torch.float16))
+    opt = lowbit_compile(torch.optim.AdamW([p]), "int8", min_8bit_size=0, backend="inductor")
+    p.grad = torch.randn_like(p)
+    with pytest.warns(UserWarning, match="does not cover this step"):
+        opt.step()
+    assert opt.state[p]["exp_avg"].codes.abs().sum() > 0
+
+
+def _step_all(opt, params, gen):
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+
+
+def test_one_kernel_per_signature_whatever_the_shapes(monkeypatch, tmp_path):
+    """Params of six shapes, quantized and small (stock): two signatures, two kernels compiled."""
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runner, "_compiled", {})
+    shapes = [(96, 64), (64, 96), (5000,), (70, 70), (10,), (3, 5)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = lowbit_compile(torch.optim.AdamW(params, weight_decay=0.1), "int8")
+    compiles = cpu_build.compile_count
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        _step_all(opt, params, gen)
+    assert cpu_build.compile_count - compiles == 2
+    assert len(list(tmp_path.glob("*.so"))) == 2
+
+
+_FRESH_PROCESS = """
+import time, torch
+from lowbit_compile import lowbit_compile
+from lowbit_compile.kernels import cpu_build
+params = [torch.nn.Parameter(torch.randn(s)) for s in [(96, 64), (64, 96), (5000,), (10,)]]
+opt = lowbit_compile(torch.optim.AdamW(params, weight_decay=0.1), "int8")
+for p in params:
+    p.grad = torch.randn_like(p)
+start = time.perf_counter()
+opt.step()
+print(cpu_build.compile_count, time.perf_counter() - start)
+"""
+
+
+def test_a_warm_cache_serves_a_fresh_process(tmp_path):
+    """The compiled kernels live on disk: a second process compiles nothing."""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "LOWBIT_COMPILE_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", _FRESH_PROCESS], env=env, capture_output=True, text=True,
+                           timeout=300) for _ in range(2)]
+    counts = [int(r.stdout.split()[0]) for r in runs]
+    assert counts == [2, 0], [r.stderr[-2000:] for r in runs]
+
+
+def test_many_small_tensors_take_one_launch_and_stay_stock(monkeypatch):
+    """300 tensors under min_8bit_size keep stock fp32 states and are stepped by one kernel call per
+    step, bit for bit like a foreach=False twin (their shared step count)."""
+    shapes = [(int(n),) for n in torch.randint(1, 4096, (300,), generator=torch.Generator().manual_seed(0))]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = lowbit_compile(torch.optim.AdamW(ours, weight_decay=0.1), "int8")
+    stock = torch.optim.AdamW(twin, weight_decay=0.1, foreach=False)
+    launches = []
+    launch = cpu.CpuStep._launch
+    monkeypatch.setattr(cpu.CpuStep, "_launch", lambda self, rows: (launches.append(len(rows)), launch(self, rows)))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p, q in zip(ours, twin):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        stock.step()
+    assert launches == [300, 300, 300]
+    for p, q in zip(ours, twin):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], stock.state[q]["exp_avg_sq"])
+
+
+def test_a_reused_preparation_follows_every_change():
+    """Steady steps reuse each parameter's preparation; a new weight_decay (another guard), a
+    reassigned p.data, a loaded state dict and a param that got a grad later are each seen."""
+    shapes = [(300,), (40, 20), (5,)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = lowbit_compile(torch.optim.Adam(ours, weight_decay=0.0), "fp32")
+    stock = torch.optim.Adam(twin, weight_decay=0.0, foreach=False)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(8):
+        for i, (p, q) in enumerate(zip(ours, twin)):
+            if i == 2 and step < 3:
+                p.grad = q.grad = None
+                continue
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        if step == 4:
+            for o in (opt, stock):
+                o.param_groups[0]["weight_decay"] = 0.1
+        if step == 5:
+            fresh = torch.randn(40, 20)
+            ours[1].data, twin[1].data = fresh.clone(), fresh.clone()
+        if step == 6:
+            stock.load_state_dict(stock.state_dict())
+            opt.load_state_dict(opt.state_dict())
+        opt.step()
+        stock.step()
+        for p, q in zip(ours, twin):
+            assert torch.equal(p, q), step
