@@ -59,10 +59,6 @@ class Rewritten:
     stock_state_bytes: int = 0
     restored_at_step: int | None = None
 
-    @property
-    def saved_bytes(self) -> int:
-        return self.stock_state_bytes - self.state_bytes
-
     def measure(self, opt: torch.optim.Optimizer) -> None:
         """Bytes the optimizer's states hold now, and what stock states of the same dtypes would."""
         self.state_bytes = memory_report(opt).total.bytes
@@ -141,7 +137,7 @@ class Scope(contextlib.ContextDecorator):
             return None
         self._decided.add(opt)
         if not isinstance(opt, SUPPORTED):
-            self.skipped[f"{type(opt).__name__} (not Adam/AdamW)"] += 1
+            self.skipped[f"{type(opt).__name__} (not an optimizer lowbit_compile rewrites)"] += 1
             return None
         if self._restore_requested:
             self.skipped[f"{type(opt).__name__} (stepped after a restore request)"] += 1

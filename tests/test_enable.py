@@ -134,13 +134,23 @@ def test_closure_is_called_once_and_its_loss_returned():
     assert first.requires_grad and second < first
 
 
-def test_other_optimizers_are_left_stock_and_reported():
-    params, sgd = make(torch.optim.SGD)
-    with enable() as scope:
-        step(sgd, params, n=2)
-    assert not is_wrapped(sgd)
-    assert scope.skipped == {"SGD (not Adam/AdamW)": 1}
-    assert "left stock: 1 x SGD (not Adam/AdamW)" in scope.summary()
+def test_optimizers_it_cannot_rewrite_are_left_stock_and_reported():
+    params, lbfgs = make(torch.optim.LBFGS)  # a line search over all parameters: never elementwise
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = sum((p**2).sum() for p in params)
+        loss.backward()
+        return loss
+
+    with enable() as scope, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a refusal may come with a warning naming the reason
+        lbfgs.step(closure)
+        lbfgs.step(closure)
+    assert not is_wrapped(lbfgs) and scope.rewritten == []
+    ((reason, count),) = scope.skipped.items()
+    assert reason.startswith("LBFGS (") and count == 1
+    assert f"left stock: 1 x {reason}" in scope.summary()
 
 
 def test_an_unsupported_adam_is_left_stock_with_a_warning():
