@@ -87,12 +87,12 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(seen.values())
 
 
-def run_one(job: tuple[str, str, int, float, int]) -> dict:
+def run_one(job: tuple[str, str, int, float, int, bool]) -> dict:
     """Train one (task, optimizer, seed); returns the JSON record of the run."""
-    task_name, variant, seed, step_scale, threads = job
+    task_name, variant, seed, step_scale, threads, compile_peers = job
     torch.set_num_threads(threads)
     task = _task(task_name, step_scale)
-    spec = OptimizerSpec(variant)
+    spec = OptimizerSpec(variant, compile_peers)
     built: list[torch.optim.Optimizer] = []
 
     def build(params, hyper):
@@ -116,8 +116,9 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 def summarize(runs: list[dict]) -> dict:
     """Per task and optimizer: final validation loss (and metric) over seeds, and the gap to fp32.
 
-    ``within_noise`` holds when the mean final loss is within one fp32 seed standard deviation of
-    fp32's mean (the spread a rerun of fp32 itself shows)."""
+    ``paired_gap_pct`` is the mean and std over seeds of (loss / fp32 loss of the same seed - 1).
+    ``matches_fp32`` holds when that mean is within one fp32 seed standard deviation (the spread a
+    rerun of fp32 itself shows, in % of its mean) and within 0.5%."""
     out: dict = {}
     for task in sorted({r["task"] for r in runs}):
         rows = [r for r in runs if r["task"] == task]
@@ -126,17 +127,18 @@ def summarize(runs: list[dict]) -> dict:
             by_variant.setdefault(r["variant"], {})[r["seed"]] = r
         base = by_variant.get("fp32", {})
         base_mean, base_std = _mean_std([r["val"][-1]["loss"] for r in base.values()]) if base else (math.nan, 0)
+        noise_pct = base_std / base_mean * 100
         out[task] = {}
         for variant, seeds in by_variant.items():
             losses = [r["val"][-1]["loss"] for r in seeds.values()]
             mean, std = _mean_std(losses)
             paired = [(seeds[s]["val"][-1]["loss"] - base[s]["val"][-1]["loss"]) / base[s]["val"][-1]["loss"] * 100
                       for s in seeds if s in base]
+            gap = _mean_std(paired) if paired else (math.nan, math.nan)
             entry = {
                 "seeds": sorted(seeds), "loss_mean": mean, "loss_std": std,
-                "gap_pct": (mean - base_mean) / base_mean * 100,
-                "paired_gap_pct": _mean_std(paired) if paired else None,
-                "within_noise": abs(mean - base_mean) <= base_std,
+                "paired_gap_pct": gap, "fp32_noise_pct": noise_pct,
+                "matches_fp32": abs(gap[0]) <= min(noise_pct, 0.5),
                 "seconds": statistics.fmean(r["seconds"] for r in seeds.values()),
                 "state_bytes_per_param": statistics.fmean(r["state_bytes_per_param"] for r in seeds.values()),
             }
@@ -157,48 +159,50 @@ def markdown(summary: dict, tasks: dict[str, Task]) -> str:
     for task, rows in summary.items():
         hyper = tasks[task].hyper
         n_params = sum(p.numel() for p in tasks[task].model(0).parameters())
-        lines += [f"### {task} ({n_params:,} params, {hyper.steps} steps, lr {hyper.lr}, "
-                  f"weight decay {hyper.weight_decay})", ""]
-        metric = next((k[:-5] for k in next(iter(rows.values())) if k.endswith("_mean") and k != "loss_mean"), None)
-        head = "| optimizer | state B/param | val loss | gap to fp32 | paired gap | ≈ fp32 |"
-        sep = "|---|---:|---:|---:|---:|:-:|"
+        any_row = next(iter(rows.values()))
+        lines += [f"### {task}: {n_params:,} params, {hyper.steps} steps, lr {hyper.lr}, weight decay "
+                  f"{hyper.weight_decay}, seeds {any_row['seeds']}; fp32 seed spread "
+                  f"±{any_row['fp32_noise_pct']:.2f}%", ""]
+        metric = next((k[:-5] for k in any_row if k.endswith("_mean") and k != "loss_mean"), None)
+        head = "| optimizer | state B/param | val loss | gap to fp32 | ≈ fp32 |"
+        sep = "|---|---:|---:|---:|:-:|"
         if metric:
             head += f" val {metric} |"
             sep += "---:|"
         lines += [head + " s/run |", sep + "---:|"]
         for variant in sorted(rows, key=_order):
             e = rows[variant]
-            paired = e["paired_gap_pct"]
+            gap, gap_std = e["paired_gap_pct"]
             row = (f"| {variant} | {e['state_bytes_per_param']:.3f} | {e['loss_mean']:.4f} ± {e['loss_std']:.4f} "
-                   f"| {e['gap_pct']:+.2f}% | "
-                   + (f"{paired[0]:+.2f} ± {paired[1]:.2f}%" if paired else "–")
-                   + f" | {'yes' if e['within_noise'] else '**no**'} |")
+                   f"| {gap:+.2f} ± {gap_std:.2f}% | {'yes' if e['matches_fp32'] else '**no**'} |")
             if metric:
                 row += f" {e[metric + '_mean'] * 100:.2f} ± {e[metric + '_std'] * 100:.2f}% |"
             lines.append(row + f" {e['seconds']:.0f} |")
         lines.append("")
+    lines.append("Gap to fp32: mean ± std over seeds of the paired gap (loss / fp32 loss of the same seed - 1). "
+                 "≈ fp32: that mean is within the fp32 seed spread and within 0.5%. State B/param: bytes of "
+                 "all optimizer state over all parameters (small tensors keep fp32 states in every 8-bit "
+                 "optimizer).")
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], task: str, path: Path) -> None:
-    """Validation loss of fp32, and every optimizer's gap to fp32 along training, means over seeds."""
+def plot(runs: list[dict], summary: dict, task: str, path: Path) -> None:
+    """fp32's validation loss; every optimizer's gap to fp32 along training (mean over seeds of the
+    paired gap) in four panels; the final gaps with their seed spread."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in runs if r["task"] == task]
     curves: dict[str, dict[int, list[float]]] = {}
     steps: dict[str, list[int]] = {}
-    for r in rows:
-        curves.setdefault(r["variant"], {})[r["seed"]] = [v["loss"] for v in r["val"]]
-        steps[r["variant"]] = r["val_steps"]
+    for r in runs:
+        if r["task"] == task:
+            curves.setdefault(r["variant"], {})[r["seed"]] = [v["loss"] for v in r["val"]]
+            steps[r["variant"]] = r["val_steps"]
     if "fp32" not in curves:
         return
     base = curves["fp32"]
-
-    def mean_curve(variant: str) -> list[float]:
-        return [statistics.fmean(c[i] for c in curves[variant].values()) for i in range(len(steps[variant]))]
 
     def gap_curve(variant: str) -> list[float]:
         seeds = [s for s in curves[variant] if s in base]
@@ -207,28 +211,47 @@ def plot(runs: list[dict], task: str, path: Path) -> None:
 
     spread = [statistics.stdev(c[i] for c in base.values()) / statistics.fmean(c[i] for c in base.values()) * 100
               if len(base) > 1 else 0.0 for i in range(len(steps["fp32"]))]
-    panels = [("without patches (k0), block 2048", lambda v: v.endswith("-b2048-k0")),
-              ("with 2 patches (k2), block 2048", lambda v: v.endswith("-b2048-k2") or v == "bf16"),
-              ("block 256, no patches (the peers' layout)", lambda v: "-b256-" in v),
+    panels = [("ours, block 2048, 2 patches (default layout)", lambda v: v.endswith("-b2048-k2") or v == "bf16"),
+              ("ours, block 2048, no patches", lambda v: v.endswith("-b2048-k0")),
+              ("ours, block 256, no patches (the peers' layout)", lambda v: "-b256-" in v),
               ("bitsandbytes and torchao", lambda v: v in PEERS)]
-    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(5 * (1 + len(panels)), 4.2))
-    ax = axes[0]
-    ax.plot(steps["fp32"], mean_curve("fp32"), color="black", label="fp32 AdamW")
-    ax.set(title=f"{task}: validation loss (fp32)", xlabel="step", ylabel="val loss")
-    ax.legend()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, pick) in zip(axes[1:], panels):
-        ax.fill_between(steps["fp32"], [-s for s in spread], spread, color="0.85", label="fp32 seed std")
+
+    def color(variant: str) -> str:
+        fmt = variant.split("-")[0]
+        order = [*FORMATS, "bf16", *PEERS]
+        return colors[order.index(fmt if fmt in order else variant) % len(colors)]
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    ax = axes[0][0]
+    for seed, curve in sorted(base.items()):
+        ax.plot(steps["fp32"], curve, color="black", lw=0.8, alpha=0.6, label=f"fp32 AdamW, seed {seed}")
+    ax.set(title=f"{task}: validation loss of fp32 AdamW", xlabel="step", ylabel="val loss")
+    ax.legend(fontsize=7)
+    for ax, (title, pick) in zip([axes[0][1], axes[0][2], axes[1][0], axes[1][1]], panels):
+        gaps = {v: gap_curve(v) for v in sorted((v for v in curves if pick(v)), key=_order)}
+        ax.fill_between(steps["fp32"], [-s for s in spread], spread, color="0.88", label="fp32 seed std")
         ax.axhline(0, color="black", lw=0.8)
-        for i, variant in enumerate(sorted((v for v in curves if pick(v)), key=_order)):
-            style = "-"
-            color = colors[(FORMATS.index(variant.split("-")[0]) if variant.split("-")[0] in FORMATS else i)
-                           % len(colors)] if variant not in PEERS else colors[(4 + i) % len(colors)]
-            ax.plot(steps[variant], gap_curve(variant), style, color=color, label=variant)
+        for variant, gap in gaps.items():
+            ax.plot(steps[variant], gap, color=color(variant), label=variant)
+        # scale to the curves (after the first evaluation, where every run is still near init)
+        shown = [g for gap in gaps.values() for g in gap[1:]] or [0.0]
+        pad = max(0.1, (max(shown) - min(shown)) * 0.15)
+        ax.set_ylim(min(min(shown), 0) - pad, max(max(shown), 0) + pad)
         ax.set(title=title, xlabel="step", ylabel="val loss gap to fp32 (%)")
         ax.legend(fontsize=7)
+    ax = axes[1][2]
+    rows = sorted((v for v in summary[task] if v != "fp32"), key=_order)
+    means = [summary[task][v]["paired_gap_pct"][0] for v in rows]
+    errs = [summary[task][v]["paired_gap_pct"][1] for v in rows]
+    ax.barh(range(len(rows)), means, xerr=errs, color=[color(v) for v in rows], alpha=0.8)
+    ax.axvspan(-spread[-1], spread[-1], color="0.88", zorder=0)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.invert_yaxis()
+    ax.set(title="final val loss gap to fp32 (mean and std over seeds)", xlabel="%")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -244,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--resume", action="store_true", help="reuse runs already in OUT/quality.json")
+    ap.add_argument("--report", action="store_true", help="only rebuild the tables and plots from OUT's JSON")
+    ap.add_argument("--compile-peers", action="store_true",
+                    help="let torchao torch.compile its step (minutes of compiling per shape on a small CPU)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
@@ -265,22 +291,25 @@ def main(argv: list[str] | None = None) -> None:
     json_path = args.out / f"{name}.json"
 
     runs: list[dict] = []
+    if args.report:
+        data = json.loads(json_path.read_text())
+        runs, meta = data["runs"], data["meta"]
+        report(runs, meta, args.out, name)
+        return
     if args.resume and json_path.exists():
         runs = [r for r in json.loads(json_path.read_text())["runs"] if r.get("step_scale", 1.0) == scale]
     done = {(r["task"], r["variant"], r["seed"]) for r in runs}
-    jobs = [(t, v, s, scale, args.threads) for t in args.tasks for v in variants(t) for s in seeds
+    jobs = [(t, v, s, scale, args.threads, args.compile_peers) for t in args.tasks for v in variants(t) for s in seeds
             if (t, v, s) not in done]
     # the most expensive task first, so the parallel tail is short
     jobs.sort(key=lambda j: (list(TASKS).index(j[0]) if j[0] != "char_gpt" else -1))
-    meta = {"argv": sys.argv, "torch": torch.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": multiprocessing.cpu_count(), "jobs": args.jobs,
+    meta = {"argv": sys.argv, "torch": torch.__version__, "torchao_compiled": args.compile_peers,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": multiprocessing.cpu_count(), "jobs": args.jobs,
             "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M")}
 
     def save() -> None:
-        tasks = {t: _task(t, scale) for t in {r["task"] for r in runs}}
-        summary = summarize(runs)
-        json_path.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}))
-        (args.out / f"{name}.md").write_text(markdown(summary, tasks))
+        json_path.write_text(json.dumps({"meta": meta, "summary": summarize(runs), "runs": runs}))
 
     ctx = multiprocessing.get_context("spawn")
     start = time.perf_counter()
@@ -294,9 +323,21 @@ def main(argv: list[str] | None = None) -> None:
             save()
     meta["wall_seconds"] = time.perf_counter() - start
     save()
-    for task in args.tasks:
-        plot(runs, task, args.out / f"{name}_{task}.png")
-    print((args.out / f"{name}.md").read_text())
+    report(runs, meta, args.out, name)
+
+
+def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
+    """Write ``name.md`` and one ``name_<task>.png`` per task from the runs; print the tables."""
+    summary = summarize(runs)
+    tasks = {t: _task(t, runs[[r["task"] for r in runs].index(t)].get("step_scale", 1.0)) for t in summary}
+    text = markdown(summary, tasks)
+    head = (f"Measured {meta['date']}, torch {meta['torch']}, {meta['jobs']} runs in parallel with "
+            f"{meta['threads']} thread(s) each on {meta['cpus']} CPUs; torchao "
+            f"{'compiled' if meta['torchao_compiled'] else 'run eagerly'}; command: {' '.join(meta['argv'])}\n\n")
+    (out / f"{name}.md").write_text(head + text + "\n")
+    for task in summary:
+        plot(runs, summary, task, out / f"{name}_{task}.png")
+    print(head + text)
 
 
 if __name__ == "__main__":

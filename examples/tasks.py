@@ -120,7 +120,7 @@ class CharGPT(Task):
         split = int(0.9 * len(data))
         self.train_data, self.val_data = data[:split], data[split:]
         self.d, self.layers, self.heads, self.ctx, self.batch_size = d, layers, heads, ctx, batch
-        self.hyper = hyper or Hyper(steps=150, lr=3e-3, weight_decay=0.1, warmup=15, eval_every=50)
+        self.hyper = hyper or Hyper(steps=150, lr=3e-3, weight_decay=0.1, warmup=15, eval_every=30)
         # a fixed validation set: evenly spaced windows over the held-out text
         starts = torch.linspace(0, len(self.val_data) - ctx - 2, val_windows).long()
         self.val_x = torch.stack([self.val_data[s: s + ctx] for s in starts])
@@ -313,12 +313,29 @@ PEERS = {
 }
 
 
+def torchao_eager() -> None:
+    """Make torchao's optimizers run their step eagerly in this process. They ``torch.compile`` the
+    step once per parameter shape, which on a busy 2-core CPU costs about a minute per shape and
+    optimizer class; the quantization code that runs is the same."""
+    import types
+
+    import torchao.optim.adam as ao_adam
+
+    if getattr(ao_adam.torch, "compile", None) is torch.compile:
+        eager = types.ModuleType("torch")
+        eager.__dict__.update(torch.__dict__)
+        eager.compile = lambda fn, **kwargs: fn
+        ao_adam.torch = eager
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """An optimizer by name: ``fp32`` (stock AdamW), one of ours such as ``int8`` or ``int8-b256-k0``
-    (format, then optional ``-b<block_size>`` and ``-k<outliers>``), or a peer from ``PEERS``."""
+    (format, then optional ``-b<block_size>`` and ``-k<outliers>``), or a peer from ``PEERS``.
+    ``compile_peers=False`` runs torchao eagerly (see ``torchao_eager``)."""
 
     name: str
+    compile_peers: bool = False
 
     @property
     def kind(self) -> str:
@@ -343,6 +360,8 @@ class OptimizerSpec:
             import importlib
 
             module, cls = PEERS[self.name]
+            if module.startswith("torchao") and not self.compile_peers:
+                torchao_eager()
             return getattr(importlib.import_module(module), cls)(params, **kwargs)
         opt = torch.optim.AdamW(params, **kwargs)
         if self.kind == "fp32":
