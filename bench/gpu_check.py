@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"{name:22s} {int(size):.0e} {str(dtype)[6:]:9s} {row['median_ms']:9.3f} ms "
                           f"{row['GBps']:7.0f} GB/s {row['pct_of_copy']:5.1f}%")
     add_speedups(report["timing"])
+    report["launch_sweep"] = sweep_launches(device, args, report["copy_GBps"], deadline)
     report["seconds"] = time.perf_counter() - started
     print(table(report))
     if args.out:
@@ -186,14 +187,37 @@ def _torchao(name: str) -> Callable:
     return make
 
 
-def _ours(fmt: str) -> Callable:
+def _ours(fmt: str, block_size: int = 2048) -> Callable:
     def make(params):
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-        return lowbit_compile(opt, fmt=fmt, backend="triton")
+        return lowbit_compile(opt, fmt=fmt, block_size=block_size, backend="triton")
     return make
 
 
-def bytes_per_param(name: str, dtype: torch.dtype) -> float:
+def sweep_launches(device: torch.device, args: argparse.Namespace, copy_gbps: float, deadline: float) -> list[dict]:
+    """Our int8 step with fp32 params at the smallest size, over block sizes and warps per program:
+    what to tune next (the default is block 2048 with the warps ``triton_backend`` picks)."""
+    rows = []
+    size = int(min(args.sizes))
+    configs = [(2048, 4)] if args.dry_run else [(2048, 4), (2048, 8), (2048, 16), (256, 4), (256, 8), (256, 16)]
+    for block, warps in configs:
+        if time.perf_counter() > deadline:
+            rows.append({"block_size": block, "num_warps": warps, "skipped": "time budget spent"})
+            continue
+        triton_backend.LAUNCH_OPTIONS["num_warps"] = warps
+        try:
+            row = time_method("lowbit_int8", _ours("int8", block), size, torch.float32, device, args, copy_gbps,
+                              block)
+        finally:
+            triton_backend.LAUNCH_OPTIONS["num_warps"] = None
+        rows.append({"block_size": block, "num_warps": warps, **row})
+        if "median_ms" in row:
+            print(f"sweep block {block:5d} warps {warps:2d}: {row['median_ms']:.3f} ms, "
+                  f"{row['pct_of_copy']:.1f}% of copy")
+    return rows
+
+
+def bytes_per_param(name: str, dtype: torch.dtype, block_size: int = 2048) -> float:
     """The least a step can move per param: param read + write, grad read, states read + write, and the
     per-block scales (fp32) and patches (bf16 value + int16 offset) read + written."""
     p = torch.finfo(dtype).bits // 8
@@ -202,14 +226,14 @@ def bytes_per_param(name: str, dtype: torch.dtype) -> float:
         return base + 2 * 2 * p  # stock states keep the param dtype
     if name.startswith(("bnb", "torchao")):
         return base + 2 * 2 * 1 + 2 * 2 * 4 / 256  # 8-bit codes, an fp32 absmax per 256
-    fmt = StateFormat.make(name.removeprefix("lowbit_"), 2048, 2, False)
+    fmt = StateFormat.make(name.removeprefix("lowbit_"), block_size, 2, False)
     codes = fmt.code_dtype.itemsize
     per_block = 2 * (4 + fmt.patches * 4) / fmt.block_size if fmt.blockwise else 0.0
     return base + 2 * (2 * codes + per_block)
 
 
 def time_method(name: str, make: Callable, size: int, dtype: torch.dtype, device: torch.device,
-                args: argparse.Namespace, copy_gbps: float) -> dict:
+                args: argparse.Namespace, copy_gbps: float, block_size: int = 2048) -> dict:
     label = f"{name} {size:.0e} {str(dtype)[6:]}"
     if device.type != "cuda" and not (name.startswith("lowbit") or name == "torch_adamw_fused"):
         return {"skipped": f"{label}: peers are timed on CUDA only"}
@@ -232,10 +256,10 @@ def time_method(name: str, make: Callable, size: int, dtype: torch.dtype, device
         if device.type == "cuda":
             torch.cuda.empty_cache()
     median = statistics.median(ms)
-    nbytes = bytes_per_param(name, dtype) * size
-    gbps = nbytes / (median * 1e-3) / 1e9
+    per_param = bytes_per_param(name, dtype, block_size)
+    gbps = per_param * size / (median * 1e-3) / 1e9
     return {"method": name, "size": size, "param_dtype": str(dtype)[6:], "median_ms": median,
-            "min_ms": min(ms), "max_ms": max(ms), "bytes_per_param": bytes_per_param(name, dtype), "GBps": gbps,
+            "min_ms": min(ms), "max_ms": max(ms), "bytes_per_param": per_param, "GBps": gbps,
             "pct_of_copy": 100 * gbps / copy_gbps}
 
 

@@ -118,10 +118,9 @@ def dynamic8_index(y, bounds_ptr):
     """``torch.bucketize(y, bounds, right=True)`` over the 255 dynamic-map midpoints (padded to 256
     with +inf): a branchless binary search, 8 table loads per element."""
     pos = tl.zeros(y.shape, dtype=tl.int32)
-    for level in tl.static_range(8):
-        step: tl.constexpr = 128 >> level
-        probe = tl.load(bounds_ptr + pos + (step - 1))
-        pos = tl.where(probe <= y, pos + step, pos)
+    for level in tl.static_range(8):  # steps of 128, 64, ..., 1
+        probe = tl.load(bounds_ptr + pos + ((128 >> level) - 1))
+        pos = tl.where(probe <= y, pos + (128 >> level), pos)
     return pos
 
 
