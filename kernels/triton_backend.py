@@ -105,6 +105,27 @@ class TritonKernel:
         return "written" if p.index in self.emitted.written else "read"
 
 
+_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int8: "*i8",
+                  torch.uint8: "*u8", torch.int16: "*i16", torch.float8_e4m3fn: "*fp8e4nv",
+                  torch.float8_e5m2: "*fp8e5"}
+
+
+def compile_for_target(emitted: EmittedKernel, arch: int = 90, num_warps: int = 8):
+    """Compile ``emitted`` for CUDA compute capability ``arch`` without a GPU (Triton's bundled ptxas):
+    GPU-only compile errors show on any machine. Not available under the interpreter."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if interpreting():
+        raise RuntimeError("compile_for_target needs TRITON_INTERPRET unset: it builds real Triton kernels")
+    signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else "fp32" for p in emitted.params}
+    signature.update(n_elements="i64", first_block="i64", BLOCK="constexpr", ROWS="constexpr")
+    fn = _compile(emitted.source, emitted.name, kernel_key(emitted))
+    source = ASTSource(fn, signature, constexprs={"BLOCK": emitted.block, "ROWS": emitted.rows})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "enable_fp_fusion": False})
+
+
 def kernel_key(emitted: EmittedKernel) -> str:
     """A process-wide name for ``emitted`` built in the current mode (compiled or interpreted)."""
     digest = hashlib.sha256(emitted.source.encode()).hexdigest()[:16]

@@ -24,6 +24,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from . import ops
+from .blockquant import PATCH_INDEX_DTYPE, PATCH_VALUE_DTYPE
 from .formats import StateFormat
 
 aten = torch.ops.aten
@@ -49,6 +50,7 @@ class KernelParam:
 
     ``kind`` is ``"input"`` (the body input at ``index``: a pointer when ``tensor``, else a number)
     or ``"table"`` (the launcher supplies ``formats.dynamic_map`` / ``dynamic_midpoints``).
+    ``dtype`` is what a pointer points to (None for a number).
     """
 
     name: str
@@ -57,6 +59,7 @@ class KernelParam:
     tensor: bool = False
     table: str = ""
     nonneg: bool = False
+    dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ class _Emitter:
         self.names = {n: (f"v_{n.name}" if n.name in _RESERVED else n.name) for n in graph.nodes}
         self.values: dict[Node, _Value] = {}
         self.lines: list[str] = []
-        self.used_inputs: set[Node] = set()
+        self.used_inputs: dict[Node, torch.dtype | None] = {}
         self.written: set[Node] = set()
         self.tables: list[KernelParam] = []
         self.block, self.rows = self._tiling()
@@ -187,7 +190,8 @@ class _Emitter:
         return EmittedKernel(self.name, self._source(params), params, numel_input, written, self.block, self.rows)
 
     def _params(self) -> tuple[KernelParam, ...]:
-        params = [KernelParam(self._param_name(n), "input", index=i, tensor=_is_tensor_input(n))
+        params = [KernelParam(self._param_name(n), "input", index=i, tensor=_is_tensor_input(n),
+                              dtype=self.used_inputs[n])
                   for i, n in enumerate(self.placeholders) if n in self.used_inputs]
         return tuple(params + self.tables)
 
@@ -216,8 +220,10 @@ class _Emitter:
         ]
         return "\n".join(head + ["    " + line for line in self.lines]) + "\n"
 
-    def _use(self, node: Node) -> str:
-        self.used_inputs.add(node)
+    def _use(self, node: Node, dtype: torch.dtype | None = None) -> str:
+        """The kernel parameter of input ``node`` (pointing to ``dtype``, or to its value's dtype)."""
+        val = node.meta.get("val")
+        self.used_inputs[node] = dtype or (val.dtype if isinstance(val, torch.Tensor) else None)
         return self._param_name(node)
 
     def _placeholder(self, node: Node) -> None:
@@ -286,7 +292,7 @@ class _Emitter:
     def table(self, kind: str, fmt: StateFormat) -> str:
         name = f"dynamic8_{'unsigned' if fmt.nonneg else 'signed'}_{kind}_ptr"
         if all(t.name != name for t in self.tables):
-            self.tables.append(KernelParam(name, "table", table=kind, nonneg=fmt.nonneg))
+            self.tables.append(KernelParam(name, "table", table=kind, nonneg=fmt.nonneg, dtype=torch.float32))
         return name
 
 
@@ -402,10 +408,11 @@ def _emit_copy(em: _Emitter, node: Node) -> None:
 def _state_args(em: _Emitter, parts: tuple, fmt: StateFormat) -> list[str]:
     codes, scales, patch_values, patch_index = parts
     if not fmt.blockwise:
-        return [em._use(codes), "None", "None", "None"]
+        return [em._use(codes, fmt.code_dtype), "None", "None", "None"]
+    pointers = [em._use(codes, fmt.code_dtype), em._use(scales, torch.float32)]
     if not fmt.patches:
-        return [em._use(codes), em._use(scales), "None", "None"]
-    return [em._use(p) for p in parts]
+        return pointers + ["None", "None"]
+    return pointers + [em._use(patch_values, PATCH_VALUE_DTYPE), em._use(patch_index, PATCH_INDEX_DTYPE)]
 
 
 def _emit_dequantize(em: _Emitter, node: Node) -> None:
