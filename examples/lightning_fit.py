@@ -13,7 +13,6 @@ Needs ``pip install -e '.[examples]'`` (lightning). Lightning draws its own tqdm
 from __future__ import annotations
 
 import argparse
-import contextlib
 from collections.abc import Sequence
 
 import lightning as L
@@ -69,14 +68,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     torch.manual_seed(0)
     module = Regression(args.steps)
-    scope = lowbit_compile.enable(fmt=args.fmt, min_8bit_size=1024) if args.fmt != "none" else contextlib.nullcontext()
+    scope = lowbit_compile.enable(fmt=args.fmt, min_8bit_size=1024) if args.fmt != "none" else None
     traces_before = trace_count()
-    trainer = scope(fit)(module, args.steps, not args.no_progress)
+    trainer = (scope(fit) if scope else fit)(module, args.steps, not args.no_progress)
     opt = trainer.optimizers[0]
     print(memory_report(opt))
     print(f"loss: first {module.losses[0]:.4f}, last {module.losses[-1]:.4f}; "
           f"traces {trace_count() - traces_before}")
-    if args.fmt != "none":
+    if scope:
         print(scope.summary())
     return {"optimizer": opt, "losses": module.losses, "scope": scope, "traces": trace_count() - traces_before}
 

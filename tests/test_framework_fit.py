@@ -367,9 +367,13 @@ def test_hugging_face_trainer_example():
 
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
                     reason="lightning not installed (pip install -e '.[examples]')")
-def test_lightning_example():
-    out = run_example("lightning_fit.py", "--steps", "6", "--fmt", "int8")
+@pytest.mark.parametrize("fmt", ["int8", "none"])
+def test_lightning_example(fmt):
+    out = run_example("lightning_fit.py", "--steps", "6", "--fmt", fmt)
     opt = out["optimizer"]
+    assert out["losses"][-1] < out["losses"][0]
+    if fmt == "none":
+        assert not is_wrapped(opt) and out["scope"] is None
+        return
     assert is_wrapped(opt) and out["scope"].rewritten[0].steps == 6
     assert isinstance(opt.state[opt.param_groups[0]["params"][0]]["exp_avg"], QuantizedState)
-    assert out["losses"][-1] < out["losses"][0]
