@@ -220,7 +220,7 @@ class _Emitter:
         ]
         return "\n".join(head + ["    " + line for line in self.lines]) + "\n"
 
-    def _use(self, node: Node, dtype: torch.dtype | None = None) -> str:
+    def param(self, node: Node, dtype: torch.dtype | None = None) -> str:
         """The kernel parameter of input ``node`` (pointing to ``dtype``, or to its value's dtype)."""
         val = node.meta.get("val")
         self.used_inputs[node] = dtype or (val.dtype if isinstance(val, torch.Tensor) else None)
@@ -234,14 +234,14 @@ class _Emitter:
         if isinstance(val, torch.Tensor):
             dtype = _value_dtype(val.dtype, node)
             if val.dim() == 0:
-                self.lines.append(f"{name} = lb.load_scalar({self._use(node)}, {_DTYPE_IDS[dtype]})")
+                self.lines.append(f"{name} = lb.load_scalar({self.param(node)}, {_DTYPE_IDS[dtype]})")
                 self.values[node] = _Value(name, "tensor0d", dtype, val.device.type == "cpu")
             elif any(not _is_copy_destination(node, user) for user in node.users):
-                self.lines.append(f"{name} = lb.load_elements({self._use(node)}, offsets, mask, {_DTYPE_IDS[dtype]})")
+                self.lines.append(f"{name} = lb.load_elements({self.param(node)}, offsets, mask, {_DTYPE_IDS[dtype]})")
                 self.values[node] = _Value(name, "tile", dtype, False)
         elif node.users:
             # an fp32 scalar, also under the interpreter (which passes Python floats through as is)
-            self.lines.append(f"{name} = tl.cast({self._use(node)}, tl.float32)")
+            self.lines.append(f"{name} = tl.cast({self.param(node)}, tl.float32)")
             self.values[node] = _Value(name, "number", None, True)
 
     def _call(self, node: Node) -> None:
@@ -401,18 +401,18 @@ def _emit_copy(em: _Emitter, node: Node) -> None:
     dtype = _value_dtype(dst.meta["val"].dtype, dst)
     value = em.operand(src, dtype)
     em.written.add(dst)
-    em.lines.append(f"lb.store_elements({em._use(dst)}, offsets, {value}, mask, {_DTYPE_IDS[dtype]})")
+    em.lines.append(f"lb.store_elements({em.param(dst)}, offsets, {value}, mask, {_DTYPE_IDS[dtype]})")
     em.values[node] = _Value(value, "tile", dtype, False)
 
 
 def _state_args(em: _Emitter, parts: tuple, fmt: StateFormat) -> list[str]:
     codes, scales, patch_values, patch_index = parts
     if not fmt.blockwise:
-        return [em._use(codes, fmt.code_dtype), "None", "None", "None"]
-    pointers = [em._use(codes, fmt.code_dtype), em._use(scales, torch.float32)]
+        return [em.param(codes, fmt.code_dtype), "None", "None", "None"]
+    pointers = [em.param(codes, fmt.code_dtype), em.param(scales, torch.float32)]
     if not fmt.patches:
         return pointers + ["None", "None"]
-    return pointers + [em._use(patch_values, PATCH_VALUE_DTYPE), em._use(patch_index, PATCH_INDEX_DTYPE)]
+    return pointers + [em.param(patch_values, PATCH_VALUE_DTYPE), em.param(patch_index, PATCH_INDEX_DTYPE)]
 
 
 def _emit_dequantize(em: _Emitter, node: Node) -> None:
