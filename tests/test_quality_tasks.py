@@ -1,0 +1,78 @@
+"""The quality benchmark's pieces: optimizer names, tasks that give every optimizer the same start and
+the same batches (so gaps to fp32 are paired), and the summary arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.quality import summarize
+from examples.tasks import TASKS, CharGPT, Digits, OptimizerSpec, ZipfEmbedding, train
+
+
+def test_optimizer_names():
+    assert OptimizerSpec("fp32").kind == "fp32" and OptimizerSpec("bnb-AdamW8bit").kind == "peer"
+    assert OptimizerSpec("int8-b256-k0").lowbit_options() == {"fmt": "int8", "block_size": 256, "outliers": 0}
+    assert OptimizerSpec("dynamic8").lowbit_options() == {"fmt": "dynamic8"}
+    with pytest.raises(ValueError, match="bad option 'x3'"):
+        OptimizerSpec("int8-x3").lowbit_options()
+
+
+SMALL_TASKS = {  # the same task classes, shrunk to keep the test fast
+    "char_gpt": lambda: CharGPT(d=32, layers=1, heads=2, val_windows=8),
+    "digits": lambda: Digits(hidden=64),
+    "zipf": lambda: ZipfEmbedding(vocab=1024, val_bags=256),
+}
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops on a busy 2-core machine run many times faster on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_a_seed_fixes_weights_and_batches(name, one_thread):
+    if name == "digits":
+        pytest.importorskip("sklearn")
+    task = SMALL_TASKS[name]()
+    first = train(task, OptimizerSpec("fp32").build, seed=3, steps=3)
+    again = train(task, OptimizerSpec("fp32").build, seed=3, steps=3)
+    other = train(task, OptimizerSpec("fp32").build, seed=4, steps=3)
+    assert first.train_loss == again.train_loss and first.val == again.val
+    assert first.train_loss != other.train_loss
+    lowbit = train(task, OptimizerSpec("int8").build, seed=3, steps=3)
+    assert lowbit.train_loss[0] == first.train_loss[0]  # same start, same first batch
+    assert set(first.final) == ({"loss", "acc"} if task.metric else {"loss"})
+
+
+def _run(variant, seed, loss):
+    return {"task": "t", "variant": variant, "seed": seed, "val_steps": [1], "val": [{"loss": loss}],
+            "seconds": 1.0, "state_bytes_per_param": 2.0}
+
+
+def test_summary_pairs_seeds_and_judges_against_the_fp32_spread():
+    runs = [_run("fp32", 0, 1.00), _run("fp32", 1, 1.02), _run("fp32", 2, 0.98),  # spread: 2%
+            _run("close", 0, 1.003), _run("close", 1, 1.02306), _run("close", 2, 0.98294),  # +0.3% each
+            _run("off", 0, 1.01), _run("off", 1, 1.0302), _run("off", 2, 0.9898)]  # +1% each
+    s = summarize(runs)["t"]
+    assert s["fp32"]["fp32_noise_pct"] == pytest.approx(2.0)
+    assert s["close"]["paired_gap_pct"][0] == pytest.approx(0.3) and s["close"]["matches_fp32"]
+    # within the 2% seed spread, but not within 0.5%
+    assert s["off"]["paired_gap_pct"][0] == pytest.approx(1.0) and not s["off"]["matches_fp32"]
+    assert s["off"]["paired_gap_pct"][1] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_state_bytes_count_shared_and_nested_tensors_once():
+    from bench.quality import state_bytes
+    from lowbit_compile import lowbit_compile
+
+    p = torch.nn.Parameter(torch.randn(4096))
+    opt = lowbit_compile(torch.optim.AdamW([p]), "int8", block_size=2048, outliers=2)
+    p.grad = torch.randn(4096)
+    opt.step()
+    # codes 1 B/elem, per block a fp32 scale and 2 x (bf16 value + int16 index), twice; the step counter
+    assert state_bytes(opt) == 2 * (4096 + 2 * (4 + 2 * 4)) + 4
