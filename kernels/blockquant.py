@@ -111,9 +111,12 @@ def full(numel: int, value: float, fmt: StateFormat, device: torch.device | str 
         )
     one = quantize(torch.full((min(numel, fmt.block_size),), value, device=device), fmt)
     nb = n_blocks(numel, fmt)
-    reps = math.ceil(numel / max(one.codes.numel(), 1))
+    codes = torch.empty(numel, dtype=one.codes.dtype, device=device)
+    whole = numel // max(one.codes.numel(), 1)
+    codes[: whole * one.codes.numel()].view(whole, -1).copy_(one.codes)  # one pass, no repeat-then-clone
+    codes[whole * one.codes.numel():].copy_(one.codes[: numel - whole * one.codes.numel()])
     return Quantized(
-        one.codes.repeat(reps)[:numel].clone(),
+        codes,
         one.scales.repeat(nb),
         one.patch_values.repeat(nb, 1),
         one.patch_index.repeat(nb, 1),

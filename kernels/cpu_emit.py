@@ -1,10 +1,11 @@
 """Emit one fused C++ kernel (the CPU lowering) from the body of a split, rewritten step graph.
 
 The kernel walks each parameter block by block (``block_size`` elements, the quantization block).
-Per block it decodes every quantized state into an L1-resident buffer (codes times scale, then the
-patches), runs the traced update lane by lane on SIMD vectors, writes the param and the new state
-values back into the buffers while gathering each lane's largest magnitudes, and re-quantizes each
-buffer into codes, scale and patches (``cpu_prelude.h``). Every byte of p, g and the codes is read
+Per block it runs the traced update lane by lane on SIMD vectors, decoding each quantized state as
+it goes (codes times the block's scale, the block's patches put in their lanes), writes the param,
+and writes each new state value into an L1-resident block buffer while gathering each lane's
+largest magnitudes; it then re-quantizes each buffer into codes, scale and patches
+(``cpu_prelude.h``). Every byte of p, g and the codes is read
 once and written once; no state ever exists in fp32 outside the per-thread block buffers.
 
 The update math comes from the graph node by node, so the kernel computes what torch computes:
@@ -279,7 +280,7 @@ class _Emitter:
             if node.op != "call_function":
                 raise UnsupportedStep(f"node {node.name!r} is a {node.op}")
             if node.target is torch.ops.lowbit.dequantize.default:
-                values[node] = f"const vf {self._var(node)} = {self._dequantized(node)};"
+                values[node] = self._dequantized(node)
             elif node.target is torch.ops.lowbit.quantize_.default:
                 stores.extend(self._quantized(node))
             elif node.target is aten.copy_.default:
@@ -298,6 +299,7 @@ class _Emitter:
                        and self._dtype(n) == torch.float32]
         passes = []
         if self.staged:
+            assert not self.states, "exact square roots are for steps without quantized states"
             # torch's float32 sqrt is MKL's vsSqrt (not correctly rounded): the first pass writes
             # every sqrt input of the block to a buffer, MKL takes the square roots in place, and
             # the second pass runs the whole update reading them back.
@@ -326,14 +328,24 @@ class _Emitter:
         return seen
 
     def _dequantized(self, node: Node) -> str:
+        """Statements decoding one vector of a state: codes times the block's scale, with the
+        block's patches (sorted by offset before the loop) put in the lanes they fall on."""
         state = self.states[node.args[0].meta["lowbit_input"][1]]
-        dtype = self._dtype(node)
+        v, k, codes = self._var(node), state.key, _p(state, "codes")
         if state.fmt.name == "bf16":
-            codes = _p(state, "codes")
-            value = f"full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r)"
+            code = [f"vf {v} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);"]
         else:
-            value = f"full ? lb_ld(buf_{state.key} + i) : lb_ld_n(buf_{state.key} + i, r)"
-        return f"lb_round_bf16({value})" if dtype == torch.bfloat16 else value
+            code = [f"vf {v} = lb_decode<{_FMT_ENUM[state.fmt.name]}, {'true' if state.fmt.nonneg else 'false'}>("
+                    f"full ? lb_ld_codes({codes} + i) : lb_ld_codes_n({codes} + i, r), {self._map(state, 'map')}) "
+                    f"* SC_{k};"]
+            if state.fmt.patches:
+                code += [f"while (PN_{k} < i + LB_W) {{  // a patch falls in this vector",
+                         f"  {v}[PN_{k} - i] = PV_{k}[PA_{k}];",
+                         f"  PN_{k} = ++PA_{k} < PC_{k} ? PI_{k}[PA_{k}] : LB_NO_PATCH;",
+                         "}"]
+        if self._dtype(node) == torch.bfloat16:
+            code.append(f"{v} = lb_round_bf16({v});")
+        return "\n".join(code)
 
     def _quantized(self, node: Node) -> list[str]:
         key = node.args[1].meta["lowbit_input"][1]
@@ -344,7 +356,7 @@ class _Emitter:
             v, codes = f"lb_bf16_state_clamp<{u}>({x})", _p(state, "codes")
             return [f"if (full) lb_st_bf16({codes} + i, {v}); else lb_st_bf16_n({codes} + i, {v}, r);"]
         return [f"if (full) lb_st(buf_{key} + i, {x}); else lb_st_n(buf_{key} + i, {x}, r);",
-                f"lb_top_insert(acc_{key}, full ? lb_key({x}) : (lb_key({x}) & lb_lane_mask(r)) | ~lb_lane_mask(r));"]
+                f"acc_{key} = lb_vmax(acc_{key}, lb_key_masked({x}, r));"]
 
     def _render(self, pointers: tuple[PointerInput, ...], scalars: tuple[int, ...], passes: list[list[str]]) -> str:
         blockwise = [s for s in self.states.values() if s.fmt.blockwise]
@@ -377,12 +389,17 @@ class _Emitter:
         for b, s in enumerate(blockwise):
             out.append(f"{ind}float* __restrict buf_{s.key} = scratch + {b} * LB_BLOCK;")
             if s.dequantized is not None:
-                codes, scales, pv, pi = (_p(s, part) for part in _PARTS)
-                out.append(f"{ind}{self._block_call('lb_dequantize_block', s)}(buf_{s.key}, {codes}, len, *{scales}, "
-                           f"{pv}, {pi}, {self._map(s, 'map')});")
+                k, scales, pv, pi = s.key, _p(s, "scales"), _p(s, "patch_values"), _p(s, "patch_index")
+                out.append(f"{ind}const vf SC_{k} = lb_splat(*{scales});")
+                if s.fmt.patches:
+                    out.append(f"{ind}int64_t PI_{k}[{s.fmt.patches}];")
+                    out.append(f"{ind}float PV_{k}[{s.fmt.patches}];")
+                    out.append(f"{ind}const int PC_{k} = lb_sorted_patches<{s.fmt.patches}>({pi}, {pv}, len, PI_{k}, "
+                               f"PV_{k});")
+                    out.append(f"{ind}int PA_{k} = 0;")
+                    out.append(f"{ind}int64_t PN_{k} = PC_{k} ? PI_{k}[0] : LB_NO_PATCH;")
             if s.new_value is not None:
-                out.append(f"{ind}lb_top<{s.fmt.patches}> acc_{s.key};")
-                out.append(f"{ind}lb_top_init(acc_{s.key});")
+                out.append(f"{ind}vi acc_{s.key} = lb_splat_i(-1);")
         for b, n in enumerate(self.staged):
             out.append(f"{ind}float* __restrict sq_{n.name} = scratch + {len(blockwise) + b} * LB_BLOCK;")
         for k, lane_body in enumerate(passes):
@@ -393,12 +410,13 @@ class _Emitter:
             out.append(f"{ind}  for (; i + LB_W <= len; i += LB_W) {{")
             out.append(f"{ind}    const bool full = true;")
             out.append(f"{ind}    const int64_t r = LB_W;")
-            out += [f"{ind}    {line}" for line in lane_body]
+            body = [f"{ind}    {line}" for statement in lane_body for line in statement.split("\n")]
+            out += body
             out.append(f"{ind}  }}")
             out.append(f"{ind}  if (i < len) {{")
             out.append(f"{ind}    const bool full = false;")
             out.append(f"{ind}    const int64_t r = len - i;")
-            out += [f"{ind}    {line}" for line in lane_body]
+            out += body
             out.append(f"{ind}  }}")
             out.append(f"{ind}}}")
             if k == 0 and len(passes) > 1:

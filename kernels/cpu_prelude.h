@@ -294,29 +294,16 @@ LB_INLINE vf lb_bf16_state_clamp(vf x) {
 // ---- block quantization with outlier patches (blockquant.quantize_into) -------------------------
 // Magnitudes compare as the integer bits of |x| (NaN above inf, like argmax); -1 marks no element.
 LB_INLINE vi lb_key(vf x) { return lb_bits_i(x) & 0x7FFFFFFF; }
-
-// Per lane, the K+1 largest keys seen so far, in decreasing order.
-template <int K>
-struct lb_top {
-  vi t[K + 1];
-};
-template <int K>
-LB_INLINE void lb_top_init(lb_top<K>& a) {
-  for (int j = 0; j <= K; ++j) a.t[j] = lb_splat_i(-1);
-}
-template <int K>
-LB_INLINE void lb_top_insert(lb_top<K>& a, vi x) {
-  for (int j = 0; j <= K; ++j) {
-    vi hi = a.t[j] > x ? a.t[j] : x;
-    x = a.t[j] > x ? x : a.t[j];
-    a.t[j] = hi;
-  }
-}
 LB_INLINE vi lb_lane_mask(int64_t r) {  // lanes [0, r) set
   vi lane;
   for (int l = 0; l < LB_W; ++l) lane[l] = l;
   return lane < lb_splat_i((int32_t)r);
 }
+// The update loop keeps, per lane, the largest key it wrote to a state's block buffer.
+LB_INLINE vi lb_key_masked(vf x, int64_t r) {
+  return r == LB_W ? lb_key(x) : (lb_key(x) & lb_lane_mask(r)) | ~lb_lane_mask(r);
+}
+LB_INLINE vi lb_vmax(vi a, vi b) { return a > b ? a : b; }
 
 struct lb_patch {
   int32_t key;
@@ -324,89 +311,99 @@ struct lb_patch {
   float value;
 };
 
-// Quantize the block held in buf[0, len) (a block of `block` elements, zero-padded past len) into
-// its codes, scale and K patches. `acc` holds the per-lane top keys of buf, gathered while buf was
-// written. The K patches are the K largest |x| (ties: lowest offset), listed in the order the
-// reference's repeated argmax finds them; the scale is the absmax of the rest over qmax.
-template <int F, bool U, int K>
-static void lb_quantize_block(const lb_top<K>& acc, float* buf, int64_t len, int64_t block, float qmax, uint8_t* codes,
-                              float* scale, uint16_t* patch_values, int16_t* patch_index, const float* mids) {
-  // The K+1 largest keys of the block, popped off the lanes' sorted columns one at a time; the
-  // padding (a partial last block) holds zeros, which rank below every real key.
-  lb_top<K> top = acc;
-  int64_t pads = block - len;
-  int32_t best[K + 1];
-  for (int j = 0; j <= K; ++j) {
-    vi m = top.t[0];
-    int32_t v = m[0];
-    for (int l = 1; l < LB_W; ++l) v = m[l] > v ? m[l] : v;
-    if (v < 0 && pads > 0) {
-      best[j] = 0;
-      --pads;
-      continue;
-    }
-    best[j] = v;
-    int l = 0;
-    while (m[l] != v) ++l;
-    for (int t = 0; t < K; ++t) top.t[t][l] = top.t[t + 1][l];
-    top.t[K][l] = -1;
+// The K+1 largest elements seen, ordered as repeated argmax finds them: key descending, offset
+// ascending. Elements arrive in offset order, so an equal key never displaces an earlier one.
+template <int K>
+struct lb_best {
+  lb_patch e[K + 1];
+  int n = 0;
+  int32_t floor() const { return n <= K ? -1 : e[K].key; }  // a newcomer must beat this
+  void add(int32_t key, int32_t index, float value) {
+    int j = n <= K ? n++ : K;
+    for (; j > 0 && e[j - 1].key < key; --j) e[j] = e[j - 1];
+    e[j] = lb_patch{key, index, value};
   }
-  const int32_t rest = best[K] > 0 ? best[K] : 0;
+};
+
+// Offer buf[i, i + r) to `best` (off the hot loop: a handful of vectors per block get here); the
+// key a later element must reach.
+template <int K>
+__attribute__((noinline)) static vi lb_collect(lb_best<K>& best, const float* buf, int64_t i, int64_t r,
+                                               int32_t bound) {
+  for (int64_t l = 0; l < r; ++l) {
+    int32_t key;
+    memcpy(&key, buf + i + l, 4);
+    key &= 0x7FFFFFFF;
+    if (key >= bound && key > best.floor()) best.add(key, (int32_t)(i + l), buf[i + l]);
+  }
+  if (best.n <= K) return lb_splat_i(bound);
+  return lb_splat_i(best.floor() < INT32_MAX ? best.floor() + 1 : INT32_MAX);  // an equal key loses: it comes later
+}
+
+// Quantize the block held in buf[0, len) (a block of `block` elements, zero-padded past len) into
+// its codes, scale and K patches. `lane_max` holds each lane's largest key in buf. The K patches
+// are the K largest |x| (ties: lowest offset) in the order the reference's repeated argmax finds
+// them; the scale is the absmax of the rest over qmax.
+template <int F, bool U, int K>
+static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t block, float qmax, uint8_t* codes,
+                              float* scale, uint16_t* patch_values, int16_t* patch_index, const float* mids) {
+  // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
+  // the K+1 largest elements all reach it, and one pass collects them exactly.
+  int32_t lm[LB_W];
+  memcpy(lm, &lane_max, sizeof lm);
+  for (int j = 0; j <= K && j < LB_W; ++j)
+    for (int l = j + 1; l < LB_W; ++l)
+      if (lm[l] > lm[j]) {
+        int32_t t = lm[j];
+        lm[j] = lm[l];
+        lm[l] = t;
+      }
+  const int32_t bound = K < LB_W ? lm[K] : -1;
+  lb_best<K> best;
+  vi thr = lb_splat_i(bound);
+  int64_t i = 0;
+  for (; i + 2 * LB_W <= len; i += 2 * LB_W)  // two vectors per test: hits are a handful per block
+    if (lb_any((lb_key(lb_ld(buf + i)) >= thr) | (lb_key(lb_ld(buf + i + LB_W)) >= thr)))
+      thr = lb_collect(best, buf, i, 2 * LB_W, bound);
+  for (; i < len; i += LB_W) {
+    const int64_t r = len - i < LB_W ? len - i : LB_W;
+    if (lb_any(lb_key_masked(r == LB_W ? lb_ld(buf + i) : lb_ld_n(buf + i, r), r) >= thr))
+      thr = lb_collect(best, buf, i, r, bound);
+  }
+  for (int64_t pad = len; pad < block && best.n <= K; ++pad) best.add(0, (int32_t)pad, 0.0f);  // the padding's zeros
+  const int32_t rest = best.n > K && best.e[K].key > 0 ? best.e[K].key : 0;
   float absmax;
   memcpy(&absmax, &rest, 4);
   const float inv = absmax > 0 ? (1.0f / absmax) * qmax : 0.0f;  // torch's `qmax / absmax` is reciprocal() * qmax
   *scale = absmax / qmax;
-
-  // Patches: every key above the K-th largest, then the first keys equal to it.
-  const int32_t thr = K > 0 ? best[K > 0 ? K - 1 : 0] : 0;
-  int eq_left = 0;
-  for (int j = 0; j < K; ++j) eq_left += best[j] == thr;
-  lb_patch found[K > 0 ? K : 1];
-  int taken = 0;
-  const vf vinv = lb_splat(inv);
-  const vi vthr = lb_splat_i(thr);
-  // Find the patches (scanning until all K are found) and zero them in buf; then encode buf.
-  for (int64_t i = 0; K > 0 && taken < K && i < len; i += LB_W) {
-    const int64_t r = len - i < LB_W ? len - i : LB_W;
-    const vi key = lb_key(r == LB_W ? lb_ld(buf + i) : lb_ld_n(buf + i, r));
-    if (!lb_any((key >= vthr) & lb_lane_mask(r))) continue;
-    for (int l = 0; l < r && taken < K; ++l) {
-      if (key[l] > thr || (key[l] == thr && eq_left > 0)) {
-        if (key[l] == thr) --eq_left;
-        found[taken++] = lb_patch{key[l], (int32_t)(i + l), buf[i + l]};
-        buf[i + l] = 0.0f;
-      }
-    }
-  }
-  int64_t i = 0;
-  for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, mids));
-  if (i < len) lb_st_codes_n(codes + i, lb_encode<F, U>(lb_ld_n(buf + i, len - i) * vinv, mids), len - i);
-  for (int64_t pad = len; taken < K; ++pad) found[taken++] = lb_patch{0, (int32_t)pad, 0.0f};
-  for (int a = 1; a < K; ++a) {  // order of discovery by repeated argmax: key desc, offset asc
-    lb_patch p = found[a];
-    int b = a - 1;
-    while (b >= 0 && (found[b].key < p.key || (found[b].key == p.key && found[b].index > p.index))) {
-      found[b + 1] = found[b];
-      --b;
-    }
-    found[b + 1] = p;
-  }
   for (int k = 0; k < K; ++k) {
-    patch_values[k] = lb_bf16_bits(found[k].value);
-    patch_index[k] = (int16_t)found[k].index;
+    patch_values[k] = lb_bf16_bits(best.e[k].value);
+    patch_index[k] = (int16_t)best.e[k].index;
+    if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
   }
+  const vf vinv = lb_splat(inv);
+  for (i = 0; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, mids));
+  if (i < len) lb_st_codes_n(codes + i, lb_encode<F, U>(lb_ld_n(buf + i, len - i) * vinv, mids), len - i);
 }
 
-// Decode one block into buf[0, len): codes times scale, then the patches that fall inside it.
-template <int F, bool U, int K>
-static void lb_dequantize_block(float* buf, const uint8_t* codes, int64_t len, float scale,
-                                const uint16_t* patch_values, const int16_t* patch_index, const float* map) {
-  const vf s = lb_splat(scale);
-  int64_t i = 0;
-  for (; i + LB_W <= len; i += LB_W) lb_st(buf + i, lb_decode<F, U>(lb_ld_codes(codes + i), map) * s);
-  if (i < len) lb_st_n(buf + i, lb_decode<F, U>(lb_ld_codes_n(codes + i, len - i), map) * s, len - i);
-  for (int k = 0; k < K; ++k)
-    if (patch_index[k] < len) buf[patch_index[k]] = lb_bf16_scalar(patch_values[k]);
+// The patches of one block that fall inside its len elements, sorted by offset (the update loop
+// decodes codes times scale and puts these values in the lanes they fall on). Returns their count.
+static const int64_t LB_NO_PATCH = INT64_MAX / 2;
+template <int K>
+static inline int lb_sorted_patches(const int16_t* index, const uint16_t* values, int64_t len, int64_t* out_index,
+                                    float* out_value) {
+  int n = 0;
+  for (int k = 0; k < K; ++k) {
+    if (index[k] >= len) continue;
+    int j = n++;
+    for (; j > 0 && out_index[j - 1] > index[k]; --j) {
+      out_index[j] = out_index[j - 1];
+      out_value[j] = out_value[j - 1];
+    }
+    out_index[j] = index[k];
+    out_value[j] = lb_bf16_scalar(values[k]);
+  }
+  return n;
 }
 
 // ---- float32 square roots as torch computes them ------------------------------------------------

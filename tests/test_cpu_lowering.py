@@ -220,6 +220,7 @@ def test_one_kernel_per_signature_whatever_the_shapes(monkeypatch, tmp_path):
     """Params of six shapes, quantized and small (stock): two signatures, two kernels compiled."""
     monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(runner, "_compiled", {})
+    monkeypatch.setattr(cpu_build, "_loaded", {})
     shapes = [(96, 64), (64, 96), (5000,), (70, 70), (10,), (3, 5)]
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     opt = lowbit_compile(torch.optim.AdamW(params, weight_decay=0.1), "int8")
