@@ -32,6 +32,8 @@ from .cpu_emit import ENTRY, EmittedStep, UnsupportedStep, emit_step
 class CpuStep:
     """A compiled step with the split graph's signature; ``run_many`` steps several parameters at once."""
 
+    takes_memos = True  # run_many accepts per-row memo dicts
+
     def __init__(self, step: GraphModule, emitted: EmittedStep, kernel: Callable[..., int]) -> None:
         self.step = step
         self.emitted = emitted
@@ -51,6 +53,10 @@ class CpuStep:
                 assert a.target is operator.getitem and a.args[0] is call_pro
                 sources.append(("pro", a.args[1]))
         self.pointer_args = tuple(sources[p.index][1] for p in emitted.pointers)
+        # codes travel as bytes: any 1-byte dtype (int8, uint8, float8) is the same buffer
+        one_byte = frozenset({torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2})
+        self.checks = tuple((i, one_byte if p.dtype == torch.uint8 else frozenset({p.dtype}), p)
+                            for p, i in zip(emitted.pointers, self.pointer_args))
         assert all(sources[p.index][0] == "arg" for p in emitted.pointers)
         self.scalar_sources = tuple(sources[i] for i in emitted.scalars)
         self.scalar_states = tuple(index[n] for n in top if n.meta.get("role") == "scalar_state")
@@ -60,13 +66,24 @@ class CpuStep:
     def __call__(self, *args: object) -> None:
         self.run_many([args])
 
-    def run_many(self, rows: Sequence[Sequence[object]]) -> None:
+    def run_many(self, rows: Sequence[Sequence[object]], memos: Sequence[dict] | None = None) -> None:
         """Step every row (one parameter's top-level inputs each), one kernel call per set of rows
-        whose scalar states (the step count) are equal; all rows share their hyperparameters."""
+        whose scalar states (the step count) are equal; all rows share their hyperparameters.
+
+        ``memos`` (one dict per row, kept by the caller while the row's tensors stay the same
+        objects) let a steady step re-check only the inputs that changed object, the grad."""
+        if memos is not None:
+            rows = [_Memo(row, memo) for row, memo in zip(rows, memos)]
         if len(rows) > 1 and self.scalar_states:
+            ks = self.scalar_states
+            states = [row[k] for row in rows for k in ks]
+            if all(t.dtype == states[0].dtype and t.shape == states[0].shape for t in states):
+                values = torch.stack(states).reshape(len(rows), -1).tolist()  # one read, not one .item() each
+            else:
+                values = [[row[k].item() for k in ks] for row in rows]
             classes: dict[tuple, list] = {}
-            for row in rows:
-                classes.setdefault(tuple(row[k].item() for k in self.scalar_states), []).append(row)
+            for row, key in zip(rows, values):
+                classes.setdefault(tuple(key), []).append(row)
             for same in classes.values():
                 self._launch(same)
         else:
@@ -93,19 +110,19 @@ class CpuStep:
             raise MemoryError("lowbit-compile CPU kernel could not allocate its block buffers")
 
     def _pointers(self, row: Sequence[object], keep: list[torch.Tensor]) -> list[int]:
-        """[element count, data pointers...] for one parameter, after checking every buffer's layout."""
-        param = row[self.param_arg]
-        n = param.numel()
-        block, patches = self.emitted.block, self.emitted.patches
-        blocks = -(-n // block)
-        expected = {"n": n, "blocks": blocks, "patches": blocks * patches, "empty": 0}
+        """[element count, data pointers...] for one parameter, after checking every buffer's dtype,
+        length and layout (a wrong binding must fail here, not write out of bounds)."""
+        if isinstance(row, _Memo):
+            return self._memo_pointers(row, keep)
+        n = row[self.param_arg].numel()
+        blocks = -(-n // self.emitted.block)
+        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0}
         out = [n]
-        for spec, i in zip(self.emitted.pointers, self.pointer_args):
+        for i, dtypes, spec in self.checks:
             t = row[i]
-            dtype_ok = t.dtype.itemsize == 1 if spec.dtype == torch.uint8 else t.dtype == spec.dtype
-            if not dtype_ok or t.numel() != expected[spec.length] or t.device.type != "cpu":
+            if t.dtype not in dtypes or t.numel() != expected[spec.length]:
                 raise ValueError(f"input {spec.name!r}: expected {expected[spec.length]} elements of "
-                                 f"{spec.dtype} on cpu, got {t.numel()} of {t.dtype} on {t.device}")
+                                 f"{spec.dtype}, got {t.numel()} of {t.dtype}")
             if not t.is_contiguous():
                 if spec.written:
                     raise ValueError(f"input {spec.name!r} must be contiguous (it is written in place)")
@@ -113,6 +130,42 @@ class CpuStep:
                 keep.append(t)
             out.append(t.data_ptr())
         return out
+
+
+    def _memo_pointers(self, row: _Memo, keep: list[torch.Tensor]) -> list[int]:
+        """``_pointers``, re-checking only the inputs that are not the same objects as at the last
+        call with this memo (a steady step: the grad)."""
+        seen = row.memo.get(self)
+        if seen is None:
+            ptrs = self._pointers(row.row, keep)
+            if not keep:  # no temporary copies: the pointers stay valid while the objects do
+                row.memo[self] = ([row[i] for i, _, _ in self.checks], ptrs)
+            return ptrs
+        tensors, ptrs = seen
+        n = ptrs[0]
+        blocks = -(-n // self.emitted.block)
+        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0}
+        for j, (i, dtypes, spec) in enumerate(self.checks):
+            t = row[i]
+            if t is tensors[j]:
+                continue
+            if t.dtype not in dtypes or t.numel() != expected[spec.length] or not t.is_contiguous():
+                return self._pointers(row.row, keep)  # the full check says what is wrong, or copies
+            tensors[j] = t
+            ptrs[j + 1] = t.data_ptr()
+        return ptrs
+
+
+class _Memo:
+    """A row with the caller's memo dict attached (``CpuStep.run_many``)."""
+
+    __slots__ = ("row", "memo")
+
+    def __init__(self, row: Sequence[object], memo: dict) -> None:
+        self.row, self.memo = row, memo
+
+    def __getitem__(self, i: int) -> object:
+        return self.row[i]
 
 
 def lower_cpu(step: GraphModule) -> Callable[..., None]:

@@ -254,7 +254,7 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
                 checkpoint.conform(param, state, formats)
                 compiled = compile_step(opt, group, param, state, schema, formats, config)
                 prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
-            items.append((prepared.compiled, group, param, grad, state))
+            items.append((prepared, group, param, grad, state))
     run_params(items)
     return loss
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -206,34 +206,28 @@ def bind_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: t
     return args, write_back
 
 
-def run_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
-    """Bind ``param``'s tensors to the compiled step's inputs and run it."""
-    args, write_back = bind_param(compiled, group, param, grad, state)
-    compiled.run(*args)
-    for dst, flat in write_back:
-        dst.copy_(flat.view(dst.shape))
-
-
-def run_params(items: list[tuple[CompiledStep, dict, torch.Tensor, torch.Tensor, dict]]) -> None:
-    """Run the step of every (compiled, group, param, grad, state). Parameters of one group that share
+def run_params(items: list[tuple[Prepared, dict, torch.Tensor, torch.Tensor, dict]]) -> None:
+    """Run the step of every (prepared, group, param, grad, state). Parameters of one group that share
     a compiled step go to its lowering in one call when it can take several (``run_many``): many
     small tensors (biases, norms) then cost one kernel launch, not one each."""
     buckets: dict[tuple[int, int], list] = {}
     for item in items:
-        buckets.setdefault((id(item[0]), id(item[1])), []).append(item)
+        buckets.setdefault((id(item[0].compiled), id(item[1])), []).append(item)
     for bucket in buckets.values():
-        compiled = bucket[0][0]
+        compiled = bucket[0][0].compiled
         run_many = getattr(compiled.run, "run_many", None)
-        if run_many is None or len(bucket) == 1:
-            for item in bucket:
-                run_param(*item)
-            continue
         rows, write_back = [], []
-        for item in bucket:
-            args, wb = bind_param(*item)
+        for prepared, *rest in bucket:
+            args, wb = prepared.bind(*rest)
             rows.append(args)
             write_back += wb
-        run_many(rows)
+        if run_many is None:
+            for args in rows:
+                compiled.run(*args)
+        elif getattr(compiled.run, "takes_memos", False):  # it re-checks only the inputs that changed
+            run_many(rows, [prepared.memo for prepared, *_ in bucket])
+        else:
+            run_many(rows)
         for dst, flat in write_back:
             dst.copy_(flat.view(dst.shape))
 
@@ -245,7 +239,11 @@ def group_signature(group: dict) -> tuple[tuple, list]:
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
     meta = tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots)
-    return (static_group_items(tgroup), meta), [s.get(tgroup) for s in slots]
+    sig = (static_group_items(tgroup), meta)
+    return _signatures.setdefault(sig, sig), [s.get(tgroup) for s in slots]
+
+
+_signatures: dict[tuple, tuple] = {}  # one object per distinct group signature: compared by identity
 
 
 @dataclass
@@ -260,6 +258,9 @@ class Prepared:
     param_meta: tuple
     config: Config
     group_sig: tuple
+    bound: list | None = None  # the step's inputs as last bound (when no copy needs writing back)
+    memo: dict = field(default_factory=dict)  # the lowering's checks of those inputs
+    refresh: tuple = ()  # which of them change between steps: (index, kind, key) of grad and hyperparameters
 
     @staticmethod
     def make(compiled: CompiledStep, state: dict, param: torch.Tensor, config: Config,
@@ -268,7 +269,7 @@ class Prepared:
 
     def still_valid(self, state: dict, param: torch.Tensor, config: Config, group_sig: tuple,
                     guards: dict[int, bool], values: list) -> bool:
-        if state is not self.state or config is not self.config or group_sig != self.group_sig:
+        if state is not self.state or config is not self.config or group_sig is not self.group_sig:
             return False
         if len(state) != len(self.entries) or any(state.get(k) is not v for k, v in self.entries):
             return False
@@ -278,6 +279,23 @@ class Prepared:
         if ok is None:
             ok = guards[id(self.compiled)] = bool(self.compiled.guard(values))
         return ok
+
+
+    def bind(self, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tuple[list, list]:
+        """``bind_param``, once: later steps only refresh the grad and hyperparameter inputs (the param,
+        state and storage views stay valid while ``still_valid`` holds)."""
+        if self.bound is None:
+            args, write_back = bind_param(self.compiled, group, param, grad, state)
+            if write_back:
+                return args, write_back
+            self.bound = args
+            self.refresh = tuple((i, kind, key) for i, (kind, key) in enumerate(self.compiled.inputs)
+                                 if kind in ("grad", "hyper"))
+            return args, []
+        args = self.bound
+        for i, kind, key in self.refresh:
+            args[i] = sharding.local(grad).reshape(-1) if kind == "grad" else key.get(group)
+        return args, []
 
 
 def _param_meta(param: torch.Tensor) -> tuple:
