@@ -8,7 +8,7 @@ Li et al. 2023, "Memory Efficient Optimizers with 4-bit States", Sec. 4.1).
     python bench/zero_point.py             # 12.6M params (d=384, 6 layers): ours, bitsandbytes, torchao
     python bench/zero_point.py --small     # the 0.5M-param set of tests/test_zero_point.py
 
-Writes ``bench/results/zero_point.{json,md}``.
+Writes ``bench/results/zero_point.{json,md}``. torchao runs eagerly (``examples.tasks.torchao_eager``).
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
+from examples.tasks import PEERS, Hyper, OptimizerSpec
 from tests.test_api import transformer_params
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FULL = {"d": 384, "layers": 6, "vocab": 4864}  # 12,613,632 params
-SMALL = {"d": 128, "layers": 2, "vocab": 512}  # 496,640 params, same kinds of tensors
-LR, WEIGHT_DECAY, STEPS = 1e-3, 0.01, 20
+SMALL = {"d": 128, "layers": 2, "vocab": 512}  # 495,104 params, the same kinds of tensors
+STEPS = 20
+HYPER = Hyper(steps=STEPS, lr=1e-3, weight_decay=0.01, warmup=0, eval_every=STEPS)
 OURS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16")
-
-MakeOptimizer = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -42,18 +42,6 @@ class ZeroPoint:
     max_off_lr: float  # max |param - fp32 param| / lr
     mean_off_lr: float
     seconds: float
-
-
-def ours(fmt: str, **options) -> MakeOptimizer:
-    from lowbit_compile import lowbit_compile
-
-    return lambda params: lowbit_compile(torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY), fmt, **options)
-
-
-def peer(module: str, cls: str) -> MakeOptimizer:
-    import importlib
-
-    return lambda params: getattr(importlib.import_module(module), cls)(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
 def stored_v(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
@@ -68,9 +56,9 @@ def stored_v(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
     return (v.dequantize() if hasattr(v, "dequantize") else v).reshape(p.shape).float()
 
 
-def _run(params0: list[torch.Tensor], make: MakeOptimizer, steps: int, seed: int):
+def _run(params0: list[torch.Tensor], spec: OptimizerSpec, steps: int, seed: int):
     params = [torch.nn.Parameter(p.clone()) for p in params0]
-    opt = make(params)
+    opt = spec.build(params, HYPER)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for p in params:
@@ -79,18 +67,19 @@ def _run(params0: list[torch.Tensor], make: MakeOptimizer, steps: int, seed: int
     return params, opt
 
 
-def zero_point_check(makers: dict[str, MakeOptimizer], size: dict, steps: int = STEPS, seed: int = 1,
+def zero_point_check(names: list[str], size: dict, steps: int = STEPS, seed: int = 1, backend: str = "auto",
                      progress: Callable[[str, ZeroPoint], None] | None = None) -> dict[str, ZeroPoint]:
-    """Run fp32 AdamW and each optimizer of ``makers`` for ``steps`` steps with the same random
-    gradients from the same ``transformer_params(**size)``; measure each against fp32."""
+    """Run fp32 AdamW and each optimizer of ``names`` (``OptimizerSpec`` names; ours lowered by
+    ``backend``) for ``steps`` steps with the same random gradients from the same
+    ``transformer_params(**size)``; measure each against fp32."""
     torch.manual_seed(0)
     params0 = [p.detach() for p in transformer_params(**size)]
-    ref, ref_opt = _run(params0, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY), steps, seed)
+    ref, ref_opt = _run(params0, OptimizerSpec("fp32"), steps, seed)
     ref_v = [ref_opt.state[p]["exp_avg_sq"] for p in ref]
     out = {}
-    for name, make in makers.items():
+    for name in names:
         start = time.perf_counter()
-        params, opt = _run(params0, make, steps, seed)
+        params, opt = _run(params0, OptimizerSpec(name, backend=backend), steps, seed)
         seconds = time.perf_counter() - start
         zeros = positive = 0
         off = []
@@ -98,7 +87,7 @@ def zero_point_check(makers: dict[str, MakeOptimizer], size: dict, steps: int = 
             v = stored_v(opt, p)
             zeros += int(((v == 0) & (rv > 0)).sum())
             positive += int((rv > 0).sum())
-            off.append((p.detach() - r.detach()).abs().flatten() / LR)
+            off.append((p.detach() - r.detach()).abs().flatten() / HYPER.lr)
         off_all = torch.cat(off)
         out[name] = ZeroPoint(zeros / positive * 1e6, off_all.max().item(), off_all.mean().item(), seconds)
         if progress:
@@ -116,20 +105,13 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     size = SMALL if args.small else FULL
-    makers = {f"ours {fmt}": ours(fmt) for fmt in OURS}
-    if not args.no_peers:
-        makers.update({
-            "bitsandbytes AdamW8bit": peer("bitsandbytes.optim", "AdamW8bit"),
-            "torchao AdamW8bit": peer("torchao.optim", "AdamW8bit"),
-            "torchao AdamWFp8": peer("torchao.optim", "AdamWFp8"),
-            "torchao AdamW4bit": peer("torchao.optim", "AdamW4bit"),
-        })
+    names = list(OURS) + ([] if args.no_peers else list(PEERS))
     n = sum(p.numel() for p in transformer_params(**size))
-    with tqdm(total=len(makers), desc="optimizers") as bar:
-        results = zero_point_check(makers, size, progress=lambda name, r: (
+    with tqdm(total=len(names), desc="optimizers") as bar:
+        results = zero_point_check(names, size, progress=lambda name, r: (
             bar.set_postfix_str(f"{name}: {r.zeros_ppm:.0f} ppm, {r.max_off_lr:.2f} lr"), bar.update()))
-    lines = [f"Zero-point check: {n:,} params ({size}), {STEPS} AdamW steps, lr {LR}, weight decay "
-             f"{WEIGHT_DECAY}, N(0, 1) gradients", "",
+    lines = [f"Zero-point check: {n:,} params ({size}), {STEPS} AdamW steps, lr {HYPER.lr}, weight decay "
+             f"{HYPER.weight_decay}, N(0, 1) gradients; torchao run eagerly", "",
              "| optimizer | v stored as 0 where fp32 v > 0 | max \\|p - p_fp32\\| / lr | mean / lr | s |",
              "|---|---:|---:|---:|---:|"]
     for name, r in results.items():
@@ -139,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     stem = "zero_point_small" if args.small else "zero_point"
     (args.out / f"{stem}.md").write_text(text)
     (args.out / f"{stem}.json").write_text(json.dumps(
-        {"size": size, "params": n, "steps": STEPS, "lr": LR, "weight_decay": WEIGHT_DECAY,
+        {"size": size, "params": n, "steps": STEPS, "lr": HYPER.lr, "weight_decay": HYPER.weight_decay,
          "results": {k: asdict(v) for k, v in results.items()}}, indent=1))
     print(text)
 

@@ -333,10 +333,11 @@ def torchao_eager() -> None:
 class OptimizerSpec:
     """An optimizer by name: ``fp32`` (stock AdamW), one of ours such as ``int8`` or ``int8-b256-k0``
     (format, then optional ``-b<block_size>`` and ``-k<outliers>``), or a peer from ``PEERS``.
-    ``compile_peers=False`` runs torchao eagerly (see ``torchao_eager``)."""
+    ``compile_peers=False`` runs torchao eagerly (see ``torchao_eager``); ``backend`` is ours."""
 
     name: str
     compile_peers: bool = False
+    backend: str = "auto"
 
     @property
     def kind(self) -> str:
@@ -369,4 +370,4 @@ class OptimizerSpec:
             return opt
         from lowbit_compile import lowbit_compile
 
-        return lowbit_compile(opt, **self.lowbit_options())
+        return lowbit_compile(opt, **self.lowbit_options(), backend=self.backend)
