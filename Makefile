@@ -19,7 +19,7 @@ $(VENV)/.peers: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[peers,bench]" $(TORCH_PIN)
 	touch $@
 
-.PHONY: demo test bench-deps
+.PHONY: demo test bench-deps bench-step
 demo: $(VENV)/.demo
 	$(PY) examples/demo.py
 
@@ -28,3 +28,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench-deps: $(VENV)/.peers
+
+# the optimizer step benchmark against torch, bitsandbytes and torchao (QUICK=1: a few minutes)
+bench-step: $(VENV)/.peers
+	$(PY) bench/step_bench.py $(if $(QUICK),--quick,)

@@ -1,0 +1,432 @@
+"""Optimizer step benchmark: stock torch AdamW, bitsandbytes and torchao low-bit AdamW, and lowbit-compile
+in each state format, interleaved in one process on transformer-shaped parameter sets (CPU).
+
+    python bench/step_bench.py           # 25M and 100M params, fp32 and bf16, 1 and 2 threads
+    python bench/step_bench.py --quick   # 6M params, fp32, 1 thread, no torchao: a few minutes
+
+Per contender: state bytes/param counted from the tensors its optimizer holds; step time (median and
+interquartile range over rounds in which every contender steps once, in rotating order); the ratio
+to torch's fused fp32 AdamW on the same parameters; GB/s of the minimal bytes a step moves (read and
+write p, read g, read and write every state) and that as % of the stream bandwidth measured in the
+same section; the first step in a fresh process with a cold and then a warm compile cache; the peak
+extra resident memory of a steady step. Results go to bench/results/ as JSON (every round) and
+markdown (bench/results/latest.md is the newest full run), with the machine's load averages, since
+a shared machine slows a compute-bound step as much as a memory-bound one.
+
+The peers are an optional extra: pip install -e ".[peers]" torch==<your torch>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+SMALL_SET = ("torch AdamW for-loop", "torch AdamW foreach", "torch AdamW fused", "lowbit int8 +patches")
+LR, WEIGHT_DECAY = 1e-3, 0.01
+FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32")
+
+
+# ---- parameter sets ---------------------------------------------------------------------------------
+def transformer_shapes(d: int, layers: int, vocab: int, context: int = 1024) -> list[tuple[int, ...]]:
+    """A GPT-style block stack: embeddings, per layer qkv/proj/fc1/fc2 weights and biases and two
+    LayerNorms, a final LayerNorm (12 tensors per layer plus 4)."""
+    shapes: list[tuple[int, ...]] = [(vocab, d), (context, d)]
+    for _ in range(layers):
+        shapes += [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,), (d,), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def small_shapes(count: int = 500) -> list[tuple[int, ...]]:
+    """Many tensors under 4096 elements (norm weights, biases), sizes spread over 64..4095."""
+    gen = torch.Generator().manual_seed(0)
+    return [(int(n),) for n in torch.randint(64, 4096, (count,), generator=gen)]
+
+
+PARAM_SETS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
+    "6M": lambda: transformer_shapes(256, 6, 4096),
+    "25M": lambda: transformer_shapes(512, 8, 4096),  # 100 tensors: also the first-step model
+    "100M": lambda: transformer_shapes(768, 12, 16384),
+    "small500": small_shapes,
+}
+
+
+def make_params(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen).mul_(0.02).to(dtype))
+        p.grad = torch.randn(shape, generator=gen).mul_(1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+# ---- contenders -----------------------------------------------------------------------------------
+@dataclass
+class Contender:
+    name: str
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    family: str  # torch, bitsandbytes, torchao, lowbit
+    cache_env: str | None = None  # the compile cache a fresh process reads
+    flags: dict = field(default_factory=dict)  # group flags set before each step (shared torch optimizer)
+
+
+def _torch(flags: dict) -> Callable:
+    return lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **flags)
+
+
+def _lowbit(fmt: str, outliers: int) -> Callable:
+    def make(params):
+        from lowbit_compile import lowbit_compile
+
+        return lowbit_compile(torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY), fmt, outliers=outliers)
+
+    return make
+
+
+def _bnb(params):
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def _torchao(cls_name: str) -> Callable:
+    def make(params):
+        import torchao.optim
+
+        return getattr(torchao.optim, cls_name)(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+    return make
+
+
+def contenders(peers: set[str], formats: tuple[str, ...]) -> list[Contender]:
+    out = [Contender(f"torch AdamW {impl}", _torch({"fused": True}), "torch",
+                     flags={"foreach": impl == "foreach", "fused": impl == "fused"})
+           for impl in ("for-loop", "foreach", "fused")]
+    if "bitsandbytes" in peers:
+        out.append(Contender("bitsandbytes AdamW8bit", _bnb, "bitsandbytes"))
+    if "torchao" in peers:
+        for cls_name in ("AdamW8bit", "AdamWFp8", "AdamW4bit"):
+            out.append(Contender(f"torchao {cls_name}", _torchao(cls_name), "torchao", "TORCHINDUCTOR_CACHE_DIR"))
+    for fmt in formats:
+        patched = fmt not in ("bf16", "fp32")  # formats without blocks have no patches
+        out.append(Contender(f"lowbit {fmt}" + (" +patches" if patched else ""), _lowbit(fmt, 2), "lowbit",
+                             "LOWBIT_COMPILE_CACHE_DIR"))
+        if patched:
+            out.append(Contender(f"lowbit {fmt} no patches", _lowbit(fmt, 0), "lowbit", "LOWBIT_COMPILE_CACHE_DIR"))
+    return out
+
+
+# ---- what a contender holds and moves -----------------------------------------------------------------
+def _leaf_tensors(value: object):
+    """Plain tensors inside ``value`` (tensor subclasses opened through __tensor_flatten__)."""
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter and hasattr(
+                value, "__tensor_flatten__"):
+            names, _ = value.__tensor_flatten__()
+            for name in names:
+                yield from _leaf_tensors(getattr(value, name))
+        else:
+            yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _leaf_tensors(v)
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor the optimizer's state holds, each storage counted once (bitsandbytes
+    shares its quantization maps between parameters)."""
+    seen: dict[tuple[int, int], int] = {}
+    for st in opt.state.values():
+        for t in _leaf_tensors(st):
+            seen[(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def stream_bandwidth(threads: int) -> dict[str, float]:
+    """GB/s of two streams over 128 MB buffers with this many threads: a copy (8 B/element counted)
+    and an in-place scale (8 B/element: the read-modify-write pattern of an optimizer step)."""
+    n = 32 * 2**20
+    a, b = torch.randn(n), torch.empty(n)
+    with torch_threads(threads):
+        copy = _best(lambda: b.copy_(a), 5)
+        scale = _best(lambda: a.mul_(1.0), 5)
+    return {"copy_GBps": 8 * n / copy / 1e9, "inplace_GBps": 8 * n / scale / 1e9}
+
+
+def _best(fn: Callable, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def load_average() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+# ---- one section: a parameter set and dtype, every contender interleaved ----------------------------------
+def run_section(size: str, dtype: torch.dtype, threads_list: list[int], cands: list[Contender], rounds: int,
+                log: Callable[[str], None]) -> list[dict]:
+    shapes = PARAM_SETS[size]()
+    params = make_params(shapes, dtype)
+    n = sum(p.numel() for p in params)
+    log(f"section {size} ({n / 1e6:.1f}M params in {len(shapes)} tensors) {str(dtype)[6:]}: building optimizers")
+    built: list[tuple[Contender, torch.optim.Optimizer]] = []
+    shared_torch = None
+    for c in cands:
+        if c.family == "torch":  # one state for the three torch implementations: they read the same layout
+            shared_torch = shared_torch or c.make(params)
+            built.append((c, shared_torch))
+        else:
+            built.append((c, c.make(params)))
+    for c, opt in built:  # the first steps: state creation, tracing and compilation
+        start = time.perf_counter()
+        _step(c, opt)
+        _step(c, opt)
+        log(f"  warm-up {c.name}: {time.perf_counter() - start:.1f} s")
+    sections = []
+    for threads in threads_list:
+        bandwidth = stream_bandwidth(threads)
+        load_before = load_average()
+        times: dict[str, list[float]] = {c.name: [] for c, _ in built}
+        with torch_threads(threads):
+            for r in range(rounds):
+                order = built[r % len(built):] + built[:r % len(built)]
+                for c, opt in order:
+                    start = time.perf_counter()
+                    _step(c, opt)
+                    times[c.name].append(time.perf_counter() - start)
+        bandwidth_after = stream_bandwidth(threads)
+        stream = max(*bandwidth.values(), *bandwidth_after.values())
+        rows = []
+        for c, opt in built:
+            t = sorted(times[c.name])
+            med = statistics.median(t)
+            q1, q3 = (statistics.quantiles(t, n=4)[0], statistics.quantiles(t, n=4)[2]) if len(t) >= 2 else (med, med)
+            sbytes = state_bytes(opt)
+            minimal = 3 * n * params[0].element_size() + 2 * sbytes
+            rows.append({"contender": c.name, "family": c.family, "state_bytes_per_param": sbytes / n,
+                         "step_ms_median": med * 1e3, "step_ms_q1": q1 * 1e3, "step_ms_q3": q3 * 1e3,
+                         "step_ms_all": [x * 1e3 for x in times[c.name]],
+                         "minimal_bytes_per_step": minimal, "GBps": minimal / med / 1e9,
+                         "pct_stream": 100 * minimal / med / 1e9 / stream})
+        fused = next(r["step_ms_median"] for r in rows if r["contender"] == "torch AdamW fused")
+        for row in rows:
+            row["x_fused"] = row["step_ms_median"] / fused
+        sections.append({"size": size, "params": n, "tensors": len(shapes), "dtype": str(dtype)[6:],
+                         "threads": threads, "rounds": rounds, "stream_GBps": stream,
+                         "stream_before": bandwidth, "stream_after": bandwidth_after,
+                         "load_before": load_before, "load_after": load_average(), "rows": rows})
+        log(f"  {threads} thread(s): fused fp32 {fused:.1f} ms, stream {stream:.1f} GB/s, load {load_before}")
+    return sections
+
+
+def _step(c: Contender, opt: torch.optim.Optimizer) -> None:
+    for group in opt.param_groups:
+        group.update(c.flags)
+    opt.step()
+
+
+# ---- first step and peak memory, in a fresh process ---------------------------------------------------
+def child(args: argparse.Namespace) -> None:
+    """One contender in this fresh process: time its first step, then the peak extra resident memory
+    of a steady step (the kernel's high-water mark, reset just before it)."""
+    torch.set_num_threads(args.threads)
+    cand = next(c for c in contenders({"bitsandbytes", "torchao"}, FORMATS) if c.name == args.child)
+    params = make_params(PARAM_SETS[args.size](), getattr(torch, args.dtype))
+    opt = cand.make(params)
+    start = time.perf_counter()
+    _step(cand, opt)
+    first = time.perf_counter() - start
+    for _ in range(2):
+        _step(cand, opt)
+    rss = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident set size
+    _step(cand, opt)
+    peak = _status("VmHWM") - rss
+    n = sum(p.numel() for p in params)
+    print(json.dumps({"first_step_s": first, "peak_extra_bytes": peak, "fp32_state_bytes": 8 * n}))
+
+
+def _status(field_name: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field_name)
+
+
+def first_steps(cands: list[Contender], size: str, dtype: str, log: Callable[[str], None]) -> dict[str, dict]:
+    out = {}
+    for c in cands:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ)
+            if c.cache_env:
+                env[c.cache_env] = cache
+            runs = []
+            for temperature in ("cold", "warm"):
+                cmd = [sys.executable, __file__, "--child", c.name, "--size", size, "--dtype", dtype, "--threads", "1"]
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{c.name} failed in a fresh process:\n{done.stderr[-3000:]}")
+                runs.append((temperature, json.loads(done.stdout.strip().splitlines()[-1])))
+            (_, cold), (_, warm) = runs
+            out[c.name] = r = {"first_step_cold_s": cold["first_step_s"], "first_step_warm_s": warm["first_step_s"],
+                               "peak_extra_bytes": warm["peak_extra_bytes"],
+                               "peak_extra_pct_fp32_state": 100 * warm["peak_extra_bytes"] / warm["fp32_state_bytes"]}
+            log(f"  first step {c.name}: cold {r['first_step_cold_s']:.2f} s, warm {r['first_step_warm_s']:.2f} s, "
+                f"peak extra {r['peak_extra_bytes'] / 2**20:.1f} MB")
+    return out
+
+
+# ---- report -----------------------------------------------------------------------------------------
+def markdown(result: dict) -> str:
+    meta = result["machine"]
+    lines = [f"# Optimizer step benchmark ({result['mode']})", "",
+             f"{meta['cpu']}, {meta['cores']} cores, torch {meta['torch']}, "
+             f"{', '.join(f'{k} {v}' for k, v in meta['versions'].items())}; {result['date']}.",
+             f"Load averages (1/5/15 min) at start {meta['load_start']}, at end {meta['load_end']}.", ""]
+    firsts = result.get("first_steps", {})
+    for s in result["sections"]:
+        lines += [f"## {s['size']}: {s['params'] / 1e6:.1f}M {s['dtype']} params in {s['tensors']} tensors, "
+                  f"{s['threads']} thread(s)", "",
+                  f"Stream bandwidth in this section {s['stream_GBps']:.1f} GB/s; load {s['load_before']} -> "
+                  f"{s['load_after']}; {s['rounds']} interleaved rounds.", "",
+                  "| contender | state B/param | step ms (median) | IQR ms | x torch fused | GB/s | % stream "
+                  "| first step cold s | warm s | peak extra MB (% fp32 state) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in s["rows"]:
+            here = s["size"] == result.get("first_step_size") and s["dtype"] == "float32" and s["threads"] == 1
+            f = firsts.get(r["contender"]) if here else None
+            fs = (f"{f['first_step_cold_s']:.2f} | {f['first_step_warm_s']:.2f} | "
+                  f"{f['peak_extra_bytes'] / 2**20:.1f} ({f['peak_extra_pct_fp32_state']:.2f}%)") if f else " | | "
+            lines.append(f"| {r['contender']} | {r['state_bytes_per_param']:.3f} | {r['step_ms_median']:.1f} | "
+                         f"{r['step_ms_q1']:.1f}-{r['step_ms_q3']:.1f} | {r['x_fused']:.2f} | {r['GBps']:.1f} | "
+                         f"{r['pct_stream']:.0f} | {fs} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="6M params, fp32, 1 thread, 3 rounds, no torchao")
+    parser.add_argument("--sizes", default=None, help="comma list of " + ",".join(PARAM_SETS))
+    parser.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16")
+    parser.add_argument("--threads", default=None, help="comma list of thread counts")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--formats", default=None, help="lowbit formats, comma list")
+    parser.add_argument("--peers", default=None, help="comma list of bitsandbytes,torchao (default: those installed)")
+    parser.add_argument("--no-first-step", action="store_true", help="skip the fresh-process measurements")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.threads = int(args.threads)
+        child(args)
+        return
+
+    quick = args.quick
+    sizes = (args.sizes or ("6M" if quick else "25M,100M,small500")).split(",")
+    dtypes = (args.dtypes or ("float32" if quick else "float32,bfloat16")).split(",")
+    threads = [int(t) for t in (args.threads or ("1" if quick else "1,2")).split(",")]
+    rounds = args.rounds or (3 if quick else 10)
+    formats = tuple((args.formats or ("int8,fp8_e4m3,fp32" if quick else ",".join(FORMATS))).split(","))
+    installed = {name for name in ("bitsandbytes", "torchao") if _importable(name)}
+    peers = set(args.peers.split(",")) if args.peers else (installed - ({"torchao"} if quick else set()))
+    cands = contenders(peers, formats)
+    RESULTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log_path = RESULTS / f"step_bench_{stamp}{'_quick' if quick else ''}.log"
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        with log_path.open("a") as f:
+            f.write(msg + "\n")
+
+    result = {"mode": "quick" if quick else "full", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
+        "cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "load_start": load_average(),
+        "versions": {name: _version(name) for name in sorted(peers | {"lowbit_compile"})}}, "sections": []}
+    for size in sizes:
+        for dtype in dtypes:
+            if size == "small500" and dtype != "float32":
+                continue
+            # tensors under 4096 elements keep fp32 states in every 8-bit optimizer: the stock ones and ours
+            section_cands = cands if size != "small500" else [c for c in cands if c.name in SMALL_SET]
+            result["sections"] += run_section(size, getattr(torch, dtype), threads if size != "small500" else [1],
+                                              section_cands, rounds, log)
+            _write(result, stamp, quick)
+    if not args.no_first_step:
+        first_size = "6M" if quick else "25M"
+        result["first_step_size"] = first_size
+        log(f"first steps in fresh processes ({first_size}, float32, 1 thread)")
+        pick = cands if not quick else [c for c in cands if c.name in ("torch AdamW fused", "lowbit int8 +patches")]
+        result["first_steps"] = first_steps(pick, first_size, "float32", log)
+    result["machine"]["load_end"] = load_average()
+    _write(result, stamp, quick)
+    print(markdown(result))
+
+
+def _write(result: dict, stamp: str, quick: bool) -> None:
+    result["machine"].setdefault("load_end", load_average())
+    base = RESULTS / f"step_bench_{stamp}{'_quick' if quick else ''}"
+    base.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    text = markdown(result)
+    base.with_suffix(".md").write_text(text)
+    if not quick:
+        (RESULTS / "latest.md").write_text(text)
+
+
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+    except Exception:
+        return False
+    return True
+
+
+def _version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(name.replace("_", "-"))
+    except Exception:
+        return "?"
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({torch.backends.cpu.get_cpu_capability()})"
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()
