@@ -27,7 +27,20 @@ from .config import (
 )
 from .runner import Prepared, StateSchema, compile_step, group_signature, init_state, probe_schema, run_params
 
-SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
+# The stock optimizers whose step is elementwise over each parameter: enable() rewrites these. Any
+# other torch.optim.Optimizer subclass is accepted by lowbit_compile() once its step is traced and
+# found elementwise; these stock ones are refused up front, with the reason.
+SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad,
+             torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
+             torch.optim.Rprop)
+REFUSED = {
+    torch.optim.LBFGS: "its step re-evaluates the closure in a line search and mixes every parameter "
+                       "(dot products and a history over the flattened gradient)",
+    torch.optim.SparseAdam: "it steps sparse gradients only, updating the rows they touch",
+    torch.optim.Adafactor: "it factors the second moment of a matrix into row and column means and scales "
+                           "the update by its norm",
+    torch.optim.Muon: "it orthogonalizes each matrix update (Newton-Schulz iterations over the whole matrix)",
+}
 _ATTR = "_lowbit"
 # True while a rewritten ``step`` (the instance attribute) runs its hooks and update, so that the
 # redirect below can tell it from the class's stock ``step`` reached some other way.
@@ -62,7 +75,9 @@ def lowbit_compile(
     block-quantized, and run its step through the traced, rewritten update.
 
     Args:
-        opt: a ``torch.optim.Adam`` or ``AdamW`` (its existing fp32 state is converted).
+        opt: a ``torch.optim`` optimizer whose step is elementwise over each parameter (Adam, AdamW,
+            SGD, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop, or a subclass of
+            ``torch.optim.Optimizer`` of one's own); its existing fp32 state is converted.
         fmt: ``"int8"``, ``"dynamic8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` or ``"fp32"``
             (stock, bit for bit), or a dict from state name to one of those.
         block_size: elements sharing one scale; a power of two.
@@ -140,11 +155,14 @@ def _names_for(opt: torch.optim.Optimizer, config: Config,
 
 
 def _check_optimizer(opt: object) -> None:
-    if not isinstance(opt, SUPPORTED):
-        raise TypeError(
-            f"lowbit_compile supports torch.optim.Adam and torch.optim.AdamW, got {type(opt).__name__}; "
-            "pass one of those (or leave this optimizer unwrapped)"
-        )
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"lowbit_compile takes a torch.optim.Optimizer, got {type(opt).__name__}")
+    for cls, why in REFUSED.items():
+        if isinstance(opt, cls):
+            raise TypeError(
+                f"lowbit_compile cannot rewrite {type(opt).__name__}: {why}; its step is not elementwise over "
+                "each parameter, so it cannot run one block at a time (leave this optimizer unwrapped)"
+            )
     for i, group in enumerate(opt.param_groups):
         if group.get("differentiable"):
             raise ValueError(
@@ -158,6 +176,10 @@ def _check_optimizer(opt: object) -> None:
                                 "floating-point parameters only")
             if not p.is_floating_point():
                 raise TypeError(f"param_groups[{i}] holds a {p.dtype} parameter; parameters must be floating point")
+    if not isinstance(opt, SUPPORTED):  # one's own optimizer: trace its step now, to refuse it here if need be
+        for group in opt.param_groups:
+            for param in {p.dim(): p for p in group["params"]}.values():
+                probe_schema(opt, group, param)
 
 
 def _make_step(opt: torch.optim.Optimizer, previous: Any) -> Callable:
@@ -238,8 +260,9 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
                 continue
             if grad.is_sparse:
                 raise RuntimeError(
-                    "lowbit_compile: a parameter has a sparse gradient, which Adam/AdamW do not "
-                    "support; use torch.optim.SparseAdam for sparse gradients"
+                    "lowbit_compile: a parameter has a sparse gradient, which the rewritten step does not "
+                    "take (it is traced for dense gradients); use torch.optim.SparseAdam, or leave the "
+                    "optimizer unwrapped, for sparse gradients"
                 )
             if grad_scale is not None:
                 grad.div_(grad_scale)
@@ -247,7 +270,8 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
             prepared = wrapped.prepared.get(param)
             if prepared is None or not prepared.still_valid(state, param, config, group_sig, guards, values):
                 schema = probe_schema(opt, group, param)
-                formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param)))
+                formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param),
+                                                  schema.nonneg))
                 if not state:
                     state.update(init_state(param, schema, formats))
                 # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
@@ -269,7 +293,8 @@ def _conform_state(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
             if not state:
                 continue
             schema: StateSchema = probe_schema(opt, group, param)
-            for key, fmt in wrapped.config.formats_for(param, schema.per_element, wrapped.names.get(param)):
+            for key, fmt in wrapped.config.formats_for(param, schema.per_element, wrapped.names.get(param),
+                                                       schema.nonneg):
                 new = checkpoint.converted(param, key, state.get(key), fmt)
                 if new is not None:
                     updates.append((state, key, new))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +14,10 @@ from .kernels.formats import FORMAT_NAMES, StateFormat
 
 BACKENDS = ("auto", "triton", "inductor", "reference")
 
-# States known never to be negative. They get unsigned codes and a quantizer that never stores a
-# positive value as zero (see StateFormat). A state missing here is treated as signed, which is
-# always correct, only coarser.
+# Adam's states known never to be negative: what formats_for assumes when not given the states
+# proven non-negative on the traced step (passes/signs.py; the runner always passes those). They get
+# unsigned codes and a quantizer that never stores a positive value as zero (see StateFormat). A
+# state missing here is treated as signed, which is always correct, only coarser.
 NONNEG_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
 
 DEFAULT_FMT = "int8"
@@ -79,15 +80,15 @@ class Config:
     def format_name(self, state_key: str) -> str:
         return _pick(self.fmt, state_key) or DEFAULT_FMT
 
-    def formats_for(self, param: torch.Tensor, per_element: tuple[str, ...],
-                    name: str | None = None) -> tuple[tuple[str, StateFormat], ...]:
+    def formats_for(self, param: torch.Tensor, per_element: tuple[str, ...], name: str | None = None,
+                    nonneg: Collection[str] = NONNEG_STATES) -> tuple[tuple[str, StateFormat], ...]:
         """The format of each per-element state of ``param`` (named ``name`` in its model).
 
         The first override whose pattern or predicate matches wins (a state its format dict leaves
         out falls through to the rules below); otherwise tensors under ``min_8bit_size`` elements
         keep the stock fp32 state, and the rest get ``fmt``. Sizes and the shape a predicate sees
         are the full (unsharded) tensor's: a DTensor reports its global shape, so every rank of a
-        sharded model decides alike.
+        sharded model decides alike. The states in ``nonneg`` are stored unsigned.
         """
         spec = next((s for m, s in self.overrides if _matches(m, name, param)), None)
         small = param.numel() < self.min_8bit_size
@@ -95,7 +96,7 @@ class Config:
         for key in per_element:
             fmt_name = _pick(spec, key) if spec is not None else None
             fmt_name = fmt_name or ("fp32" if small else self.format_name(key))
-            out.append((key, StateFormat.make(fmt_name, self.block_size, self.outliers, key in NONNEG_STATES)))
+            out.append((key, StateFormat.make(fmt_name, self.block_size, self.outliers, key in nonneg)))
         return tuple(out)
 
 

@@ -43,14 +43,16 @@ def quantize_states(gm: GraphModule, formats: Mapping[str, StateFormat]) -> Grap
             node.meta.update(lowbit_input=("state_part", key, part), role="state_part", per_element=True)
             parts.append(node)
             anchor = node
-        with graph.inserting_before(first_op):
-            dq = graph.call_function(
-                torch.ops.lowbit.dequantize.default,
-                (*parts, fmt.tag(), ops.dtype_name(ph.meta["val"].dtype)),
-            )
-        dq.meta.update(val=ph.meta["val"], per_element=True)
+        dq = None
+        if any(not _is_write_back(user, ph) for user in ph.users):  # not a state the step only creates
+            with graph.inserting_before(first_op):
+                dq = graph.call_function(
+                    torch.ops.lowbit.dequantize.default,
+                    (*parts, fmt.tag(), ops.dtype_name(ph.meta["val"].dtype)),
+                )
+            dq.meta.update(val=ph.meta["val"], per_element=True)
         for user in list(ph.users):
-            if user.target is torch.ops.aten.copy_.default and user.args[0] is ph:
+            if _is_write_back(user, ph):
                 with graph.inserting_before(user):
                     q = graph.call_function(torch.ops.lowbit.quantize_.default, (user.args[1], *parts, fmt.tag()))
                 q.meta.update(per_element=True)
@@ -62,6 +64,10 @@ def quantize_states(gm: GraphModule, formats: Mapping[str, StateFormat]) -> Grap
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _is_write_back(user: Node, state: Node) -> bool:
+    return user.target is torch.ops.aten.copy_.default and user.args[0] is state
 
 
 def _check_unused(node: Node) -> None:

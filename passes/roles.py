@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 aten = torch.ops.aten
 
 PER_ELEMENT_ROLES = frozenset({"param", "grad", "per_element_state", "state_part"})
-_ALLOWED_NON_POINTWISE = frozenset({aten.copy_.default, aten.clone.default, aten.alias.default})
+_ALLOWED_NON_POINTWISE = frozenset({aten.copy_.default, aten.copy.default, aten.clone.default, aten.alias.default})
 
 
 class NotElementwiseError(NotImplementedError):

@@ -20,6 +20,7 @@ from .roles import is_per_element
 def split_prologue(gm: GraphModule) -> GraphModule:
     """Return ``top(inputs) = body(per-element inputs, *prologue(scalar inputs))`` built from ``gm``."""
     gm = copy.deepcopy(gm)
+    _keep_old_scalar_states(gm.graph)
     nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
     prologue_nodes = [n for n in nodes if not is_per_element(n)]
     body_nodes = [n for n in nodes if is_per_element(n)]
@@ -54,6 +55,22 @@ def split_prologue(gm: GraphModule) -> GraphModule:
     root.prologue = GraphModule(torch.nn.Module(), prologue, "Prologue")
     root.body = GraphModule(torch.nn.Module(), body, "Body")
     return GraphModule(root, top, "SplitStep")
+
+
+def _keep_old_scalar_states(graph: Graph) -> None:
+    """The prologue writes the new scalar states (``copy_(state, new)``) before the body runs; a body
+    that reads a scalar state (ASGD's ``(param - ax) * mu``) gets a copy of its value from before."""
+    written = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.copy_.default and not is_per_element(n)}
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    for state in written:
+        readers = [u for u in state.users if is_per_element(u)]
+        if state.op != "placeholder" or not readers:
+            continue
+        with graph.inserting_before(first_op):
+            old = graph.call_function(torch.ops.aten.clone.default, (state,))
+        old.meta.update(val=state.meta.get("val"), per_element=False)
+        for reader in readers:
+            reader.replace_input_with(state, old)
 
 
 def _extract(nodes: list[Node], outputs: list[Node] | None = None, inputs: list[Node] | None = None) -> Graph:

@@ -7,11 +7,22 @@ tensors: both become graph inputs, and the host arithmetic on them (bias correct
 is recorded as Python-float nodes, so evaluating the graph repeats the stock arithmetic exactly and
 an LR schedule never retraces. Branches the step takes on a hyperparameter (``weight_decay != 0``)
 become guards that the cache checks on every step.
+
+Values the step reads back from its own tensors (``step_t.item()``, ``mu.item()``) are symbolic
+too. When the step branches on one (RAdam's ``rho_t > 5``, ASGD's ``mu != 1``), it is traced again
+with them backed by what they are now (one stock step on small real tensors gives them): the
+branch is traced the way it goes now and becomes a
+:func:`check_branch` node in the graph: it raises :class:`BranchFlipped` when a later step goes the
+other way, before anything is written, and the caller traces that branch too.
+
+State the step creates (SGD's ``momentum_buffer = grad.clone()`` on the first step) or replaces by
+a new tensor is copied into a state input of the graph, like an in-place update.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,10 +31,15 @@ import sympy
 import torch
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, GuardOnDataDependentSymNode, ShapeEnv
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .canonicalize import elementwise_forms
 
 TRACE_ELEMENTS = 16  # size of the fake 1-D parameter; the traced body is elementwise, any size runs it
+_HINT_ELEMENTS = 2  # size of the real parameter whose step gives the read-back values their hints
 
 _trace_count = 0
 
@@ -31,6 +47,19 @@ _trace_count = 0
 def trace_count() -> int:
     """How many optimizer steps have been traced in this process (a retrace shows up here)."""
     return _trace_count
+
+
+class BranchFlipped(RuntimeError):
+    """A value the step computed took the other side of a branch than when it was traced."""
+
+
+def check_branch(value: Any, expected: Any) -> None:
+    """The graph node of one branch on a computed value: the step continues only the way it was traced."""
+    if value != expected:
+        raise BranchFlipped(f"a branch of the traced step went the other way ({value!r}, traced with {expected!r})")
+
+
+torch.fx.node.has_side_effect(check_branch)
 
 
 @dataclass(frozen=True)
@@ -89,12 +118,18 @@ def tensor_meta(t: torch.Tensor) -> tuple:
 
 @dataclass
 class TracedStep:
-    """The functional graph of one parameter's step and the guards under which it holds."""
+    """The functional graph of one parameter's step and the guards under which it holds.
+
+    ``guard`` checks the hyperparameter values before a step; branches on values the step computes
+    are ``check_branch`` nodes inside ``graph``. ``fresh`` names the per-element states the step
+    creates (absent from the state it was traced with), which the graph writes without reading.
+    """
 
     graph: torch.fx.GraphModule
     slots: tuple[HyperSlot, ...]
     guard: Callable[[Sequence[Any]], bool]
     guard_text: str
+    fresh: tuple[str, ...] = ()
 
 
 def unhooked_step(cls: type) -> Callable:
@@ -115,6 +150,126 @@ def shell_optimizer(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor
     return shell
 
 
+class _ReadBacks(TorchDispatchMode):
+    """Records every value a real step reads back into Python (``.item()``, ``float(t)``), in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: list[float | int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.values.append(out)
+        return out
+
+
+class _BackedReadBacks(TorchDispatchMode):
+    """During the fake trace, makes the k-th read-back a symbol backed by the k-th real value, so a
+    branch on it is a guard (recorded by :class:`_StepShapeEnv`) instead of a data-dependent error."""
+
+    def __init__(self, shape_env: _StepShapeEnv, hints: Sequence[float | int]) -> None:
+        super().__init__()
+        self.shape_env = shape_env
+        self.hints = hints
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self._back(args[0])
+        return func(*args, **(kwargs or {}))
+
+    def _back(self, fake: torch.Tensor) -> None:
+        k = self.count
+        self.count += 1
+        if k >= len(self.hints):
+            raise NotImplementedError("the optimizer's step reads back more values when traced than when run; "
+                                      "lowbit-compile cannot trace it")
+        if fake.item_memo is not None:  # the same tensor read twice: the same symbol
+            return
+        hint = self.hints[k]
+        source = ConstantSource(f"read_back_{k}")
+        sym = self.shape_env.create_unspecified_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+        self.shape_env.read_backs.add(sym)
+        if isinstance(hint, bool) or not isinstance(hint, (int, float)):
+            raise NotImplementedError(f"the optimizer's step reads back a {type(hint).__name__} "
+                                      "(a tensor of bools?); lowbit-compile traces float and int read-backs")
+        make = self.shape_env.create_symintnode if isinstance(hint, int) else self.shape_env.create_symfloatnode
+        fake.item_memo = make(sym, hint=hint, source=source)
+
+
+class _SymbolicScalarTensors(TorchFunctionMode):
+    """``torch.as_tensor(x)`` / ``torch.tensor(x)`` of a symbolic number (ASGD's new ``eta``) as
+    ``torch.scalar_tensor``, which keeps it symbolic instead of fixing its traced value."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.as_tensor, torch.tensor) and args and isinstance(args[0], (torch.SymFloat, torch.SymInt)):
+            default = torch.get_default_dtype() if isinstance(args[0], torch.SymFloat) else torch.int64
+            dtype = kwargs.get("dtype") or (args[1] if len(args) > 1 else None) or default
+            return torch.scalar_tensor(args[0], dtype=dtype, device=kwargs.get("device"))
+        return func(*args, **kwargs)
+
+
+class _StepShapeEnv(ShapeEnv):
+    """A ShapeEnv that turns every decision the step takes on a read-back value into a
+    ``check_branch(value, as_traced)`` node, inserted right where the step decides (before anything
+    that depends on the decision, which may fail on the other side: ASGD's ``1 / (step - t0)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_backs: set[sympy.Symbol] = set()
+        self.branch_guards: set[int] = set()  # indices into self.guards that a branch node checks
+        self._checked: set[sympy.Basic] = set()
+
+    def evaluate_sym_node(self, sym_node, size_oblivious=False, fallback_value=None):
+        before, expr = len(self.guards), sym_node.expr  # (the decision may simplify the expression)
+        result = super().evaluate_sym_node(sym_node, size_oblivious, fallback_value)
+        if expr.free_symbols & self.read_backs:
+            self.branch_guards.update(range(before, len(self.guards)))
+            if expr not in self._checked:  # a decision taken twice (inside ``x ** y``) is checked once
+                self._checked.add(expr)
+                _insert_branch_check(sym_node, result)
+        return result
+
+
+def _insert_branch_check(sym_node: Any, result: Any) -> None:
+    mode = get_proxy_mode()
+    if sym_node.is_bool():
+        value, expected = torch.SymBool(sym_node), bool(result)
+    elif sym_node.is_int():
+        value, expected = torch.SymInt(sym_node), int(result)
+    else:
+        value, expected = torch.SymFloat(sym_node), float(result)
+    if mode is None or value not in mode.tracer.symnode_tracker:
+        raise NotImplementedError(
+            f"the optimizer's step branches on {sym_node.expr}, a value computed during the step, "
+            "outside the traced arithmetic; lowbit-compile cannot check that branch per step")
+    proxy = get_proxy_slot(value, mode.tracer).force()
+    mode.tracer.create_proxy("call_function", check_branch, (proxy, expected), {})
+
+
+def read_back_hints(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, device: torch.device,
+                    state: dict[str, Any], per_element: Sequence[str]) -> list[float | int]:
+    """The values the stock step reads back into Python, from one real step on small tensors with
+    the real scalar states and hyperparameters (per-element values cannot reach a read-back of an
+    elementwise step)."""
+    param = torch.ones(_HINT_ELEMENTS, dtype=param_dtype, device=device)
+    param.grad = torch.full_like(param, 0.5)
+    st: dict[str, Any] = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            st[key] = value
+        elif key in per_element:
+            st[key] = torch.zeros(_HINT_ELEMENTS, dtype=value.dtype, device=device)
+        else:
+            st[key] = value.clone()
+    recorder = _ReadBacks()
+    with torch.no_grad(), recorder:
+        unhooked_step(type(opt))(shell_optimizer(opt, group, param, st))
+    return recorder.values
+
+
 def trace_step(
     opt: torch.optim.Optimizer,
     group: dict,
@@ -125,12 +280,26 @@ def trace_step(
 ) -> TracedStep:
     """Trace ``type(opt).step`` for one parameter of ``group``.
 
-    ``state`` is an example of the parameter's state (only its tensors' dtypes and the shapes of
-    the non-per-element entries are used); ``per_element`` names the entries shaped like the param.
+    ``state`` is an example of the parameter's state (only its tensors' dtypes, the shapes and values
+    of the non-per-element entries are used); ``per_element`` names the entries shaped like the
+    param. A per-element name missing from ``state`` (or None there) is a state the step creates.
+
+    Read-back values are first left unknown (most steps only compute with them); a step that
+    branches on one is traced again with them backed by their current values.
     """
+    try:
+        return _trace(opt, group, param_dtype, device, state, per_element, None)
+    except GuardOnDataDependentSymNode:
+        hints = read_back_hints(opt, group, param_dtype, device, state, per_element)
+        return _trace(opt, group, param_dtype, device, state, per_element, hints)
+
+
+def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, device: torch.device,
+           state: dict[str, torch.Tensor | Any], per_element: Sequence[str],
+           hints: Sequence[float | int] | None) -> TracedStep:
     global _trace_count
     slots = hyper_slots(group)
-    shape_env = ShapeEnv()
+    shape_env = _StepShapeEnv()
     fake_mode = FakeTensorMode(shape_env=shape_env)
     symbols: list[sympy.Symbol] = []
 
@@ -141,6 +310,8 @@ def trace_step(
         return shape_env.create_symfloatnode(sym, hint=hint, source=source)
 
     tensor_keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+    fresh_keys = [k for k in per_element if not isinstance(state.get(k), torch.Tensor)]
+    others = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor) and k not in fresh_keys}
     with fake_mode:
         p = torch.empty(TRACE_ELEMENTS, dtype=param_dtype, device=device)
         g = torch.empty_like(p)
@@ -151,6 +322,8 @@ def trace_step(
                 fake_state.append(torch.empty(TRACE_ELEMENTS, dtype=real.dtype, device=device))
             else:
                 fake_state.append(torch.empty(real.shape, dtype=real.dtype, device=real.device))
+        # a created state's dtype is the param's until the step says otherwise (checked below)
+        fake_fresh = [torch.empty_like(p) for _ in fresh_keys]
     fake_hypers = []
     for slot in slots:
         value = slot.get(group)
@@ -160,10 +333,10 @@ def trace_step(
             fake_hypers.append(sym_float(slot.name, value))
 
     step_fn = unhooked_step(type(opt))
-    n_state = len(tensor_keys)
+    n_state, n_fresh = len(tensor_keys), len(fresh_keys)
 
     def one_step(param, grad, *rest):
-        states, hypers = rest[:n_state], rest[n_state:]
+        states, fresh, hypers = rest[:n_state], rest[n_state:n_state + n_fresh], rest[n_state + n_fresh:]
         fake_group = dict(group)
         for slot, value in zip(slots, hypers):
             if slot.index is None:
@@ -172,44 +345,89 @@ def trace_step(
                 seq = list(fake_group[slot.key])
                 seq[slot.index] = value
                 fake_group[slot.key] = type(group[slot.key])(seq)
-        st = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+        st = dict(others)
         st.update(zip(tensor_keys, states))
         param.grad = grad
         try:
-            step_fn(shell_optimizer(opt, fake_group, param, st))
+            with _SymbolicScalarTensors(), (_BackedReadBacks(shape_env, hints) if hints is not None
+                                            else contextlib.nullcontext()):
+                step_fn(shell_optimizer(opt, fake_group, param, st))
         finally:
             param.grad = None
+        for key, before in zip(tensor_keys, states):
+            if st.get(key) is not before:  # replaced by a new tensor rather than updated in place
+                before.copy_(_written_state(st, key, before))
+        for key, slot in zip(fresh_keys, fresh):
+            slot.copy_(_written_state(st, key, slot))
+        _check_rest_of_state(st, tensor_keys, fresh_keys, others)
 
     with torch.no_grad():
         gm = make_fx(
             torch.func.functionalize(one_step, remove="mutations_and_views"), tracing_mode="fake"
-        )(p, g, *fake_state, *fake_hypers)
+        )(p, g, *fake_state, *fake_fresh, *fake_hypers)
     _trace_count += 1
 
-    names = ["param", "grad", *(f"state_{k}" for k in tensor_keys), *(f"hp_{s.name}" for s in slots)]
-    inputs = [("param",), ("grad",), *(("state", k) for k in tensor_keys), *(("hyper", s) for s in slots)]
+    state_keys = tensor_keys + fresh_keys
+    names = ["param", "grad", *(f"state_{k}" for k in state_keys), *(f"hp_{s.name}" for s in slots)]
+    inputs = [("param",), ("grad",), *(("state", k) for k in state_keys), *(("hyper", s) for s in slots)]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name, desc in zip(placeholders, names, inputs):
         node.name = node.target = name
         node.meta["lowbit_input"] = desc
     gm.recompile()
+    gm = elementwise_forms(gm)
 
     guard, text = _compile_guards(shape_env, symbols, slots)
-    return TracedStep(gm, slots, guard, text)
+    return TracedStep(gm, slots, guard, text, tuple(fresh_keys))
+
+
+def _written_state(st: dict, key: str, slot: torch.Tensor) -> torch.Tensor:
+    """The tensor the step left in ``state[key]``, which must fit the per-element slot it is copied to."""
+    value = st.get(key)
+    if not isinstance(value, torch.Tensor):
+        raise NotImplementedError(f"the optimizer's step leaves state {key!r} as {type(value).__name__}, "
+                                  "not a tensor; lowbit-compile traces steps whose state tensors stay tensors")
+    if value.shape != slot.shape or value.dtype != slot.dtype:
+        raise NotImplementedError(f"the optimizer's step writes state {key!r} as {value.dtype} of shape "
+                                  f"{tuple(value.shape)}, not like its parameter ({slot.dtype}, "
+                                  f"{tuple(slot.shape)})")
+    return value
+
+
+def _check_rest_of_state(st: dict, tensor_keys: Sequence[str], fresh_keys: Sequence[str], others: dict) -> None:
+    """Refuse a step that changes state the graph cannot carry: Python numbers, or new tensors
+    the first step did not create."""
+    for key, value in st.items():
+        if key in tensor_keys or key in fresh_keys:
+            continue
+        if key not in others:
+            raise NotImplementedError(
+                f"the optimizer's step creates state {key!r} on a later step than the first; "
+                "lowbit-compile supports state that the first step creates")
+        if value is not others[key]:
+            raise NotImplementedError(
+                f"the optimizer's step changes state {key!r}, a Python {type(others[key]).__name__}; "
+                "lowbit-compile carries state across steps in tensors (keep it in a 0-d tensor, as "
+                "torch.optim does with 'step')")
 
 
 def _compile_guards(
-    shape_env: ShapeEnv, symbols: list[sympy.Symbol], slots: tuple[HyperSlot, ...]
+    shape_env: _StepShapeEnv, symbols: list[sympy.Symbol], slots: tuple[HyperSlot, ...]
 ) -> tuple[Callable, str]:
-    """One predicate over the hyperparameter values: the branches the traced step took."""
-    exprs = [g.expr for g in shape_env.guards]
-    for expr in exprs:
+    """One predicate over the hyperparameter values: the branches the traced step took on them.
+    Branches on read-back values are ``check_branch`` nodes in the graph instead."""
+    exprs = []
+    for i, guard in enumerate(shape_env.guards):
+        expr = guard.expr
+        if i in shape_env.branch_guards:
+            continue
         unknown = expr.free_symbols - set(symbols)
         if unknown:
             raise NotImplementedError(
-                f"the optimizer's step branches on a value computed during the step ({expr}); "
-                "lowbit-compile only rewrites steps whose control flow depends on hyperparameters"
+                f"the optimizer's step branches on a value computed during the step ({expr}) in a "
+                "way lowbit-compile cannot check per step"
             )
+        exprs.append(expr)
     if not exprs:
         return (lambda values: True), "True"
     condition = sympy.And(*exprs)

@@ -12,10 +12,11 @@ from lowbit_compile import lowbit_compile
 STEPS = 30
 
 
-def _db_inputs():
+def _db_inputs(classes=(torch.optim.Adam, torch.optim.AdamW)):
+    """optim_db's CPU float32 inputs for ``classes`` (not capturable or differentiable ones)."""
     cases = []
     for info in optim_db:
-        if info.optim_cls not in (torch.optim.Adam, torch.optim.AdamW):
+        if info.optim_cls not in classes:
             continue
         for inp in info.optim_inputs_func(device="cpu", dtype=torch.float32):
             kwargs = dict(inp.kwargs)
