@@ -51,13 +51,21 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const vf L0_w = lb_splat(s[1]), L0_wm1 = lb_splat(s[1] - 1.0f);
   const vf R1 = lb_splat(1.0f / s[4]);
   float* __restrict buf_exp_avg = scratch + 0 * LB_BLOCK;
-  lb_dequantize_block<LB_INT8, false, 2>(buf_exp_avg, p_exp_avg_codes, len, *p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, nullptr);
-  lb_top<2> acc_exp_avg;
-  lb_top_init(acc_exp_avg);
+  const vf SC_exp_avg = lb_splat(*p_exp_avg_scales);
+  int64_t PI_exp_avg[2];
+  float PV_exp_avg[2];
+  const int PC_exp_avg = lb_sorted_patches<2>(p_exp_avg_patch_index, p_exp_avg_patch_values, len, PI_exp_avg, PV_exp_avg);
+  int PA_exp_avg = 0;
+  int64_t PN_exp_avg = PC_exp_avg ? PI_exp_avg[0] : LB_NO_PATCH;
+  vi acc_exp_avg = lb_splat_i(-1);
   float* __restrict buf_exp_avg_sq = scratch + 1 * LB_BLOCK;
-  lb_dequantize_block<LB_INT8, true, 2>(buf_exp_avg_sq, p_exp_avg_sq_codes, len, *p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, nullptr);
-  lb_top<2> acc_exp_avg_sq;
-  lb_top_init(acc_exp_avg_sq);
+  const vf SC_exp_avg_sq = lb_splat(*p_exp_avg_sq_scales);
+  int64_t PI_exp_avg_sq[2];
+  float PV_exp_avg_sq[2];
+  const int PC_exp_avg_sq = lb_sorted_patches<2>(p_exp_avg_sq_patch_index, p_exp_avg_sq_patch_values, len, PI_exp_avg_sq, PV_exp_avg_sq);
+  int PA_exp_avg_sq = 0;
+  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
+  vi acc_exp_avg_sq = lb_splat_i(-1);
   {
     int64_t i = 0;
     for (; i + LB_W <= len; i += LB_W) {
@@ -65,8 +73,16 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const int64_t r = LB_W;
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
-      const vf v_dequantize_default = full ? lb_ld(buf_exp_avg + i) : lb_ld_n(buf_exp_avg + i, r);
-      const vf v_dequantize_default_1 = full ? lb_ld(buf_exp_avg_sq + i) : lb_ld_n(buf_exp_avg_sq + i, r);
+      vf v_dequantize_default = lb_decode<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr) * SC_exp_avg;
+      while (PN_exp_avg < i + LB_W) {  // a patch falls in this vector
+        v_dequantize_default[PN_exp_avg - i] = PV_exp_avg[PA_exp_avg];
+        PN_exp_avg = ++PA_exp_avg < PC_exp_avg ? PI_exp_avg[PA_exp_avg] : LB_NO_PATCH;
+      }
+      vf v_dequantize_default_1 = lb_decode<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr) * SC_exp_avg_sq;
+      while (PN_exp_avg_sq < i + LB_W) {  // a patch falls in this vector
+        v_dequantize_default_1[PN_exp_avg_sq - i] = PV_exp_avg_sq[PA_exp_avg_sq];
+        PN_exp_avg_sq = ++PA_exp_avg_sq < PC_exp_avg_sq ? PI_exp_avg_sq[PA_exp_avg_sq] : LB_NO_PATCH;
+      }
       const vf v_mul_1 = v_param * S0;
       const vf v_lerp = L0_small ? lb_fma(L0_w, v_grad - v_dequantize_default, v_dequantize_default) : lb_fma(L0_wm1, v_grad - v_dequantize_default, v_grad);
       const vf v_mul_2 = v_dequantize_default_1 * S2;
@@ -77,17 +93,25 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_addcdiv = v_mul_1 + S6 * v_lerp / v_add_1;
       if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
       if (full) lb_st(buf_exp_avg + i, v_lerp); else lb_st_n(buf_exp_avg + i, v_lerp, r);
-      lb_top_insert(acc_exp_avg, full ? lb_key(v_lerp) : (lb_key(v_lerp) & lb_lane_mask(r)) | ~lb_lane_mask(r));
+      acc_exp_avg = lb_vmax(acc_exp_avg, lb_key_masked(v_lerp, r));
       if (full) lb_st(buf_exp_avg_sq + i, v_addcmul); else lb_st_n(buf_exp_avg_sq + i, v_addcmul, r);
-      lb_top_insert(acc_exp_avg_sq, full ? lb_key(v_addcmul) : (lb_key(v_addcmul) & lb_lane_mask(r)) | ~lb_lane_mask(r));
+      acc_exp_avg_sq = lb_vmax(acc_exp_avg_sq, lb_key_masked(v_addcmul, r));
     }
     if (i < len) {
       const bool full = false;
       const int64_t r = len - i;
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
-      const vf v_dequantize_default = full ? lb_ld(buf_exp_avg + i) : lb_ld_n(buf_exp_avg + i, r);
-      const vf v_dequantize_default_1 = full ? lb_ld(buf_exp_avg_sq + i) : lb_ld_n(buf_exp_avg_sq + i, r);
+      vf v_dequantize_default = lb_decode<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr) * SC_exp_avg;
+      while (PN_exp_avg < i + LB_W) {  // a patch falls in this vector
+        v_dequantize_default[PN_exp_avg - i] = PV_exp_avg[PA_exp_avg];
+        PN_exp_avg = ++PA_exp_avg < PC_exp_avg ? PI_exp_avg[PA_exp_avg] : LB_NO_PATCH;
+      }
+      vf v_dequantize_default_1 = lb_decode<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr) * SC_exp_avg_sq;
+      while (PN_exp_avg_sq < i + LB_W) {  // a patch falls in this vector
+        v_dequantize_default_1[PN_exp_avg_sq - i] = PV_exp_avg_sq[PA_exp_avg_sq];
+        PN_exp_avg_sq = ++PA_exp_avg_sq < PC_exp_avg_sq ? PI_exp_avg_sq[PA_exp_avg_sq] : LB_NO_PATCH;
+      }
       const vf v_mul_1 = v_param * S0;
       const vf v_lerp = L0_small ? lb_fma(L0_w, v_grad - v_dequantize_default, v_dequantize_default) : lb_fma(L0_wm1, v_grad - v_dequantize_default, v_grad);
       const vf v_mul_2 = v_dequantize_default_1 * S2;
@@ -98,9 +122,9 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_addcdiv = v_mul_1 + S6 * v_lerp / v_add_1;
       if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
       if (full) lb_st(buf_exp_avg + i, v_lerp); else lb_st_n(buf_exp_avg + i, v_lerp, r);
-      lb_top_insert(acc_exp_avg, full ? lb_key(v_lerp) : (lb_key(v_lerp) & lb_lane_mask(r)) | ~lb_lane_mask(r));
+      acc_exp_avg = lb_vmax(acc_exp_avg, lb_key_masked(v_lerp, r));
       if (full) lb_st(buf_exp_avg_sq + i, v_addcmul); else lb_st_n(buf_exp_avg_sq + i, v_addcmul, r);
-      lb_top_insert(acc_exp_avg_sq, full ? lb_key(v_addcmul) : (lb_key(v_addcmul) & lb_lane_mask(r)) | ~lb_lane_mask(r));
+      acc_exp_avg_sq = lb_vmax(acc_exp_avg_sq, lb_key_masked(v_addcmul, r));
     }
   }
   lb_quantize_block<LB_INT8, false, 2>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, (float)0x1.fc00000000000p+6, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, nullptr);
