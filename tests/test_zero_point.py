@@ -40,7 +40,7 @@ def results():
 
 
 @pytest.mark.parametrize("fmt", OURS)
-def test_no_second_moment_is_stored_as_zero(results, fmt):
+def test_no_second_moment_is_stored_as_zero_at_any_step(results, fmt):
     assert results[fmt].zeros_ppm == 0
 
 
