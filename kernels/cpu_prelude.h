@@ -95,6 +95,7 @@ LB_INLINE void lb_st_u8(uint8_t* p, vi x) { _mm_storeu_si128((__m128i*)p, _mm512
 LB_INLINE vi lb_ld_u16(const uint16_t* p) { return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
 LB_INLINE void lb_st_u16(uint16_t* p, vi x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)x)); }
 LB_INLINE int lb_any(vi m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }  // any lane set
+LB_INLINE vf lb_gather(const float* base, vi idx) { return (vf)_mm512_i32gather_ps((__m512i)idx, base, 4); }
 #elif defined(__AVX2__) && LB_W == 8
 #include <immintrin.h>
 LB_INLINE vi lb_ld_u8(const uint8_t* p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
@@ -110,6 +111,7 @@ LB_INLINE void lb_st_u16(uint16_t* p, vi x) {  // lanes hold 0..65535
   _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(t));
 }
 LB_INLINE int lb_any(vi m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
+LB_INLINE vf lb_gather(const float* base, vi idx) { return (vf)_mm256_i32gather_ps(base, (__m256i)idx, 4); }
 #else
 LB_INLINE vi lb_ld_u8(const uint8_t* p) {
   vb b;
@@ -133,6 +135,11 @@ LB_INLINE int lb_any(vi m) {
   int any = 0;
   for (int l = 0; l < LB_W; ++l) any |= m[l];
   return any != 0;
+}
+LB_INLINE vf lb_gather(const float* base, vi idx) {
+  vf r;
+  for (int l = 0; l < LB_W; ++l) r[l] = base[idx[l]];
+  return r;
 }
 #endif
 
@@ -238,20 +245,14 @@ LB_INLINE vi lb_encode_e5m2(vf f) {
 }
 
 // dynamic8: a sorted 256-entry map; encode is bucketize(x, midpoints, right=True).
-LB_INLINE vf lb_decode_dynamic8(vi u, const float* map) {
-  vf r;
-  for (int l = 0; l < LB_W; ++l) r[l] = map[u[l]];
-  return r;
-}
+LB_INLINE vf lb_decode_dynamic8(vi u, const float* map) { return lb_gather(map, u); }
 LB_INLINE vi lb_encode_dynamic8(vf y, const float* mids) {
-  vi r;
-  for (int l = 0; l < LB_W; ++l) {
-    float x = y[l];
-    int idx = 0;
-    for (int s = 128; s; s >>= 1) idx += (mids[idx + s - 1] <= x) ? s : 0;
-    r[l] = idx;
-  }
-  return r;
+  // The count of midpoints <= y. Sixteens first, by comparing with every 16th midpoint
+  // (independent compares), then a binary search over the last 16: a chain of 4 gathers, not 8.
+  vi idx = lb_splat_i(0);
+  for (int k = 16; k < 256; k += 16) idx += (lb_splat(mids[k - 1]) <= y) & 16;
+  for (int s = 8; s; s >>= 1) idx += (lb_gather(mids + s - 1, idx) <= y) & s;
+  return idx;
 }
 
 // Codes (one byte per lane) -> values relative to the block scale.
@@ -358,31 +359,34 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
         lm[j] = lm[l];
         lm[l] = t;
       }
-  const int32_t bound = K < LB_W ? lm[K] : -1;
-  lb_best<K> best;
-  vi thr = lb_splat_i(bound);
-  int64_t i = 0;
-  for (; i + 2 * LB_W <= len; i += 2 * LB_W)  // two vectors per test: hits are a handful per block
-    if (lb_any((lb_key(lb_ld(buf + i)) >= thr) | (lb_key(lb_ld(buf + i + LB_W)) >= thr)))
-      thr = lb_collect(best, buf, i, 2 * LB_W, bound);
-  for (; i < len; i += LB_W) {
-    const int64_t r = len - i < LB_W ? len - i : LB_W;
-    if (lb_any(lb_key_masked(r == LB_W ? lb_ld(buf + i) : lb_ld_n(buf + i, r), r) >= thr))
-      thr = lb_collect(best, buf, i, r, bound);
+  int32_t rest = lm[0] > 0 ? lm[0] : 0;  // no patches: the absmax is the largest lane maximum
+  if (K > 0) {
+    const int32_t bound = K < LB_W ? lm[K] : -1;
+    lb_best<K> best;
+    vi thr = lb_splat_i(bound);
+    int64_t i = 0;
+    for (; i + 2 * LB_W <= len; i += 2 * LB_W)  // two vectors per test: hits are a handful per block
+      if (lb_any((lb_key(lb_ld(buf + i)) >= thr) | (lb_key(lb_ld(buf + i + LB_W)) >= thr)))
+        thr = lb_collect(best, buf, i, 2 * LB_W, bound);
+    for (; i < len; i += LB_W) {
+      const int64_t r = len - i < LB_W ? len - i : LB_W;
+      if (lb_any(lb_key_masked(r == LB_W ? lb_ld(buf + i) : lb_ld_n(buf + i, r), r) >= thr))
+        thr = lb_collect(best, buf, i, r, bound);
+    }
+    for (int64_t pad = len; pad < block && best.n <= K; ++pad) best.add(0, (int32_t)pad, 0.0f);  // the padding's zeros
+    rest = best.n > K && best.e[K].key > 0 ? best.e[K].key : 0;
+    for (int k = 0; k < K; ++k) {
+      patch_values[k] = lb_bf16_bits(best.e[k].value);
+      patch_index[k] = (int16_t)best.e[k].index;
+      if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
+    }
   }
-  for (int64_t pad = len; pad < block && best.n <= K; ++pad) best.add(0, (int32_t)pad, 0.0f);  // the padding's zeros
-  const int32_t rest = best.n > K && best.e[K].key > 0 ? best.e[K].key : 0;
   float absmax;
   memcpy(&absmax, &rest, 4);
-  const float inv = absmax > 0 ? (1.0f / absmax) * qmax : 0.0f;  // torch's `qmax / absmax` is reciprocal() * qmax
+  const vf vinv = lb_splat(absmax > 0 ? (1.0f / absmax) * qmax : 0.0f);  // torch's qmax / absmax: reciprocal() * qmax
   *scale = absmax / qmax;
-  for (int k = 0; k < K; ++k) {
-    patch_values[k] = lb_bf16_bits(best.e[k].value);
-    patch_index[k] = (int16_t)best.e[k].index;
-    if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
-  }
-  const vf vinv = lb_splat(inv);
-  for (i = 0; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, mids));
+  int64_t i = 0;
+  for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, mids));
   if (i < len) lb_st_codes_n(codes + i, lb_encode<F, U>(lb_ld_n(buf + i, len - i) * vinv, mids), len - i);
 }
 
