@@ -96,6 +96,12 @@ LB_INLINE vi lb_ld_u16(const uint16_t* p) { return (vi)_mm512_cvtepu16_epi32(_mm
 LB_INLINE void lb_st_u16(uint16_t* p, vi x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)x)); }
 LB_INLINE int lb_any(vi m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }  // any lane set
 LB_INLINE vf lb_gather(const float* base, vi idx) { return (vf)_mm512_i32gather_ps((__m512i)idx, base, 4); }
+LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {
+  lb_st_u8(p, a);
+  lb_st_u8(p + LB_W, b);
+  lb_st_u8(p + 2 * LB_W, c);
+  lb_st_u8(p + 3 * LB_W, d);
+}
 #elif defined(__AVX2__) && LB_W == 8
 #include <immintrin.h>
 LB_INLINE vi lb_ld_u8(const uint8_t* p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
@@ -112,6 +118,12 @@ LB_INLINE void lb_st_u16(uint16_t* p, vi x) {  // lanes hold 0..65535
 }
 LB_INLINE int lb_any(vi m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
 LB_INLINE vf lb_gather(const float* base, vi idx) { return (vf)_mm256_i32gather_ps(base, (__m256i)idx, 4); }
+LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of 0..255: two packs, one store
+  __m256i t = _mm256_packus_epi16(_mm256_packus_epi32((__m256i)a, (__m256i)b),
+                                  _mm256_packus_epi32((__m256i)c, (__m256i)d));
+  t = _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i*)p, t);
+}
 #else
 LB_INLINE vi lb_ld_u8(const uint8_t* p) {
   vb b;
@@ -140,6 +152,12 @@ LB_INLINE vf lb_gather(const float* base, vi idx) {
   vf r;
   for (int l = 0; l < LB_W; ++l) r[l] = base[idx[l]];
   return r;
+}
+LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {
+  lb_st_u8(p, a);
+  lb_st_u8(p + LB_W, b);
+  lb_st_u8(p + 2 * LB_W, c);
+  lb_st_u8(p + 3 * LB_W, d);
 }
 #endif
 
@@ -204,21 +222,27 @@ LB_INLINE vf lb_decode_e4m3(vi u) {
   v = em == 0x7F ? lb_nan() : v;
   return lb_bits_f(lb_bits_i(v) | ((u & 0x80) << 24));
 }
-// c10's fp8e4m3fn_from_fp32_value, lane-wise.
-LB_INLINE vi lb_encode_e4m3(vf f) {
-  vi bits = lb_bits_i(f);
+// Round |y| <= qmax to fp8 with M mantissa bits (normals from 2^MIN_EXP) by adding and removing
+// 2^(max(E, MIN_EXP) + 23 - M): the FPU's round-to-nearest-even does the rounding, so the codes
+// are those of c10's fp8*_from_fp32_value (formats.encode) for every finite input in range.
+template <int M, int MIN_EXP>
+LB_INLINE vi lb_encode_fp8_rounded(vf y) {
+  const int32_t bias = (1 << (6 - M)) - 1;  // 7 - M exponent bits: e4m3 7, e5m2 15
+  vi bits = lb_bits_i(y);
   vi sign = bits & (int32_t)0x80000000;
-  vi fb = bits ^ sign;  // |f|, so signed compares order like unsigned ones
-  const int32_t denorm_mask = 141 << 23;
-  vi dres = lb_bits_i(lb_bits_f(fb) + lb_bits_f(lb_splat_i(denorm_mask))) - denorm_mask;
-  vi odd = (fb >> 20) & 1;
-  vi nres = (vi)(((vu)fb + (vu){} + (uint32_t)(((uint32_t)(7 - 127) << 23) + 0x7FFFF) + (vu)odd) >> 20) & 0xFF;
-  nres = nres == 0x7F ? lb_splat_i(0x7E) : nres;
-  vi res = fb < (121 << 23) ? dres : nres;
-  vi big = fb > 0x7F800000 ? lb_splat_i(0x7F) : lb_splat_i(0x7E);
-  res = fb >= (1087 << 20) ? big : res;
-  return (res | ((vi)((vu)sign >> 24))) & 0xFF;
+  vi ab = bits ^ sign;
+  vi e = ab & 0x7F800000;
+  vi magic = (e > ((127 + MIN_EXP) << 23) ? e : lb_splat_i((127 + MIN_EXP) << 23)) + ((23 - M) << 23);
+  vf c = lb_bits_f(magic);
+  vf r = (lb_bits_f(ab) + c) - c;
+  vi normal = (lb_bits_i(r) >> (23 - M)) - ((127 - bias) << M);
+  vi sub = __builtin_convertvector(r * lb_splat((float)(1 << (M - MIN_EXP))), vi);  // r = k * 2^(MIN_EXP - M)
+  vi code = r >= lb_splat(MIN_EXP == -6 ? 0x1p-6f : 0x1p-14f) ? normal : sub;
+  code = y != y ? lb_splat_i(0x7F) : code;
+  return (code | (vi)((vu)sign >> 24)) & 0xFF;
 }
+LB_INLINE vi lb_encode_e4m3(vf f) { return lb_encode_fp8_rounded<3, -6>(f); }
+
 // float8_e5m2: bias 15, infinities and NaNs like IEEE.
 LB_INLINE vf lb_decode_e5m2(vi u) {
   vi e = (u >> 2) & 0x1F, m = u & 3;
@@ -229,20 +253,7 @@ LB_INLINE vf lb_decode_e5m2(vi u) {
   v = e == 31 ? special : v;
   return lb_bits_f(lb_bits_i(v) | ((u & 0x80) << 24));
 }
-// c10's fp8e5m2_from_fp32_value, lane-wise.
-LB_INLINE vi lb_encode_e5m2(vf f) {
-  vi bits = lb_bits_i(f);
-  vi sign = bits & (int32_t)0x80000000;
-  vi fb = bits ^ sign;
-  const int32_t denorm_mask = 134 << 23;
-  vi dres = lb_bits_i(lb_bits_f(fb) + lb_bits_f(lb_splat_i(denorm_mask))) - denorm_mask;
-  vi odd = (fb >> 21) & 1;
-  vi nres = (vi)(((vu)fb + (vu){} + (uint32_t)(((uint32_t)(15 - 127) << 23) + 0xFFFFF) + (vu)odd) >> 21) & 0xFF;
-  vi res = fb < (113 << 23) ? dres : nres;
-  vi big = fb > 0x7F800000 ? lb_splat_i(0x7F) : lb_splat_i(0x7C);
-  res = fb >= (143 << 23) ? big : res;
-  return (res | ((vi)((vu)sign >> 24))) & 0xFF;
-}
+LB_INLINE vi lb_encode_e5m2(vf f) { return lb_encode_fp8_rounded<2, -14>(f); }
 
 // dynamic8: a sorted 256-entry map; encode is bucketize(x, midpoints, right=True).
 LB_INLINE vf lb_decode_dynamic8(vi u, const float* map) { return lb_gather(map, u); }
@@ -386,6 +397,11 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
   const vf vinv = lb_splat(absmax > 0 ? (1.0f / absmax) * qmax : 0.0f);  // torch's qmax / absmax: reciprocal() * qmax
   *scale = absmax / qmax;
   int64_t i = 0;
+  for (; i + 4 * LB_W <= len; i += 4 * LB_W)
+    lb_st_u8x4(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, mids),
+               lb_encode<F, U>(lb_ld(buf + i + LB_W) * vinv, mids),
+               lb_encode<F, U>(lb_ld(buf + i + 2 * LB_W) * vinv, mids),
+               lb_encode<F, U>(lb_ld(buf + i + 3 * LB_W) * vinv, mids));
   for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, mids));
   if (i < len) lb_st_codes_n(codes + i, lb_encode<F, U>(lb_ld_n(buf + i, len - i) * vinv, mids), len - i);
 }
