@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import platform
@@ -79,7 +80,7 @@ def make_params(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0
 class Contender:
     name: str
     make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-    family: str  # torch, bitsandbytes, torchao, lowbit
+    family: str  # torch, bitsandbytes, torchao, lowbit, floor
     cache_env: str | None = None  # the compile cache a fresh process reads
     flags: dict = field(default_factory=dict)  # group flags set before each step (shared torch optimizer)
 
@@ -112,6 +113,49 @@ def _torchao(cls_name: str) -> Callable:
     return make
 
 
+# The access pattern of an 8-bit step with no math (read p, g and two 1-byte code arrays, write p and
+# the codes, one pass, p = p * a + g * b): the floor any 8-bit-state step can reach on this machine.
+_FLOOR_SOURCE = r"""
+#include <stdint.h>
+extern "C" void lowbit_floor(int64_t rows, const int64_t* table, float a, float b) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t* row = table + 5 * t;
+    const int64_t n = row[0];
+    float* __restrict p = (float*)row[1];
+    const float* __restrict g = (const float*)row[2];
+    uint8_t* __restrict m = (uint8_t*)row[3];
+    uint8_t* __restrict v = (uint8_t*)row[4];
+    for (int64_t i = 0; i < n; ++i) {
+      p[i] = p[i] * a + g[i] * b;
+      m[i] = (uint8_t)(m[i] + 1);
+      v[i] = (uint8_t)(v[i] * 3);
+    }
+  }
+}
+"""
+
+
+class MemoryFloor:
+    """Not an optimizer: one pass of the bytes an 8-bit step must move (fp32 params only), so the
+    table shows how close each contender comes to what the memory allows."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        from array import array
+
+        from lowbit_compile.kernels import cpu_build
+
+        self.fn = cpu_build.load(_FLOOR_SOURCE).lowbit_floor
+        self.fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_float]
+        self.param_groups: list[dict] = []
+        self.state = {p: {"m": torch.zeros(p.numel(), dtype=torch.uint8),
+                          "v": torch.zeros(p.numel(), dtype=torch.uint8)} for p in params}
+        self.table = array("q", [x for p, st in self.state.items() for x in (
+            p.numel(), p.data_ptr(), p.grad.data_ptr(), st["m"].data_ptr(), st["v"].data_ptr())])
+
+    def step(self) -> None:
+        self.fn(len(self.state), self.table.buffer_info()[0], 1.0 - LR * WEIGHT_DECAY, -LR)
+
+
 def contenders(peers: set[str], formats: tuple[str, ...]) -> list[Contender]:
     out = [Contender(f"torch AdamW {impl}", _torch({"fused": True}), "torch",
                      flags={"foreach": impl == "foreach", "fused": impl == "fused"})
@@ -127,6 +171,7 @@ def contenders(peers: set[str], formats: tuple[str, ...]) -> list[Contender]:
                              "LOWBIT_COMPILE_CACHE_DIR"))
         if patched:
             out.append(Contender(f"lowbit {fmt} no patches", _lowbit(fmt, 0), "lowbit", "LOWBIT_COMPILE_CACHE_DIR"))
+    out.append(Contender("memory floor (8-bit bytes, no math)", MemoryFloor, "floor"))
     return out
 
 
@@ -378,7 +423,8 @@ def main() -> None:
             if size == "small500" and dtype != "float32":
                 continue
             # tensors under 4096 elements keep fp32 states in every 8-bit optimizer: the stock ones and ours
-            section_cands = cands if size != "small500" else [c for c in cands if c.name in SMALL_SET]
+            section_cands = [c for c in cands if (size != "small500" or c.name in SMALL_SET)
+                             and (c.family != "floor" or dtype == "float32")]
             result["sections"] += run_section(size, getattr(torch, dtype), threads if size != "small500" else [1],
                                               section_cands, rounds, log)
             _write(result, stamp, quick)
@@ -386,7 +432,8 @@ def main() -> None:
         first_size = "6M" if quick else "25M"
         result["first_step_size"] = first_size
         log(f"first steps in fresh processes ({first_size}, float32, 1 thread)")
-        pick = cands if not quick else [c for c in cands if c.name in ("torch AdamW fused", "lowbit int8 +patches")]
+        pick = [c for c in cands if c.family != "floor"
+                and (not quick or c.name in ("torch AdamW fused", "lowbit int8 +patches"))]
         result["first_steps"] = first_steps(pick, first_size, "float32", log)
     result["machine"]["load_end"] = load_average()
     _write(result, stamp, quick)

@@ -336,7 +336,8 @@ def torchao_eager() -> None:
 @dataclass(frozen=True)
 class OptimizerSpec:
     """An optimizer by name: ``fp32`` (stock AdamW), one of ours such as ``int8`` or ``int8-b256-k0``
-    (format, then optional ``-b<block_size>`` and ``-k<outliers>``), or a peer from ``PEERS``.
+    (format, then optional ``-b<block_size>`` and ``-k<outliers>``; ``fp8_e4m3/dynamic8`` gives the
+    first moment one format and the second moments another), or a peer from ``PEERS``.
     ``compile_peers=False`` runs torchao eagerly (see ``torchao_eager``); ``backend`` is ours."""
 
     name: str
@@ -352,6 +353,9 @@ class OptimizerSpec:
     def lowbit_options(self) -> dict:
         """``lowbit_compile`` keyword arguments of one of ours (defaults left out)."""
         fmt, *opts = self.name.split("-")
+        if "/" in fmt:
+            m, v = fmt.split("/")
+            fmt = {"exp_avg": m, "exp_avg_sq": v, "max_exp_avg_sq": v}
         out: dict = {"fmt": fmt}
         for opt in opts:
             key = {"b": "block_size", "k": "outliers"}.get(opt[:1])

@@ -365,6 +365,7 @@ class _Emitter:
             sign = "u" if nonneg else "s"
             self._table(out, f"lb_dyn_map_{sign}", dynamic_map(nonneg).tolist())
             self._table(out, f"lb_dyn_mids_{sign}", dynamic_midpoints(nonneg).tolist())
+            out.append(f"static const lb_dyn_keys lb_dyn_keys_{sign} = lb_dyn_build(lb_dyn_mids_{sign});")
         row = len(pointers) + 1
         out += [
             f"static const int64_t LB_BLOCK = {self.block};",
@@ -425,7 +426,7 @@ class _Emitter:
             if s.new_value is not None:
                 codes, scales, pv, pi = (_p(s, part) for part in _PARTS)
                 out.append(f"{ind}{self._block_call('lb_quantize_block', s)}(acc_{s.key}, buf_{s.key}, len, LB_BLOCK, "
-                           f"{_cfloat(s.fmt.qmax)}, {codes}, {scales}, {pv}, {pi}, {self._map(s, 'mids')});")
+                           f"{_cfloat(s.fmt.qmax)}, {codes}, {scales}, {pv}, {pi}, {self._map(s, 'keys')});")
         out.append("}")
         out.append(_ENTRY_FN)
         return "\n".join(out) + "\n"
@@ -438,7 +439,7 @@ class _Emitter:
     def _map(s: _State, which: str) -> str:
         if s.fmt.name != "dynamic8":
             return "nullptr"
-        return f"lb_dyn_{which}_{'u' if s.fmt.nonneg else 's'}"
+        return f"lb_dyn_{which}_{'u' if s.fmt.nonneg else 's'}" + (".e" if which == "keys" else "")
 
     @staticmethod
     def _table(out: list[str], name: str, values: list[float]) -> None:

@@ -161,6 +161,8 @@ LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {
 }
 #endif
 
+LB_INLINE vi lb_gather_i(const int32_t* base, vi idx) { return lb_bits_i(lb_gather((const float*)base, idx)); }
+
 // bf16 <-> fp32. Rounding is c10's round_to_nearest_even, NaN -> 0x7FC0.
 LB_INLINE vi lb_f32_to_bf16_bits(vf x) {  // in the low 16 bits of each lane
   vu u = (vu)x;
@@ -255,15 +257,56 @@ LB_INLINE vf lb_decode_e5m2(vi u) {
 }
 LB_INLINE vi lb_encode_e5m2(vf f) { return lb_encode_fp8_rounded<2, -14>(f); }
 
-// dynamic8: a sorted 256-entry map; encode is bucketize(x, midpoints, right=True).
+// dynamic8: a sorted 256-entry map; encode is bucketize(x, midpoints, right=True), by one table
+// look-up. The sign, exponent and top 7 mantissa bits of x pick a bucket of magnitudes [lo, hi)
+// (those below 2^-30 join the first, those from 2 the last) that holds at most one midpoint (the
+// map's spacing is at least twice a bucket's width; lb_dyn_build checks it). A bucket's entry is the
+// count of midpoints <= x at the bucket's start, and the low 16 bits of its midpoint's magnitude,
+// from which one more midpoint (x > 0) or one fewer (x < 0) is <= x.
+static const int LB_DYN_MIN_EXP = -30;
+static const int LB_DYN_KEYS = (1 - LB_DYN_MIN_EXP) * 128;  // exponents 2^-30 .. 2^0, 128 buckets each
+static const int32_t LB_DYN_NONE = 1 << 17;                 // no midpoint in the bucket: never reached
+struct lb_dyn_keys {
+  int32_t e[2 * LB_DYN_KEYS];  // positive x, then negative x; count | threshold << 8
+};
+static lb_dyn_keys lb_dyn_build(const float* mids) {  // the 255 sorted midpoints
+  lb_dyn_keys t;
+  for (int neg = 0; neg < 2; ++neg)
+    for (int k = 0; k < LB_DYN_KEYS; ++k) {
+      const uint32_t lo_bits = (uint32_t)(k + ((127 + LB_DYN_MIN_EXP) << 7)) << 16;
+      const uint32_t hi_bits = lo_bits + (1u << 16);
+      float lo, hi;
+      memcpy(&lo, &lo_bits, 4);
+      memcpy(&hi, &hi_bits, 4);
+      if (k == 0) lo = 0.0f;
+      int32_t count = 0, inside = 0, threshold = LB_DYN_NONE;
+      for (int j = 0; j < 255; ++j) {
+        const float m = mids[j], a = fabsf(m);
+        uint32_t bits;
+        memcpy(&bits, &a, 4);
+        if (!neg) {
+          if (m <= lo) ++count;
+          else if (m < hi) ++inside, threshold = (int32_t)(bits & 0xFFFF);  // x >= m from these low bits
+        } else {
+          if (m <= -lo) ++count;
+          if (m < 0 && a >= lo && a < hi) ++inside, threshold = (int32_t)(bits & 0xFFFF) + 1;  // x < m past them
+        }
+      }
+      if (inside > 1) abort();  // a map finer than the buckets: formats.py changed without this table
+      t.e[neg * LB_DYN_KEYS + k] = count | threshold << 8;
+    }
+  return t;
+}
 LB_INLINE vf lb_decode_dynamic8(vi u, const float* map) { return lb_gather(map, u); }
-LB_INLINE vi lb_encode_dynamic8(vf y, const float* mids) {
-  // The count of midpoints <= y. Sixteens first, by comparing with every 16th midpoint
-  // (independent compares), then a binary search over the last 16: a chain of 4 gathers, not 8.
-  vi idx = lb_splat_i(0);
-  for (int k = 16; k < 256; k += 16) idx += (lb_splat(mids[k - 1]) <= y) & 16;
-  for (int s = 8; s; s >>= 1) idx += (lb_gather(mids + s - 1, idx) <= y) & s;
-  return idx;
+LB_INLINE vi lb_encode_dynamic8(vf y, const int32_t* keys) {
+  const vi bits = lb_bits_i(y), neg = bits < 0, ab = bits & 0x7FFFFFFF;
+  vi key = (ab >> 16) - ((127 + LB_DYN_MIN_EXP) << 7);
+  key = key < 0 ? lb_splat_i(0) : key;
+  key = key > LB_DYN_KEYS - 1 ? lb_splat_i(LB_DYN_KEYS - 1) : key;
+  const vi e = lb_gather_i(keys, key + (neg & LB_DYN_KEYS));
+  const vi past = ((ab & 0xFFFF) >= (e >> 8)) & 1;
+  const vi idx = (e & 0xFF) + ((past ^ neg) - neg);  // + past, or - past where x < 0
+  return y != y ? lb_splat_i(255) : idx;  // NaN: torch.bucketize puts it past every midpoint
 }
 
 // Codes (one byte per lane) -> values relative to the block scale.
@@ -278,14 +321,14 @@ LB_INLINE vf lb_decode(vi u, const float* map) {
 // Values already multiplied by qmax/absmax -> codes; a positive value of a non-negative state never
 // becomes code 0 (formats.encode).
 template <int F, bool U>
-LB_INLINE vi lb_encode(vf y, const float* mids) {
+LB_INLINE vi lb_encode(vf y, const int32_t* keys) {
   if (F == LB_INT8) {
     vf q = lb_clamp(lb_rint(y), U ? 0.0f : -127.0f, U ? 255.0f : 127.0f);
     if (U) q = (y > 0) & (q == 0) ? lb_splat(1.0f) : q;
     return __builtin_convertvector(q, vi) & 0xFF;
   }
   if (F == LB_DYNAMIC8) {
-    vi idx = lb_encode_dynamic8(y, mids);
+    vi idx = lb_encode_dynamic8(y, keys);
     if (U) idx = (y > 0) & (idx == 0) ? lb_splat_i(1) : idx;
     return idx;
   }
@@ -358,7 +401,7 @@ __attribute__((noinline)) static vi lb_collect(lb_best<K>& best, const float* bu
 // them; the scale is the absmax of the rest over qmax.
 template <int F, bool U, int K>
 static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t block, float qmax, uint8_t* codes,
-                              float* scale, uint16_t* patch_values, int16_t* patch_index, const float* mids) {
+                              float* scale, uint16_t* patch_values, int16_t* patch_index, const int32_t* keys) {
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
   // the K+1 largest elements all reach it, and one pass collects them exactly.
   int32_t lm[LB_W];
@@ -398,12 +441,12 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
   *scale = absmax / qmax;
   int64_t i = 0;
   for (; i + 4 * LB_W <= len; i += 4 * LB_W)
-    lb_st_u8x4(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, mids),
-               lb_encode<F, U>(lb_ld(buf + i + LB_W) * vinv, mids),
-               lb_encode<F, U>(lb_ld(buf + i + 2 * LB_W) * vinv, mids),
-               lb_encode<F, U>(lb_ld(buf + i + 3 * LB_W) * vinv, mids));
-  for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, mids));
-  if (i < len) lb_st_codes_n(codes + i, lb_encode<F, U>(lb_ld_n(buf + i, len - i) * vinv, mids), len - i);
+    lb_st_u8x4(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, keys),
+               lb_encode<F, U>(lb_ld(buf + i + LB_W) * vinv, keys),
+               lb_encode<F, U>(lb_ld(buf + i + 2 * LB_W) * vinv, keys),
+               lb_encode<F, U>(lb_ld(buf + i + 3 * LB_W) * vinv, keys));
+  for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, keys));
+  if (i < len) lb_st_codes_n(codes + i, lb_encode<F, U>(lb_ld_n(buf + i, len - i) * vinv, keys), len - i);
 }
 
 // The patches of one block that fall inside its len elements, sorted by offset (the update loop

@@ -188,12 +188,12 @@ class _BackedReadBacks(TorchDispatchMode):
         if fake.item_memo is not None:  # the same tensor read twice: the same symbol
             return
         hint = self.hints[k]
-        source = ConstantSource(f"read_back_{k}")
-        sym = self.shape_env.create_unspecified_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
-        self.shape_env.read_backs.add(sym)
         if isinstance(hint, bool) or not isinstance(hint, (int, float)):
             raise NotImplementedError(f"the optimizer's step reads back a {type(hint).__name__} "
                                       "(a tensor of bools?); lowbit-compile traces float and int read-backs")
+        source = ConstantSource(f"read_back_{k}")
+        sym = self.shape_env.create_unspecified_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+        self.shape_env.read_backs.add(sym)
         make = self.shape_env.create_symintnode if isinstance(hint, int) else self.shape_env.create_symfloatnode
         fake.item_memo = make(sym, hint=hint, source=source)
 

@@ -22,12 +22,13 @@ static const float map_s[256] = {%s};
 static const float mids_s[255] = {%s};
 static const float map_u[256] = {%s};
 static const float mids_u[255] = {%s};
+static const lb_dyn_keys keys_s = lb_dyn_build(mids_s), keys_u = lb_dyn_build(mids_u);
 template <int F, bool U> static void run(int dir, void* codes, float* x, int64_t n) {
-  const float* table = F == LB_DYNAMIC8 ? (dir ? (U ? mids_u : mids_s) : (U ? map_u : map_s)) : nullptr;
+  const bool dyn = F == LB_DYNAMIC8;
   uint8_t* c = (uint8_t*)codes;
   for (int64_t i = 0; i < n; i += LB_W)
-    if (dir) lb_st_codes(c + i, lb_encode<F, U>(lb_ld(x + i), table));
-    else lb_st(x + i, lb_decode<F, U>(lb_ld_codes(c + i), table));
+    if (dir) lb_st_codes(c + i, lb_encode<F, U>(lb_ld(x + i), dyn ? (U ? keys_u.e : keys_s.e) : nullptr));
+    else lb_st(x + i, lb_decode<F, U>(lb_ld_codes(c + i), dyn ? (U ? map_u : map_s) : nullptr));
 }
 extern "C" void convert(int fmt, int nonneg, int dir, void* codes, float* x, int64_t n) {
   switch (fmt * 2 + nonneg) {
@@ -56,10 +57,15 @@ def _probe_values(fmt: StateFormat) -> torch.Tensor:
     points = decode(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.code_dtype), fmt)
     points = points[torch.isfinite(points)].unique()
     mids = (points[1:] + points[:-1]) / 2
+    # the float32 neighbours of every tie, and of each power of two from 2^-32 to 2 (dynamic8's
+    # encode splits magnitudes into buckets by exponent and top mantissa bits)
+    edges = torch.cat([mids, 2.0 ** torch.arange(-32, 2.0)]).view(torch.int32)
+    edges = torch.cat([edges + d for d in (-2, -1, 1, 2)]).view(torch.float32)
     x = torch.cat([
         torch.linspace(-fmt.qmax, fmt.qmax, 20011), torch.randn(20000) * fmt.qmax / 8,
-        torch.randn(4000) * 1e-3, (torch.rand(2000) * 2 - 1) * 2.0**-12, points, mids,
-        torch.tensor([0.0, -0.0, 2.0**-20, -(2.0**-20), fmt.qmax, -fmt.qmax]),
+        torch.randn(4000) * 1e-3, (torch.rand(2000) * 2 - 1) * 2.0**-12, points, mids, edges, -edges,
+        torch.tensor([0.0, -0.0, 2.0**-20, -(2.0**-20), fmt.qmax, -fmt.qmax, 2.5 * fmt.qmax, -2.5 * fmt.qmax,
+                      float("inf"), -float("inf"), 2.0**-40, -(2.0**-40)]),
     ])
     if fmt.nonneg:
         x = x.abs()
