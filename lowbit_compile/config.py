@@ -20,9 +20,10 @@ BACKENDS = ("auto", "triton", "inductor", "reference")
 # state missing here is treated as signed, which is always correct, only coarser.
 NONNEG_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
 
-DEFAULT_FMT = "int8"
-DEFAULT_BLOCK_SIZE = 2048
-DEFAULT_OUTLIERS = 2
+# Chosen from bench/quality.py and bench/zero_point.py (README, "Does it train like fp32?").
+DEFAULT_FMT = "dynamic8"
+DEFAULT_BLOCK_SIZE = 512
+DEFAULT_OUTLIERS = 0
 DEFAULT_MIN_8BIT_SIZE = 4096
 
 FmtSpec = str | Mapping[str, str]

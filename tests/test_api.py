@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lowbit_compile import QuantizedState, lowbit_compile, memory_report, restore, trace_count
+from lowbit_compile.config import DEFAULT_FMT
 
 
 def transformer_params(d: int = 128, layers: int = 2, vocab: int = 512) -> list[torch.nn.Parameter]:
@@ -58,7 +59,7 @@ def test_fmt_per_state_name():
     s = opt.state[p]
     assert s["exp_avg"].fmt.name == "fp8_e4m3" and s["exp_avg_sq"].fmt.name == "dynamic8"
     assert s["exp_avg_sq"].fmt.nonneg and not s["exp_avg"].fmt.nonneg
-    assert s["max_exp_avg_sq"].fmt.name == "int8"  # states not named use the default format
+    assert s["max_exp_avg_sq"].fmt.name == DEFAULT_FMT  # states not named use the default format
 
 
 def test_restore_returns_stock_fp32_states_and_class_step():

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from lowbit_compile import QuantizedState, checkpoint, lowbit_compile, restore
+from lowbit_compile.config import DEFAULT_OUTLIERS
 from lowbit_compile.kernels.formats import StateFormat
 
 # odd shapes on purpose: partial blocks, blocks that span rows, a 1-D and a 0-d parameter
@@ -63,7 +64,7 @@ def test_state_dict_holds_codes_and_block_tables_not_fp32():
     is about a quarter of stock AdamW's."""
     shapes = [(256, 512), (96, 2048), (64, 3000)]
     params = make_params(shapes)
-    opt = lowbit_compile(torch.optim.AdamW(params), "int8")
+    opt = lowbit_compile(torch.optim.AdamW(params), "int8", block_size=2048, outliers=2)
     stock = torch.optim.AdamW(params)
     train(opt, params, 1, 0)
     train(stock, params, 1, 0)
@@ -148,7 +149,7 @@ def test_restore_after_loading_gives_a_stock_optimizer_with_fp32_states():
     train(opt, params, 2, seed=1)
     sd = saved_and_loaded(opt.state_dict())
     plain = torch.optim.AdamW(params)
-    lowbit_compile(plain, **OPTIONS).load_state_dict(sd)
+    lowbit_compile(plain, "int8", **OPTIONS).load_state_dict(sd)
     restore(plain)
     for p in params:
         for key in ("exp_avg", "exp_avg_sq"):
@@ -169,7 +170,7 @@ def test_another_format_or_block_size_is_converted(target):
     for p in params:
         for key in ("exp_avg", "exp_avg_sq"):
             saved, loaded = opt.state[p][key], opt2.state[p][key]
-            fmt = StateFormat.make(target["fmt"], target["block_size"], 2, key == "exp_avg_sq")
+            fmt = StateFormat.make(target["fmt"], target["block_size"], DEFAULT_OUTLIERS, key == "exp_avg_sq")
             if fmt.passthrough:
                 assert type(loaded) is torch.Tensor and torch.equal(loaded, saved.dequantize())
                 continue

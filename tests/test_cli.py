@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from lowbit_compile.cli import _split_run_argv, main
+from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS
 
 # A training script that knows nothing of lowbit-compile except to report what happened to it.
 SCRIPT = '''
@@ -87,9 +88,10 @@ def test_runs_the_script_unmodified_with_its_adamw_rewritten(runner):
     assert code == 0, err
     assert "argv ['2', '--fmt', 'x'] __main__" in out  # options after the script are the script's
     assert "step 1 wrapped True" in out and "step 2 wrapped True" in out
-    assert "formats {'0.weight': None, '1.weight': 'int8', '1.bias': 'int8'}" in out  # names learned
+    assert f"formats {{'0.weight': None, '1.weight': '{DEFAULT_FMT}', '1.bias': '{DEFAULT_FMT}'}}" in out  # names learned
     held = int(re.search(r"held (\d+)", out).group(1))
-    assert "lowbit-compile: 1 optimizer(s) rewritten (fmt=int8, block_size=2048, outliers=2)" in err
+    assert (f"lowbit-compile: 1 optimizer(s) rewritten (fmt={DEFAULT_FMT}, block_size={DEFAULT_BLOCK_SIZE}, "
+            f"outliers={DEFAULT_OUTLIERS})") in err
     saved = STOCK_BYTES - held
     assert summary_row(err)[2:] == ["10,320", "2", f"{STOCK_BYTES:,}", f"{held:,}", f"{saved:,}",
                                     f"{100 * saved / STOCK_BYTES:.1f}%"]

@@ -10,6 +10,7 @@ import torch
 
 import lowbit_compile as package
 from lowbit_compile import QuantizedState, enable, is_wrapped, lowbit_compile, memory_report, restore
+from lowbit_compile.config import DEFAULT_FMT
 
 SHAPES = [(64, 80), (80,)]  # one tensor above min_8bit_size=4096 (quantized), one below (stock fp32)
 
@@ -72,7 +73,7 @@ def test_bare_decorator_uses_the_defaults():
         return opt, params
 
     opt, params = train()
-    assert opt.state[params[0]]["exp_avg"].fmt.name == "int8"
+    assert opt.state[params[0]]["exp_avg"].fmt.name == DEFAULT_FMT
 
 
 def test_nothing_outside_the_scope_is_touched():
@@ -245,7 +246,7 @@ def test_name_patterns_learn_names_from_the_forward_in_scope():
         opt.step()
     formats = {name: getattr(opt.state[p]["exp_avg"], "fmt", None) for name, p in model.named_parameters()}
     assert formats["0.weight"].name == "bf16"  # 6400 elements, override
-    assert formats["1.weight"].name == "int8"  # 4096 elements: not under min_8bit_size, the default
+    assert formats["1.weight"].name == DEFAULT_FMT  # 4096 elements: not under min_8bit_size, the default
     assert formats["1.bias"].name == "int8"  # 64 elements, the override beats min_8bit_size
     assert formats["2.weight"] is None  # 64 elements, stock fp32
 
@@ -266,7 +267,7 @@ def test_name_patterns_with_model_given():
             warnings.simplefilter("error")
             opt.step()
     assert opt.state[model.weight]["exp_avg"].fmt.name == "fp8_e5m2"
-    assert opt.state[model.bias]["exp_avg"].fmt.name == "int8"
+    assert opt.state[model.bias]["exp_avg"].fmt.name == DEFAULT_FMT
 
 
 @pytest.mark.parametrize("options,error", [

@@ -9,18 +9,19 @@ import torch
 
 from lowbit_compile import lowbit_compile, memory_report
 from lowbit_compile.cli import main
+from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS
 from lowbit_compile.estimate import estimate, parse_count
 
 N7B = 7_000_000_000
 
 
-def _side_bytes(n: int, block: int = 2048, outliers: int = 2) -> int:
+def _side_bytes(n: int, block: int = DEFAULT_BLOCK_SIZE, outliers: int = DEFAULT_OUTLIERS) -> int:
     """Scales (fp32) and patches (bf16 value + int16 index) of one state, by hand."""
     return math.ceil(n / block) * (4 + outliers * (2 + 2))
 
 
 def test_7b_fp16_with_master_weights_is_112_gb_stock():
-    est = estimate(N7B, param_dtype="fp16", master_weights=True, fmt="int8")
+    est = estimate(N7B, param_dtype="fp16", master_weights=True)
     assert [(r.component, r.stock) for r in est.rows] == [
         ("params (fp16)", 14 * 10**9),
         ("grads (fp16)", 14 * 10**9),
@@ -30,11 +31,11 @@ def test_7b_fp16_with_master_weights_is_112_gb_stock():
         ("scales + patches", 0),
     ]
     assert est.stock_total == 112 * 10**9
-    # int8: 1 byte per element per state; 3,417,969 blocks of 2048 per state, each 4 + 2 * 4 bytes.
+    # the default dynamic8: 1 byte per element per state; 13,671,875 blocks of 512 per state, a 4-byte scale each
     assert est.row("exp_avg (m, fp32)").lowbit == 7 * 10**9
     assert est.row("exp_avg_sq (v, fp32)").lowbit == 7 * 10**9
-    assert est.row("scales + patches").lowbit == 2 * 3_417_969 * 12 == 82_031_256
-    assert est.lowbit_total == 70_082_031_256
+    assert est.row("scales + patches").lowbit == 2 * 13_671_875 * 4 == 109_375_000
+    assert est.lowbit_total == 70_109_375_000
 
 
 def test_stock_states_take_the_dtype_of_what_the_optimizer_steps():
@@ -124,10 +125,11 @@ def test_bad_combinations_are_refused():
 
 
 def test_cli_prints_the_table(capsys):
-    assert main(["estimate", "--params", "7e9", "--param-dtype", "fp16", "--master-weights", "--fmt", "int8"]) == 0
+    assert main(["estimate", "--params", "7e9", "--param-dtype", "fp16", "--master-weights", "--fmt", "int8",
+                 "--block-size", "2048", "--outliers", "2"]) == 0
     out = capsys.readouterr().out
     assert "112,000,000,000  112.000" in out
-    assert "70,082,031,256   70.082" in out
+    assert "70,082,031,256   70.082" in out  # 3,417,969 blocks of 2048 per state, 4 + 2 * 4 bytes each
     assert "saved 41,917,968,744 bytes = 41.918 GB (37.4% of the total)" in out
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowbit_compile import QuantizedState, lowbit_compile
-from lowbit_compile.config import Config, param_names
+from lowbit_compile.config import DEFAULT_FMT, Config, param_names
 
 PER_ELEMENT = ("exp_avg", "exp_avg_sq")
 
@@ -97,7 +97,7 @@ def test_lowbit_compile_applies_name_overrides_given_the_model():
     opt.step()
     state = {name: opt.state[p]["exp_avg"] for name, p in model.named_parameters()}
     assert type(state["embed.weight"]) is torch.Tensor  # 16,384 elements, kept fp32 by name
-    assert isinstance(state["proj.weight"], QuantizedState) and state["proj.weight"].fmt.name == "int8"
+    assert isinstance(state["proj.weight"], QuantizedState) and state["proj.weight"].fmt.name == DEFAULT_FMT
     assert type(state["proj.bias"]) is torch.Tensor  # 256 elements: the size rule
     assert state["norm.weight"].fmt.name == "bf16" and state["norm.bias"].fmt.name == "bf16"
 
