@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file fr
 import torch  # noqa: E402
 
 from lowbit_compile import lowbit_compile  # noqa: E402
+from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS  # noqa: E402
 from lowbit_compile.kernels import blockquant, triton_backend  # noqa: E402
 from lowbit_compile.kernels.formats import StateFormat  # noqa: E402
 
@@ -187,19 +188,19 @@ def _torchao(name: str) -> Callable:
     return make
 
 
-def _ours(fmt: str, block_size: int = 2048) -> Callable:
+def _ours(fmt: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Callable:
     def make(params):
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-        return lowbit_compile(opt, fmt=fmt, block_size=block_size, backend="triton")
+        return lowbit_compile(opt, fmt=fmt, block_size=block_size, outliers=DEFAULT_OUTLIERS, backend="triton")
     return make
 
 
 def sweep_launches(device: torch.device, args: argparse.Namespace, copy_gbps: float, deadline: float) -> list[dict]:
     """Our int8 step with fp32 params at the smallest size, over block sizes and warps per program:
-    what to tune next (the default is block 2048 with the warps ``triton_backend`` picks)."""
+    what to tune next (the default is the library's block size with the warps ``triton_backend`` picks)."""
     rows = []
     size = int(min(args.sizes))
-    configs = [(2048, 4)] if args.dry_run else [(2048, 4), (2048, 8), (2048, 16), (256, 4), (256, 8), (256, 16)]
+    configs = [(512, 4)] if args.dry_run else [(512, 4), (512, 8), (2048, 4), (2048, 8), (256, 4), (256, 8)]
     for block, warps in configs:
         if time.perf_counter() > deadline:
             rows.append({"block_size": block, "num_warps": warps, "skipped": "time budget spent"})
@@ -217,7 +218,7 @@ def sweep_launches(device: torch.device, args: argparse.Namespace, copy_gbps: fl
     return rows
 
 
-def bytes_per_param(name: str, dtype: torch.dtype, block_size: int = 2048) -> float:
+def bytes_per_param(name: str, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
     """The least a step can move per param: param read + write, grad read, states read + write, and the
     per-block scales (fp32) and patches (bf16 value + int16 offset) read + written."""
     p = torch.finfo(dtype).bits // 8
@@ -226,14 +227,14 @@ def bytes_per_param(name: str, dtype: torch.dtype, block_size: int = 2048) -> fl
         return base + 2 * 2 * p  # stock states keep the param dtype
     if name.startswith(("bnb", "torchao")):
         return base + 2 * 2 * 1 + 2 * 2 * 4 / 256  # 8-bit codes, an fp32 absmax per 256
-    fmt = StateFormat.make(name.removeprefix("lowbit_"), block_size, 2, False)
+    fmt = StateFormat.make(name.removeprefix("lowbit_"), block_size, DEFAULT_OUTLIERS, False)
     codes = fmt.code_dtype.itemsize
     per_block = 2 * (4 + fmt.patches * 4) / fmt.block_size if fmt.blockwise else 0.0
     return base + 2 * (2 * codes + per_block)
 
 
 def time_method(name: str, make: Callable, size: int, dtype: torch.dtype, device: torch.device,
-                args: argparse.Namespace, copy_gbps: float, block_size: int = 2048) -> dict:
+                args: argparse.Namespace, copy_gbps: float, block_size: int = DEFAULT_BLOCK_SIZE) -> dict:
     label = f"{name} {size:.0e} {str(dtype)[6:]}"
     if device.type != "cuda" and not (name.startswith("lowbit") or name == "torch_adamw_fused"):
         return {"skipped": f"{label}: peers are timed on CUDA only"}
@@ -337,8 +338,8 @@ def check_case(case: str, cls: type, fmt: str, dtype: torch.dtype, block: int, k
     for backend in ("reference", "triton"):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(n, dtype=dtype, device=device))
-        opt = lowbit_compile(cls([p], **_kwargs(kwargs, device)), fmt=fmt, block_size=block, min_8bit_size=0,
-                             backend=backend)
+        opt = lowbit_compile(cls([p], **_kwargs(kwargs, device)), fmt=fmt, block_size=block, outliers=2,
+                             min_8bit_size=0, backend=backend)
         runs.append((p, opt))
     (p_ref, opt_ref), (p_tri, opt_tri) = runs
     eps = torch.finfo(dtype).eps

@@ -117,7 +117,7 @@ def _torchao(cls_name: str) -> Callable:
 # the codes, one pass, p = p * a + g * b): the floor any 8-bit-state step can reach on this machine.
 _FLOOR_SOURCE = r"""
 #include <stdint.h>
-extern "C" void lowbit_floor(int64_t rows, const int64_t* table, float a, float b) {
+extern "C" void lowbit_floor(int64_t rows, const int64_t* table, float a, float b, int threads) {
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t* row = table + 5 * t;
     const int64_t n = row[0];
@@ -125,6 +125,7 @@ extern "C" void lowbit_floor(int64_t rows, const int64_t* table, float a, float 
     const float* __restrict g = (const float*)row[2];
     uint8_t* __restrict m = (uint8_t*)row[3];
     uint8_t* __restrict v = (uint8_t*)row[4];
+#pragma omp parallel for num_threads(threads) if (threads > 1 && n >= 65536)
     for (int64_t i = 0; i < n; ++i) {
       p[i] = p[i] * a + g[i] * b;
       m[i] = (uint8_t)(m[i] + 1);
@@ -145,7 +146,7 @@ class MemoryFloor:
         from lowbit_compile.kernels import cpu_build
 
         self.fn = cpu_build.load(_FLOOR_SOURCE).lowbit_floor
-        self.fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_float]
+        self.fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_int]
         self.param_groups: list[dict] = []
         self.state = {p: {"m": torch.zeros(p.numel(), dtype=torch.uint8),
                           "v": torch.zeros(p.numel(), dtype=torch.uint8)} for p in params}
@@ -153,7 +154,7 @@ class MemoryFloor:
             p.numel(), p.data_ptr(), p.grad.data_ptr(), st["m"].data_ptr(), st["v"].data_ptr())])
 
     def step(self) -> None:
-        self.fn(len(self.state), self.table.buffer_info()[0], 1.0 - LR * WEIGHT_DECAY, -LR)
+        self.fn(len(self.state), self.table.buffer_info()[0], 1.0 - LR * WEIGHT_DECAY, -LR, torch.get_num_threads())
 
 
 def contenders(peers: set[str], formats: tuple[str, ...]) -> list[Contender]:

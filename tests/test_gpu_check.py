@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS
+
 pytest.importorskip("triton")
 gpu_check = pytest.importorskip("bench.gpu_check")
 
@@ -20,4 +22,5 @@ def test_dry_run_checks_times_and_writes_json(tmp_path):
     timed = {(r["method"], r["param_dtype"]) for r in report["timing"]}
     assert timed == {(m, d) for m in ("torch_adamw_fused", "lowbit_int8") for d in ("float32", "bfloat16")}
     ours = next(r for r in report["timing"] if r["method"] == "lowbit_int8" and r["param_dtype"] == "float32")
-    assert ours["bytes_per_param"] == pytest.approx(16 + 2 * 24 / 2048)
+    # p, g, codes of m and v read and written, and per block of each state a scale and its patches
+    assert ours["bytes_per_param"] == pytest.approx(16 + 2 * 2 * (4 + 4 * DEFAULT_OUTLIERS) / DEFAULT_BLOCK_SIZE)

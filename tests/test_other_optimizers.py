@@ -15,8 +15,11 @@ import warnings
 import pytest
 import torch
 
+from bench.other_optimizers import OPTIMIZERS as OTHER_OPTIMIZERS
+from bench.other_optimizers import run as run_other
 from examples.lion import Lion
 from lowbit_compile import QuantizedState, lowbit_compile, restore, runner, trace_count
+from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.passes.roles import NotElementwiseError
 
 from .test_exactness import _db_inputs, _groups, _model_params, _run
@@ -373,3 +376,22 @@ def test_int8_states_keep_the_progress_of_fp32(cls):
     _, ours = _fit(cls, QUALITY[cls], "int8")
     assert stock < 0.5 * start  # the task is learned at all
     assert (start - ours) >= 0.98 * (start - stock), (start, stock, ours)
+
+
+# On a real task: the digits classifier of examples/tasks.py (bench/other_optimizers.py runs 3 seeds
+# and the Zipf task too). Worse than stock by at most this fraction of the final validation loss,
+# seed 0, default format. Measured (bench/other_optimizers.py, 3 seeds, % gap): SGD -0.13 ± 0.03,
+# RMSprop -0.13 ± 0.13, Adagrad -0.12 ± 0.34, Adamax +0.00 ± 0.01, NAdam -0.01 ± 0.44, RAdam -1.12 ±
+# 0.11, Adadelta -0.04 ± 0.04, ASGD 0 (its quantized state, the average, does not feed the update),
+# Lion +2.08 ± 0.36 (its beta2 = 0.99 momentum moves 1% a step, under one code gap of the 8-bit map
+# near the block maximum), Rprop -4.6 ± 16 (sign-driven steps on minibatches: two stock runs with
+# different seeds differ by 15%).
+WORSE_AT_MOST = {name: 0.01 for name in OTHER_OPTIMIZERS} | {"Lion (examples/lion.py)": 0.035, "Rprop": 0.10}
+
+
+@pytest.mark.parametrize("name", list(OTHER_OPTIMIZERS))
+def test_default_states_train_the_digits_classifier_like_stock(name):
+    stock = run_other("digits", name, None, seed=0)
+    ours = run_other("digits", name, DEFAULT_FMT, seed=0)
+    assert stock["acc"] > 0.9  # the task is learned at all
+    assert ours["loss"] <= stock["loss"] * (1 + WORSE_AT_MOST[name]), (stock, ours)

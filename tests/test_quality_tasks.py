@@ -20,6 +20,7 @@ def test_optimizer_names():
 
 SMALL_TASKS = {  # the same task classes, shrunk to keep the test fast
     "char_gpt": lambda: CharGPT(d=32, layers=1, heads=2, val_windows=8),
+    "char_gpt_2m": lambda: CharGPT(d=32, layers=1, heads=2, ctx=32, val_windows=8),
     "digits": lambda: Digits(hidden=64),
     "zipf": lambda: ZipfEmbedding(vocab=1024, val_bags=256),
 }

@@ -55,7 +55,7 @@ def make(cls, fmt, dtype, numel, block, kwargs, backend):
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(numel, dtype=dtype))
     opt = cls([param], **{k: (tuple(x.clone() for x in v) if isinstance(v, tuple) else v) for k, v in kwargs.items()})
-    return param, lowbit_compile(opt, fmt=fmt, block_size=block, min_8bit_size=0, backend=backend)
+    return param, lowbit_compile(opt, fmt=fmt, block_size=block, outliers=2, min_8bit_size=0, backend=backend)
 
 
 @pytest.mark.parametrize("case", list(CASES))
