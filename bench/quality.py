@@ -238,7 +238,11 @@ def plot(runs: list[dict], summary: dict, task: str, path: Path) -> None:
         ax.plot(steps["fp32"], curve, color="black", lw=0.8, alpha=0.6, label=f"fp32 AdamW, seed {seed}")
     ax.set(title=f"{task}: validation loss of fp32 AdamW", xlabel="step", ylabel="val loss")
     ax.legend(fontsize=7)
-    for ax, (title, pick) in zip([axes[0][1], axes[0][2], axes[0][3], axes[1][0], axes[1][1]], panels):
+    panels = [(title, pick) for title, pick in panels if any(pick(v) for v in curves)]  # a task's grid
+    slots = [axes[0][1], axes[0][2], axes[0][3], axes[1][0], axes[1][1]]
+    for ax in slots[len(panels):]:
+        ax.remove()
+    for ax, (title, pick) in zip(slots, panels):
         gaps = {v: gap_curve(v) for v in sorted((v for v in curves if pick(v)), key=_order)}
         ax.fill_between(steps["fp32"], [-s for s in spread], spread, color="0.88", label="fp32 seed std")
         ax.axhline(0, color="black", lw=0.8)
