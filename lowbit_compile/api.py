@@ -84,8 +84,9 @@ def lowbit_compile(
             2.02 B/param that matched fp32 AdamW within 0.5% on all three quality tasks and kept
             every parameter within 1 lr of fp32 on the zero-point check (bench/quality.py,
             bench/zero_point.py).
-        block_size: elements sharing one scale; a power of two. 512 beat 2048 (with or without
-            patches) for every format on every task, and keeps the block buffers in L1 on CPU.
+        block_size: elements sharing one scale; a power of two. 512 without patches beat 2048 with
+            2 patches for every format on the Zipf embedding task and kept the block buffers in L1
+            on CPU.
         outliers: largest-magnitude values per block kept exactly in bf16 (patches); they help the
             linear int8 grid, not dynamic8, whose map already spans six decades.
         min_8bit_size: tensors with fewer elements keep stock fp32 states.
