@@ -106,6 +106,9 @@ class CpuStep:
         scalars_addr = scalars.buffer_info()[0] if scalars else None
         status = self.kernel(len(rows), table_addr, scalars_addr, torch.get_num_threads())
         self.launches += 1
+        if status == 3:
+            raise RuntimeError("lowbit-compile CPU kernel: the dynamic8 map of kernels/formats.py is finer than "
+                               "the kernel's encode buckets (cpu_prelude.h, lb_dyn_build); use backend='reference'")
         if status:
             raise MemoryError("lowbit-compile CPU kernel could not allocate its block buffers")
 

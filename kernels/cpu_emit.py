@@ -453,6 +453,7 @@ _ENTRY_FN = """
 extern "C" int lowbit_step(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {
   float s[LB_N_SCALARS > 0 ? LB_N_SCALARS : 1];
   for (int k = 0; k < LB_N_SCALARS; ++k) s[k] = (float)scalars[k];
+  if (lb_dyn_bad) return 3;
   int64_t* first = (int64_t*)malloc((n_tensors + 1) * sizeof(int64_t));
   if (!first) return 1;
   first[0] = 0;

@@ -260,7 +260,8 @@ LB_INLINE vi lb_encode_e5m2(vf f) { return lb_encode_fp8_rounded<2, -14>(f); }
 // dynamic8: a sorted 256-entry map; encode is bucketize(x, midpoints, right=True), by one table
 // look-up. The sign, exponent and top 7 mantissa bits of x pick a bucket of magnitudes [lo, hi)
 // (those below 2^-30 join the first, those from 2 the last) that holds at most one midpoint (the
-// map's spacing is at least twice a bucket's width; lb_dyn_build checks it). A bucket's entry is the
+// map's spacing is at least twice a bucket's width; lb_dyn_build checks it and sets lb_dyn_bad,
+// which makes every step fail with status 3 instead of encoding wrongly). A bucket's entry is the
 // count of midpoints <= x at the bucket's start, and the low 16 bits of its midpoint's magnitude,
 // from which one more midpoint (x > 0) or one fewer (x < 0) is <= x.
 static const int LB_DYN_MIN_EXP = -30;
@@ -269,6 +270,7 @@ static const int32_t LB_DYN_NONE = 1 << 17;                 // no midpoint in th
 struct lb_dyn_keys {
   int32_t e[2 * LB_DYN_KEYS];  // positive x, then negative x; count | threshold << 8
 };
+static int lb_dyn_bad = 0;  // a map finer than the buckets (formats.py changed without this table)
 static lb_dyn_keys lb_dyn_build(const float* mids) {  // the 255 sorted midpoints
   lb_dyn_keys t;
   for (int neg = 0; neg < 2; ++neg)
@@ -292,7 +294,7 @@ static lb_dyn_keys lb_dyn_build(const float* mids) {  // the 255 sorted midpoint
           if (m < 0 && a >= lo && a < hi) ++inside, threshold = (int32_t)(bits & 0xFFFF) + 1;  // x < m past them
         }
       }
-      if (inside > 1) abort();  // a map finer than the buckets: formats.py changed without this table
+      if (inside > 1) lb_dyn_bad = 1;
       t.e[neg * LB_DYN_KEYS + k] = count | threshold << 8;
     }
   return t;

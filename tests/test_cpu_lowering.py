@@ -23,6 +23,7 @@ static const float mids_s[255] = {%s};
 static const float map_u[256] = {%s};
 static const float mids_u[255] = {%s};
 static const lb_dyn_keys keys_s = lb_dyn_build(mids_s), keys_u = lb_dyn_build(mids_u);
+extern "C" int dyn_bad() { return lb_dyn_bad; }
 template <int F, bool U> static void run(int dir, void* codes, float* x, int64_t n) {
   const bool dyn = F == LB_DYNAMIC8;
   uint8_t* c = (uint8_t*)codes;
@@ -76,6 +77,7 @@ def _probe_values(fmt: StateFormat) -> torch.Tensor:
 def test_prelude_formats_match_torch_code_for_code(lanes):
     """Every code decodes, and every probe value (ties included) encodes, exactly as formats.py."""
     lib = _harness(lanes)
+    assert lib.dyn_bad() == 0  # each dynamic8 encode bucket holds at most one midpoint of either map
     for index, name in enumerate(BLOCKWISE):
         for nonneg in (False, True):
             fmt = StateFormat(name, 2048, 2, nonneg)
