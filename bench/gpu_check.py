@@ -191,7 +191,7 @@ def _torchao(name: str) -> Callable:
 def _ours(fmt: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Callable:
     def make(params):
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-        return lowbit_compile(opt, fmt=fmt, block_size=block_size, outliers=DEFAULT_OUTLIERS, backend="triton")
+        return lowbit_compile(opt, fmt=fmt, block_size=block_size, backend="triton")
     return make
 
 

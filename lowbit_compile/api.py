@@ -80,9 +80,10 @@ def lowbit_compile(
             ``torch.optim.Optimizer`` of one's own); its existing fp32 state is converted.
         fmt: ``"int8"``, ``"dynamic8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` or ``"fp32"``
             (stock, bit for bit), or a dict from state name to one of those. The default,
-            ``"dynamic8"`` in blocks of 512 without patches, is the only 8-bit layout within
-            2.02 B/param that matched fp32 AdamW within 0.5% on all three quality tasks and kept
-            every parameter within 1 lr of fp32 on the zero-point check (bench/quality.py,
+            ``"dynamic8"`` in blocks of 512 without patches: of the 8-bit layouts within 2.02 B/param
+            that matched fp32 AdamW within 0.5% on every quality task and kept every parameter within
+            1 lr of fp32 on the zero-point check (dynamic8 at 2048 with 2 patches, 1024 and 512
+            without), it came closest to fp32 on the Zipf embedding task (bench/quality.py,
             bench/zero_point.py).
         block_size: elements sharing one scale; a power of two. 512 without patches beat 2048 with
             2 patches for every format on the Zipf embedding task and kept the block buffers in L1
