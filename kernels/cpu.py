@@ -1,7 +1,7 @@
-"""The CPU lowering (``backend="inductor"``, what ``"auto"`` picks for CPU tensors).
+"""The CPU backend (``backend="cpu"``, what ``"auto"`` picks for CPU tensors).
 
 The split step's prologue (host math on Python floats) runs as its FX code; the body becomes one
-fused C++ kernel (``cpu_emit``) compiled with inductor's toolchain and cached on disk
+fused C++ kernel (``cpp_printer``) compiled with the C++ toolchain inductor uses and cached on disk
 (``cpu_build``). The kernel is specific to the signature only: any parameter size, and any number
 of parameters in one call (``run_many``), which is how many small tensors cost one launch.
 
@@ -18,7 +18,6 @@ import ctypes
 import functools
 import operator
 import os
-import warnings
 from array import array
 from collections.abc import Callable, Sequence
 
@@ -26,13 +25,16 @@ import torch
 from torch.fx import GraphModule
 
 from . import cpu_build
-from .cpu_emit import ENTRY, EmittedStep, UnsupportedStep, emit_step
+from .contract import Role, role_of
+from .cpp_printer import ENTRY, EmittedStep, emit_step
+from .kernel import same_scalar_states
+from .lowering import Target
 
 
 class CpuStep:
     """A compiled step with the split graph's signature; ``run_many`` steps several parameters at once."""
 
-    takes_memos = True  # run_many accepts per-row memo dicts
+    backend = "cpu"
 
     def __init__(self, step: GraphModule, emitted: EmittedStep, kernel: Callable[..., int]) -> None:
         self.step = step
@@ -59,12 +61,9 @@ class CpuStep:
                             for p, i in zip(emitted.pointers, self.pointer_args))
         assert all(sources[p.index][0] == "arg" for p in emitted.pointers)
         self.scalar_sources = tuple(sources[i] for i in emitted.scalars)
-        self.scalar_states = tuple(index[n] for n in top if n.meta.get("role") == "scalar_state")
-        self.param_arg = next(index[n] for n in top if n.meta.get("role") == "param")
+        self.scalar_states = tuple(index[n] for n in top if role_of(n) is Role.SCALAR_STATE)
+        self.param_arg = next(index[n] for n in top if role_of(n) is Role.PARAM)
         self.launches = 0
-
-    def __call__(self, *args: object) -> None:
-        self.run_many([args])
 
     def run_many(self, rows: Sequence[Sequence[object]], memos: Sequence[dict] | None = None) -> None:
         """Step every row (one parameter's top-level inputs each), one kernel call per set of rows
@@ -74,20 +73,8 @@ class CpuStep:
         objects) let a steady step re-check only the inputs that changed object, the grad."""
         if memos is not None:
             rows = [_Memo(row, memo) for row, memo in zip(rows, memos)]
-        if len(rows) > 1 and self.scalar_states:
-            ks = self.scalar_states
-            states = [row[k] for row in rows for k in ks]
-            if all(t.dtype == states[0].dtype and t.shape == states[0].shape for t in states):
-                values = torch.stack(states).reshape(len(rows), -1).tolist()  # one read, not one .item() each
-            else:
-                values = [[row[k].item() for k in ks] for row in rows]
-            classes: dict[tuple, list] = {}
-            for row, key in zip(rows, values):
-                classes.setdefault(tuple(key), []).append(row)
-            for same in classes.values():
-                self._launch(same)
-        else:
-            self._launch(rows)
+        for group in same_scalar_states(rows, self.scalar_states):
+            self._launch([rows[r] for r in group])
 
     def _launch(self, rows: Sequence[Sequence[object]]) -> None:
         """The prologue runs once, on the first row; the other rows' scalar states are set to its
@@ -171,20 +158,15 @@ class _Memo:
         return self.row[i]
 
 
-def lower_cpu(step: GraphModule) -> Callable[..., None]:
-    """Lower a split, rewritten step to the fused CPU kernel; the reference where the emitter refuses."""
+def lower_cpu(step: GraphModule) -> CpuStep:
+    """The split, rewritten step as one compiled C++ kernel (``LoweringError`` or ``RuntimeError`` when
+    it cannot be built: an op no printer covers, or no C++ compiler). A step without quantized states
+    takes torch's own square root and true divisions, so it is bit for bit stock; with quantized
+    states the kernel takes the SIMD square root and multiplies by the reciprocal of a scalar divisor,
+    each within one fp32 rounding of torch's."""
     stock = not any(n.target is torch.ops.lowbit.dequantize.default for n in step.body.graph.nodes)
-    try:
-        emitted = emit_step(step.body, exact=stock)
-    except UnsupportedStep as err:
-        warnings.warn(f"lowbit-compile: the CPU kernel does not cover this step ({err}); running the eager "
-                      "reference lowering instead", stacklevel=2)
-        return step.forward
-    try:
-        cpu_build.compiler()
-    except RuntimeError as err:
-        warnings.warn(f"lowbit-compile: {err}; running the eager reference lowering instead", stacklevel=2)
-        return step.forward
+    emitted = emit_step(step.body, Target("cpu", torch_sqrt=stock, reciprocal_divisor=not stock))
+    cpu_build.compiler()
     lib = cpu_build.load(emitted.full_source)
     if emitted.mkl_sqrt:
         vsqrt = _torch_vsqrt()

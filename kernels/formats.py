@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 FORMAT_NAMES = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32")
+# The number of each format in the kernels (the C++ prelude's enum, triton_lib's constexprs).
+FORMAT_IDS = {name: i for i, name in enumerate(FORMAT_NAMES)}
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,16 @@ class StateFormat:
             "bf16": 1.0,
             "fp32": 1.0,
         }[self.name]
+
+    @property
+    def mantissa_bits(self) -> int:
+        """Of an fp8 format: its mantissa bits (the exponent has ``7 - mantissa_bits``)."""
+        return {"fp8_e4m3": 3, "fp8_e5m2": 2}[self.name]
+
+    @property
+    def min_exponent(self) -> int:
+        """Of an fp8 format: the exponent of its smallest normal value."""
+        return 2 - 2 ** (6 - self.mantissa_bits)
 
     @property
     def min_positive(self) -> float:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Element formats (constexpr ids), in the order of formats.FORMAT_NAMES; fp32 states never reach a kernel.
-INT8 = tl.constexpr(0)
-DYNAMIC8 = tl.constexpr(1)
-FP8_E4M3 = tl.constexpr(2)
-FP8_E5M2 = tl.constexpr(3)
-BF16_CODES = tl.constexpr(4)
+from .formats import FORMAT_IDS
+
+# Element formats (constexpr ids, formats.FORMAT_IDS); fp32 states never reach a kernel.
+INT8 = tl.constexpr(FORMAT_IDS["int8"])
+DYNAMIC8 = tl.constexpr(FORMAT_IDS["dynamic8"])
+FP8_E4M3 = tl.constexpr(FORMAT_IDS["fp8_e4m3"])
+FP8_E5M2 = tl.constexpr(FORMAT_IDS["fp8_e5m2"])
+BF16_CODES = tl.constexpr(FORMAT_IDS["bf16"])
 
 # Value dtypes of params and stock states: every value lives in fp32 registers, rounded to its dtype.
 F32 = tl.constexpr(0)
@@ -92,13 +94,6 @@ def load_scalar(ptr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def lerp(start, end, weight):
-    """``torch.lerp`` as ATen computes it on CPU and CUDA: one fma from the nearer end point."""
-    small = tl.abs(weight) < 0.5
-    return tl.fma(tl.where(small, weight, weight - 1.0), end - start, tl.where(small, start, end))
-
-
-@triton.jit
 def round_to_fp8(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     """Round fp32 to the nearest fp8 value (ties to even, subnormals included), held exactly in fp32.
 
@@ -156,9 +151,9 @@ def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.cons
 
 @triton.jit
 def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr, rows, cols, offsets, mask,
-               row_mask, FMT: tl.constexpr, K: tl.constexpr, DTYPE: tl.constexpr):
-    """``blockquant.dequantize`` of one tile of ``[ROWS, BLOCK]`` elements (one block per row):
-    decode, times the block's scale, the K patches written over their offsets, rounded to DTYPE."""
+               row_mask, FMT: tl.constexpr, K: tl.constexpr):
+    """``blockquant.dequantize`` of one tile of ``[ROWS, BLOCK]`` elements (one block per row) in fp32:
+    decode, times the block's scale, the K patches written over their offsets."""
     if FMT == BF16_CODES:
         codes = tl.load(codes_ptr + offsets, mask=mask, other=0.0)
         values = bf16_bits_to_f32(codes.to(tl.int16, bitcast=True))
@@ -176,7 +171,7 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
             index = tl.load(patch_index_ptr + rows * K + k, mask=row_mask, other=-1).to(tl.int32)
             bits = tl.load(patch_values_ptr + rows * K + k, mask=row_mask, other=0.0).to(tl.int16, bitcast=True)
             values = tl.where(cols[None, :] == index[:, None], bf16_bits_to_f32(bits)[:, None], values)
-    return round_to(values, DTYPE)
+    return values
 
 
 @triton.jit

@@ -25,7 +25,10 @@ from .config import (
     Overrides,
     param_names,
 )
-from .runner import Prepared, StateSchema, compile_step, group_signature, init_state, probe_schema, run_params
+from .compile import compile_step
+from .kernels.backends import BackendError, resolve
+from .run import Prepared, group_signature, run_params
+from .state_schema import StateSchema, init_state, probe_schema
 
 # The stock optimizers whose step is elementwise over each parameter: enable() rewrites these. Any
 # other torch.optim.Optimizer subclass is accepted by lowbit_compile() once its step is traced and
@@ -102,6 +105,7 @@ def lowbit_compile(
     """
     config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
     _check_optimizer(opt)
+    check_backend(opt, config)
     names = _names_for(opt, config, model)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if wrapped is None:
@@ -190,6 +194,17 @@ def _check_optimizer(opt: object) -> None:
                 probe_schema(opt, group, param)
 
 
+def check_backend(opt: torch.optim.Optimizer, config: Config) -> None:
+    """Refuse a backend asked for by name that cannot run some parameter's device, before anything
+    changes (``"auto"`` runs everywhere)."""
+    for i, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            try:
+                resolve(config.backend, p.device.type)
+            except BackendError as err:
+                raise ValueError(f"param_groups[{i}] holds a {p.device.type} parameter: {err}") from None
+
+
 def _make_step(opt: torch.optim.Optimizer, previous: Any) -> Callable:
     """The instance ``step``: stock hooks around the rewritten update; keeps an LR scheduler's
     "optimizer.step() was called" tracking working when the scheduler wrapped ``step`` first."""
@@ -258,7 +273,9 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     if found_inf is not None and found_inf.item():
         return loss
     grad_scale = getattr(opt, "grad_scale", None)
-    items = []
+    # First find or build the kernel of every parameter to step: a step that cannot be built fails
+    # here, with every state, counter and grad as it was.
+    ready, todo = [], []
     for group in opt.param_groups:
         group_sig, values = group_signature(group)
         guards: dict[int, bool] = {}
@@ -272,22 +289,28 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
                     "take (it is traced for dense gradients); use torch.optim.SparseAdam, or leave the "
                     "optimizer unwrapped, for sparse gradients"
                 )
-            if grad_scale is not None:
-                grad.div_(grad_scale)
-            state = opt.state[param]
+            state = opt.state.get(param, {})
             prepared = wrapped.prepared.get(param)
-            if prepared is None or not prepared.still_valid(state, param, config, group_sig, guards, values):
-                schema = probe_schema(opt, group, param)
-                formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param),
-                                                  schema.nonneg))
-                if not state:
-                    state.update(init_state(param, schema, formats))
-                # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
-                checkpoint.conform(param, state, formats)
-                compiled = compile_step(opt, group, param, state, schema, formats, config)
-                prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
-            items.append((prepared, group, param, grad, state))
-    run_params(items)
+            if prepared is not None and prepared.still_valid(state, param, config, group_sig, guards, values):
+                ready.append((prepared, group, param, grad, state))
+                continue
+            schema = probe_schema(opt, group, param)
+            formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
+            compiled = compile_step(opt, group, param, state, schema, formats, config)
+            todo.append((compiled, schema, formats, group, group_sig, param, grad))
+    # Then create or convert the states of the parameters stepped for the first time, and run.
+    for compiled, schema, formats, group, group_sig, param, grad in todo:
+        state = opt.state[param]
+        if not state:
+            state.update(init_state(param, schema, formats))
+        # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
+        checkpoint.conform(param, state, formats)
+        prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
+        ready.append((prepared, group, param, grad, state))
+    if grad_scale is not None:
+        for _, _, _, grad, _ in ready:
+            grad.div_(grad_scale)
+    run_params(ready)
     return loss
 
 

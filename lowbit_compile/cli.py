@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from .config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_MIN_8BIT_SIZE, DEFAULT_OUTLIERS, FmtSpec
+from .config import BACKENDS, DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_MIN_8BIT_SIZE, DEFAULT_OUTLIERS, FmtSpec
 from .enable import Scope
 from .estimate import PARAM_DTYPES, estimate, parse_count
 
@@ -24,7 +24,7 @@ _RUN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
     (("--outliers",), dict(type=int, default=DEFAULT_OUTLIERS, help="bf16 outlier patches per block")),
     (("--min-8bit-size",), dict(type=int, default=DEFAULT_MIN_8BIT_SIZE,
                                 help="tensors with fewer elements keep stock fp32 states")),
-    (("--backend",), dict(default="auto", help="auto, inductor, triton or reference")),
+    (("--backend",), dict(default="auto", help=", ".join(BACKENDS))),
     (("--override",), dict(action="append", default=[], metavar="PATTERN=FMT",
                            help="format for parameters whose name matches the glob, e.g. '*embed*=fp32' "
                                 "(repeatable; first match wins; names come from the modules run)")),

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.backends import resolve
+from .kernels import backends
 from .kernels.formats import FORMAT_NAMES, StateFormat
 
-BACKENDS = ("auto", "triton", "inductor", "reference")
+BACKENDS = backends.BACKENDS  # the one list of backends (the API, enable(), the CLI and the README name these)
 
 # Adam's states known never to be negative: what formats_for assumes when not given the states
-# proven non-negative on the traced step (passes/signs.py; the runner always passes those). They get
+# proven non-negative on the traced step (passes/signs.py; the compile path always passes those). They get
 # unsigned codes and a quantizer that never stores a positive value as zero (see StateFormat). A
 # state missing here is treated as signed, which is always correct, only coarser.
 NONNEG_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
@@ -68,9 +68,7 @@ class Config:
             raise ValueError(f"outliers must be an int in [0, min(block_size, 64)], got {outliers!r}")
         if not _is_int(min_8bit_size) or min_8bit_size < 0:
             raise ValueError(f"min_8bit_size must be a non-negative int, got {min_8bit_size!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        resolve(backend, "cpu")  # an unavailable backend fails here, before anything is converted
+        backend = backends.canonical(backend)
         return Config(fmt_key, block_size, outliers, min_8bit_size, backend, tuple(override_keys))
 
     @property

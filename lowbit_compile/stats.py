@@ -15,7 +15,7 @@ import torch
 from .kernels import blockquant
 from .kernels.formats import StateFormat
 from .passes.trace import shell_optimizer, unhooked_step
-from .runner import trace_group
+from .trace_cache import trace_group
 from .state import QuantizedState
 
 

@@ -36,6 +36,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, GuardOnDataDepende
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..kernels.contract import GraphInput, Role, set_input
 from .canonicalize import elementwise_forms
 
 TRACE_ELEMENTS = 16  # size of the fake 1-D parameter; the traced body is elementwise, any size runs it
@@ -369,11 +370,12 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
 
     state_keys = tensor_keys + fresh_keys
     names = ["param", "grad", *(f"state_{k}" for k in state_keys), *(f"hp_{s.name}" for s in slots)]
-    inputs = [("param",), ("grad",), *(("state", k) for k in state_keys), *(("hyper", s) for s in slots)]
+    inputs = [GraphInput(Role.PARAM), GraphInput(Role.GRAD), *(GraphInput(Role.STATE, k) for k in state_keys),
+              *(GraphInput(Role.HYPERPARAMETER, s) for s in slots)]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name, desc in zip(placeholders, names, inputs):
         node.name = node.target = name
-        node.meta["lowbit_input"] = desc
+        set_input(node, desc)
     gm.recompile()
     gm = elementwise_forms(gm)
 

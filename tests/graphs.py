@@ -8,7 +8,8 @@ from lowbit_compile.config import Config
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.split import split_prologue
-from lowbit_compile.runner import init_state, probe_schema, trace_for
+from lowbit_compile.state_schema import init_state, probe_schema
+from lowbit_compile.trace_cache import trace_for
 
 
 def pass_graphs(opt: torch.optim.Optimizer, fmt: str = "int8") -> dict[str, torch.fx.GraphModule]:
@@ -17,7 +18,7 @@ def pass_graphs(opt: torch.optim.Optimizer, fmt: str = "int8") -> dict[str, torc
     schema = probe_schema(opt, group, param)
     formats = dict(Config.make(fmt, 2048, 2, 0, "reference").formats_for(param, schema.per_element))
     state = init_state(param, schema, formats)
-    traced = trace_for(opt, group, param, state, schema).graph
+    traced = trace_for(opt, group, param, state, schema.per_element).graph
     roles = label_roles(traced)
     quantized = quantize_states(roles, formats)
     return {"traced": traced, "roles": roles, "quantized": quantized, "split": split_prologue(quantized)}

@@ -6,6 +6,7 @@ import pytest
 import torch
 from expecttest import TestCase
 
+from lowbit_compile.kernels.contract import role_of
 from lowbit_compile.passes.roles import NotElementwiseError, label_roles
 from lowbit_compile.passes.trace import trace_count
 
@@ -51,7 +52,7 @@ def forward(self, param, grad, state_step, state_exp_avg, state_exp_avg_sq, hp_l
 
     def test_roles_adam(self):
         g = pass_graphs(_adam())
-        roles = {n.name: n.meta["role"] for n in g["roles"].graph.nodes if n.op == "placeholder"}
+        roles = {n.name: role_of(n).value for n in g["roles"].graph.nodes if n.op == "placeholder"}
         self.assertExpectedInline(str(roles), """{'param': 'param', 'grad': 'grad', 'state_step': 'scalar_state', 'state_exp_avg': 'per_element_state', 'state_exp_avg_sq': 'per_element_state', 'hp_lr': 'hyperparameter', 'hp_betas_0': 'hyperparameter', 'hp_betas_1': 'hyperparameter', 'hp_eps': 'hyperparameter'}""")
 
     def test_quantized_adam(self):

@@ -56,7 +56,7 @@ def test_a_launch_op_is_captured_in_a_full_graph():
     expected = blockquant.quantize(x, fmt)
     triton_backend.quantize_into(x, blockquant.empty(300, fmt), fmt)  # builds the kernel
     key = triton_backend.kernel_for(triton_backend.emit_kernel(
-        triton_backend.quantize_graph(fmt, torch.float32), "lowbit_quantize", "cpu")).key
+        triton_backend.quantize_graph(fmt, torch.float32), "lowbit_quantize", triton_backend.target_of(x.device))).key
 
     def quantize_and_count(x, codes, scales, patch_values, patch_index):
         torch.ops.lowbit.quantize_triton(key, [codes, scales, patch_values, patch_index], [x], [])
