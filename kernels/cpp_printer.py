@@ -117,13 +117,6 @@ def _kind(*values: Value) -> Kind:
     return Kind.ELEMENT if any(v.kind is Kind.ELEMENT for v in values) else Kind.SCALAR
 
 
-def _vec(v: Value) -> str:
-    """``v`` as a vector operand: a scalar is splat across the lanes."""
-    if v.kind is Kind.ELEMENT:
-        return _operand(v)
-    return f"lb_mask({v.text})" if v.dtype == torch.bool else f"lb_splat({v.text})"
-
-
 @dataclass
 class _State:
     """A quantized state of the body: its storage inputs and format."""
@@ -205,6 +198,14 @@ class CppPrinter:
     def _lane(self, name: str | None, statement: str) -> None:
         self.lane.append((name, statement))
 
+    def _vec(self, v: Value) -> str:
+        """``v`` as a vector operand: a scalar is splat across the lanes (computed once per block first)."""
+        if v.kind is Kind.ELEMENT:
+            return _operand(v)
+        if not v.atomic:
+            v = self.bind(v, f"t{len(self.pre)}")
+        return f"lb_mask({v.text})" if v.dtype == torch.bool else f"lb_splat({v.text})"
+
     # ---- inputs, outputs, state -----------------------------------------------------------------------
     def load(self, node: Node, dtype: torch.dtype) -> Value:
         name = self._name("v", node.name)
@@ -228,7 +229,7 @@ class CppPrinter:
 
     def store(self, node: Node, value: Value) -> None:
         dtype = self.ptr_of[node].dtype
-        p, v = f"p_{node.name} + i", _vec(value)
+        p, v = f"p_{node.name} + i", self._vec(value)
         self.stores.append(f"if (full) {_STORE[dtype]}({p}, {v}); else {_STORE[dtype]}_n({p}, {v}, r);")
 
     def dequantize(self, access: StateAccess) -> Value:
@@ -252,7 +253,7 @@ class CppPrinter:
 
     def quantize(self, access: StateAccess, value: Value) -> None:
         state = self.states[access.key]
-        x = _vec(value)
+        x = self._vec(value)
         if state.fmt.name == "bf16":
             u = "true" if state.fmt.nonneg else "false"
             v, codes = f"lb_bf16_state_clamp<{u}>({x})", state.ptr(Part.CODES)
@@ -279,13 +280,13 @@ class CppPrinter:
         kind = _kind(a, b)
         if kind is Kind.SCALAR:
             return Value(f"{_operand(a)} {op} {_operand(b)}", dtype, kind, atomic=False)
-        return Value(f"{_vec(a)} {op} {_vec(b)}", dtype, kind, atomic=False)
+        return Value(f"{self._vec(a)} {op} {self._vec(b)}", dtype, kind, atomic=False)
 
     def _call(self, vector: str, scalar: str, *args: Value, dtype: torch.dtype = torch.float32) -> Value:
         kind = _kind(*args)
         if kind is Kind.SCALAR:
             return Value(f"{scalar}({', '.join(a.text for a in args)})", dtype, kind)
-        return Value(f"{vector}({', '.join(_vec(a) for a in args)})", dtype, kind)
+        return Value(f"{vector}({', '.join(self._vec(a) for a in args)})", dtype, kind)
 
     def add(self, a: Value, b: Value) -> Value:
         return self._binary(a, b, "+")
@@ -365,7 +366,7 @@ class CppPrinter:
         if _kind(cond, a, b) is Kind.SCALAR:
             return Value(f"{_operand(cond)} ? {_operand(a)} : {_operand(b)}", dtype, Kind.SCALAR, atomic=False)
         # a scalar condition selects whole vectors; a lane mask selects lane by lane
-        return Value(f"{_operand(cond)} ? {_vec(a)} : {_vec(b)}", dtype, Kind.ELEMENT, atomic=False)
+        return Value(f"{_operand(cond)} ? {self._vec(a)} : {self._vec(b)}", dtype, Kind.ELEMENT, atomic=False)
 
     def to_float(self, cond: Value) -> Value:
         return self.where(cond, self.constant(1.0), self.constant(0.0))

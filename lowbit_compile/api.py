@@ -16,6 +16,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import checkpoint, sharding
+from .compile import compile_step
 from .config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -25,7 +26,6 @@ from .config import (
     Overrides,
     param_names,
 )
-from .compile import compile_step
 from .kernels.backends import BackendError, resolve
 from .run import Prepared, group_signature, run_params
 from .state_schema import StateSchema, init_state, probe_schema
@@ -208,7 +208,7 @@ def check_backend(opt: torch.optim.Optimizer, config: Config) -> None:
 def _make_step(opt: torch.optim.Optimizer, previous: Any) -> Callable:
     """The instance ``step``: stock hooks around the rewritten update; keeps an LR scheduler's
     "optimizer.step() was called" tracking working when the scheduler wrapped ``step`` first."""
-    hooked = torch.optim.Optimizer.profile_hook_step(_lowbit_step)
+    hooked = torch.optim.Optimizer.profile_hook_step(_rewritten_update())
     track_lr_sched = previous is not None and getattr(previous, "_wrapped_by_lr_sched", False)
 
     def step(self, closure=None):
@@ -240,7 +240,7 @@ def stock_step_runs_rewritten(opt: torch.optim.Optimizer, args: tuple, kwargs: d
     twin.__dict__.update(opt.__dict__)
     twin.param_groups = []
     twin.state = collections.defaultdict(dict)
-    return (twin,), {"closure": lambda: _lowbit_step(opt, closure)}
+    return (twin,), {"closure": lambda: _rewritten_update()(opt, closure)}
 
 
 def _redirect_stock_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -255,9 +255,19 @@ def _redirect_stock_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) 
 register_optimizer_step_pre_hook(_redirect_stock_step)
 
 
-# Under torch.compile the step is a graph break that runs as is: its host side (tracing, caches,
-# the scalar prologue) is not traceable, and each param's update is already one fused launch.
-@torch.compiler.disable
+_DISABLED_STEP: list[Callable] = []
+
+
+def _rewritten_update() -> Callable:
+    """The rewritten update as the step calls it: under ``torch.compile`` a graph break
+    (``torch.compiler.disable``) that runs as is, since its host side (tracing, caches, the scalar
+    prologue) is not traceable and each param's update is already one fused launch. Made on the first
+    wrap, not at import (``torch.compiler`` loads dynamo)."""
+    if not _DISABLED_STEP:
+        _DISABLED_STEP.append(torch.compiler.disable(_lowbit_step))
+    return _DISABLED_STEP[0]
+
+
 @torch.no_grad()
 def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
     loss = None

@@ -15,8 +15,8 @@ import torch
 from .kernels import blockquant
 from .kernels.formats import StateFormat
 from .passes.trace import shell_optimizer, unhooked_step
-from .trace_cache import trace_group
 from .state import QuantizedState
+from .trace_cache import trace_group
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lowbit_compile import QuantizedState, compile, lowbit_compile
-from lowbit_compile.kernels import cpu, cpu_build, cpp_printer
+from lowbit_compile.kernels import cpp_printer, cpu, cpu_build
 from lowbit_compile.kernels.backends import resolve
 from lowbit_compile.kernels.formats import StateFormat, decode, dynamic_map, dynamic_midpoints, encode
 
