@@ -25,7 +25,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from . import blockquant
 from .backends import interpreting
 from .formats import StateFormat, dynamic_map, dynamic_midpoints
-from .kernel import BuildError
+from .kernel import BuildError, RowLaunch
 from .lowering import Target
 from .triton_printer import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
 
@@ -234,7 +234,10 @@ class TritonStep:
         self.kernel = kernel
         self.graph = GraphModule(root, copy.deepcopy(step.graph), "FusedStep")
 
-    def run_many(self, rows: Sequence[Sequence[Any]], memos: Sequence[dict] | None = None) -> None:
+    def launch(self, rows: Sequence[list]) -> RowLaunch:
+        return RowLaunch(self._run, rows)
+
+    def _run(self, rows: Sequence[list]) -> None:
         for row in rows:
             self.graph(*row)
 

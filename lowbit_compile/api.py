@@ -27,7 +27,7 @@ from .config import (
     param_names,
 )
 from .kernels.backends import BackendError, resolve
-from .run import Prepared, group_signature, run_params
+from .run import Prepared, StepPlan, group_signature
 from .state_schema import StateSchema, init_state, probe_schema
 
 # The stock optimizers whose step is elementwise over each parameter: enable() rewrites these. Any
@@ -61,6 +61,7 @@ class _Wrapped:
         self.hooks = hooks
         self.names: dict[torch.Tensor, str] = {}
         self.prepared: dict[torch.Tensor, Prepared] = {}  # per parameter, reused while valid
+        self.plan: StepPlan | None = None  # the last step's bound launches, reused while they fit
 
 
 def lowbit_compile(
@@ -283,8 +284,23 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     if found_inf is not None and found_inf.item():
         return loss
     grad_scale = getattr(opt, "grad_scale", None)
-    # First find or build the kernel of every parameter to step: a step that cannot be built fails
-    # here, with every state, counter and grad as it was.
+    plan = wrapped.plan
+    if plan is None or not plan.refresh(opt, config):
+        plan = wrapped.plan = _prepare(opt, wrapped)
+    if grad_scale is not None:
+        for grad in plan.grads():
+            grad.div_(grad_scale)
+    plan.run()
+    if not plan.reusable:
+        wrapped.plan = None
+    return loss
+
+
+def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> StepPlan:
+    """The full preparation of a step: find or build the kernel of every parameter to step (a step
+    that cannot be built fails here, with every state, counter and grad as it was), then create or
+    convert the states of the parameters stepped for the first time, and bind them all."""
+    config = wrapped.config
     ready, todo = [], []
     for group in opt.param_groups:
         group_sig, values = group_signature(group)
@@ -317,11 +333,7 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
         checkpoint.conform(param, state, formats)
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
-    if grad_scale is not None:
-        for _, _, _, grad, _ in ready:
-            grad.div_(grad_scale)
-    run_params(ready)
-    return loss
+    return StepPlan(opt, config, ready)
 
 
 def _conform_state(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:

@@ -262,8 +262,8 @@ def test_many_small_tensors_take_one_launch_and_stay_stock(monkeypatch):
     opt = lowbit_compile(torch.optim.AdamW(ours, weight_decay=0.1), "int8")
     stock = torch.optim.AdamW(twin, weight_decay=0.1, foreach=False)
     launches = []
-    launch = cpu.CpuStep._launch
-    monkeypatch.setattr(cpu.CpuStep, "_launch", lambda self, rows: (launches.append(len(rows)), launch(self, rows)))
+    run = cpu.CpuLaunch.run
+    monkeypatch.setattr(cpu.CpuLaunch, "run", lambda self: (launches.extend(len(m) for m, _ in self.calls), run(self)))
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         for p, q in zip(ours, twin):
