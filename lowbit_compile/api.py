@@ -25,6 +25,7 @@ from .config import (
     Overrides,
     param_names,
 )
+from .kernels.formats import StateFormat
 from .runner import Prepared, StateSchema, compile_step, group_signature, init_state, probe_schema, run_params
 
 # The stock optimizers whose step is elementwise over each parameter: enable() rewrites these. Any
@@ -104,19 +105,26 @@ def lowbit_compile(
     _check_optimizer(opt)
     names = _names_for(opt, config, model)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+    if names is None:
+        names = wrapped.names if wrapped is not None else {}
+    if model is not None and config.uses_names:
+        config.check_patterns(param_names(model).values())
+    _check_state_names(opt, config)
+    updates = _conform_updates(opt, config, names)  # everything that can fail, before anything changes
+    checkpoint.guard_stock_steps()
     if wrapped is None:
         previous = opt.__dict__.get("step")
         hooks = [
             opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
-            opt.register_load_state_dict_pre_hook(checkpoint.unpack_pre_hook),
-            opt.register_load_state_dict_post_hook(_after_load),
+            opt.register_load_state_dict_pre_hook(_before_load),
+            opt.register_load_state_dict_post_hook(checkpoint.finish_load),
         ]
         wrapped = _Wrapped(config, previous, hooks)
     else:
         wrapped.config = config
-    if names is not None:
-        wrapped.names = names
-    _conform_state(opt, wrapped)
+    wrapped.names = names
+    for state, key, new in updates:
+        state[key] = new
     setattr(opt, _ATTR, wrapped)
     opt.step = _make_step(opt, wrapped.previous_step)
     return opt
@@ -291,27 +299,47 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     return loss
 
 
-def _conform_state(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
-    """Bring every existing per-element state to the configured format (adoption mid-training,
-    a re-configuration, or a loaded checkpoint). All-or-nothing: new states are built first."""
+def _formats(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
+             param: torch.Tensor) -> dict[str, StateFormat]:
+    """The configured format of each per-element state of ``param`` in ``group``."""
+    schema: StateSchema = probe_schema(opt, group, param)
+    return dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
+
+
+def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str]) -> list:
+    """``(state, key, new)`` for every existing per-element state not in its configured format
+    (adoption mid-training, a re-configuration, a checkpoint a stock loader stored): all built
+    before any is stored, so a state that cannot be converted changes nothing."""
     updates = []
     for group in opt.param_groups:
         for param in group["params"]:
             state = opt.state.get(param)
             if not state:
                 continue
-            schema: StateSchema = probe_schema(opt, group, param)
-            for key, fmt in wrapped.config.formats_for(param, schema.per_element, wrapped.names.get(param),
-                                                       schema.nonneg):
+            for key, fmt in _formats(opt, config, names, group, param).items():
                 new = checkpoint.converted(param, key, state.get(key), fmt)
                 if new is not None:
                     updates.append((state, key, new))
-    for state, key, new in updates:
-        state[key] = new
+    return updates
 
 
-def _after_load(opt: torch.optim.Optimizer) -> None:
-    """``load_state_dict`` post hook: restore the packed states, then convert every state (stock fp32
-    ones included) to the configured format."""
-    checkpoint.reinsert_packed(opt)
-    _conform_state(opt, getattr(opt, _ATTR))
+def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
+    """Refuse a fmt dict or override that names a state no optimizer keeps (a misspelling)."""
+    if not config.state_names:
+        return
+    kept = set()
+    for group in opt.param_groups:
+        for param in {p.dim(): p for p in group["params"]}.values():
+            kept.update(probe_schema(opt, group, param).per_element)
+    config.check_state_names(kept, type(opt).__name__)
+
+
+def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``load_state_dict`` pre hook: read and convert every state first (``checkpoint.prepare_load``)."""
+    wrapped: _Wrapped = getattr(opt, _ATTR)
+    return checkpoint.prepare_load(
+        opt, state_dict, lambda group, param: _formats(opt, wrapped.config, wrapped.names, group, param),
+        wrapped.names.get)
+
+
+checkpoint.defer_to(is_wrapped)  # a wrapped optimizer's step converts what a loader left in its state
