@@ -26,6 +26,7 @@ from .config import (
     param_names,
 )
 from .kernels.formats import StateFormat
+from .passes.trace import unhooked_step
 from .runner import Prepared, StateSchema, compile_step, group_signature, init_state, probe_schema, run_params
 
 # The stock optimizers whose step is elementwise over each parameter: enable() rewrites these. Any
@@ -267,12 +268,16 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
         return loss
     grad_scale = getattr(opt, "grad_scale", None)
     items = []
+    on_meta: list[tuple[dict, torch.Tensor]] = []
     for group in opt.param_groups:
         group_sig, values = group_signature(group)
         guards: dict[int, bool] = {}
         for param in group["params"]:
             grad = param.grad
             if grad is None:
+                continue
+            if param.is_meta:  # no values to quantize: the stock step, as stock AdamW runs it
+                on_meta.append((group, param))
                 continue
             if grad.is_sparse:
                 raise RuntimeError(
@@ -296,7 +301,20 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
                 prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
             items.append((prepared, group, param, grad, state))
     run_params(items)
+    if on_meta:
+        _stock_step(opt, on_meta)
     return loss
+
+
+def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tensor]]) -> None:
+    """The class's own update of ``params`` (each with its group), on ``opt``'s state."""
+    shell = object.__new__(type(opt))
+    shell.__dict__.update(opt.__dict__)
+    groups: dict[int, dict] = {}
+    for group, param in params:
+        groups.setdefault(id(group), {**group, "params": []})["params"].append(param)
+    shell.param_groups = list(groups.values())
+    unhooked_step(type(opt))(shell)
 
 
 def _formats(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
@@ -314,7 +332,7 @@ def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[
     for group in opt.param_groups:
         for param in group["params"]:
             state = opt.state.get(param)
-            if not state:
+            if not state or param.is_meta:
                 continue
             for key, fmt in _formats(opt, config, names, group, param).items():
                 new = checkpoint.converted(param, key, state.get(key), fmt)
@@ -329,7 +347,7 @@ def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
         return
     kept = set()
     for group in opt.param_groups:
-        for param in {p.dim(): p for p in group["params"]}.values():
+        for param in {p.dim(): p for p in group["params"] if not p.is_meta}.values():
             kept.update(probe_schema(opt, group, param).per_element)
     config.check_state_names(kept, type(opt).__name__)
 

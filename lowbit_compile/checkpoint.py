@@ -11,13 +11,15 @@ exactly, and they are recovered at that step:
 * ``block_scales`` / ``block_patch_values`` / ``block_patch_index``: the bytes of each block's fp32
   scale, bf16 patch values and int16 patch offsets, in one of two layouts:
 
-  - *by block* ``(blocks, bytes)``: one record per block, in order. Parameters that are not
-    ``DTensor``s and whose rows are narrower than a block (1-D ones, FSDP1's flat buffers) use it:
-    a 1-D state costs one code byte per element plus one record per block.
+  - *by block* ``(blocks, bytes)``: one record per block, in order, for parameters that are not
+    ``DTensor``s: every shape (1-D ones and FSDP1's flat buffers included) costs one code byte per
+    element plus one record per block, and every tensor is a view of the live state (no copy).
   - *by row* ``(rows, slots, bytes)``: per row, every block that intersects it (``_slots`` of
-    them, zero-padded). ``DTensor`` parameters (FSDP2) use it, and rows of at least a block: dim 0
-    is how FSDP2 shards, so ``torch.distributed.checkpoint`` hands any world size exactly the rows
-    it needs, without collectives.
+    them, zero-padded), for ``DTensor`` parameters (FSDP2): dim 0 is how FSDP2 shards, so
+    ``torch.distributed.checkpoint`` hands any world size exactly the rows it needs, without
+    collectives. Rows narrower than a block pay a record each (a 1-D ``DTensor`` state: 5 bytes
+    per element); a compact table that any world size can read would need each rank to write
+    records of blocks other ranks hold.
 
 * ``row_splits``: where the shards the blocks were counted in start and end (blocks start at each
   shard's first element), plus ``lowbit_format`` (format tag), ``shape`` and ``dtype``. These four
@@ -46,7 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import sharding
 from .kernels import blockquant
 from .kernels.formats import StateFormat, decode
-from .state import QuantizedState
+from .state import QuantizedState, bits_of
 
 _PENDING = "_lowbit_pending"
 _TABLES = ("block_scales", "block_patch_values", "block_patch_index")
@@ -88,7 +90,7 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
         parts = blockquant.Quantized(*(t.clone() for t in parts))
     tables = {"codes": parts.codes.view(torch.uint8).view(stop - start, width * code_bytes)}
     if qs.fmt.blockwise:
-        if by_row(param, qs.fmt):
+        if sharded:
             tables.update(zip(_TABLES, (_as_record_bytes(t) for t in _row_tables(parts, width, qs.fmt))))
         else:
             tables.update(zip(_TABLES, (_as_record_bytes(t) for t in parts[1:])))
@@ -103,10 +105,6 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
     return out
 
 
-def by_row(param: torch.Tensor, fmt: StateFormat) -> bool:
-    """Whether ``param``'s block records are saved per row (else one per block); decided on the
-    global shape, so every rank and world size agree."""
-    return sharding.is_sharded(param) or _rows(param.shape)[1] >= fmt.block_size
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
@@ -300,7 +298,7 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state") -> t
     qs.patch_values[hit] = saved.patch_values[keep]
     qs.patch_index[hit] = saved.patch_index[keep]
     exact = same.repeat_interleave(length)
-    _bits(qs.codes)[exact] = _bits(codes)[exact]
+    bits_of(qs.codes)[exact] = bits_of(codes)[exact]
     return sharding.like(qs, param)
 
 
@@ -503,11 +501,6 @@ def _rows_of(t: torch.Tensor, start: int, stop: int, rows: int) -> torch.Tensor:
     if t.shape[0] != rows:
         raise ValueError(f"a checkpoint tensor of shape {tuple(t.shape)} does not have the parameter's {rows} rows")
     return t[start:stop]
-
-
-def _bits(codes: torch.Tensor) -> torch.Tensor:
-    """Codes viewed as integers of their width (masked writes work on those for every code dtype)."""
-    return codes.view({1: torch.uint8, 2: torch.int16}[codes.element_size()])
 
 
 def _rows(shape: torch.Size) -> tuple[int, int]:
