@@ -360,4 +360,7 @@ def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         wrapped.names.get)
 
 
-checkpoint.defer_to(is_wrapped)  # a wrapped optimizer's step converts what a loader left in its state
+# The stock-step guard leaves alone a wrapped optimizer (its step converts what a loader left in its
+# state) and optimizers that are not stock elementwise ones (ZeroRedundancyOptimizer keeps a copy of
+# its inner optimizer's state but steps the inner one).
+checkpoint.defer_to(lambda opt: is_wrapped(opt) or not isinstance(opt, SUPPORTED))

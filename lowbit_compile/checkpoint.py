@@ -584,7 +584,8 @@ def guard_stock_steps() -> None:
 
 
 def defer_to(handles: Callable[[torch.optim.Optimizer], bool]) -> None:
-    """Leave to ``handles(opt)`` (true when it rewrites ``opt`` or already has) the optimizers it takes."""
+    """Leave to the caller the optimizers for which ``handles(opt)`` is true (it rewrites them, or
+    their step is not a stock update over their own state)."""
     _HANDLED_ELSEWHERE.append(handles)
 
 
