@@ -104,12 +104,13 @@ def lowbit_compile(
     """
     config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
     _check_optimizer(opt)
-    names = _names_for(opt, config, model)
+    known = param_names(model) if model is not None else None  # model may be a one-shot iterator
+    names = _names_for(opt, config, known)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if names is None:
         names = wrapped.names if wrapped is not None else {}
-    if model is not None and config.uses_names:
-        config.check_patterns(param_names(model).values())
+    if known is not None and config.uses_names:
+        config.check_patterns(known.values())
     _check_state_names(opt, config)
     updates = _conform_updates(opt, config, names)  # everything that can fail, before anything changes
     checkpoint.guard_stock_steps()
@@ -153,16 +154,14 @@ def is_wrapped(opt: torch.optim.Optimizer) -> bool:
     return hasattr(opt, _ATTR)
 
 
-def _names_for(opt: torch.optim.Optimizer, config: Config,
-               model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None) -> dict | None:
-    """The names of ``opt``'s parameters in ``model``; name-pattern overrides need every one."""
-    if model is None:
+def _names_for(opt: torch.optim.Optimizer, config: Config, known: dict[torch.Tensor, str] | None) -> dict | None:
+    """The names of ``opt``'s parameters among the ``model=`` names; name-pattern overrides need every one."""
+    if known is None:
         wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
         if config.uses_names and (wrapped is None or not wrapped.names):
             raise ValueError("overrides match parameter names, so lowbit_compile needs model=<the module> "
                              "(or model=module.named_parameters()) to know them")
         return None
-    known = param_names(model)
     params = [p for group in opt.param_groups for p in group["params"]]
     missing = sum(p not in known for p in params)
     if missing and config.uses_names:
