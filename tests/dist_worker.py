@@ -157,6 +157,13 @@ def fsdp(rank: int, world: int, workdir: Path) -> None:
     assert 0 <= held.item() - runs["bytes"] <= (world - 1) * (7 * 4 + 3 * 2 * 12)
 
     model_sd, optim_sd = get_state_dict(net, opt)
+    for fqn in ("a.weight", "extra"):  # the per-row tables of a 2-D and of a 1-D DTensor state
+        local = sum(t.to_local().numel() for key in ("exp_avg", "exp_avg_sq")
+                    for t in optim_sd["state"][fqn][key].values() if isinstance(t, DTensor))
+        n = dict(net.named_parameters())[fqn].to_local().numel()
+        print(f"rank {rank}: DCP state of {fqn} ({n} local elements): m + v {local / n:.3f} B/param")
+        if fqn == "extra":  # rows of one element: a code byte and a 4-byte record (no patches) each
+            assert local == 2 * 5 * n
     for fqn, entry in optim_sd["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             tensors = list(entry[key].values()) if isinstance(entry[key], dict) else [entry[key]]
