@@ -181,7 +181,8 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: Forma
             plain[idx] = entry
             continue
         gi, pi, param = where[idx]
-        formats = formats_of({**saved_groups[gi], "params": groups[gi]["params"]}, param)
+        # the group as it will be: the saved values, the optimizer's own for keys an older torch did not save
+        formats = formats_of({**groups[gi], **saved_groups[gi], "params": groups[gi]["params"]}, param)
         label = _label(gi, pi, param, name_of(param))
         new = {}
         for key, value in entry.items():
