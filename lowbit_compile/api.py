@@ -27,6 +27,8 @@ from .config import (
     param_names,
 )
 from .kernels.backends import BackendError, resolve
+from .kernels.formats import StateFormat
+from .passes.trace import unhooked_step
 from .run import Prepared, StepPlan, group_signature
 from .state_schema import StateSchema, init_state, probe_schema
 
@@ -107,21 +109,29 @@ def lowbit_compile(
     config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
     _check_optimizer(opt)
     check_backend(opt, config)
-    names = _names_for(opt, config, model)
+    known = param_names(model) if model is not None else None  # model may be a one-shot iterator
+    names = _names_for(opt, config, known)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+    if names is None:
+        names = wrapped.names if wrapped is not None else {}
+    if known is not None and config.uses_names:
+        config.check_patterns(known.values())
+    _check_state_names(opt, config)
+    updates = _conform_updates(opt, config, names)  # everything that can fail, before anything changes
+    checkpoint.guard_stock_steps()
     if wrapped is None:
         previous = opt.__dict__.get("step")
         hooks = [
             opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
-            opt.register_load_state_dict_pre_hook(checkpoint.unpack_pre_hook),
-            opt.register_load_state_dict_post_hook(_after_load),
+            opt.register_load_state_dict_pre_hook(_before_load),
+            opt.register_load_state_dict_post_hook(checkpoint.finish_load),
         ]
         wrapped = _Wrapped(config, previous, hooks)
     else:
         wrapped.config = config
-    if names is not None:
-        wrapped.names = names
-    _conform_state(opt, wrapped)
+    wrapped.names = names
+    for state, key, new in updates:
+        state[key] = new
     setattr(opt, _ATTR, wrapped)
     opt.step = _make_step(opt, wrapped.previous_step)
     return opt
@@ -149,16 +159,14 @@ def is_wrapped(opt: torch.optim.Optimizer) -> bool:
     return hasattr(opt, _ATTR)
 
 
-def _names_for(opt: torch.optim.Optimizer, config: Config,
-               model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None) -> dict | None:
-    """The names of ``opt``'s parameters in ``model``; name-pattern overrides need every one."""
-    if model is None:
+def _names_for(opt: torch.optim.Optimizer, config: Config, known: dict[torch.Tensor, str] | None) -> dict | None:
+    """The names of ``opt``'s parameters among the ``model=`` names; name-pattern overrides need every one."""
+    if known is None:
         wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
         if config.uses_names and (wrapped is None or not wrapped.names):
             raise ValueError("overrides match parameter names, so lowbit_compile needs model=<the module> "
                              "(or model=module.named_parameters()) to know them")
         return None
-    known = param_names(model)
     params = [p for group in opt.param_groups for p in group["params"]]
     missing = sum(p not in known for p in params)
     if missing and config.uses_names:
@@ -284,30 +292,36 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     if found_inf is not None and found_inf.item():
         return loss
     grad_scale = getattr(opt, "grad_scale", None)
-    plan = wrapped.plan
+    plan, on_meta = wrapped.plan, []
     if plan is None or not plan.refresh(opt, config):
-        plan = wrapped.plan = _prepare(opt, wrapped)
+        plan, on_meta = _prepare(opt, wrapped)
+        wrapped.plan = plan if plan.reusable and not on_meta else None
     if grad_scale is not None:
         for grad in plan.grads():
             grad.div_(grad_scale)
     plan.run()
-    if not plan.reusable:
-        wrapped.plan = None
+    if on_meta:
+        _stock_step(opt, on_meta)
     return loss
 
 
-def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> StepPlan:
+def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:
     """The full preparation of a step: find or build the kernel of every parameter to step (a step
     that cannot be built fails here, with every state, counter and grad as it was), then create or
-    convert the states of the parameters stepped for the first time, and bind them all."""
+    convert the states of the parameters stepped for the first time, and bind them all. Also the
+    params on the ``meta`` device, which the stock update steps."""
     config = wrapped.config
     ready, todo = [], []
+    on_meta: list[tuple[dict, torch.Tensor]] = []
     for group in opt.param_groups:
         group_sig, values = group_signature(group)
         guards: dict[int, bool] = {}
         for param in group["params"]:
             grad = param.grad
             if grad is None:
+                continue
+            if param.is_meta:  # no values to quantize: the stock step, as stock AdamW runs it
+                on_meta.append((group, param))
                 continue
             if grad.is_sparse:
                 raise RuntimeError(
@@ -333,30 +347,64 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> StepPlan:
         checkpoint.conform(param, state, formats)
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
-    return StepPlan(opt, config, ready)
+    return StepPlan(opt, config, ready), on_meta
 
 
-def _conform_state(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
-    """Bring every existing per-element state to the configured format (adoption mid-training,
-    a re-configuration, or a loaded checkpoint). All-or-nothing: new states are built first."""
+def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tensor]]) -> None:
+    """The class's own update of ``params`` (each with its group), on ``opt``'s state."""
+    shell = object.__new__(type(opt))
+    shell.__dict__.update(opt.__dict__)
+    groups: dict[int, dict] = {}
+    for group, param in params:
+        groups.setdefault(id(group), {**group, "params": []})["params"].append(param)
+    shell.param_groups = list(groups.values())
+    unhooked_step(type(opt))(shell)
+
+
+def _formats(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
+             param: torch.Tensor) -> dict[str, StateFormat]:
+    """The configured format of each per-element state of ``param`` in ``group``."""
+    schema: StateSchema = probe_schema(opt, group, param)
+    return dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
+
+
+def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str]) -> list:
+    """``(state, key, new)`` for every existing per-element state not in its configured format
+    (adoption mid-training, a re-configuration, a checkpoint a stock loader stored): all built
+    before any is stored, so a state that cannot be converted changes nothing."""
     updates = []
     for group in opt.param_groups:
         for param in group["params"]:
             state = opt.state.get(param)
-            if not state:
+            if not state or param.is_meta:
                 continue
-            schema: StateSchema = probe_schema(opt, group, param)
-            for key, fmt in wrapped.config.formats_for(param, schema.per_element, wrapped.names.get(param),
-                                                       schema.nonneg):
+            for key, fmt in _formats(opt, config, names, group, param).items():
                 new = checkpoint.converted(param, key, state.get(key), fmt)
                 if new is not None:
                     updates.append((state, key, new))
-    for state, key, new in updates:
-        state[key] = new
+    return updates
 
 
-def _after_load(opt: torch.optim.Optimizer) -> None:
-    """``load_state_dict`` post hook: restore the packed states, then convert every state (stock fp32
-    ones included) to the configured format."""
-    checkpoint.reinsert_packed(opt)
-    _conform_state(opt, getattr(opt, _ATTR))
+def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
+    """Refuse a fmt dict or override that names a state no optimizer keeps (a misspelling)."""
+    if not config.state_names:
+        return
+    kept = set()
+    for group in opt.param_groups:
+        for param in {p.dim(): p for p in group["params"] if not p.is_meta}.values():
+            kept.update(probe_schema(opt, group, param).per_element)
+    config.check_state_names(kept, type(opt).__name__)
+
+
+def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``load_state_dict`` pre hook: read and convert every state first (``checkpoint.prepare_load``)."""
+    wrapped: _Wrapped = getattr(opt, _ATTR)
+    return checkpoint.prepare_load(
+        opt, state_dict, lambda group, param: _formats(opt, wrapped.config, wrapped.names, group, param),
+        wrapped.names.get)
+
+
+# The stock-step guard leaves alone a wrapped optimizer (its step converts what a loader left in its
+# state) and optimizers that are not stock elementwise ones (ZeroRedundancyOptimizer keeps a copy of
+# its inner optimizer's state but steps the inner one).
+checkpoint.defer_to(lambda opt: is_wrapped(opt) or not isinstance(opt, SUPPORTED))

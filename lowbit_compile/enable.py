@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from . import checkpoint
 from .api import SUPPORTED, _check_optimizer, is_wrapped, lowbit_compile, restore, stock_step_runs_rewritten
 from .config import (
     DEFAULT_BLOCK_SIZE,
@@ -63,7 +64,7 @@ class Rewritten:
         """Bytes the optimizer's states hold now, and what stock states of the same dtypes would."""
         self.state_bytes = memory_report(opt).total.bytes
         self.stock_state_bytes = sum(
-            v.numel() * v.element_size()
+            v.numel() * v.dtype.itemsize
             for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
         )
 
@@ -107,6 +108,7 @@ class Scope(contextlib.ContextDecorator):
 
     # entering and leaving ---------------------------------------------------------------------
     def __enter__(self) -> Scope:
+        checkpoint.guard_stock_steps()
         _acquire_hooks()
         self._tokens.append(_active.set((*_active.get(), self)))
         if self.config.uses_names and self._names is None and self._module_hook is None:
@@ -133,21 +135,32 @@ class Scope(contextlib.ContextDecorator):
 
     # the hooks --------------------------------------------------------------------------------
     def _pre_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if opt in self._decided or is_wrapped(opt):
+        if is_wrapped(opt):
             return None
-        self._decided.add(opt)
+        if opt not in self._decided:
+            self._decided.add(opt)
+            if self._rewrites(opt):
+                return self._rewrite(opt, args, kwargs)
+        checkpoint.refuse_packed_states(opt)  # left stock: its stock step cannot take low-bit states
+        return None
+
+    def _rewrites(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether this scope rewrites ``opt`` (counting why not, when not)."""
         if not isinstance(opt, SUPPORTED):
             self.skipped[f"{type(opt).__name__} (not an optimizer lowbit_compile rewrites)"] += 1
-            return None
+            return False
         if self._restore_requested:
             self.skipped[f"{type(opt).__name__} (stepped after a restore request)"] += 1
-            return None
+            return False
         try:
             _check_optimizer(opt)
         except (TypeError, ValueError) as err:
-            warnings.warn(f"lowbit_compile.enable left a {type(opt).__name__} stock: {err}", stacklevel=4)
+            warnings.warn(f"lowbit_compile.enable left a {type(opt).__name__} stock: {err}", stacklevel=5)
             self.skipped[f"{type(opt).__name__} (unsupported: {err})"] += 1
-            return None
+            return False
+        return True
+
+    def _rewrite(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         lowbit_compile(opt, **self._options, model=self._names_of(opt))
         n_params = sum(p.numel() for group in opt.param_groups for p in group["params"])
         record = Rewritten(f"{type(opt).__name__} #{len(self.rewritten) + 1}", n_params)
@@ -194,7 +207,8 @@ class Scope(contextlib.ContextDecorator):
                 "have no known name, so the name-pattern overrides cannot be applied to them; run the "
                 "model's forward inside the scope before the first step, or pass model= to enable()"
             )
-        return [(names[p], p) for p in params]
+        # every known name, not only this optimizer's: patterns are checked against the whole model
+        return [(name, p) for p, name in names.items()]
 
     def _stop_learning_names(self) -> None:
         if self._module_hook is not None:
@@ -291,3 +305,7 @@ def _release_hooks() -> None:
         if _hook_users == 0:
             while _hook_handles:
                 _hook_handles.pop().remove()
+
+
+# an optimizer stepped in scope is rewritten (or refused) by Scope._pre_step, not by the stock-step guard
+checkpoint.defer_to(lambda opt: bool(_active.get()))
