@@ -42,8 +42,7 @@ def lowbit_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer
 def stock_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     """The class ``restore`` gives back: the stock class a low-bit class was made for. A class
     derived from a low-bit one (``class Mine(lowbit_compile.optim.AdamW)``) stays as it is."""
-    base = getattr(cls, "_lowbit_base", None)
-    return base if base is not None and _classes.get(base) is cls else cls
+    return cls._lowbit_base if cls.__dict__.get("_lowbit_made") else cls
 
 
 def describe(opt: torch.optim.Optimizer) -> str:
@@ -119,14 +118,32 @@ def _make_class(base: type[torch.optim.Optimizer], module: str) -> type[torch.op
             api.lowbit_compile(self, **options, model=names or None)
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        made_at_run_time = _classes.get(base) is type(self) and type(self).__module__ != __name__
-        return _rebuild, (base if made_at_run_time else type(self), self.__getstate__())
+        # a class made here is rebuilt from its stock class (one made at run time has no import path)
+        made_here = type(self).__dict__.get("_lowbit_made", False)
+        return _rebuild, (base if made_here else type(self), self.__getstate__())
+
+    def with_options(sub: type, **options: Any) -> type:
+        unknown = sorted(set(options) - set(own))
+        if unknown:
+            raise TypeError(f"{base.__name__}.with_options takes the lowbit_compile options {own}, got {unknown}")
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super(preset, self).__init__(*args, **{**options, **kwargs})
+
+        preset = type(sub.__name__, (sub,), {"__module__": sub.__module__, "__qualname__": sub.__qualname__,
+                                              "__slots__": (), "_lowbit_made": True, "__init__": __init__})
+        return preset
+
+    with_options.__doc__ = ("A subclass whose constructor defaults to these lowbit_compile options (``model=``, "
+                            "``overrides=``, ...), for a framework that takes a class and passes it only the stock "
+                            "arguments (HF Trainer's ``optimizer_cls_and_kwargs`` takes ``model`` out of the kwargs).")
 
     __init__.__signature__ = _signature(stock_signature, own)  # type: ignore[attr-defined]
     __init__.__doc__ = (f"``{base.__module__}.{base.__qualname__}`` with low-bit states: the stock arguments, "
                         f"plus the keyword options of ``lowbit_compile`` ({', '.join(own)}).")
     namespace = {
         "__module__": module, "__qualname__": base.__qualname__, "__slots__": (), "_lowbit_base": base,
+        "_lowbit_made": True, "with_options": classmethod(with_options),
         "__doc__": f"{base.__qualname__} with block-quantized 8-bit states: ``lowbit_compile({base.__qualname__}"
                    "(...), **options)`` as one class.\n\n" + (base.__doc__ or ""),
         "__init__": __init__, "__repr__": __repr__, "__getstate__": __getstate__, "__setstate__": __setstate__,

@@ -14,7 +14,8 @@ import torch
 
 import lowbit_compile
 from examples.lion import Lion
-from lowbit_compile import QuantizedState, is_wrapped, lowbit_compile as wrap, optim, restore
+from lowbit_compile import QuantizedState, is_wrapped, optim, restore
+from lowbit_compile import lowbit_compile as wrap
 from lowbit_compile.api import SUPPORTED
 
 SHAPES = [(64, 80), (80,)]  # one tensor quantized (>= min_8bit_size=4096 elements), one kept fp32
@@ -164,7 +165,7 @@ def test_a_copy_is_wrapped_with_equal_states_and_steps_bit_for_bit_like_the_orig
     run(opt, grads(3))
     dup = COPIES[how](opt)
     assert type(dup) is type(opt) and is_wrapped(dup) and dup is not opt
-    assert getattr(dup, "_lowbit").options == getattr(opt, "_lowbit").options
+    assert dup._lowbit.options == opt._lowbit.options
     assert all(p is not q for p, q in zip(params_of(opt), params_of(dup)))
     assert_same_states(opt, dup)
     later = grads(4, seed=7)
@@ -195,3 +196,18 @@ def test_a_stock_optimizer_copies_as_stock():
 
 def test_the_package_exports_the_classes_module():
     assert lowbit_compile.optim is optim and "optim" in lowbit_compile.__all__
+
+
+def test_with_options_presets_the_low_bit_options_and_copies_like_its_class():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 64))
+    preset = optim.AdamW.with_options(model=model, overrides={"1.*": "bf16"}, min_8bit_size=0)
+    assert issubclass(preset, optim.AdamW) and preset.__name__ == "AdamW"
+    opt = preset(model.parameters(), lr=1e-3, fmt="int8")  # given options still win
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    assert [opt.state[p]["exp_avg"].fmt.name for p in model.parameters()] == ["int8", "int8", "bf16", "bf16"]
+    dup = pickle.loads(pickle.dumps((model, opt)))[1]  # rebuilt as optim.AdamW: the class made here has no path
+    assert type(dup) is optim.AdamW and is_wrapped(dup)
+    assert type(restore(opt)) is torch.optim.AdamW
+    with pytest.raises(TypeError, match="with_options takes"):
+        optim.AdamW.with_options(lr=1e-3)
