@@ -163,10 +163,13 @@ def _check_target(target: tuple[str, str]) -> None:
     if kind == "script" and not os.path.isfile(name):
         raise ValueError(f"no such script: {name!r} (give a path to a Python file, or -m module.name)")
     if kind == "module":
+        first, sys.path[0] = sys.path[0], os.getcwd()  # where _run will look for it
         try:
             found = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):  # a parent package that does not exist
             found = False
+        finally:
+            sys.path[0] = first
         if not found:
             raise ValueError(f"no module named {name!r} (with -m, give an importable module, e.g. mypkg.train)")
 
