@@ -38,9 +38,9 @@ MAX_REL_ERROR = 0.1
 AVERAGE_WEIGHT = 0.2
 MIN_SAMPLES = 3
 
-# Blocks per parameter one sample measures, evenly spaced and others each sample: 16 blocks of 512
-# are 8192 values; a sample then costs in proportion to the number of parameters, not their size.
-DEFAULT_MAX_BLOCKS = 16
+# Blocks per parameter one sample measures, evenly spaced and others each sample: 8 blocks of 512
+# are 4096 values; a sample then costs in proportion to the number of parameters, not their size.
+DEFAULT_MAX_BLOCKS = 8
 
 # A sink: a TensorBoard ``SummaryWriter`` (``add_scalar``), a Lightning logger (``log_metrics``), a
 # ``logging.Logger``, or any callable ``log(metrics: dict, step: int)`` (``wandb.log``).
