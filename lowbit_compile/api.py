@@ -1,7 +1,8 @@
 """``lowbit_compile(opt)`` and ``restore(opt)``: switch a stock optimizer to low-bit states and back.
 
-The optimizer object stays the same instance of the same class with the same ``param_groups``;
-only its ``step`` (an instance attribute shadowing the class method) and its state tensors change.
+The optimizer object stays the same instance with the same ``param_groups``; its class becomes the
+low-bit subclass of its class (``lowbit_compile.optim``: still an instance of the stock class), its
+``step`` an instance attribute shadowing the class method, and its state tensors change.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import checkpoint, sharding
 from .compile import compile_step
@@ -57,8 +57,9 @@ class _Wrapped:
     ``step`` instance attribute it replaced (e.g. an LR scheduler's wrapper), and the parameter
     names that name-pattern overrides match against."""
 
-    def __init__(self, config: Config, previous_step: Any, hooks: list) -> None:
+    def __init__(self, config: Config, options: dict[str, Any], previous_step: Any, hooks: list) -> None:
         self.config = config
+        self.options = options  # as given (less model=): what a copy is wrapped with again
         self.previous_step = previous_step
         self.hooks = hooks
         self.names: dict[torch.Tensor, str] = {}
@@ -97,20 +98,30 @@ def lowbit_compile(
         outliers: largest-magnitude values per block kept exactly in bf16 (patches); they help the
             linear int8 grid, not dynamic8, whose map already spans six decades.
         min_8bit_size: tensors with fewer elements keep stock fp32 states.
-        backend: ``"auto"`` or ``"reference"`` (eager lowering).
+        backend: one of ``lowbit_compile.config.BACKENDS``: ``"auto"`` (the fused lowering for the
+            parameters' device) or a named one, ``"reference"`` being the eager oracle.
         overrides: per-parameter formats, first match wins: ``{pattern: fmt}`` or ``[(pattern, fmt)]``
             where a pattern is a glob on the parameter name (``"*embed*"``), a compiled regex, or a
             predicate ``(name, param) -> bool``; e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``.
             Overrides win over ``min_8bit_size``; sizes and shapes are the full (unsharded) tensor's.
         model: the module (or ``named_parameters()`` pairs) that gives name patterns their names.
 
-    Returns ``opt`` itself. Calling it again re-configures; it never quantizes twice.
+    Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
+    subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures; it
+    never quantizes twice.
     """
+    from .optim import lowbit_class  # optim builds its classes from this module
+
     config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
     _check_optimizer(opt)
     check_backend(opt, config)
     known = param_names(model) if model is not None else None  # model may be a one-shot iterator
+    if known is None and opt.param_groups and all("param_names" in g for g in opt.param_groups):
+        # an optimizer built from named_parameters() knows its names
+        known = {p: n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
     names = _names_for(opt, config, known)
+    options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
+                   backend=backend, overrides=overrides)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if names is None:
         names = wrapped.names if wrapped is not None else {}
@@ -125,20 +136,25 @@ def lowbit_compile(
             opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
             opt.register_load_state_dict_pre_hook(_before_load),
             opt.register_load_state_dict_post_hook(checkpoint.finish_load),
+            opt.register_step_pre_hook(_redirect_stock_step),
         ]
-        wrapped = _Wrapped(config, previous, hooks)
+        wrapped = _Wrapped(config, options, previous, hooks)
     else:
-        wrapped.config = config
+        wrapped.config, wrapped.options = config, options
     wrapped.names = names
     for state, key, new in updates:
         state[key] = new
     setattr(opt, _ATTR, wrapped)
     opt.step = _make_step(opt, wrapped.previous_step)
+    opt.__class__ = lowbit_class(type(opt))
     return opt
 
 
 def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Turn a wrapped optimizer back into a stock one: fp32 (stock-dtype) states, the class's step."""
+    """Turn a wrapped optimizer back into a stock one: fp32 (stock-dtype) states, the class's step,
+    and its stock class again (an optimizer built from a ``lowbit_compile.optim`` class included)."""
+    from .optim import stock_class
+
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if wrapped is None:
         return opt
@@ -152,10 +168,12 @@ def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if wrapped.previous_step is not None:
         opt.step = wrapped.previous_step
     delattr(opt, _ATTR)
+    opt.__class__ = stock_class(type(opt))
     return opt
 
 
 def is_wrapped(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` runs the low-bit step now (``lowbit_compile`` applied, ``restore`` not since)."""
     return hasattr(opt, _ATTR)
 
 
@@ -249,19 +267,30 @@ def stock_step_runs_rewritten(opt: torch.optim.Optimizer, args: tuple, kwargs: d
     twin.__dict__.update(opt.__dict__)
     twin.param_groups = []
     twin.state = collections.defaultdict(dict)
-    return (twin,), {"closure": lambda: _rewritten_update()(opt, closure)}
+    return (twin,), {"closure": RunRewritten(opt, closure)}
+
+
+class RunRewritten:
+    """The closure ``stock_step_runs_rewritten`` hands the idle stock step: the rewritten update of
+    ``opt``, which calls ``closure`` (the caller's, or None) first. A later pre-hook that needs to act
+    between the caller's closure and the update (``monitor``) replaces ``closure``."""
+
+    def __init__(self, opt: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> None:
+        self.opt = opt
+        self.closure = closure
+
+    def __call__(self) -> Any:
+        return _rewritten_update()(self.opt, self.closure)
 
 
 def _redirect_stock_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """A wrapped optimizer stepped through its class's stock ``step`` -- a bound method captured
-    before it was wrapped, which accelerate's AcceleratedOptimizer puts back after every GradScaler
-    step -- still runs the rewritten update, never the stock one on quantized states."""
-    if getattr(opt, _ATTR, None) is None or _IN_REWRITTEN_STEP.get():
+    """The step pre-hook of a wrapped optimizer: stepped through its class's stock ``step`` -- a
+    bound method captured before it was wrapped, which accelerate's AcceleratedOptimizer puts back
+    after every GradScaler step -- it still runs the rewritten update, never the stock one on
+    quantized states. A step an earlier hook (``enable``'s) already redirected is left alone."""
+    if getattr(opt, _ATTR, None) is None or _IN_REWRITTEN_STEP.get() or (args and args[0] is not opt):
         return None
     return stock_step_runs_rewritten(opt, args, kwargs)
-
-
-register_optimizer_step_pre_hook(_redirect_stock_step)
 
 
 _DISABLED_STEP: list[Callable] = []

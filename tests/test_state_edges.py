@@ -12,8 +12,8 @@ import torch
 
 from lowbit_compile import QuantizedState, checkpoint, enable, lowbit_compile
 from lowbit_compile.config import STOCK_STATES
-from lowbit_compile.state_schema import probe_schema
 from lowbit_compile.state import StateView
+from lowbit_compile.state_schema import probe_schema
 
 OPTIONS = {"fmt": "int8", "block_size": 64, "min_8bit_size": 0}
 
