@@ -44,6 +44,26 @@ def flavor_of(device: torch.device) -> str:
 # Launch tuning, for benchmarks: None picks num_warps from the tile size.
 LAUNCH_OPTIONS: dict[str, int | None] = {"num_warps": None}
 
+FP8_NATIVE_ARCH = 89  # the first CUDA compute capability with fp8 conversion instructions (Ada, then Hopper)
+# The FP8 path of kernels emitted from now on, for tests and bench/gpu_check.py: None picks it from the device.
+FP8_PATH: dict[str, bool | None] = {"native": None}
+
+
+def fp8_native_for(device: torch.device) -> bool:
+    """Whether kernels for ``device`` hold fp8 codes as float8 and convert them with the GPU's cvt
+    instructions (sm_89 and later), or as uint8 bits with integer operations (earlier GPUs). The
+    interpreter runs both; CPU tensors take the native path unless ``FP8_PATH`` says otherwise."""
+    forced = FP8_PATH["native"]
+    if forced is not None:
+        return forced
+    return _cuda_arch(device) >= FP8_NATIVE_ARCH if device.type == "cuda" else True
+
+
+@functools.cache
+def _cuda_arch(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
 
 class TritonKernel:
     """One emitted kernel, compiled (or interpreted), bound to the tensors and numbers of its inputs.
@@ -57,6 +77,8 @@ class TritonKernel:
         self.key = kernel_key(emitted)
         self.interpreted = interpreting()
         self.fn = _compile(emitted.source, emitted.name, self.key)
+        # fp8 codes on the integer path: the kernel reads and writes their bytes
+        self.byte_inputs = frozenset(p.index for p in emitted.params if p.kind == "input" and p.dtype == torch.uint8)
 
     def split(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
         """The body inputs ``inputs`` (in graph order) as the op's (written, read, numbers) lists."""
@@ -88,15 +110,16 @@ class TritonKernel:
             value = values[p.index]
             if isinstance(value, torch.Tensor) and value.device != device:
                 value = value.to(device, non_blocking=True)  # a 0-d hyperparameter kept on the host
+            if p.index in self.byte_inputs and value.dtype != torch.uint8:
+                value = value.view(torch.uint8)
             args.append(value)
         n = anchor.numel()
         blocks = triton.cdiv(n, e.block) - first_block
         if blocks <= 0:
             return
-        tile = e.block * e.rows
-        num_warps = LAUNCH_OPTIONS["num_warps"] or (4 if tile <= 1024 else 8 if tile <= 4096 else 16)
         self.fn[(triton.cdiv(blocks, e.rows),)](
-            *args, n, first_block, BLOCK=e.block, ROWS=e.rows, num_warps=num_warps, enable_fp_fusion=False,
+            *args, n, first_block, BLOCK=e.block, ROWS=e.rows, num_warps=LAUNCH_OPTIONS["num_warps"] or _warps(e),
+            enable_fp_fusion=False,
         )
 
     def _list_of(self, p: KernelParam) -> str:
@@ -110,20 +133,30 @@ _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16
                   torch.float8_e5m2: "*fp8e5"}
 
 
-def compile_for_target(emitted: EmittedKernel, arch: int = 90, num_warps: int = 8):
-    """Compile ``emitted`` for CUDA compute capability ``arch`` without a GPU (Triton's bundled ptxas):
-    GPU-only compile errors show on any machine. Not available under the interpreter."""
+def _warps(e: EmittedKernel) -> int:
+    tile = e.block * e.rows
+    return 4 if tile <= 1024 else 8 if tile <= 4096 else 16
+
+
+def compile_for_target(graph: GraphModule, arch: int = 90, fp8_native: bool | None = None,
+                       name: str = "lowbit_step"):
+    """Emit the CUDA kernel of ``graph`` (a split step's body, or a standalone state graph) as a GPU of
+    compute capability ``arch`` would run it, FP8 path included (``fp8_native`` forces one), and compile it
+    without a GPU (Triton's bundled ptxas): GPU-only compile errors show on any machine. Not available
+    under the interpreter."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if interpreting():
         raise RuntimeError("compile_for_target needs TRITON_INTERPRET unset: it builds real Triton kernels")
+    native = arch >= FP8_NATIVE_ARCH if fp8_native is None else fp8_native
+    emitted = emit_kernel(graph, name, "cuda", fp8_native=native)
     signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else "fp32" for p in emitted.params}
     signature.update(n_elements="i64", first_block="i64", BLOCK="constexpr", ROWS="constexpr")
     fn = _compile(emitted.source, emitted.name, kernel_key(emitted))
     source = ASTSource(fn, signature, constexprs={"BLOCK": emitted.block, "ROWS": emitted.rows})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": False})
+                          options={"num_warps": _warps(emitted), "enable_fp_fusion": False})
 
 
 def kernel_key(emitted: EmittedKernel) -> str:
@@ -200,13 +233,14 @@ class FusedStepBody(torch.nn.Module):
         super().__init__()
         self.graph_module = body
         self.kernel_name = name
-        self._kernels: dict[str, TritonKernel] = {}
+        self._kernels: dict[tuple[str, bool], TritonKernel] = {}
 
     def kernel(self, device: torch.device) -> TritonKernel:
-        flavor = flavor_of(device)
-        kernel = self._kernels.get(flavor)
+        key = (flavor_of(device), fp8_native_for(device))
+        kernel = self._kernels.get(key)
         if kernel is None:
-            kernel = self._kernels[flavor] = kernel_for(emit_kernel(self.graph_module, self.kernel_name, flavor))
+            kernel = self._kernels[key] = kernel_for(
+                emit_kernel(self.graph_module, self.kernel_name, key[0], fp8_native=key[1]))
         return kernel
 
     def forward(self, *inputs: Any) -> None:
@@ -226,21 +260,21 @@ def lower_triton(step: GraphModule) -> Callable[..., None]:
 
 # standalone state kernels --------------------------------------------------------------------------
 @functools.cache
-def _state_kernel(kind: str, fmt: StateFormat, dtype: torch.dtype, flavor: str) -> TritonKernel:
+def _state_kernel(kind: str, fmt: StateFormat, dtype: torch.dtype, flavor: str, fp8_native: bool) -> TritonKernel:
     graph = quantize_graph(fmt, dtype) if kind == "quantize" else dequantize_graph(fmt, dtype)
-    return kernel_for(emit_kernel(graph, f"lowbit_{kind}", flavor))
+    return kernel_for(emit_kernel(graph, f"lowbit_{kind}", flavor, fp8_native=fp8_native))
 
 
 def quantize_into(x: torch.Tensor, out: blockquant.Quantized, fmt: StateFormat) -> None:
     """``blockquant.quantize_into`` with a Triton kernel: ``x`` (any float dtype, any shape) into ``out``."""
     flat = x.reshape(-1)
-    kernel = _state_kernel("quantize", fmt, flat.dtype, flavor_of(flat.device))
+    kernel = _state_kernel("quantize", fmt, flat.dtype, flavor_of(flat.device), fp8_native_for(flat.device))
     quantize_op(kernel.key, *kernel.split((flat, *out)))
 
 
 def dequantize(q: blockquant.Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``blockquant.dequantize`` with a Triton kernel: the flat values of ``q`` as a new ``dtype`` tensor."""
     out = torch.empty(q.codes.numel(), dtype=dtype, device=q.codes.device)
-    kernel = _state_kernel("dequantize", fmt, dtype, flavor_of(out.device))
+    kernel = _state_kernel("dequantize", fmt, dtype, flavor_of(out.device), fp8_native_for(out.device))
     dequantize_op(kernel.key, *kernel.split((*q, out)))
     return out

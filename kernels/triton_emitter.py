@@ -93,15 +93,16 @@ class _Value:
     host_scalar: bool
 
 
-def emit_kernel(body: GraphModule, name: str, flavor: str) -> EmittedKernel:
+def emit_kernel(body: GraphModule, name: str, flavor: str, *, fp8_native: bool = True) -> EmittedKernel:
     """Triton source for the elementwise ``body`` of a split, quantize-rewritten step.
 
     ``flavor`` ("cuda" or "cpu") selects the ATen formulas to reproduce (they differ in where fmas
-    and reciprocals are used).
+    and reciprocals are used). ``fp8_native`` holds fp8 codes as float8 (conversions need sm_89+);
+    otherwise as uint8 bits, encoded and decoded with integer operations (any GPU; same codes).
     """
     if flavor not in FLAVORS:
         raise ValueError(f"flavor must be one of {FLAVORS}, got {flavor!r}")
-    return _Emitter(body.graph, name, flavor).emit()
+    return _Emitter(body.graph, name, flavor, fp8_native).emit()
 
 
 def quantize_graph(fmt: StateFormat, dtype: torch.dtype) -> GraphModule:
@@ -139,10 +140,11 @@ def _state_parts(graph: Graph, key: str) -> list[Node]:
 
 
 class _Emitter:
-    def __init__(self, graph: Graph, name: str, flavor: str) -> None:
+    def __init__(self, graph: Graph, name: str, flavor: str, fp8_native: bool) -> None:
         self.graph = graph
         self.name = name
         self.flavor = flavor
+        self.fp8_native = fp8_native
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.names = {n: (f"v_{n.name}" if n.name in _RESERVED else n.name) for n in graph.nodes}
         self.values: dict[Node, _Value] = {}
@@ -409,7 +411,8 @@ def _state_args(em: _Emitter, parts: tuple, fmt: StateFormat) -> list[str]:
     codes, scales, patch_values, patch_index = parts
     if not fmt.blockwise:
         return [em.param(codes, fmt.code_dtype), "None", "None", "None"]
-    pointers = [em.param(codes, fmt.code_dtype), em.param(scales, torch.float32)]
+    codes_dtype = torch.uint8 if _is_fp8(fmt) and not em.fp8_native else fmt.code_dtype  # launched as a uint8 view
+    pointers = [em.param(codes, codes_dtype), em.param(scales, torch.float32)]
     if not fmt.patches:
         return pointers + ["None", "None"]
     return pointers + [em.param(patch_values, PATCH_VALUE_DTYPE), em.param(patch_index, PATCH_INDEX_DTYPE)]
@@ -425,7 +428,7 @@ def _emit_dequantize(em: _Emitter, node: Node) -> None:
     em.lines.append(f"# {fmt.tag()}")
     em.lines += _call_lines(f"{name} = lb.dequantize", _state_args(em, tuple(parts), fmt) + [
         table, "rows", "cols", "offsets", "mask", "row_mask",
-        f"FMT={_FORMAT_IDS[fmt.name]}", f"K={fmt.patches}", f"DTYPE={_DTYPE_IDS[dtype]}"])
+        f"FMT={_FORMAT_IDS[fmt.name]}", f"K={fmt.patches}", f"DTYPE={_DTYPE_IDS[dtype]}", *_fp8_path(em, fmt)])
     em.values[node] = _Value(name, "tile", dtype, False)
 
 
@@ -440,7 +443,7 @@ def _emit_quantize(em: _Emitter, node: Node) -> None:
     em.lines += _call_lines("lb.quantize", [em.value(x).expr] + _state_args(em, tuple(parts), fmt) + [
         table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_FORMAT_IDS[fmt.name]}",
         f"NONNEG={fmt.nonneg}", f"K={fmt.patches}", f"QMAX={fmt.qmax!r}", f"MIN_POSITIVE={fmt.min_positive!r}",
-        f"INV_QMAX={inv_qmax!r}"])
+        f"INV_QMAX={inv_qmax!r}", *_fp8_path(em, fmt)])
 
 
 _OPS: dict[object, Callable[[_Emitter, Node], None]] = {
@@ -494,6 +497,15 @@ def _value_dtype(dtype: torch.dtype, node: Node) -> torch.dtype:
 def _check_format(fmt: StateFormat, node: Node) -> None:
     if fmt.name not in _FORMAT_IDS:
         raise UnsupportedOpError(f"node {node.name!r} uses format {fmt.name!r}, which never reaches a kernel")
+
+
+def _is_fp8(fmt: StateFormat) -> bool:
+    return fmt.name in ("fp8_e4m3", "fp8_e5m2")
+
+
+def _fp8_path(em: _Emitter, fmt: StateFormat) -> list[str]:
+    """The FP8_NATIVE argument of an fp8 state's lb.quantize/lb.dequantize (no other format reads it)."""
+    return [f"FP8_NATIVE={em.fp8_native}"] if _is_fp8(fmt) else []
 
 
 def _fp32_reciprocal(x: float) -> float:
