@@ -11,11 +11,12 @@ from lowbit_compile.passes.split import split_prologue
 from lowbit_compile.runner import init_state, probe_schema, trace_for
 
 
-def pass_graphs(opt: torch.optim.Optimizer, fmt: str = "int8") -> dict[str, torch.fx.GraphModule]:
+def pass_graphs(opt: torch.optim.Optimizer, fmt: str | dict[str, str] = "int8", block_size: int = 2048,
+                outliers: int = 2) -> dict[str, torch.fx.GraphModule]:
     group = opt.param_groups[0]
     param = group["params"][0]
     schema = probe_schema(opt, group, param)
-    formats = dict(Config.make(fmt, 2048, 2, 0, "reference").formats_for(param, schema.per_element))
+    formats = dict(Config.make(fmt, block_size, outliers, 0, "reference").formats_for(param, schema.per_element))
     state = init_state(param, schema, formats)
     traced = trace_for(opt, group, param, state, schema).graph
     roles = label_roles(traced)
