@@ -115,10 +115,13 @@ def test_integer_fp8_code_is_the_float8_cast_on_its_whole_domain(name):
     assert torch.equal(codes, y.to(fmt.code_dtype).view(torch.uint8))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # signalling NaNs
 @pytest.mark.parametrize(("name", "nonneg"), FP8_STATES)
 def test_both_fp8_paths_decode_every_code_like_the_reference_and_the_cpu_kernel(name, nonneg, fp8_path):
-    """All 256 codes through the dequantize kernel at scale 1: the integer path gives the CPU kernel's
-    bits exactly (NaN payloads included), the float8 path and torch the same values."""
+    """All 256 codes through the dequantize kernel at scale 1: the integer path gives the bits of the CPU
+    kernel and of torch, infinities included, and NaN for NaN; so does the float8 path on every finite
+    code (the interpreter's float8 casts read e4m3fn's NaNs as +-480 and e5m2's infinities as +-65536,
+    which a GPU's do not; no step writes those codes: encode clamps to the largest finite value)."""
     fmt = StateFormat(name, 256, 0, nonneg)
     q = blockquant.Quantized(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.code_dtype),
                              torch.ones(1), *blockquant.empty(256, fmt)[2:])
@@ -128,11 +131,14 @@ def test_both_fp8_paths_decode_every_code_like_the_reference_and_the_cpu_kernel(
     for native in (True, False):
         fp8_path(native)
         values = triton_backend.dequantize(q, fmt)
-        if not native:
-            assert torch.equal(bits(values), bits(cpu))
-        finite = ~torch.isnan(expected)
-        assert torch.equal(torch.isnan(values), ~finite), native
-        assert torch.equal(bits(values[finite]), bits(expected[finite])), native
+        if native:
+            finite = torch.isfinite(expected)
+            assert torch.equal(bits(values[finite]), bits(expected[finite]))
+        else:  # NaN payloads differ: times the scale, a signalling NaN (e5m2's 0x7D) comes out quiet
+            number = ~torch.isnan(expected)
+            assert torch.equal(bits(values[number]), bits(cpu[number]))
+            assert torch.equal(bits(values[number]), bits(expected[number]))
+            assert torch.isnan(values[~number]).all() and torch.isnan(cpu[~number]).all()
 
 
 @PATHS
@@ -145,7 +151,7 @@ def test_state_kernels_of_both_fp8_paths_match_the_reference_bit_for_bit(name, n
     ``test_triton_state_kernels`` builds them, with and without patches."""
     fp8_path(native)
     fmt = StateFormat.make(name, 64, outliers, nonneg)
-    x = corner_values(fmt, dtype)
+    x = corner_values(fmt, torch.float32).clamp(-6e4, 6e4).to(dtype)  # finite in fp16 too
     ref = blockquant.quantize(x, fmt)
     ours = blockquant.empty(x.numel(), fmt)
     triton_backend.quantize_into(x, ours, fmt)
@@ -172,8 +178,6 @@ def test_fused_step_states_of_both_fp8_paths_equal_the_cpu_kernel_and_the_refere
     cls, fmt, dtype, numel, block, outliers, kwargs = STEPS[case]
     runs = {}
     for run in ("reference", "inductor", "float8", "int-bits"):
-        if run in ("float8", "int-bits"):
-            fp8_path(run == "float8")
         torch.manual_seed(0)
         param = torch.nn.Parameter(torch.randn(numel, dtype=dtype))
         backend = "triton" if run in ("float8", "int-bits") else run
@@ -182,14 +186,16 @@ def test_fused_step_states_of_both_fp8_paths_equal_the_cpu_kernel_and_the_refere
     for step in range(3):
         grad = torch.randn(numel) * (step + 1)
         grad[7] = 50.0  # an outlier: a patch where the layout has them
-        for param, opt in runs.values():
+        for run, (param, opt) in runs.items():
+            fp8_path(run == "float8")  # read at each launch
             param.grad = grad.to(dtype)
             opt.step()
         p_ref, opt_ref = runs["reference"]
         for run, (param, opt) in runs.items():
             for key, ref in opt_ref.state[p_ref].items():
                 ours = opt.state[param][key]
-                for a, b in zip(ref.storage_parts, ours.storage_parts):
+                parts = zip(ref.storage_parts, ours.storage_parts) if hasattr(ref, "storage_parts") else [(ref, ours)]
+                for a, b in parts:
                     assert torch.equal(bits(a), bits(b)), (run, step, key)
         # the two Triton paths differ only in how codes are converted: the params agree exactly
         assert torch.equal(bits(runs["float8"][0].detach()), bits(runs["int-bits"][0].detach()))
