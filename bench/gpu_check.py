@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(row["skipped"])
                 else:
                     report["timing"].append(row)
-                    print(f"{name:22s} {int(size):.0e} {str(dtype)[6:]:9s} {row['median_ms']:9.3f} ms "
+                    print(f"{name:24s} {int(size):.0e} {str(dtype)[6:]:9s} {row['median_ms']:9.3f} ms "
                           f"{row['GBps']:7.0f} GB/s {row['pct_of_copy']:5.1f}%")
     add_speedups(report["timing"])
     report["launch_sweep"] = sweep_launches(device, args, report["copy_GBps"], deadline)
