@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from expecttest import assert_expected_inline
 
 from lowbit_compile import lowbit_compile
 from lowbit_compile.kernels import blockquant
@@ -30,6 +31,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from lowbit_compile.kernels import triton_lib as lb  # noqa: E402
+from lowbit_compile.kernels.triton_emitter import dequantize_graph, emit_kernel, quantize_graph  # noqa: E402
 
 FP8_STATES = [(name, nonneg) for name in target_matrix.FP8 for nonneg in (False, True)]
 PATHS = pytest.mark.parametrize("native", [True, False], ids=["float8", "int-bits"])
@@ -83,6 +85,28 @@ def _cpu_convert(fmt: StateFormat, direction: int, codes: torch.Tensor, values: 
     """The CPU kernel's element format code (``cpu_prelude.h``), on whole arrays: 1 encodes, 0 decodes."""
     _cpu_formats().convert(BLOCKWISE.index(fmt.name), int(fmt.nonneg), direction, ctypes.c_void_p(codes.data_ptr()),
                            ctypes.c_void_p(values.data_ptr()), ctypes.c_int64(values.numel()))
+
+
+def test_the_integer_fp8_path_types_codes_uint8_and_says_so_at_each_state_call():
+    fmt = StateFormat.make("fp8_e4m3", 512, 0, True)
+    kernels = {native: [emit_kernel(graph(fmt, torch.bfloat16), "k", "cuda", fp8_native=native)
+                        for graph in (quantize_graph, dequantize_graph)] for native in (True, False)}
+    for native, emitted in kernels.items():
+        codes = [p.dtype for k in emitted for p in k.params if p.name.endswith("codes_ptr")]
+        assert codes == [torch.float8_e4m3fn if native else torch.uint8] * 2
+    quantize, dequantize = (k.source.split("# fp8_e4m3:512:0:u\n")[1] for k in kernels[False])
+    assert_expected_inline(quantize + dequantize, """\
+    lb.quantize(x, x_codes_ptr, x_scales_ptr, None, None, None, rows, cols, offsets, mask, row_mask,
+                FMT=lb.FP8_E4M3, NONNEG=True, K=0, QMAX=448.0, MIN_POSITIVE=0.001953125,
+                INV_QMAX=0.0022321429569274187, FP8_NATIVE=False)
+    dequantize_default = lb.dequantize(state_codes_ptr, state_scales_ptr, None, None, None, rows, cols, offsets,
+                                       mask, row_mask, FMT=lb.FP8_E4M3, K=0, DTYPE=lb.BF16, FP8_NATIVE=False)
+    lb.store_elements(out_ptr, offsets, dequantize_default, mask, lb.BF16)
+""")
+    # int8 and the other formats read no FP8 path: their kernels are the same on both
+    int8 = StateFormat.make("int8", 512, 0, False)
+    assert emit_kernel(quantize_graph(int8, torch.float32), "k", "cuda", fp8_native=False).source == \
+        emit_kernel(quantize_graph(int8, torch.float32), "k", "cuda", fp8_native=True).source
 
 
 @pytest.mark.parametrize(("name", "nonneg"), FP8_STATES)
