@@ -25,8 +25,11 @@ Every float survives (``StateFormat`` names the formats; bounds: README, "Numeri
   ``1 / MIN_SCALE``: ``qmax / absmax`` would overflow to inf, and ``0 * inf`` is NaN. So every
   scale is 0 or at least ``MIN_SCALE``, and the smallest positive code times the scale is still
   positive (the zero-point rule holds for every block). At the top binade a scale whose largest
-  code would decode to inf (``qmax * scale`` rounding past the largest float) is lowered by one ulp.
-* Patches and bf16 states saturate at bf16's largest finite value instead of rounding to inf.
+  code would decode to inf (``qmax * scale`` rounding past the largest float) is lowered by one ulp;
+  in a flagged dynamic8 block (``flagged_qmax`` < 1) finite values above 0.979 times the largest
+  float saturate there.
+* Patches are encoded like a ``bf16`` state of the same sign: a finite value saturates at bf16's
+  largest instead of rounding to inf, and a positive value of a non-negative state never becomes 0.
 """
 
 from __future__ import annotations
@@ -36,13 +39,14 @@ from typing import NamedTuple
 
 import torch
 
-from .formats import StateFormat, decode, encode, round_bf16
+from .formats import StateFormat, decode, encode
 
 PATCH_VALUE_DTYPE = torch.bfloat16
 PATCH_INDEX_DTYPE = torch.int16
 # The smallest scale of a block with a nonzero value: the smallest normal float, so its reciprocal
 # (2^126) is finite and exact, and every format's smallest positive code times it is > 0.
 MIN_SCALE = 2.0**-126
+_SMALLEST_SUBNORMAL = 2.0**-149
 
 
 class Quantized(NamedTuple):
@@ -85,6 +89,9 @@ def _scale_and_inverse(absmax: torch.Tensor, qmax: float) -> tuple[torch.Tensor,
     scale = torch.where(tiny, MIN_SCALE, scale)
     inverse = torch.where(tiny, 1.0 / MIN_SCALE, inverse)
     top = torch.isinf(scale * qmax)
+    # only a qmax < 1 (a flagged dynamic8 block) overflows the scale itself: it becomes the largest
+    # float and the values above qmax times it saturate there
+    inverse = torch.where(torch.isinf(scale), 1.0 / torch.finfo(torch.float32).max, inverse)
     return torch.where(top, torch.nextafter(scale, torch.zeros_like(scale)), scale), inverse
 
 
@@ -104,7 +111,8 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat) -> None:
         mag.scatter_(1, j, -2.0)
     if idx:
         index = torch.cat(idx, dim=1)
-        out.patch_values.copy_(round_bf16(blocks.gather(1, index)))
+        # encoded like a bf16 state of the same sign: saturating, and a positive v never 0
+        out.patch_values.copy_(encode(blocks.gather(1, index), StateFormat.make("bf16", 0, 0, fmt.nonneg)))
         out.patch_index.copy_(index.to(PATCH_INDEX_DTYPE))
         blocks = blocks.scatter(1, index, 0.0)
     finite = torch.isfinite(blocks)
@@ -117,6 +125,8 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat) -> None:
         inverse = torch.where(flagged, inverse_f, inverse)
     out.scales.copy_(scale)
     normalized = torch.where(finite, blocks * inverse[:, None], blocks)
+    if fmt.nonneg:  # x * inverse may underflow to 0; the zero-point rule needs it positive
+        normalized = torch.where(blocks > 0, normalized.clamp(min=_SMALLEST_SUBNORMAL), normalized)
     codes = encode(normalized, fmt, flagged[:, None]).reshape(-1)
     out.codes.copy_(codes[:n])
 
