@@ -84,8 +84,11 @@ def _scale_and_inverse(absmax: torch.Tensor, qmax: float) -> tuple[torch.Tensor,
     """Per block: the scale (a code decodes to ``code * scale``) and the multiplier that takes the
     block's values to codes (``qmax / absmax``), neither of them 0 for a nonzero block nor inf."""
     scale = absmax / qmax
-    inverse = torch.where(absmax > 0, qmax / absmax, 0.0)
-    tiny = (absmax > 0) & (scale < MIN_SCALE)
+    nonzero = absmax > 0
+    inverse = torch.where(nonzero, qmax / absmax, 0.0)
+    tiny = nonzero & (scale < MIN_SCALE)
+    if not bool((tiny | torch.isinf(scale * qmax)).any()):  # the usual case
+        return scale, inverse
     scale = torch.where(tiny, MIN_SCALE, scale)
     inverse = torch.where(tiny, 1.0 / MIN_SCALE, inverse)
     top = torch.isinf(scale * qmax)
@@ -102,8 +105,10 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat) -> None:
         return
     n = x.numel()
     blocks = _blocks(x, fmt)
+    finite = torch.isfinite(blocks)
+    all_finite = bool(finite.all())  # the usual case skips the non-finite handling below
     # non-finite values rank below every finite magnitude, patches already taken below those
-    mag = torch.where(torch.isfinite(blocks), blocks.abs(), -1.0)
+    mag = blocks.abs() if all_finite else torch.where(finite, blocks.abs(), -1.0)
     idx = []
     for _ in range(fmt.patches):
         j = torch.argmax(mag, dim=1, keepdim=True)  # first maximal value: lowest offset wins ties
@@ -115,27 +120,33 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat) -> None:
         out.patch_values.copy_(encode(blocks.gather(1, index), StateFormat.make("bf16", 0, 0, fmt.nonneg)))
         out.patch_index.copy_(index.to(PATCH_INDEX_DTYPE))
         blocks = blocks.scatter(1, index, 0.0)
-    finite = torch.isfinite(blocks)
-    flagged = ~finite.all(dim=1)
-    absmax = torch.where(finite, blocks.abs(), 0.0).amax(dim=1)
-    scale, inverse = _scale_and_inverse(absmax, fmt.qmax)
-    if bool(flagged.any()):
+    if all_finite:
+        scale, inverse = _scale_and_inverse(blocks.abs().amax(dim=1), fmt.qmax)
+        normalized, flagged = blocks * inverse[:, None], None
+    else:
+        finite = torch.isfinite(blocks)
+        flagged = ~finite.all(dim=1)
+        absmax = torch.where(finite, blocks.abs(), 0.0).amax(dim=1)
+        scale, inverse = _scale_and_inverse(absmax, fmt.qmax)
         scale_f, inverse_f = _scale_and_inverse(absmax, fmt.flagged_qmax)
         scale = torch.where(flagged, -scale_f, scale)  # the sign bit marks the block (-0.0 included)
         inverse = torch.where(flagged, inverse_f, inverse)
+        normalized = torch.where(finite, blocks * inverse[:, None], blocks)
+        flagged = flagged[:, None]
     out.scales.copy_(scale)
-    normalized = torch.where(finite, blocks * inverse[:, None], blocks)
     if fmt.nonneg:  # x * inverse may underflow to 0; the zero-point rule needs it positive
         normalized = torch.where(blocks > 0, normalized.clamp(min=_SMALLEST_SUBNORMAL), normalized)
-    codes = encode(normalized, fmt, flagged[:, None]).reshape(-1)
-    out.codes.copy_(codes[:n])
+    out.codes.copy_(encode(normalized, fmt, flagged).reshape(-1)[:n])
 
 
 def decode_scaled(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     """fp32 values of ``codes`` under their blocks' ``scales`` (broadcasting against ``codes``):
     decode times the scale's magnitude, and in a flagged block (scale sign bit set) the special codes
     as +inf, -inf or NaN."""
-    values = decode(codes, fmt, torch.signbit(scales))
+    flagged = torch.signbit(scales)
+    if not bool(flagged.any()):
+        return decode(codes, fmt) * scales
+    values = decode(codes, fmt, flagged)
     return torch.where(torch.isfinite(values), values * scales.abs(), values)
 
 
