@@ -107,9 +107,9 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat) -> None:
     blocks = _blocks(x, fmt)
     finite = torch.isfinite(blocks)
     all_finite = bool(finite.all())  # the usual case skips the non-finite handling below
-    # non-finite values rank below every finite magnitude, patches already taken below those
-    mag = blocks.abs() if all_finite else torch.where(finite, blocks.abs(), -1.0)
     idx = []
+    if fmt.patches:  # non-finite values rank below every finite magnitude, patches taken below those
+        mag = blocks.abs() if all_finite else torch.where(finite, blocks.abs(), -1.0)
     for _ in range(fmt.patches):
         j = torch.argmax(mag, dim=1, keepdim=True)  # first maximal value: lowest offset wins ties
         idx.append(j)
