@@ -26,8 +26,8 @@ Every float survives (``StateFormat`` names the formats; bounds: README, "Numeri
   scale is 0 or at least ``MIN_SCALE``, and the smallest positive code times the scale is still
   positive (the zero-point rule holds for every block). At the top binade a scale whose largest
   code would decode to inf (``qmax * scale`` rounding past the largest float) is lowered by one ulp;
-  in a flagged dynamic8 block (``flagged_qmax`` < 1) finite values above 0.979 times the largest
-  float saturate there.
+  where qmax < 1 (signed dynamic8: 0.993, flagged dynamic8: 0.979 and 0.982) the scale stops at the
+  largest float, and a value past its sign's largest usable map value times that saturates there.
 * Patches are encoded like a ``bf16`` state of the same sign: a finite value saturates at bf16's
   largest instead of rounding to inf, and a positive value of a non-negative state never becomes 0.
 """
@@ -92,8 +92,8 @@ def _scale_and_inverse(absmax: torch.Tensor, qmax: float) -> tuple[torch.Tensor,
     scale = torch.where(tiny, MIN_SCALE, scale)
     inverse = torch.where(tiny, 1.0 / MIN_SCALE, inverse)
     top = torch.isinf(scale * qmax)
-    # only a qmax < 1 (a flagged dynamic8 block) overflows the scale itself: it becomes the largest
-    # float and the values above qmax times it saturate there
+    # only a qmax < 1 (signed or flagged dynamic8) overflows the scale itself: it stops at the largest
+    # float, and values past the largest usable map value times it saturate there
     inverse = torch.where(torch.isinf(scale), 1.0 / torch.finfo(torch.float32).max, inverse)
     return torch.where(top, torch.nextafter(scale, torch.zeros_like(scale)), scale), inverse
 
