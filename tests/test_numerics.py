@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lowbit_compile import QuantizedState, lowbit_compile
+from lowbit_compile import QuantizedState, checkpoint, lowbit_compile
 from lowbit_compile.kernels import blockquant
 from lowbit_compile.kernels.formats import StateFormat, dynamic_map
 
@@ -484,3 +484,19 @@ def test_a_long_idle_row_stays_finite_and_within_its_bound(fmt):
     assert row.finite
     assert row.within_bound, row
     assert row.bound_over_movement < 1.0, row  # the bound says something: less than stock's own movement
+
+
+@pytest.mark.parametrize("name", BLOCKWISE)
+def test_flagged_blocks_survive_checkpoints(name):
+    """A state with inf and NaN elements round-trips ``state_dict`` bit for bit, and exports to the
+    stock dense state with the same inf and NaN (rows of 48 over blocks of 64: blocks span rows)."""
+    param = torch.empty(10, 48)
+    x = torch.randn(10, 48)
+    x[1, 3], x[4, 40], x[7, 0] = INF, NAN, -INF
+    state = QuantizedState.from_dense(x, StateFormat(name, 64, 1, False))
+    packed = checkpoint.pack(state, param)
+    back = checkpoint.unpack(packed, param)
+    assert all(same_values(a, b) for a, b in zip(back.storage_parts, state.storage_parts))
+    dense = checkpoint.stock_state_dict({"state": {0: {"exp_avg": packed}}, "param_groups": []})
+    assert same_values(dense["state"][0]["exp_avg"], state.dequantize())
+    assert torch.isinf(dense["state"][0]["exp_avg"][1, 3]) and torch.isnan(dense["state"][0]["exp_avg"][4, 40])
