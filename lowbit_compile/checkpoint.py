@@ -480,7 +480,7 @@ def _dequantize(codes: torch.Tensor, saved: _Blocks, offset: int, fmt: StateForm
     if n and (bool((block < 0).any()) or bool((element >= saved.first[block] + saved.length[block]).any())):
         raise ValueError("the checkpoint holds no block scale for some elements of this shard; it is "
                          "truncated or was saved for other parameters")
-    values = decode(codes, fmt) * saved.scales[block]
+    values = blockquant.decode_scaled(codes, saved.scales[block], fmt)
     index = saved.patch_index.long()
     position = saved.first[:, None] + index - offset
     inside = (index < saved.length[:, None]) & (position >= 0) & (position < n)

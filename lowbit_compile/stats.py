@@ -163,5 +163,5 @@ def _patched_blocks(value: QuantizedState) -> float | None:
     if not fmt.patches or value.scales.numel() == 0:
         return None
     largest = value.patch_values.float().abs().amax(dim=1)
-    rest = value.scales.float() * fmt.qmax
+    rest = value.scales.float().abs() * fmt.qmax  # a flagged block's scale is negative
     return (largest >= 2 * rest).logical_and(largest > 0).float().mean().item()
