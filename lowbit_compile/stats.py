@@ -1,7 +1,8 @@
 """``stats(opt)``: health of the quantized states of a wrapped optimizer, measured on demand.
 
 Nothing is recorded while training; a call costs one extra fp32 step of each parameter, run on
-copies (one parameter at a time), so the optimizer, its states and the parameters are unchanged.
+copies (one parameter at a time, then one round trip per format for all of them), so the optimizer,
+its states and the parameters are unchanged.
 Call it between ``backward()`` and ``step()``: the gradients say what the next step will store.
 """
 
@@ -76,7 +77,8 @@ def stats(opt: torch.optim.Optimizer,
     if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 1):
         raise ValueError(f"max_blocks must be a positive int or None, got {max_blocks!r}")
     names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
-    out = Stats()
+    rows: list[dict] = []
+    measured: list[tuple[dict, torch.Tensor, StateFormat]] = []  # (row, next value, format)
     for gi, group in enumerate(opt.param_groups):
         for pi, param in enumerate(group["params"]):
             state = opt.state.get(param, {})
@@ -87,10 +89,19 @@ def stats(opt: torch.optim.Optimizer,
             nxt, ratio = _next_step(opt, group, param, state, index) if param.grad is not None else ({}, None)
             share = 1.0 if index is None else index.numel() / max(param.numel(), 1)
             for key, value in quantized.items():
-                err, flush = _round_trip(nxt[key], value.fmt) if key in nxt else (None, None)
-                out.append(StateStats(names.get(id(param), f"group{gi}.{pi}"), key, value.fmt.tag(),
-                                      param.numel(), err, flush, _patched_blocks(value), ratio, share))
-    return out
+                row = dict(param=names.get(id(param), f"group{gi}.{pi}"), state=key, fmt=value.fmt.tag(),
+                           numel=param.numel(), rel_error=None, zero_flush=None,
+                           patched_blocks=_patched_blocks(value), update_ratio=ratio, sampled=share)
+                rows.append(row)
+                if key in nxt:
+                    measured.append((row, nxt[key], value.fmt))
+    by_format: dict[StateFormat, list[tuple[dict, torch.Tensor]]] = {}
+    for row, x, fmt in measured:
+        by_format.setdefault(fmt, []).append((row, x))
+    for fmt, items in by_format.items():
+        for row, (err, flush) in zip((r for r, _ in items), _round_trips([x for _, x in items], fmt)):
+            row.update(rel_error=err, zero_flush=flush)
+    return Stats(StateStats(**row) for row in rows)
 
 
 def _sample(numel: int, quantized: Iterable[QuantizedState], max_blocks: int | None,
@@ -147,15 +158,25 @@ def _next_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, sta
     return copies, ratio
 
 
-def _round_trip(x: torch.Tensor, fmt: StateFormat) -> tuple[float, float]:
-    flat = x.detach().reshape(-1).float()
-    back = blockquant.dequantize(blockquant.quantize(flat, fmt), fmt)
-    norm = flat.norm().item()
-    err = (back - flat).norm().item() / norm if norm > 0 else 0.0
-    nonzero = flat != 0
-    n = int(nonzero.sum())
-    flush = int((nonzero & (back == 0)).sum()) / n if n else 0.0
-    return err, flush
+def _round_trips(values: list[torch.Tensor], fmt: StateFormat) -> list[tuple[float, float]]:
+    """(relative error, zero-flush share) of ``fmt``'s round trip of each value, from one quantize of
+    them all: each is zero-padded to whole blocks, which changes none of its blocks (blocks quantize
+    independently, and zeros move no block's absmax, patch or flag)."""
+    block = fmt.block_size if fmt.blockwise else 1
+    flats = [v.detach().reshape(-1).float() for v in values]
+    lengths = [-(-f.numel() // block) * block for f in flats]
+    x = torch.cat([torch.nn.functional.pad(f, (0, n - f.numel())) for f, n in zip(flats, lengths)])
+    back = blockquant.dequantize(blockquant.quantize(x, fmt), fmt)
+    segment = torch.repeat_interleave(torch.arange(len(flats)), torch.tensor(lengths, dtype=torch.long))
+    sums = torch.zeros(4, len(flats), dtype=torch.float64)
+    nonzero = x != 0
+    for i, term in enumerate((x.double().square(), (back - x).double().square(), nonzero.double(),
+                              (nonzero & (back == 0)).double())):
+        sums[i].index_add_(0, segment, term)
+    out = []
+    for norm2, err2, n, flushed in sums.t().tolist():
+        out.append(((err2 / norm2) ** 0.5 if norm2 > 0 else 0.0, flushed / n if n else 0.0))
+    return out
 
 
 def _patched_blocks(value: QuantizedState) -> float | None:

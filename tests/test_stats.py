@@ -122,7 +122,7 @@ def test_stepping_never_calls_stats(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("stats code ran during step()")
 
-    for name in ("_next_step", "_round_trip", "_patched_blocks", "stats"):
+    for name in ("_next_step", "_round_trips", "_patched_blocks", "stats"):
         monkeypatch.setattr(stats_module, name, fail)
     params = transformer_params(d=32, layers=1, vocab=256)
     opt = lowbit_compile(torch.optim.AdamW(params), backend=BACKEND)
