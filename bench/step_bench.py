@@ -428,7 +428,7 @@ def main() -> None:
                              and (c.family != "floor" or dtype == "float32")]
             result["sections"] += run_section(size, getattr(torch, dtype), threads if size != "small500" else [1],
                                               section_cands, rounds, log)
-            _write(result, stamp, quick)
+            _write(result, stamp, quick or args.sizes is not None)
     if not args.no_first_step:
         first_size = "6M" if quick else "25M"
         result["first_step_size"] = first_size
@@ -437,17 +437,18 @@ def main() -> None:
                 and (not quick or c.name in ("torch AdamW fused", "lowbit int8 +patches"))]
         result["first_steps"] = first_steps(pick, first_size, "float32", log)
     result["machine"]["load_end"] = load_average()
-    _write(result, stamp, quick)
+    _write(result, stamp, quick or args.sizes is not None)
     print(markdown(result))
 
 
-def _write(result: dict, stamp: str, quick: bool) -> None:
+def _write(result: dict, stamp: str, partial: bool) -> None:
+    """The run's JSON and markdown; a full run (default sizes, not --quick) is also latest.md."""
     result["machine"].setdefault("load_end", load_average())
-    base = RESULTS / f"step_bench_{stamp}{'_quick' if quick else ''}"
+    base = RESULTS / f"step_bench_{stamp}{'_quick' if partial else ''}"
     base.with_suffix(".json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     base.with_suffix(".md").write_text(text)
-    if not quick:
+    if not partial:
         (RESULTS / "latest.md").write_text(text)
 
 
