@@ -62,6 +62,8 @@ PARAM_SETS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
     "25M": lambda: transformer_shapes(512, 8, 4096),  # 100 tensors: also the first-step model
     "100M": lambda: transformer_shapes(768, 12, 16384),
     "small500": small_shapes,
+    # the 100M model's 148 tensors at 64 elements each: the step is its per-tensor host work
+    "host148": lambda: [(64,)] * len(transformer_shapes(768, 12, 16384)),
 }
 
 
