@@ -106,7 +106,8 @@ class CpuStep:
             return self._memo_pointers(row, keep)
         n = row[self.param_arg].numel()
         blocks = -(-n // self.emitted.block)
-        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0}
+        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0,
+                    "words": -(-n // 32)}
         out = [n]
         for i, dtypes, spec in self.checks:
             t = row[i]
@@ -134,7 +135,8 @@ class CpuStep:
         tensors, ptrs = seen
         n = ptrs[0]
         blocks = -(-n // self.emitted.block)
-        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0}
+        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0,
+                    "words": -(-n // 32)}
         for j, (i, dtypes, spec) in enumerate(self.checks):
             t = row[i]
             if t is tensors[j]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import checkpoint, sharding
+from . import checkpoint, master, sharding
 from .compile import compile_step
 from .config import (
     DEFAULT_BLOCK_SIZE,
@@ -73,6 +73,7 @@ def lowbit_compile(
     backend: str = "auto",
     overrides: Overrides | None = None,
     model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
+    master_weights: str | None = None,
 ) -> torch.optim.Optimizer:
     """Keep every per-element state of ``opt`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
     block-quantized, and run its step through the traced, rewritten update.
@@ -100,19 +101,28 @@ def lowbit_compile(
             predicate ``(name, param) -> bool``; e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``.
             Overrides win over ``min_8bit_size``; sizes and shapes are the full (unsharded) tensor's.
         model: the module (or ``named_parameters()`` pairs) that gives name patterns their names.
+        master_weights: ``"exact"`` or ``"8bit"``: step each bf16/fp16 parameter through its fp32 master,
+            held as the param plus a residual state (``master_residual``): ``"exact"`` is bit for bit an
+            fp32 master copy stepped by the stock optimizer and the param refreshed from it (2.125
+            B/param), ``"8bit"`` keeps the master to 1/256 of the param's spacing, unbiased (1 B/param).
+            The stock states are then those of the fp32 step (then in ``fmt``). fp32 parameters are their
+            own master and stay as they are. See ``lowbit_compile.master``.
 
     Returns ``opt`` itself. Calling it again re-configures; it never quantizes twice.
     """
-    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
+    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights)
     _check_optimizer(opt)
     check_backend(opt, config)
     names = _names_for(opt, config, model)
+    master.warn_if_no_effect(opt, config)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if wrapped is None:
         previous = opt.__dict__.get("step")
         hooks = [
             opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
+            opt.register_state_dict_post_hook(master.pack_state_dict),
             opt.register_load_state_dict_pre_hook(checkpoint.unpack_pre_hook),
+            opt.register_load_state_dict_pre_hook(master.load_pre_hook),
             opt.register_load_state_dict_post_hook(_after_load),
         ]
         wrapped = _Wrapped(config, previous, hooks)
@@ -127,14 +137,19 @@ def lowbit_compile(
 
 
 def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Turn a wrapped optimizer back into a stock one: fp32 (stock-dtype) states, the class's step."""
+    """Turn a wrapped optimizer back into a stock one: fp32 (stock-dtype) states, the class's step.
+
+    A 16-bit parameter stepped with master weights keeps its value (its master rounded to nearest even,
+    as the fp32 master recipe leaves it) and loses its residual; its states take its dtype, as the stock
+    step over it keeps them (take ``master_params(opt)`` first to keep the fp32 masters)."""
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if wrapped is None:
         return opt
-    for state in opt.state.values():
+    for param, state in opt.state.items():
         for key, value in list(state.items()):
             if sharding.is_quantized(value):
                 state[key] = sharding.dequantize(value)
+        master.release(param, state)
     for hook in wrapped.hooks:
         hook.remove()
     del opt.step
@@ -304,17 +319,19 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
             if prepared is not None and prepared.still_valid(state, param, config, group_sig, guards, values):
                 ready.append((prepared, group, param, grad, state))
                 continue
-            schema = probe_schema(opt, group, param)
+            mformat = master.format_for(param, config)
+            schema = probe_schema(opt, group, master.stand_in(param) if mformat else param)
             formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
-            compiled = compile_step(opt, group, param, state, schema, formats, config)
-            todo.append((compiled, schema, formats, group, group_sig, param, grad))
+            compiled = compile_step(opt, group, param, state, schema, formats, config, mformat)
+            todo.append((compiled, schema, formats, mformat, group, group_sig, param, grad))
     # Then create or convert the states of the parameters stepped for the first time, and run.
-    for compiled, schema, formats, group, group_sig, param, grad in todo:
+    for compiled, schema, formats, mformat, group, group_sig, param, grad in todo:
         state = opt.state[param]
-        if not state:
+        if not state.keys() - set(master.KEYS):
             state.update(init_state(param, schema, formats))
         # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
         checkpoint.conform(param, state, formats)
+        _apply(state, master.conformed(param, state, mformat, schema))
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
     if grad_scale is not None:
@@ -333,18 +350,32 @@ def _conform_state(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
             state = opt.state.get(param)
             if not state:
                 continue
-            schema: StateSchema = probe_schema(opt, group, param)
+            mformat = master.format_for(param, wrapped.config)
+            schema: StateSchema = probe_schema(opt, group, master.stand_in(param) if mformat else param)
+            changes = {}
             for key, fmt in wrapped.config.formats_for(param, schema.per_element, wrapped.names.get(param),
                                                        schema.nonneg):
                 new = checkpoint.converted(param, key, state.get(key), fmt)
                 if new is not None:
-                    updates.append((state, key, new))
-    for state, key, new in updates:
-        state[key] = new
+                    changes[key] = new
+            changes.update(master.conformed(param, {**state, **changes}, mformat, schema))
+            updates.append((state, changes))
+    for state, changes in updates:
+        _apply(state, changes)
+
+
+def _apply(state: dict, changes: dict) -> None:
+    """Set the entries of ``changes`` in ``state``; None removes one."""
+    for key, value in changes.items():
+        if value is None:
+            state.pop(key, None)
+        else:
+            state[key] = value
 
 
 def _after_load(opt: torch.optim.Optimizer) -> None:
     """``load_state_dict`` post hook: restore the packed states, then convert every state (stock fp32
     ones included) to the configured format."""
     checkpoint.reinsert_packed(opt)
+    master.reinsert(opt)
     _conform_state(opt, getattr(opt, _ATTR))

@@ -33,6 +33,7 @@ import torch
 from . import sharding
 from .kernels import blockquant
 from .kernels.formats import StateFormat, decode
+from .kernels.residual import KEYS as MASTER_KEYS
 from .state import QuantizedState
 
 _PENDING = "_lowbit_pending"
@@ -343,9 +344,11 @@ def stock_state_dict(source: torch.optim.Optimizer | dict) -> dict:
         torch.optim.AdamW(model.parameters()).load_state_dict(stock_state_dict(torch.load(path)))
 
     States of ``DTensor`` parameters stay ``DTensor`` (each rank's rows), as stock AdamW keeps them.
+    The residuals of master weights are left out: with ``master.master_params`` (the fp32 masters) this
+    is the checkpoint of the fp32 master recipe.
     """
     state_dict = source.state_dict() if isinstance(source, torch.optim.Optimizer) else source
-    state = {idx: {k: (_dense(v) if is_packed(v) else v) for k, v in entry.items()}
+    state = {idx: {k: (_dense(v) if is_packed(v) else v) for k, v in entry.items() if k not in MASTER_KEYS}
              for idx, entry in state_dict["state"].items()}
     return {**state_dict, "state": state}
 

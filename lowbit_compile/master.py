@@ -1,0 +1,301 @@
+"""fp32 master weights of 16-bit params kept in the optimizer state (``master_weights="exact" | "8bit"``).
+
+A bf16/fp16 parameter stepped with master weights has, next to its stock states (fp32, as stepping an
+fp32 master copy keeps them, then in their configured formats), the residual of its master
+(``kernels/residual.py``): ``master_residual`` shaped like the param (int16 exact, int8 lossy),
+``master_ties`` (exact bf16: one bit per element, in int32 words of the local shard) and
+``master_seed`` (lossy: the step counter of its stochastic rounding). Here they are created, kept in
+step with the configuration, saved (tie bits per parameter row, so every sharding reads them), loaded
+(kept out of the stock loader, which casts every floating state to the param's dtype), dropped by
+``restore``, and the fp32 masters exported and imported for checkpoints of the fp32 master recipe.
+
+fp32 parameters (a norm kept fp32 in a bf16 model) are their own master: the option leaves them as
+they are, and warns only when no parameter of the optimizer is 16-bit, where it can do nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import checkpoint, sharding
+from .config import Config
+from .kernels import residual
+from .kernels.residual import KEYS, PARAM_DTYPES, RESIDUAL, SEED, TIES, MasterFormat
+from .state import QuantizedState
+from .state_schema import StateSchema
+
+_PENDING = "_lowbit_master_pending"
+_PACKED_TIES = "lowbit_master_ties"
+
+
+def format_for(param: torch.Tensor, config: Config) -> MasterFormat | None:
+    """How ``param`` keeps its master under ``config`` (None: it is fp32, or the option is off)."""
+    if config.master_weights is None or param.dtype not in PARAM_DTYPES:
+        return None
+    return MasterFormat(config.master_weights, param.dtype)
+
+
+def stand_in(param: torch.Tensor) -> torch.Tensor:
+    """A tiny fp32 tensor of ``param``'s rank and device: what the stock state is probed with under
+    master weights (the fp32 recipe's states, dtypes included)."""
+    return torch.empty((1,) * param.dim(), dtype=torch.float32, device=sharding.local(param).device)
+
+
+def warn_if_no_effect(opt: torch.optim.Optimizer, config: Config) -> None:
+    """One warning when ``master_weights`` is set but no parameter of ``opt`` is bf16 or fp16."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if config.master_weights is not None and params and all(p.dtype not in PARAM_DTYPES for p in params):
+        warnings.warn(f"master_weights={config.master_weights!r} has no effect: every parameter of this "
+                      f"{type(opt).__name__} is {params[0].dtype}, its own master; it keeps the fp32 "
+                      "master of bfloat16 and float16 parameters", stacklevel=3)
+
+
+# the master state -----------------------------------------------------------------------------------
+def create(param: torch.Tensor, fmt: MasterFormat) -> dict[str, torch.Tensor]:
+    """A zero residual (the master is the param's value), sharded like ``param``."""
+    shard = sharding.local(param)
+    out = {RESIDUAL: sharding.like(torch.zeros(shard.shape, dtype=fmt.residual_dtype, device=shard.device), param)}
+    if fmt.has_ties:
+        out[TIES] = torch.zeros(residual.tie_words(shard.numel()), dtype=torch.int32, device=shard.device)
+    if fmt.seeded:
+        out[SEED] = torch.zeros((), dtype=torch.float32)
+    return out
+
+
+def conformed(param: torch.Tensor, state: dict, fmt: MasterFormat | None, schema: StateSchema) -> dict[str, Any]:
+    """What changes in ``state`` (None: the entry goes) so that it fits ``fmt``: per-element states of
+    the schema's dtype (fp32 under a master), a residual of ``fmt`` (created, unpacked from a
+    checkpoint, or converted from another mode through the master it holds), nothing of a master
+    where there is none. Reads ``state``, changes nothing."""
+    out: dict[str, Any] = {}
+    has_master = any(k in state for k in KEYS)
+    if fmt is None and not has_master:
+        return out
+    for key, (kind, *rest) in schema.init:
+        value = state.get(key)
+        if kind in ("fill", "computed") and isinstance(value, torch.Tensor) and value.dtype != rest[-1]:
+            out[key] = _with_dtype(value, rest[-1])
+    if fmt is None:
+        return dict(out, **{k: None for k in KEYS if k in state})
+    held = _held(param, state)
+    if held is None:
+        out.update(create(param, fmt))
+    elif held[0] != fmt:
+        out.update(_converted(param, held, fmt))
+    elif is_packed_ties(state.get(TIES)):
+        out[TIES] = _unpack_ties(state[TIES], param)
+    for key in KEYS:
+        if key in state and key not in fmt.keys():
+            out[key] = None
+    if fmt.seeded and not isinstance(state.get(SEED), torch.Tensor):
+        out[SEED] = torch.zeros((), dtype=torch.float32)
+    return out
+
+
+def _held(param: torch.Tensor, state: dict) -> tuple[MasterFormat, torch.Tensor, torch.Tensor | None] | None:
+    """The format, residual and tie words (local) that ``state`` holds, or None without a usable residual."""
+    value = state.get(RESIDUAL)
+    if not isinstance(value, torch.Tensor):
+        return None
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"state {RESIDUAL!r} has shape {tuple(value.shape)}, its parameter {tuple(param.shape)}; "
+                         "the optimizer state does not belong to these parameters")
+    if sharding.is_sharded(value) != sharding.is_sharded(param):
+        raise ValueError(f"state {RESIDUAL!r} and its parameter are not both DTensors; load the optimizer state "
+                         "of a sharded model through torch.distributed.checkpoint's set_state_dict")
+    dtypes = {torch.int16: "exact", torch.int8: "8bit"}
+    if value.dtype not in dtypes or param.dtype not in PARAM_DTYPES:
+        return None  # a residual for no 16-bit param of this kind: the master is the param
+    fmt = MasterFormat(dtypes[value.dtype], param.dtype)
+    ties = state.get(TIES)
+    if is_packed_ties(ties):
+        ties = _unpack_ties(ties, param)
+    local = sharding.local(value)
+    if fmt.has_ties and not (isinstance(ties, torch.Tensor) and ties.numel() == residual.tie_words(local.numel())):
+        raise ValueError(f"state {RESIDUAL!r} of an exact bf16 master has no {TIES!r} of its size; the "
+                         "checkpoint is truncated or was saved for other parameters")
+    return fmt, local, ties if fmt.has_ties else None
+
+
+def _converted(param: torch.Tensor, held: tuple, fmt: MasterFormat) -> dict[str, torch.Tensor]:
+    """The residual of ``fmt`` for the master another residual holds (the param does not change:
+    either residual's master rounds to it)."""
+    old, codes, ties = held
+    shard = sharding.local(param)
+    master = residual.read(shard.reshape(-1), codes.reshape(-1), ties, old)
+    _, code, flags = residual.encode(master, fmt)
+    out = create(param, fmt)
+    sharding.local(out[RESIDUAL]).view(-1).copy_(code)
+    if flags is not None:
+        out[TIES].copy_(residual.pack_ties(flags))
+    return out
+
+
+def _with_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A per-element state as ``dtype`` (a quantized one keeps its codes: its values are read as ``dtype``)."""
+    held = sharding.local(value)
+    if isinstance(held, QuantizedState):
+        return sharding.like(QuantizedState(held.storage_parts, held.fmt, held.shape, dtype), value)
+    return sharding.like(held.to(dtype), value)
+
+
+def release(param: torch.Tensor, state: dict) -> None:
+    """``restore``: the stock state of a 16-bit ``param`` stepped without a master. The residual goes
+    (the param already is the master rounded to nearest even, as the fp32 recipe leaves it) and the
+    per-element states take the param's dtype, which the stock step needs."""
+    if not any(k in state for k in KEYS):
+        return
+    for key in KEYS:
+        state.pop(key, None)
+    for key, value in list(state.items()):
+        if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == param.shape
+                and value.dtype != param.dtype):
+            state[key] = value.to(param.dtype)
+
+
+# checkpoints ------------------------------------------------------------------------------------------
+def is_packed_ties(value: object) -> bool:
+    return isinstance(value, dict) and _PACKED_TIES in value
+
+
+def pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``state_dict`` post hook: tie bits saved per parameter row (``uint8`` of ``(rows, ceil(width / 8))``,
+    a DTensor sharded like a DTensor param), so a checkpoint loads at any sharding."""
+    params = {idx: p for saved, group in zip(state_dict["param_groups"], opt.param_groups)
+              for idx, p in zip(saved["params"], group["params"])}
+    for idx, entry in list(state_dict["state"].items()):
+        if isinstance(entry.get(TIES), torch.Tensor):
+            state_dict["state"][idx] = {**entry, TIES: _pack_ties(entry[TIES], params[idx])}
+    return state_dict
+
+
+def _pack_ties(words: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
+    rows, width = checkpoint._rows(param.shape)
+    start, stop = sharding.local_rows(param)
+    flags = residual.unpack_ties(words, (stop - start) * width).view(stop - start, width)
+    row_bytes = -(-width // 8)
+    bits = torch.zeros(stop - start, row_bytes * 8, dtype=torch.int32, device=words.device)
+    bits[:, :width] = flags.to(torch.int32)
+    packed = (bits.view(stop - start, row_bytes, 8) << torch.arange(8, device=words.device)).sum(2).to(torch.uint8)
+    return {_PACKED_TIES: 1, "bits": sharding.like(packed, param, (rows, row_bytes))}
+
+
+def _unpack_ties(packed: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+    """The local tie words of ``param``'s shard from a saved per-row table."""
+    rows, width = checkpoint._rows(param.shape)
+    start, stop = sharding.local_rows(param)
+    table = checkpoint._rows_of(packed["bits"], start, stop, rows)
+    if table.shape[1:] != (-(-width // 8),):
+        raise ValueError(f"saved {TIES!r} of shape {tuple(table.shape)} do not fit a parameter of shape "
+                         f"{tuple(param.shape)}")
+    table = table.to(sharding.local(param).device)
+    flags = ((table.to(torch.int32)[:, :, None] >> torch.arange(8, device=table.device)) & 1).reshape(stop - start, -1)
+    return residual.pack_ties(flags[:, :width].reshape(-1).bool())
+
+
+def load_pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``load_state_dict`` pre hook: keep the master entries and, for parameters with a master, every
+    tensor state but ``step`` out of the stock loader (it casts floating states to the param's
+    dtype: fp32 moments to bf16, int residuals to floats); :func:`reinsert` puts them back."""
+    from .api import _ATTR  # the wrapper's attribute (api imports this module)
+
+    config: Config = getattr(opt, _ATTR).config
+    position = {idx: i for i, idx in enumerate(itertools.chain.from_iterable(
+        g["params"] for g in state_dict["param_groups"]))}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    pending: dict[int, dict] = {}
+    plain: dict = {}
+    for idx, entry in state_dict["state"].items():
+        i = position[idx]
+        param = params[i] if i < len(params) else None
+        mastered = param is not None and format_for(param, config) is not None
+        ours = {k: v for k, v in entry.items()
+                if k in KEYS or (mastered and k != "step" and isinstance(v, torch.Tensor))}
+        if ours:
+            pending[i] = ours
+            entry = {k: v for k, v in entry.items() if k not in ours}
+        plain[idx] = entry
+    opt.__dict__[_PENDING] = pending
+    return {**state_dict, "state": plain}
+
+
+def reinsert(opt: torch.optim.Optimizer) -> None:
+    """``load_state_dict`` post hook (before the states are conformed): the kept entries back under their
+    parameters, plain tensors moved to the parameter's device."""
+    pending = opt.__dict__.pop(_PENDING, {})
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for i, entries in pending.items():
+        if i >= len(params):
+            continue
+        device = sharding.local(params[i]).device
+        opt.state[params[i]].update({k: (v.to(device) if isinstance(v, torch.Tensor) and not sharding.is_sharded(v)
+                                         and k != SEED else v) for k, v in entries.items()})
+
+
+# the fp32 masters in and out ---------------------------------------------------------------------------
+def master_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The fp32 master of every parameter of ``opt``, in ``param_groups`` order: what an fp32 master
+    copy holds. A 16-bit param with master weights joins its residual (every bit with ``"exact"``,
+    within the lossy residual's step with ``"8bit"``); any other param is its own master (a copy, as
+    fp32). DTensor params give DTensors."""
+    out = []
+    for group in opt.param_groups:
+        for param in group["params"]:
+            state = opt.state.get(param, {})
+            held = _held(param, state) if param.dtype in PARAM_DTYPES else None
+            shard = sharding.local(param).detach()
+            if held is None:
+                value = shard.to(torch.float32, copy=True)
+            else:
+                fmt, codes, ties = held
+                value = residual.read(shard.reshape(-1), codes.reshape(-1), ties, fmt).view(shard.shape)
+            out.append(sharding.like(value, param))
+    return out
+
+
+@torch.no_grad()
+def load_master_params(opt: torch.optim.Optimizer, masters: Sequence[torch.Tensor]) -> None:
+    """Set every parameter of ``opt`` from its fp32 master (``param_groups`` order, as
+    :func:`master_params` gives them, e.g. the fp32 copies of a mixed-precision checkpoint): 16-bit
+    params with master weights to the master rounded to nearest even and the residual it loses, other
+    params to the master's value. Checks every shape first; changes nothing when one does not fit."""
+    from .api import _ATTR
+
+    wrapped = getattr(opt, _ATTR, None)
+    if wrapped is None:
+        raise ValueError("load_master_params needs an optimizer wrapped by lowbit_compile (master_weights=...)")
+    params = [p for group in opt.param_groups for p in group["params"]]
+    masters = list(masters)
+    if len(masters) != len(params):
+        raise ValueError(f"got {len(masters)} master tensors for the optimizer's {len(params)} parameters")
+    for i, (param, master) in enumerate(zip(params, masters)):
+        if not isinstance(master, torch.Tensor) or tuple(master.shape) != tuple(param.shape):
+            raise ValueError(f"master {i} has shape {tuple(getattr(master, 'shape', ()))}, its parameter "
+                             f"{tuple(param.shape)}")
+        if not master.is_floating_point():
+            raise ValueError(f"master {i} is {master.dtype}, not a floating-point tensor")
+    for param, master in zip(params, masters):
+        fmt = format_for(param, wrapped.config)
+        shard, value = sharding.local(param), sharding.local(master).to(torch.float32)
+        if fmt is None:
+            shard.copy_(value)
+            continue
+        state = opt.state[param]
+        seed = state.get(SEED)
+        new_param, code, flags = residual.encode(value.reshape(-1).to(shard.device), fmt,
+                                                 float(seed) if seed is not None else 0.0)
+        shard.copy_(new_param.view(shard.shape))
+        made = create(param, fmt)
+        sharding.local(made[RESIDUAL]).view(-1).copy_(code)
+        if flags is not None:
+            made[TIES].copy_(residual.pack_ties(flags))
+        if seed is not None:
+            made[SEED] = seed
+        for key in KEYS:
+            state.pop(key, None)
+        state.update(made)
