@@ -87,12 +87,13 @@ class Scope(contextlib.ContextDecorator):
         model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
         restore_at_step: int | None = None,
         restore_on_exit: bool = False,
+        master_weights: str | None = None,
     ) -> None:
-        self.config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
+        self.config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights)
         if restore_at_step is not None and (not isinstance(restore_at_step, int) or restore_at_step < 1):
             raise ValueError(f"restore_at_step must be a positive int or None, got {restore_at_step!r}")
         self._options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
-                             backend=backend, overrides=overrides)
+                             backend=backend, overrides=overrides, master_weights=master_weights)
         self._names = param_names(model) if model is not None else None
         self.restore_at_step = restore_at_step
         self.restore_on_exit = restore_on_exit
@@ -236,7 +237,7 @@ def enable(fmt: str | Mapping[str, str] | Callable = DEFAULT_FMT, **options: Any
 
     Use as ``@enable(fmt="int8")``, bare ``@enable``, or ``with enable(...):``. Options are those of
     ``lowbit_compile`` (``block_size``, ``outliers``, ``min_8bit_size``, ``backend``, ``overrides``,
-    ``model``) plus ``restore_at_step`` (switch each rewritten optimizer back to stock fp32 states
+    ``model``, ``master_weights``) plus ``restore_at_step`` (switch each rewritten optimizer back to stock fp32 states
     after that many steps) and ``restore_on_exit``. Name-pattern overrides without ``model=`` take
     the names from the modules whose forward runs in scope (the outermost module names them).
     Optimizers already wrapped by ``lowbit_compile`` keep their own configuration.

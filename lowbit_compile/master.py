@@ -246,16 +246,20 @@ def master_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     out = []
     for group in opt.param_groups:
         for param in group["params"]:
-            state = opt.state.get(param, {})
-            held = _held(param, state) if param.dtype in PARAM_DTYPES else None
-            shard = sharding.local(param).detach()
-            if held is None:
-                value = shard.to(torch.float32, copy=True)
-            else:
-                fmt, codes, ties = held
-                value = residual.read(shard.reshape(-1), codes.reshape(-1), ties, fmt).view(shard.shape)
-            out.append(sharding.like(value, param))
+            value = master_of(param, opt.state.get(param, {}))
+            out.append(sharding.like(value if value is not None else sharding.local(param).detach().to(
+                torch.float32, copy=True), param))
     return out
+
+
+def master_of(param: torch.Tensor, state: dict) -> torch.Tensor | None:
+    """The fp32 master of ``param``'s local shard that ``state`` holds (None: it holds no residual)."""
+    held = _held(param, state) if param.dtype in PARAM_DTYPES else None
+    if held is None:
+        return None
+    fmt, codes, ties = held
+    shard = sharding.local(param).detach()
+    return residual.read(shard.reshape(-1), codes.reshape(-1), ties, fmt).view(shard.shape)
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import master
 from .kernels import blockquant
 from .kernels.formats import StateFormat
 from .passes.trace import shell_optimizer, unhooked_step
@@ -86,11 +87,13 @@ def stats(opt: torch.optim.Optimizer,
 @torch.no_grad()
 def _next_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor,
                state: dict) -> tuple[dict, float]:
-    """The stock fp32 step of ``param`` on copies: the new per-element states and ||dp|| / ||p||."""
-    probe = param.detach().clone()
-    probe.grad = param.grad.detach().clone()
+    """The stock fp32 step of ``param`` on copies: the new per-element states and ||dp|| / ||p||. A param
+    with master weights steps its fp32 master (with the grad as fp32), as the rewritten step does."""
+    probe = master.master_of(param, state)
+    probe = param.detach().clone() if probe is None else probe
+    probe.grad = param.grad.detach().to(probe.dtype, copy=True)
     copies = {k: (v.dequantize() if isinstance(v, QuantizedState) else v.clone() if isinstance(v, torch.Tensor)
-                  else v) for k, v in state.items()}
+                  else v) for k, v in state.items() if k not in master.KEYS}
     unhooked_step(type(opt))(shell_optimizer(opt, trace_group(group), probe, copies))
     norm = param.detach().float().norm().item()
     ratio = (probe.float() - param.detach().float()).norm().item() / norm if norm > 0 else float("inf")
