@@ -276,7 +276,93 @@ def ddp_and_zero(rank: int, world: int, workdir: Path) -> None:
     assert bitwise(full(model.module), expected), "ZeroRedundancyOptimizer resume is not exact"
 
 
-SCENARIOS = {"fsdp": fsdp, "reshard": reshard, "ddp_and_zero": ddp_and_zero}
+# master weights ----------------------------------------------------------------------------------------
+def fsdp_net16() -> torch.nn.Module:
+    """``Net`` in bf16 (inputs cast to it), FSDP2-sharded like ``fsdp_net``."""
+    net = Net().to(torch.bfloat16)
+    for layer in (net.a, net.b, net.c):
+        fully_shard(layer)
+    fully_shard(net)
+    return net
+
+
+def train16(model: torch.nn.Module, opt, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(16, 10, generator=gen).to(torch.bfloat16)).float().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+class MasterRecipe:
+    """The fp32 master recipe on FSDP2 shards: stock AdamW on fp32 copies of the bf16 DTensor params."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+        self.opt = torch.optim.AdamW(self.masters, lr=LR, foreach=False)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.grad.float()
+        self.opt.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+MASTER = {"fmt": "fp32", "master_weights": "exact"}
+
+
+def fsdp_master(rank: int, world: int, workdir: Path) -> None:
+    """bf16 FSDP2 shards with exact master weights: the recipe on the same shards bit for bit, the
+    residual a DTensor like its param, an exact DCP resume; saves a checkpoint for another world size."""
+    from lowbit_compile import master_params
+
+    net, recipe_net = fsdp_net16(), fsdp_net16()
+    opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **MASTER)
+    recipe = MasterRecipe(list(recipe_net.parameters()))
+    train16(net, opt, 3, seed=1)
+    train16(recipe_net, recipe, 3, seed=1)
+    assert bitwise(full(net), full(recipe_net)), "exact master weights on FSDP2 shards differ from the recipe"
+    ours = [m.full_tensor() for m in master_params(opt)]
+    assert bitwise(ours, [m.detach().full_tensor() for m in recipe.masters]), "the fp32 masters differ"
+    for p in net.parameters():
+        value = opt.state[p]["master_residual"]
+        assert isinstance(value, DTensor) and value.shape == p.shape and value.placements == p.placements
+    print(f"rank {rank}: residual bytes on this rank {memory_report(opt).per_state['master_residual'].bytes}")
+
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(workdir / f"master{world}"))
+    train16(net, opt, 3, seed=2)
+    expected = full(net)
+    if rank == 0:
+        torch.save(expected, workdir / f"master_continued{world}.pt")
+    resumed = fsdp_net16()
+    resumed_opt = lowbit_compile(torch.optim.AdamW(resumed.parameters(), lr=LR), **MASTER)
+    dcp_load(resumed, resumed_opt, workdir / f"master{world}")
+    train16(resumed, resumed_opt, 3, seed=2)
+    assert bitwise(full(resumed), expected), "DCP resume with master weights is not exact"
+
+
+def reshard_master(rank: int, world: int, workdir: Path) -> None:
+    """The master-weights checkpoint of the other world size, loaded here, steps on bit for bit like
+    that size's own run: the residual and its tie bits are per element, whatever the shards."""
+    other = 3 - world
+    net = fsdp_net16()
+    opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **MASTER)
+    dcp_load(net, opt, workdir / f"master{other}")
+    train16(net, opt, 3, seed=2)
+    assert bitwise(full(net), torch.load(workdir / f"master_continued{other}.pt")), (
+        f"master weights resharded from world {other} to {world} step differently")
+
+
+SCENARIOS = {"fsdp": fsdp, "reshard": reshard, "ddp_and_zero": ddp_and_zero, "fsdp_master": fsdp_master,
+             "reshard_master": reshard_master}
 
 
 def main() -> None:
