@@ -475,12 +475,7 @@ def main() -> None:
     cands = contenders(peers, formats)
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    log_path = RESULTS / f"step_bench_{stamp}{'_quick' if quick else ''}.log"
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        with log_path.open("a") as f:
-            f.write(msg + "\n")
+    log = _logger(RESULTS / f"step_bench_{stamp}{'_quick' if quick else ''}.log")
 
     result = {"mode": "quick" if quick else "full", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
         "cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "load_start": load_average(),
@@ -514,12 +509,7 @@ def master_main(args: argparse.Namespace) -> None:
     rounds = args.rounds or 10
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    log_path = RESULTS / f"step_bench_master_{stamp}.log"
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        with log_path.open("a") as f:
-            f.write(msg + "\n")
+    log = _logger(RESULTS / f"step_bench_master_{stamp}.log")
 
     result = {"mode": "master weights", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
         "cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "load_start": load_average(),
@@ -542,6 +532,16 @@ def master_main(args: argparse.Namespace) -> None:
     base.with_suffix(".md").write_text(text)
     (RESULTS / "master_latest.md").write_text(text)
     print(text)
+
+
+def _logger(path: Path) -> Callable[[str], None]:
+    """Print a line and append it to ``path``."""
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        with path.open("a") as f:
+            f.write(msg + "\n")
+
+    return log
 
 
 def _write(result: dict, stamp: str, quick: bool) -> None:

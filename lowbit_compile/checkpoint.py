@@ -109,8 +109,7 @@ def unpack_pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
     """``load_state_dict`` pre hook: take the packed states out before the stock loader casts their
     tensors to the parameter dtype; :func:`reinsert_packed` puts them back afterwards. A packed
     state that cannot be read fails here, before the stock loader changes anything."""
-    position = {idx: i for i, idx in enumerate(itertools.chain.from_iterable(
-        g["params"] for g in state_dict["param_groups"]))}
+    position = saved_positions(state_dict)
     params = [p for group in opt.param_groups for p in group["params"]]
     pending: dict[int, dict] = {}
     plain: dict = {}
@@ -125,6 +124,12 @@ def unpack_pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         plain[idx] = entry
     opt.__dict__[_PENDING] = pending
     return {**state_dict, "state": plain}
+
+
+def saved_positions(state_dict: dict) -> dict[int, int]:
+    """Each saved parameter id's position over all groups (how the stock loader matches params)."""
+    ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+    return {idx: i for i, idx in enumerate(ids)}
 
 
 def reinsert_packed(opt: torch.optim.Optimizer) -> None:

@@ -15,7 +15,6 @@ they are, and warns only when no parameter of the optimizer is 16-bit, where it 
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -205,8 +204,7 @@ def load_pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
     from .api import _ATTR  # the wrapper's attribute (api imports this module)
 
     config: Config = getattr(opt, _ATTR).config
-    position = {idx: i for i, idx in enumerate(itertools.chain.from_iterable(
-        g["params"] for g in state_dict["param_groups"]))}
+    position = checkpoint.saved_positions(state_dict)
     params = [p for group in opt.param_groups for p in group["params"]]
     pending: dict[int, dict] = {}
     plain: dict = {}

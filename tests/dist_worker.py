@@ -28,6 +28,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from examples.tasks import FP32MasterCopy
 from lowbit_compile import QuantizedState, lowbit_compile, memory_report, restore
 from lowbit_compile.checkpoint import stock_state_dict
 
@@ -294,27 +295,6 @@ def train16(model: torch.nn.Module, opt, steps: int, seed: int) -> None:
         opt.zero_grad()
 
 
-class MasterRecipe:
-    """The fp32 master recipe on FSDP2 shards: stock AdamW on fp32 copies of the bf16 DTensor params."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.masters = [torch.nn.Parameter(p.detach().float()) for p in params]
-        self.opt = torch.optim.AdamW(self.masters, lr=LR, foreach=False)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p, m in zip(self.params, self.masters):
-            m.grad = p.grad.float()
-        self.opt.step()
-        for p, m in zip(self.params, self.masters):
-            p.copy_(m)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-
 MASTER = {"fmt": "fp32", "master_weights": "exact"}
 
 
@@ -325,7 +305,7 @@ def fsdp_master(rank: int, world: int, workdir: Path) -> None:
 
     net, recipe_net = fsdp_net16(), fsdp_net16()
     opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **MASTER)
-    recipe = MasterRecipe(list(recipe_net.parameters()))
+    recipe = FP32MasterCopy(list(recipe_net.parameters()), lambda ms: torch.optim.AdamW(ms, lr=LR, foreach=False))
     train16(net, opt, 3, seed=1)
     train16(recipe_net, recipe, 3, seed=1)
     assert bitwise(full(net), full(recipe_net)), "exact master weights on FSDP2 shards differ from the recipe"

@@ -19,6 +19,7 @@ from expecttest import TestCase
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from examples.tasks import FP32MasterCopy as Recipe
 from lowbit_compile import (
     enable,
     load_master_params,
@@ -232,24 +233,6 @@ def forward(self, param, grad, master_residual, state_momentum_buffer, neg, clon
 
 
 # bit for bit the fp32 master recipe -------------------------------------------------------------------
-class Recipe:
-    """The fp32 master recipe: fp32 copies of the 16-bit params, stepped by ``make(copies)``; after each
-    step the 16-bit params are refreshed from them (``param.copy_(master)``)."""
-
-    def __init__(self, params: list[torch.nn.Parameter], make) -> None:
-        self.params = params
-        self.masters = [torch.nn.Parameter(p.detach().float()) for p in params]
-        self.opt = make(self.masters)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
-        self.opt.step()
-        for p, m in zip(self.params, self.masters):
-            p.copy_(m)
-
-
 OPTIMIZERS = {
     "AdamW": (torch.optim.AdamW, {"weight_decay": 0.1}),
     "Adam-amsgrad": (torch.optim.Adam, {"amsgrad": True, "weight_decay": 0.01}),
@@ -302,9 +285,10 @@ def set_grads(groups: list[list[torch.nn.Parameter]], step: int, gen: torch.Gene
 
 
 def check_exact(name: str, fmt: str, dtype: torch.dtype, backend: str, steps: int = STEPS) -> None:
-    """``"exact"`` against the recipe, every step: the 16-bit params and, at the end, every master bit.
-    The recipe steps its fp32 copies with the stock optimizer for fp32 states on the CPU kernel and the
-    reference (both are stock bit for bit), else with lowbit_compile on the same backend and format."""
+    """``"exact"`` against the recipe (``examples/tasks.py``), every step: the 16-bit params and, at the
+    end, every master bit. The recipe steps its fp32 copies with the stock optimizer for fp32 states on
+    the CPU kernel and the reference (both are stock bit for bit), else with lowbit_compile on the same
+    backend and format."""
     cls, kwargs = OPTIMIZERS[name]
     ours = model_params(dtype)
     theirs = twin(ours)
@@ -535,6 +519,7 @@ def test_enable_passes_the_option_on():
 
 # state: conversions, checkpoints, restore -------------------------------------------------------------------
 def train(params, opt, steps, seed):
+    """``steps`` steps of ``opt`` (ours or a recipe) on the grads of ``set_grads`` from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     for step in range(steps):
         set_grads([params], step, gen)
@@ -581,29 +566,23 @@ def test_the_fp32_master_recipe_checkpoint_goes_out_and_comes_back_in():
     with torch.no_grad():
         for m, v in zip(recipe.masters, out_masters):
             m.copy_(v)
-    recipe.opt.load_state_dict(out_state)
+    recipe.inner.load_state_dict(out_state)
     train(params, opt, 3, seed=2)
-    gen = torch.Generator().manual_seed(2)
-    for step in range(3):
-        set_grads([recipe.params], step, gen)
-        recipe.step()
+    train(recipe.params, recipe, 3, seed=2)
     assert all(same_bits(p.detach(), q.detach()) for p, q in zip(params, recipe.params))
 
     fresh = twin(model_params(BF16, seed=5))
     fresh_opt = lowbit_compile(torch.optim.AdamW(fresh, weight_decay=0.1), "fp32", master_weights="exact",
                                backend="cpu")
     saved = io.BytesIO()
-    torch.save({"optim": recipe.opt.state_dict(), "masters": [m.detach() for m in recipe.masters]}, saved)
+    torch.save({"optim": recipe.inner.state_dict(), "masters": [m.detach() for m in recipe.masters]}, saved)
     saved.seek(0)
     checkpoint = torch.load(saved, weights_only=True)
     fresh_opt.load_state_dict(checkpoint["optim"])
     load_master_params(fresh_opt, checkpoint["masters"])
     assert all(same_bits(p.detach(), q.detach()) for p, q in zip(fresh, recipe.params))
     train(fresh, fresh_opt, 3, seed=3)
-    gen = torch.Generator().manual_seed(3)
-    for step in range(3):
-        set_grads([recipe.params], step, gen)
-        recipe.step()
+    train(recipe.params, recipe, 3, seed=3)
     assert all(same_bits(p.detach(), q.detach()) for p, q in zip(fresh, recipe.params))
     assert all(same_bits(m, r.detach()) for m, r in zip(master_params(fresh_opt), recipe.masters))
 
