@@ -620,6 +620,16 @@ def test_switching_modes_converts_the_residual_through_its_master():
     train(params, opt, 1, seed=2)
 
 
+def test_wrapping_again_without_the_option_drops_the_master():
+    params = model_params(BF16)
+    opt = lowbit_compile(torch.optim.AdamW(params), master_weights="exact", min_8bit_size=0)
+    train(params, opt, 2, seed=1)
+    lowbit_compile(opt, min_8bit_size=0)  # re-configures: no master weights
+    state = opt.state[params[0]]
+    assert not any(k in residual.KEYS for k in state) and state["exp_avg"].dtype == BF16
+    train(params, opt, 1, seed=2)
+
+
 def test_a_stock_bf16_checkpoint_loads_into_master_weights():
     """Stock AdamW over bf16 params keeps bf16 states: they become fp32 (exactly), the residual zero."""
     params = model_params(BF16)
