@@ -124,10 +124,11 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def random_bits(seed: float, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """32 random bits per element (int64): ``hash32(index ^ hash32(seed))``."""
+def random_bits(seed: float, numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
+    """32 random bits per element (int64): ``hash32(index ^ hash32(seed))`` for the elements at
+    ``offset, offset + 1, ...`` of a tensor."""
     key = hash32(torch.tensor(int(seed) & _M32, dtype=torch.int64))
-    index = torch.arange(numel, dtype=torch.int64, device=device) & _M32
+    index = torch.arange(offset, offset + numel, dtype=torch.int64, device=device) & _M32
     return hash32(index ^ key.to(device))
 
 
@@ -164,10 +165,11 @@ def _f16_inverse_unit(p: torch.Tensor) -> torch.Tensor:
     return ((127 + 127 + 24 - _f16_exponent(p)) << 23).view(torch.float32)
 
 
-def encode(master: torch.Tensor, fmt: MasterFormat, seed: float = 0.0) -> tuple[torch.Tensor, torch.Tensor,
-                                                                               torch.Tensor | None]:
+def encode(master: torch.Tensor, fmt: MasterFormat, seed: float = 0.0,
+           offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The param, residual codes and tie flags (bool per element, exact bf16 only) holding the flat
-    fp32 ``master``; ``seed`` (the step counter) picks the stochastic rounding of ``"8bit"``."""
+    fp32 ``master``; ``seed`` (the step counter) picks the stochastic rounding of ``"8bit"``, for
+    elements from ``offset`` of their tensor."""
     master = master.reshape(-1).float()
     param = master.to(fmt.param_dtype)
     d = _exact_d(master, param, fmt)
@@ -176,7 +178,7 @@ def encode(master: torch.Tensor, fmt: MasterFormat, seed: float = 0.0) -> tuple[
         code = torch.where(d.abs() == -TIE, TIE, d)
         return param, code.to(fmt.residual_dtype), ties
     step = 1 << fmt.shift
-    q = torch.div(d + (random_bits(seed, d.numel(), d.device) & (step - 1)), step, rounding_mode="floor")
+    q = torch.div(d + (random_bits(seed, d.numel(), d.device, offset) & (step - 1)), step, rounding_mode="floor")
     return param, q.clamp(-127, 127).to(torch.int8), None
 
 

@@ -30,6 +30,7 @@ from .state_schema import StateSchema
 
 _PENDING = "_lowbit_master_pending"
 _PACKED_TIES = "lowbit_master_ties"
+_CHUNK = 1 << 22  # elements per piece of a host-side conversion (whole tie words): bounded temporaries
 
 
 def format_for(param: torch.Tensor, config: Config) -> MasterFormat | None:
@@ -126,13 +127,29 @@ def _converted(param: torch.Tensor, held: tuple, fmt: MasterFormat) -> dict[str,
     either residual's master rounds to it)."""
     old, codes, ties = held
     shard = sharding.local(param)
-    master = residual.read(shard.reshape(-1), codes.reshape(-1), ties, old)
-    _, code, flags = residual.encode(master, fmt)
     out = create(param, fmt)
-    sharding.local(out[RESIDUAL]).view(-1).copy_(code)
-    if flags is not None:
-        out[TIES].copy_(residual.pack_ties(flags))
+    for start, stop in _chunks(shard.numel()):
+        master = residual.read(shard.reshape(-1)[start:stop], codes.reshape(-1)[start:stop], _words(ties, start, stop),
+                               old)
+        _store(out, fmt, residual.encode(master, fmt, offset=start), start, stop)
     return out
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    return [(start, min(n, start + _CHUNK)) for start in range(0, n, _CHUNK)]
+
+
+def _words(ties: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    """The tie words of elements ``[start, stop)`` (``start`` a multiple of 32)."""
+    return None if ties is None else ties[start // 32:residual.tie_words(stop)]
+
+
+def _store(made: dict[str, torch.Tensor], fmt: MasterFormat, encoded: tuple, start: int, stop: int) -> None:
+    """Elements ``[start, stop)`` of ``residual.encode``'s codes and tie flags into the state ``made``."""
+    _, code, flags = encoded
+    sharding.local(made[RESIDUAL]).view(-1)[start:stop].copy_(code)
+    if flags is not None:
+        made[TIES][start // 32:residual.tie_words(stop)].copy_(residual.pack_ties(flags))
 
 
 def _with_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -174,13 +191,23 @@ def pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
 
 
 def _pack_ties(words: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
+    """Rows of whole bytes (``width % 8 == 0``: every 2-D weight of a usual model) are the words' own
+    bytes (little-endian: element i is bit i % 8 of byte i // 8), a view, as a state dict holds the
+    live states; other widths are repacked, a chunk of rows at a time."""
     rows, width = checkpoint._rows(param.shape)
     start, stop = sharding.local_rows(param)
-    flags = residual.unpack_ties(words, (stop - start) * width).view(stop - start, width)
-    row_bytes = -(-width // 8)
-    bits = torch.zeros(stop - start, row_bytes * 8, dtype=torch.int32, device=words.device)
-    bits[:, :width] = flags.to(torch.int32)
-    packed = (bits.view(stop - start, row_bytes, 8) << torch.arange(8, device=words.device)).sum(2).to(torch.uint8)
+    local, row_bytes = stop - start, -(-width // 8)
+    if width % 8 == 0:
+        packed = words.view(torch.uint8)[:local * row_bytes].view(local, row_bytes)
+    else:
+        packed = torch.empty(local, row_bytes, dtype=torch.uint8, device=words.device)
+        step = max(32, _CHUNK // width // 32 * 32)  # rows per chunk, a multiple of 32: whole tie words
+        for r0 in range(0, local, step):
+            r1 = min(local, r0 + step)
+            flags = residual.unpack_ties(words[r0 * width // 32:residual.tie_words(r1 * width)], (r1 - r0) * width)
+            bits = torch.zeros(r1 - r0, row_bytes * 8, dtype=torch.int32, device=words.device)
+            bits[:, :width] = flags.view(r1 - r0, width)
+            packed[r0:r1] = (bits.view(r1 - r0, row_bytes, 8) << torch.arange(8, device=words.device)).sum(2)
     return {_PACKED_TIES: 1, "bits": sharding.like(packed, param, (rows, row_bytes))}
 
 
@@ -193,8 +220,18 @@ def _unpack_ties(packed: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"saved {TIES!r} of shape {tuple(table.shape)} do not fit a parameter of shape "
                          f"{tuple(param.shape)}")
     table = table.to(sharding.local(param).device)
-    flags = ((table.to(torch.int32)[:, :, None] >> torch.arange(8, device=table.device)) & 1).reshape(stop - start, -1)
-    return residual.pack_ties(flags[:, :width].reshape(-1).bool())
+    local = stop - start
+    words = torch.zeros(residual.tie_words(local * width), dtype=torch.int32, device=table.device)
+    if width % 8 == 0:
+        words.view(torch.uint8)[:local * width // 8].copy_(table.reshape(-1))
+        return words
+    step = max(32, _CHUNK // width // 32 * 32)
+    for r0 in range(0, local, step):
+        r1 = min(local, r0 + step)
+        flags = ((table[r0:r1].to(torch.int32)[:, :, None] >> torch.arange(8, device=table.device)) & 1)
+        words[r0 * width // 32:residual.tie_words(r1 * width)] = residual.pack_ties(
+            flags.reshape(r1 - r0, -1)[:, :width].reshape(-1).bool())
+    return words
 
 
 def load_pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -257,7 +294,11 @@ def master_of(param: torch.Tensor, state: dict) -> torch.Tensor | None:
         return None
     fmt, codes, ties = held
     shard = sharding.local(param).detach()
-    return residual.read(shard.reshape(-1), codes.reshape(-1), ties, fmt).view(shard.shape)
+    out = torch.empty(shard.numel(), dtype=torch.float32, device=shard.device)
+    for start, stop in _chunks(shard.numel()):
+        out[start:stop] = residual.read(shard.reshape(-1)[start:stop], codes.reshape(-1)[start:stop],
+                                        _words(ties, start, stop), fmt)
+    return out.view(shard.shape)
 
 
 @torch.no_grad()
@@ -289,13 +330,15 @@ def load_master_params(opt: torch.optim.Optimizer, masters: Sequence[torch.Tenso
             continue
         state = opt.state[param]
         seed = state.get(SEED)
-        new_param, code, flags = residual.encode(value.reshape(-1).to(shard.device), fmt,
-                                                 float(seed) if seed is not None else 0.0)
-        shard.copy_(new_param.view(shard.shape))
         made = create(param, fmt)
-        sharding.local(made[RESIDUAL]).view(-1).copy_(code)
-        if flags is not None:
-            made[TIES].copy_(residual.pack_ties(flags))
+        flat, values = shard.view(-1) if shard.is_contiguous() else shard.reshape(-1).clone(), value.reshape(-1)
+        for start, stop in _chunks(shard.numel()):
+            encoded = residual.encode(values[start:stop].to(shard.device), fmt,
+                                      float(seed) if seed is not None else 0.0, offset=start)
+            flat[start:stop].copy_(encoded[0])
+            _store(made, fmt, encoded, start, stop)
+        if not shard.is_contiguous():
+            shard.copy_(flat.view(shard.shape))
         if seed is not None:
             made[SEED] = seed
         for key in KEYS:

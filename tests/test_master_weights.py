@@ -746,3 +746,20 @@ def test_the_cli_takes_the_option(tmp_path, capsys, monkeypatch):
     """))
     assert main(["run", "--master-weights", "8bit", "--no-summary", str(script)]) == 0
     assert "residual: torch.int8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape", [(33, 40), (300,), (7, 130), (3, 1000), ()])
+def test_tie_bits_are_saved_per_row_and_read_back(shape, monkeypatch):
+    """Rows of whole bytes save the words' own bytes; other widths are repacked in chunks (forced small
+    here): either way row r's bits are the flags of its elements, and loading gives the words back."""
+    from lowbit_compile import master
+
+    monkeypatch.setattr(master, "_CHUNK", 64)
+    n = torch.Size(shape).numel()
+    flags = torch.rand(n, generator=torch.Generator().manual_seed(0)) < 0.3
+    param = torch.empty(shape)
+    packed = master._pack_ties(residual.pack_ties(flags), param)
+    rows, width = (shape[0], n // shape[0]) if shape else (1, 1)
+    per_row = ((packed["bits"].to(torch.int32)[:, :, None] >> torch.arange(8)) & 1).reshape(rows, -1)
+    assert torch.equal(per_row[:, :width].reshape(-1).bool(), flags)
+    assert torch.equal(residual.unpack_ties(master._unpack_ties(packed, param), n), flags)
