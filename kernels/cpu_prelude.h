@@ -604,7 +604,8 @@ LB_INLINE vi lb_master_d_exact(vi code, const int32_t* ties, int64_t first) {
   for (int l = 0; l < LB_W; ++l)
     if (tie[l]) {
       const int64_t e = first + l;
-      d[l] = (((uint32_t)ties[e >> 5] >> (e & 31)) & 1u) ? -32768 : 32768;
+      const uint32_t word = __atomic_load_n((const uint32_t*)ties + (e >> 5), __ATOMIC_RELAXED);  // others' bits
+      d[l] = ((word >> (e & 31)) & 1u) ? -32768 : 32768;
     }
   return d;
 }
