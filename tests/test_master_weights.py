@@ -105,6 +105,31 @@ def test_exact_bf16_residual_round_trips_any_floats(values):
     assert same_bits(residual.decode(param, code, ties, fmt), x)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True), min_size=1,
+                max_size=64), st.integers(0, 2**24 - 1))
+def test_every_residual_keeps_its_promise_on_any_floats(values, seed):
+    """fp16 exact: exact from 2**-15 up to what rounds to a finite fp16, within 2**-39 below; 8bit (bf16
+    and fp16): the param is the master's round to nearest even, the stored master still rounds to it,
+    and it is within one residual step of the master (256 fp32 bit patterns for bf16)."""
+    x = torch.tensor(values, dtype=torch.float32)
+    fmt = residual.MasterFormat("exact", FP16)
+    param, code, _ = residual.encode(x, fmt)
+    y = residual.decode(param, code, None, fmt)
+    finite = x.abs() < 65520
+    normal = finite & (x.abs() >= 2**-15)
+    assert same_bits(y[normal], x[normal])
+    assert ((y - x).abs()[finite & ~normal] <= 2**-39).all()
+    for dtype in (BF16, FP16):
+        fmt = residual.MasterFormat("8bit", dtype)
+        param, code, _ = residual.encode(x, fmt, seed=seed)
+        y = residual.decode(param, code, None, fmt)
+        assert same_bits(param, x.to(dtype)) and same_bits(y.to(dtype), param)
+        if dtype == BF16:
+            gap = (bits(y).to(torch.int64) - bits(x).to(torch.int64)).abs()
+            assert (gap[x.isfinite()] <= 256).all()
+
+
 def test_exact_fp16_residual_is_exact_from_2_to_the_minus_15_up_to_fp16_overflow():
     x = every_low_half([0x3800 + k for k in range(0, 0x1000, 97)] + [0x3F80, 0x4049, 0x477F, 0x4780, 0x3700, 0x3800,
                                                                      0x0000, 0x0001, 0x3400, 0x7F80, 0x7FC0])
