@@ -1,4 +1,4 @@
-"""The one interface of a lowered step, whatever the backend: ``run_many`` steps parameters.
+"""The one interface of a lowered step, whatever the backend: a prepared ``launch`` steps parameters.
 
 A lowering (``backends.lower``) returns a :class:`StepKernel` built completely (emitted, compiled,
 loaded), so the first step that uses it cannot fail half-way for a reason known in advance.
@@ -6,7 +6,7 @@ loaded), so the first step that uses it cannot fail half-way for a reason known 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -16,17 +16,43 @@ class BuildError(RuntimeError):
     """A kernel that could not be built here (no C++ compiler, a device the kernel cannot target)."""
 
 
+class Launch(Protocol):
+    """Kernel calls over fixed rows (the top-level inputs of the split step graph for one parameter
+    each: param, grad, states or their storage parts, hyperparameters, in graph order), prepared once
+    and run on every step the rows stay bound: the caller updates the rows in place (new grads, the
+    hyperparameters' current values) and says which tensors are new objects."""
+
+    rows: Sequence[list]
+
+    def changed(self, r: int, i: int) -> None:
+        """``rows[r][i]`` is a new grad (in the param's shape): re-check and re-point it."""
+
+    def run(self) -> None:
+        """Step every row with the rows' current values."""
+
+
 @runtime_checkable
 class StepKernel(Protocol):
     """A lowered step of one signature."""
 
     backend: str  # "cpu", "triton" or "reference": what actually runs
 
-    def run_many(self, rows: Sequence[Sequence[object]], memos: Sequence[dict] | None = None) -> None:
-        """Step every row: the top-level inputs of the split step graph for one parameter each (param,
-        grad, states or their storage parts, hyperparameters, in graph order). ``memos`` (one dict per
-        row, kept by the caller while the row's tensors stay the same objects) let a kernel re-check
-        only what changed since the last call."""
+    def launch(self, rows: Sequence[list]) -> Launch:
+        """Prepare the calls that step these rows (checks every buffer it will touch)."""
+
+
+class RowLaunch:
+    """A launch that runs its rows through ``run`` each time (nothing to prepare)."""
+
+    def __init__(self, run: Callable[[Sequence[list]], None], rows: Sequence[list]) -> None:
+        self._run = run
+        self.rows = rows
+
+    def changed(self, r: int, i: int) -> None:
+        self.rows[r][i] = self.rows[r][i].reshape(-1)  # the step graph is traced on flat tensors
+
+    def run(self) -> None:
+        self._run(self.rows)
 
 
 def same_scalar_states(rows: Sequence[Sequence[object]], indices: Sequence[int]) -> list[list[int]]:

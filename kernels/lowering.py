@@ -49,12 +49,14 @@ class Target:
     roots as torch's own CPU kernel takes them (MKL's, not correctly rounded), for bit-for-bit stock
     steps; otherwise correctly rounded. ``reciprocal_divisor``: a division by a scalar becomes a
     multiply by its fp32 reciprocal (one rounding off torch's result, faster); CUDA does that for
-    host scalars whatever this says.
+    host scalars whatever this says. ``fp8_native``: fp8 codes are held as float8 and converted with
+    the GPU's instructions (sm_89 and later), else as uint8 bits with integer operations (same codes).
     """
 
     device: str
     torch_sqrt: bool = False
     reciprocal_divisor: bool = False
+    fp8_native: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 from torch.fx import GraphModule
 
+from .kernel import RowLaunch
+
 
 class ReferenceStep:
     """A split, rewritten step run op by op, one parameter at a time."""
@@ -21,6 +23,9 @@ class ReferenceStep:
     def __init__(self, step: GraphModule) -> None:
         self.step = step
 
-    def run_many(self, rows: Sequence[Sequence[object]], memos: Sequence[dict] | None = None) -> None:
+    def launch(self, rows: Sequence[list]) -> RowLaunch:
+        return RowLaunch(self._run, rows)
+
+    def _run(self, rows: Sequence[list]) -> None:
         for row in rows:
             self.step(*row)

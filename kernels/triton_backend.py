@@ -25,19 +25,40 @@ from triton.runtime.interpreter import InterpretedFunction
 from . import blockquant
 from .backends import interpreting
 from .formats import StateFormat, dynamic_map, dynamic_midpoints
-from .kernel import BuildError
+from .kernel import BuildError, RowLaunch
 from .lowering import Target
 from .triton_printer import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
 
 
 def target_of(device: torch.device) -> Target:
     """Whose arithmetic a kernel for ``device`` reproduces: CUDA's, or (interpreted on CPU tensors)
-    eager CPU's, so the interpreter tests compare with the reference on the same machine."""
-    return Target("cuda" if device.type == "cuda" else "cpu")
+    eager CPU's, so the interpreter tests compare with the reference on the same machine; and its
+    FP8 path (:func:`fp8_native_for`)."""
+    return Target("cuda" if device.type == "cuda" else "cpu", fp8_native=fp8_native_for(device))
 
 
 # Launch tuning, for benchmarks: None picks num_warps from the tile size.
 LAUNCH_OPTIONS: dict[str, int | None] = {"num_warps": None}
+
+FP8_NATIVE_ARCH = 89  # the first CUDA compute capability with fp8 conversion instructions (Ada, then Hopper)
+# The FP8 path of kernels emitted from now on, for tests and bench/gpu_check.py: None picks it from the device.
+FP8_PATH: dict[str, bool | None] = {"native": None}
+
+
+def fp8_native_for(device: torch.device) -> bool:
+    """Whether kernels for ``device`` hold fp8 codes as float8 and convert them with the GPU's cvt
+    instructions (sm_89 and later), or as uint8 bits with integer operations (earlier GPUs). The
+    interpreter runs both; CPU tensors take the native path unless ``FP8_PATH`` says otherwise."""
+    forced = FP8_PATH["native"]
+    if forced is not None:
+        return forced
+    return _cuda_arch(device) >= FP8_NATIVE_ARCH if device.type == "cuda" else True
+
+
+@functools.cache
+def _cuda_arch(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
 
 
 class TritonKernel:
@@ -52,6 +73,8 @@ class TritonKernel:
         self.key = kernel_key(emitted)
         self.interpreted = interpreting()
         self.fn = _compile(emitted.source, emitted.name, self.key)
+        # fp8 codes on the integer path: the kernel reads and writes their bytes
+        self.byte_inputs = frozenset(p.index for p in emitted.params if p.kind == "input" and p.dtype == torch.uint8)
 
     def build(self, device: torch.device) -> None:
         """Compile for ``device`` now, not at the first launch (which comes after the step's prologue
@@ -67,8 +90,7 @@ class TritonKernel:
             raise BuildError(f"compiling the Triton kernel {e.name} for {device} failed: {err}") from err
 
     def _num_warps(self) -> int:
-        tile = self.emitted.block * self.emitted.rows
-        return LAUNCH_OPTIONS["num_warps"] or (4 if tile <= 1024 else 8 if tile <= 4096 else 16)
+        return LAUNCH_OPTIONS["num_warps"] or _warps(self.emitted)
 
     def split(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
         """The body inputs ``inputs`` (in graph order) as the op's (written, read, numbers) lists."""
@@ -100,6 +122,8 @@ class TritonKernel:
             value = values[p.index]
             if isinstance(value, torch.Tensor) and value.device != device:
                 value = value.to(device, non_blocking=True)  # a 0-d hyperparameter kept on the host
+            if p.index in self.byte_inputs and value.dtype != torch.uint8:
+                value = value.view(torch.uint8)
             args.append(value)
         n = anchor.numel()
         blocks = triton.cdiv(n, e.block) - first_block
@@ -120,20 +144,30 @@ _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16
                   torch.float8_e5m2: "*fp8e5"}
 
 
-def compile_for_target(emitted: EmittedKernel, arch: int = 90, num_warps: int = 8):
-    """Compile ``emitted`` for CUDA compute capability ``arch`` without a GPU (Triton's bundled ptxas):
-    GPU-only compile errors show on any machine. Not available under the interpreter."""
+def _warps(e: EmittedKernel) -> int:
+    tile = e.block * e.rows
+    return 4 if tile <= 1024 else 8 if tile <= 4096 else 16
+
+
+def compile_for_target(graph: GraphModule, arch: int = 90, fp8_native: bool | None = None,
+                       name: str = "lowbit_step"):
+    """Emit the CUDA kernel of ``graph`` (a split step's body, or a standalone state graph) as a GPU of
+    compute capability ``arch`` would run it, FP8 path included (``fp8_native`` forces one), and compile it
+    without a GPU (Triton's bundled ptxas): GPU-only compile errors show on any machine. Not available
+    under the interpreter."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if interpreting():
         raise RuntimeError("compile_for_target needs TRITON_INTERPRET unset: it builds real Triton kernels")
+    native = arch >= FP8_NATIVE_ARCH if fp8_native is None else fp8_native
+    emitted = emit_kernel(graph, name, Target("cuda", fp8_native=native))
     signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else "fp32" for p in emitted.params}
     signature.update(n_elements="i64", first_block="i64", BLOCK="constexpr", ROWS="constexpr")
     fn = _compile(emitted.source, emitted.name, kernel_key(emitted))
     source = ASTSource(fn, signature, constexprs={"BLOCK": emitted.block, "ROWS": emitted.rows})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": False})
+                          options={"num_warps": _warps(emitted), "enable_fp_fusion": False})
 
 
 def kernel_key(emitted: EmittedKernel) -> str:
@@ -234,7 +268,10 @@ class TritonStep:
         self.kernel = kernel
         self.graph = GraphModule(root, copy.deepcopy(step.graph), "FusedStep")
 
-    def run_many(self, rows: Sequence[Sequence[Any]], memos: Sequence[dict] | None = None) -> None:
+    def launch(self, rows: Sequence[list]) -> RowLaunch:
+        return RowLaunch(self._run, rows)
+
+    def _run(self, rows: Sequence[list]) -> None:
         for row in rows:
             self.graph(*row)
 

@@ -238,7 +238,8 @@ class TritonPrinter:
         fmt = access.fmt
         if not fmt.blockwise:
             return [self.param(codes, fmt.code_dtype), "None", "None", "None"]
-        pointers = [self.param(codes, fmt.code_dtype), self.param(scales, torch.float32)]
+        codes_dtype = torch.uint8 if _is_fp8(fmt) and not self.target.fp8_native else fmt.code_dtype  # a uint8 view
+        pointers = [self.param(codes, codes_dtype), self.param(scales, torch.float32)]
         if not fmt.patches:
             return pointers + ["None", "None"]
         return pointers + [self.param(patch_values, PATCH_VALUE_DTYPE), self.param(patch_index, PATCH_INDEX_DTYPE)]
@@ -249,7 +250,8 @@ class TritonPrinter:
         name = self._ident(state.node.name)
         self.lines.append(f"# {fmt.tag()}")
         self.lines += _call_lines(f"{name} = lb.dequantize", self._state_args(state) + [
-            table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_format_id(fmt)}", f"K={fmt.patches}"])
+            table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_format_id(fmt)}", f"K={fmt.patches}",
+            *self._fp8_path(fmt)])
         return Value(name, torch.float32, Kind.ELEMENT)
 
     def quantize(self, state: StateAccess, value: Value) -> None:
@@ -261,7 +263,11 @@ class TritonPrinter:
         self.lines += _call_lines("lb.quantize", [value.text] + self._state_args(state) + [
             table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_format_id(fmt)}",
             f"NONNEG={fmt.nonneg}", f"K={fmt.patches}", f"QMAX={fmt.qmax!r}", f"MIN_POSITIVE={fmt.min_positive!r}",
-            f"INV_QMAX={inv_qmax!r}"])
+            f"INV_QMAX={inv_qmax!r}", *self._fp8_path(fmt)])
+
+    def _fp8_path(self, fmt: StateFormat) -> list[str]:
+        """The FP8 path of an fp8 state's calls (named only where it is the integer one)."""
+        return ["FP8_NATIVE=False"] if _is_fp8(fmt) and not self.target.fp8_native else []
 
     def _master_args(self, master: MasterAccess) -> list[str]:
         ties = self.param(master.ties) if master.ties is not None else "None"
@@ -373,6 +379,10 @@ class TritonPrinter:
 # helpers ----------------------------------------------------------------------------------------------
 _FORMAT_NAMES = {"int8": "lb.INT8", "dynamic8": "lb.DYNAMIC8", "fp8_e4m3": "lb.FP8_E4M3", "fp8_e5m2": "lb.FP8_E5M2",
                  "bf16": "lb.BF16_CODES"}
+
+
+def _is_fp8(fmt: StateFormat) -> bool:
+    return fmt.name in ("fp8_e4m3", "fp8_e5m2")
 
 
 def _format_id(fmt: StateFormat) -> str:

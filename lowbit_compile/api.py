@@ -1,7 +1,8 @@
 """``lowbit_compile(opt)`` and ``restore(opt)``: switch a stock optimizer to low-bit states and back.
 
-The optimizer object stays the same instance of the same class with the same ``param_groups``;
-only its ``step`` (an instance attribute shadowing the class method) and its state tensors change.
+The optimizer object stays the same instance with the same ``param_groups``; its class becomes the
+low-bit subclass of its class (``lowbit_compile.optim``: still an instance of the stock class), its
+``step`` an instance attribute shadowing the class method, and its state tensors change.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import checkpoint, master, sharding
 from .compile import compile_step
@@ -27,7 +27,9 @@ from .config import (
     param_names,
 )
 from .kernels.backends import BackendError, resolve
-from .run import Prepared, group_signature, run_params
+from .kernels.formats import StateFormat
+from .passes.trace import unhooked_step
+from .run import Prepared, StepPlan, group_signature
 from .state_schema import StateSchema, init_state, probe_schema
 
 # The stock optimizers whose step is elementwise over each parameter: enable() rewrites these. Any
@@ -55,12 +57,14 @@ class _Wrapped:
     ``step`` instance attribute it replaced (e.g. an LR scheduler's wrapper), and the parameter
     names that name-pattern overrides match against."""
 
-    def __init__(self, config: Config, previous_step: Any, hooks: list) -> None:
+    def __init__(self, config: Config, options: dict[str, Any], previous_step: Any, hooks: list) -> None:
         self.config = config
+        self.options = options  # as given (less model=): what a copy is wrapped with again
         self.previous_step = previous_step
         self.hooks = hooks
         self.names: dict[torch.Tensor, str] = {}
         self.prepared: dict[torch.Tensor, Prepared] = {}  # per parameter, reused while valid
+        self.plan: StepPlan | None = None  # the last step's bound launches, reused while they fit
 
 
 def lowbit_compile(
@@ -95,7 +99,8 @@ def lowbit_compile(
         outliers: largest-magnitude values per block kept exactly in bf16 (patches); they help the
             linear int8 grid, not dynamic8, whose map already spans six decades.
         min_8bit_size: tensors with fewer elements keep stock fp32 states.
-        backend: ``"auto"`` or ``"reference"`` (eager lowering).
+        backend: one of ``lowbit_compile.config.BACKENDS``: ``"auto"`` (the fused lowering for the
+            parameters' device) or a named one, ``"reference"`` being the eager oracle.
         overrides: per-parameter formats, first match wins: ``{pattern: fmt}`` or ``[(pattern, fmt)]``
             where a pattern is a glob on the parameter name (``"*embed*"``), a compiled regex, or a
             predicate ``(name, param) -> bool``; e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``.
@@ -108,40 +113,61 @@ def lowbit_compile(
             The stock states are then those of the fp32 step (then in ``fmt``). fp32 parameters are their
             own master and stay as they are. See ``lowbit_compile.master``.
 
-    Returns ``opt`` itself. Calling it again re-configures; it never quantizes twice.
+    Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
+    subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures; it
+    never quantizes twice.
     """
+    from .optim import lowbit_class  # optim builds its classes from this module
+
     config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights)
     _check_optimizer(opt)
     check_backend(opt, config)
-    names = _names_for(opt, config, model)
+    known = param_names(model) if model is not None else None  # model may be a one-shot iterator
+    if known is None and opt.param_groups and all("param_names" in g for g in opt.param_groups):
+        # an optimizer built from named_parameters() knows its names
+        known = {p: n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+    names = _names_for(opt, config, known)
     master.warn_if_no_effect(opt, config)
+    options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
+                   backend=backend, overrides=overrides, master_weights=master_weights)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+    if names is None:
+        names = wrapped.names if wrapped is not None else {}
+    if known is not None and config.uses_names:
+        config.check_patterns(known.values())
+    _check_state_names(opt, config)
+    updates = _conform_updates(opt, config, names)  # everything that can fail, before anything changes
+    checkpoint.guard_stock_steps()
     if wrapped is None:
         previous = opt.__dict__.get("step")
         hooks = [
             opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
             opt.register_state_dict_post_hook(master.pack_state_dict),
-            opt.register_load_state_dict_pre_hook(checkpoint.unpack_pre_hook),
-            opt.register_load_state_dict_pre_hook(master.load_pre_hook),
-            opt.register_load_state_dict_post_hook(_after_load),
+            opt.register_load_state_dict_pre_hook(_before_load),
+            opt.register_load_state_dict_post_hook(checkpoint.finish_load),
+            opt.register_step_pre_hook(_redirect_stock_step),
         ]
-        wrapped = _Wrapped(config, previous, hooks)
+        wrapped = _Wrapped(config, options, previous, hooks)
     else:
-        wrapped.config = config
-    if names is not None:
-        wrapped.names = names
-    _conform_state(opt, wrapped)
+        wrapped.config, wrapped.options = config, options
+    wrapped.names = names
+    for state, key, new in updates:
+        _apply(state, {key: new})
     setattr(opt, _ATTR, wrapped)
     opt.step = _make_step(opt, wrapped.previous_step)
+    opt.__class__ = lowbit_class(type(opt))
     return opt
 
 
 def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Turn a wrapped optimizer back into a stock one: fp32 (stock-dtype) states, the class's step.
+    """Turn a wrapped optimizer back into a stock one: fp32 (stock-dtype) states, the class's step,
+    and its stock class again (an optimizer built from a ``lowbit_compile.optim`` class included).
 
     A 16-bit parameter stepped with master weights keeps its value (its master rounded to nearest even,
     as the fp32 master recipe leaves it) and loses its residual; its states take its dtype, as the stock
     step over it keeps them (take ``master_params(opt)`` first to keep the fp32 masters)."""
+    from .optim import stock_class
+
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if wrapped is None:
         return opt
@@ -156,23 +182,23 @@ def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if wrapped.previous_step is not None:
         opt.step = wrapped.previous_step
     delattr(opt, _ATTR)
+    opt.__class__ = stock_class(type(opt))
     return opt
 
 
 def is_wrapped(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` runs the low-bit step now (``lowbit_compile`` applied, ``restore`` not since)."""
     return hasattr(opt, _ATTR)
 
 
-def _names_for(opt: torch.optim.Optimizer, config: Config,
-               model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None) -> dict | None:
-    """The names of ``opt``'s parameters in ``model``; name-pattern overrides need every one."""
-    if model is None:
+def _names_for(opt: torch.optim.Optimizer, config: Config, known: dict[torch.Tensor, str] | None) -> dict | None:
+    """The names of ``opt``'s parameters among the ``model=`` names; name-pattern overrides need every one."""
+    if known is None:
         wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
         if config.uses_names and (wrapped is None or not wrapped.names):
             raise ValueError("overrides match parameter names, so lowbit_compile needs model=<the module> "
                              "(or model=module.named_parameters()) to know them")
         return None
-    known = param_names(model)
     params = [p for group in opt.param_groups for p in group["params"]]
     missing = sum(p not in known for p in params)
     if missing and config.uses_names:
@@ -255,19 +281,30 @@ def stock_step_runs_rewritten(opt: torch.optim.Optimizer, args: tuple, kwargs: d
     twin.__dict__.update(opt.__dict__)
     twin.param_groups = []
     twin.state = collections.defaultdict(dict)
-    return (twin,), {"closure": lambda: _rewritten_update()(opt, closure)}
+    return (twin,), {"closure": RunRewritten(opt, closure)}
+
+
+class RunRewritten:
+    """The closure ``stock_step_runs_rewritten`` hands the idle stock step: the rewritten update of
+    ``opt``, which calls ``closure`` (the caller's, or None) first. A later pre-hook that needs to act
+    between the caller's closure and the update (``monitor``) replaces ``closure``."""
+
+    def __init__(self, opt: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> None:
+        self.opt = opt
+        self.closure = closure
+
+    def __call__(self) -> Any:
+        return _rewritten_update()(self.opt, self.closure)
 
 
 def _redirect_stock_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """A wrapped optimizer stepped through its class's stock ``step`` -- a bound method captured
-    before it was wrapped, which accelerate's AcceleratedOptimizer puts back after every GradScaler
-    step -- still runs the rewritten update, never the stock one on quantized states."""
-    if getattr(opt, _ATTR, None) is None or _IN_REWRITTEN_STEP.get():
+    """The step pre-hook of a wrapped optimizer: stepped through its class's stock ``step`` -- a
+    bound method captured before it was wrapped, which accelerate's AcceleratedOptimizer puts back
+    after every GradScaler step -- it still runs the rewritten update, never the stock one on
+    quantized states. A step an earlier hook (``enable``'s) already redirected is left alone."""
+    if getattr(opt, _ATTR, None) is None or _IN_REWRITTEN_STEP.get() or (args and args[0] is not opt):
         return None
     return stock_step_runs_rewritten(opt, args, kwargs)
-
-
-register_optimizer_step_pre_hook(_redirect_stock_step)
 
 
 _DISABLED_STEP: list[Callable] = []
@@ -298,15 +335,36 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     if found_inf is not None and found_inf.item():
         return loss
     grad_scale = getattr(opt, "grad_scale", None)
-    # First find or build the kernel of every parameter to step: a step that cannot be built fails
-    # here, with every state, counter and grad as it was.
+    plan, on_meta = wrapped.plan, []
+    if plan is None or not plan.refresh(opt, config):
+        plan, on_meta = _prepare(opt, wrapped)
+        wrapped.plan = plan if plan.reusable and not on_meta else None
+    if grad_scale is not None:
+        for grad in plan.grads():
+            grad.div_(grad_scale)
+    plan.run()
+    if on_meta:
+        _stock_step(opt, on_meta)
+    return loss
+
+
+def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:
+    """The full preparation of a step: find or build the kernel of every parameter to step (a step
+    that cannot be built fails here, with every state, counter and grad as it was), then create or
+    convert the states of the parameters stepped for the first time, and bind them all. Also the
+    params on the ``meta`` device, which the stock update steps."""
+    config = wrapped.config
     ready, todo = [], []
+    on_meta: list[tuple[dict, torch.Tensor]] = []
     for group in opt.param_groups:
         group_sig, values = group_signature(group)
         guards: dict[int, bool] = {}
         for param in group["params"]:
             grad = param.grad
             if grad is None:
+                continue
+            if param.is_meta:  # no values to quantize: the stock step, as stock AdamW runs it
+                on_meta.append((group, param))
                 continue
             if grad.is_sparse:
                 raise RuntimeError(
@@ -320,7 +378,7 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
                 ready.append((prepared, group, param, grad, state))
                 continue
             mformat = master.format_for(param, config)
-            schema = probe_schema(opt, group, master.stand_in(param) if mformat else param)
+            schema = _schema(opt, group, param, mformat)
             formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
             compiled = compile_step(opt, group, param, state, schema, formats, config, mformat)
             todo.append((compiled, schema, formats, mformat, group, group_sig, param, grad))
@@ -334,34 +392,53 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
         _apply(state, master.conformed(param, state, mformat, schema))
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
-    if grad_scale is not None:
-        for _, _, _, grad, _ in ready:
-            grad.div_(grad_scale)
-    run_params(ready)
-    return loss
+    return StepPlan(opt, config, ready), on_meta
 
 
-def _conform_state(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
-    """Bring every existing per-element state to the configured format (adoption mid-training,
-    a re-configuration, or a loaded checkpoint). All-or-nothing: new states are built first."""
+def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tensor]]) -> None:
+    """The class's own update of ``params`` (each with its group), on ``opt``'s state."""
+    shell = object.__new__(type(opt))
+    shell.__dict__.update(opt.__dict__)
+    groups: dict[int, dict] = {}
+    for group, param in params:
+        groups.setdefault(id(group), {**group, "params": []})["params"].append(param)
+    shell.param_groups = list(groups.values())
+    unhooked_step(type(opt))(shell)
+
+
+def _formats(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
+             param: torch.Tensor) -> dict[str, StateFormat]:
+    """The configured format of each per-element state of ``param`` in ``group``."""
+    schema = _schema(opt, group, param, master.format_for(param, config))
+    return dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
+
+
+def _schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, mformat: master.MasterFormat | None
+            ) -> StateSchema:
+    """The states ``param``'s step keeps: those of the fp32 step of its master when it has one."""
+    return probe_schema(opt, group, master.stand_in(param) if mformat else param)
+
+
+def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str]) -> list:
+    """``(state, key, new)`` for every existing per-element state not in its configured format
+    (adoption mid-training, a re-configuration, a checkpoint a stock loader stored): all built
+    before any is stored, so a state that cannot be converted changes nothing."""
     updates = []
     for group in opt.param_groups:
         for param in group["params"]:
             state = opt.state.get(param)
-            if not state:
+            if not state or param.is_meta:
                 continue
-            mformat = master.format_for(param, wrapped.config)
-            schema: StateSchema = probe_schema(opt, group, master.stand_in(param) if mformat else param)
+            mformat = master.format_for(param, config)
+            schema = _schema(opt, group, param, mformat)
             changes = {}
-            for key, fmt in wrapped.config.formats_for(param, schema.per_element, wrapped.names.get(param),
-                                                       schema.nonneg):
+            for key, fmt in config.formats_for(param, schema.per_element, names.get(param), schema.nonneg):
                 new = checkpoint.converted(param, key, state.get(key), fmt)
                 if new is not None:
                     changes[key] = new
             changes.update(master.conformed(param, {**state, **changes}, mformat, schema))
-            updates.append((state, changes))
-    for state, changes in updates:
-        _apply(state, changes)
+            updates.extend((state, key, new) for key, new in changes.items())
+    return updates
 
 
 def _apply(state: dict, changes: dict) -> None:
@@ -373,9 +450,35 @@ def _apply(state: dict, changes: dict) -> None:
             state[key] = value
 
 
-def _after_load(opt: torch.optim.Optimizer) -> None:
-    """``load_state_dict`` post hook: restore the packed states, then convert every state (stock fp32
-    ones included) to the configured format."""
-    checkpoint.reinsert_packed(opt)
-    master.reinsert(opt)
-    _conform_state(opt, getattr(opt, _ATTR))
+def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
+    """Refuse a fmt dict or override that names a state no optimizer keeps (a misspelling)."""
+    if not config.state_names:
+        return
+    kept = set()
+    for group in opt.param_groups:
+        for param in {p.dim(): p for p in group["params"] if not p.is_meta}.values():
+            kept.update(probe_schema(opt, group, param).per_element)
+    config.check_state_names(kept, type(opt).__name__)
+
+
+def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``load_state_dict`` pre hook: read and convert every state first (``checkpoint.prepare_load``)."""
+    wrapped: _Wrapped = getattr(opt, _ATTR)
+    config = wrapped.config
+
+    def masters_of(group: dict, param: torch.Tensor) -> Callable[[dict], dict] | None:
+        mformat = master.format_for(param, config)
+        if mformat is None:
+            return None
+        schema = _schema(opt, group, param, mformat)
+        return lambda entry: master.loaded(param, entry, mformat, schema)
+
+    return checkpoint.prepare_load(
+        opt, state_dict, lambda group, param: _formats(opt, config, wrapped.names, group, param),
+        wrapped.names.get, masters_of)
+
+
+# The stock-step guard leaves alone a wrapped optimizer (its step converts what a loader left in its
+# state) and optimizers that are not stock elementwise ones (ZeroRedundancyOptimizer keeps a copy of
+# its inner optimizer's state but steps the inner one).
+checkpoint.defer_to(lambda opt: is_wrapped(opt) or not isinstance(opt, SUPPORTED))

@@ -19,7 +19,7 @@ from .config import Config
 from .kernels.backends import lower
 from .kernels.contract import Role, input_of
 from .kernels.formats import StateFormat
-from .kernels.kernel import StepKernel, same_scalar_states
+from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
 from .kernels.residual import KEYS as MASTER_KEYS
 from .kernels.residual import MasterFormat
 from .passes.master_weights import master_weights
@@ -182,17 +182,20 @@ class _BranchingRun:
         self.traced = {id(trace)}
         self.backend = first.kernel.backend
 
-    def run_many(self, rows: Sequence[Sequence[Any]], memos: Sequence[dict] | None = None) -> None:
-        for group in same_scalar_states(rows, self.scalar_states):
-            self._run([rows[r] for r in group], None if memos is None else [memos[r] for r in group])
+    def launch(self, rows: Sequence[list]) -> RowLaunch:
+        return RowLaunch(self._run_groups, rows)
 
-    def _run(self, rows: list, memos: list | None) -> None:
+    def _run_groups(self, rows: Sequence[list]) -> None:
+        for group in same_scalar_states(rows, self.scalar_states):
+            self._run([rows[r] for r in group])
+
+    def _run(self, rows: list) -> None:
         values = [rows[0][i] for i in self.hyper_index]
         for i, (guard, kernel) in enumerate(self.variants):
             if not guard(values):
                 continue
             try:
-                kernel.run_many(rows, memos)
+                kernel.launch(rows).run()
             except BranchFlipped:
                 continue
             if i:
@@ -202,7 +205,7 @@ class _BranchingRun:
         self.traced.add(id(trace))
         kernel = _Reordered(compiled.kernel, compiled.inputs, self.inputs)
         self.variants.insert(0, (compiled.guard, kernel))
-        kernel.run_many(rows, memos)
+        kernel.launch(rows).run()
 
 
 class _Reordered:
@@ -213,10 +216,10 @@ class _Reordered:
         self.backend = kernel.backend
         self.index = None if inputs == order else [order.index(b) for b in inputs]
 
-    def run_many(self, rows: Sequence[Sequence[Any]], memos: Sequence[dict] | None = None) -> None:
-        if self.index is not None:
-            rows = [[row[i] for i in self.index] for row in rows]
-        self.kernel.run_many(rows, memos)
+    def launch(self, rows: Sequence[list]) -> Launch:
+        if self.index is None:
+            return self.kernel.launch(rows)
+        return RowLaunch(lambda rows: self.kernel.launch([[row[i] for i in self.index] for row in rows]).run(), rows)
 
 
 def binding(node: torch.fx.Node) -> tuple[Role, Any]:

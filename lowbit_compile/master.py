@@ -28,7 +28,6 @@ from .kernels.residual import KEYS, PARAM_DTYPES, RESIDUAL, SEED, TIES, MasterFo
 from .state import QuantizedState
 from .state_schema import StateSchema
 
-_PENDING = "_lowbit_master_pending"
 _PACKED_TIES = "lowbit_master_ties"
 _CHUNK = 1 << 22  # elements per piece of a host-side conversion (whole tie words): bounded temporaries
 
@@ -108,15 +107,19 @@ def _held(param: torch.Tensor, state: dict) -> tuple[MasterFormat, torch.Tensor,
     if sharding.is_sharded(value) != sharding.is_sharded(param):
         raise ValueError(f"state {RESIDUAL!r} and its parameter are not both DTensors; load the optimizer state "
                          "of a sharded model through torch.distributed.checkpoint's set_state_dict")
+    if param.dtype not in PARAM_DTYPES:
+        return None  # a residual for no 16-bit param: the master is the param
     dtypes = {torch.int16: "exact", torch.int8: "8bit"}
-    if value.dtype not in dtypes or param.dtype not in PARAM_DTYPES:
-        return None  # a residual for no 16-bit param of this kind: the master is the param
+    if value.dtype not in dtypes:
+        raise ValueError(f"state {RESIDUAL!r} is {value.dtype}, not int16 (exact) or int8 (8bit); the checkpoint "
+                         "is corrupt or was saved for other parameters")
     fmt = MasterFormat(dtypes[value.dtype], param.dtype)
     ties = state.get(TIES)
     if is_packed_ties(ties):
         ties = _unpack_ties(ties, param)
     local = sharding.local(value)
-    if fmt.has_ties and not (isinstance(ties, torch.Tensor) and ties.numel() == residual.tie_words(local.numel())):
+    if fmt.has_ties and not (isinstance(ties, torch.Tensor) and ties.dtype == torch.int32
+                              and ties.numel() == residual.tie_words(local.numel())):
         raise ValueError(f"state {RESIDUAL!r} of an exact bf16 master has no {TIES!r} of its size; the "
                          "checkpoint is truncated or was saved for other parameters")
     return fmt, local, ties if fmt.has_ties else None
@@ -215,7 +218,10 @@ def _unpack_ties(packed: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
     """The local tie words of ``param``'s shard from a saved per-row table."""
     rows, width = checkpoint._rows(param.shape)
     start, stop = sharding.local_rows(param)
-    table = checkpoint._rows_of(packed["bits"], start, stop, rows)
+    bits = packed.get("bits")
+    if not isinstance(bits, torch.Tensor):
+        raise ValueError(f"saved {TIES!r} have no table of bits; the checkpoint is corrupt")
+    table = checkpoint._as_bytes(checkpoint._rows_of(bits, start, stop, rows), TIES)
     if table.shape[1:] != (-(-width // 8),):
         raise ValueError(f"saved {TIES!r} of shape {tuple(table.shape)} do not fit a parameter of shape "
                          f"{tuple(param.shape)}")
@@ -234,42 +240,32 @@ def _unpack_ties(packed: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
     return words
 
 
-def load_pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``load_state_dict`` pre hook: keep the master entries and, for parameters with a master, every
-    tensor state but ``step`` out of the stock loader (it casts floating states to the param's
-    dtype: fp32 moments to bf16, int residuals to floats); :func:`reinsert` puts them back."""
-    from .api import _ATTR  # the wrapper's attribute (api imports this module)
-
-    config: Config = getattr(opt, _ATTR).config
-    position = checkpoint.saved_positions(state_dict)
-    params = [p for group in opt.param_groups for p in group["params"]]
-    pending: dict[int, dict] = {}
-    plain: dict = {}
-    for idx, entry in state_dict["state"].items():
-        i = position[idx]
-        param = params[i] if i < len(params) else None
-        mastered = param is not None and format_for(param, config) is not None
-        ours = {k: v for k, v in entry.items()
-                if k in KEYS or (mastered and k != "step" and isinstance(v, torch.Tensor))}
-        if ours:
-            pending[i] = ours
-            entry = {k: v for k, v in entry.items() if k not in ours}
-        plain[idx] = entry
-    opt.__dict__[_PENDING] = pending
-    return {**state_dict, "state": plain}
-
-
-def reinsert(opt: torch.optim.Optimizer) -> None:
-    """``load_state_dict`` post hook (before the states are conformed): the kept entries back under their
-    parameters, plain tensors moved to the parameter's device."""
-    pending = opt.__dict__.pop(_PENDING, {})
-    params = [p for group in opt.param_groups for p in group["params"]]
-    for i, entries in pending.items():
-        if i >= len(params):
+def loaded(param: torch.Tensor, entry: dict, fmt: MasterFormat, schema: StateSchema) -> dict[str, Any]:
+    """The master's entries of a saved ``entry`` (its per-element states already read) as ``param``
+    keeps them under ``fmt`` (None: the entry goes), for ``checkpoint.prepare_load``: checked strictly
+    (a residual, tie table or counter that does not fit is an error, never replaced by a fresh one),
+    moved to the param's device, converted from another mode; a checkpoint without them (stock, or of
+    the fp32 recipe) gives a zero residual (the master is the param)."""
+    device = sharding.local(param).device
+    entry = dict(entry)
+    for key in (RESIDUAL, TIES):
+        value = entry.get(key)
+        if key not in entry or (key == TIES and is_packed_ties(value)):
             continue
-        device = sharding.local(params[i]).device
-        opt.state[params[i]].update({k: (v.to(device) if isinstance(v, torch.Tensor) and not sharding.is_sharded(v)
-                                         and k != SEED else v) for k, v in entries.items()})
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"state {key!r} is a {type(value).__name__}, not a tensor; the checkpoint is corrupt")
+        entry[key] = value if sharding.is_sharded(value) else value.to(device).contiguous()
+    if SEED in entry:
+        seed = entry[SEED]
+        if not isinstance(seed, torch.Tensor) or seed.numel() != 1 or not bool(torch.isfinite(seed).all()):
+            raise ValueError(f"state {SEED!r} is not one finite number; the checkpoint is corrupt")
+        entry[SEED] = seed.detach().to("cpu", torch.float32).reshape(())
+    if RESIDUAL not in entry and (TIES in entry or SEED in entry):
+        raise ValueError(f"the checkpoint holds {sorted(k for k in KEYS if k in entry)} but no {RESIDUAL!r}; "
+                         "it is truncated or corrupt")
+    out = {k: entry[k] for k in KEYS if k in entry}
+    out.update(conformed(param, entry, fmt, schema))
+    return out
 
 
 # the fp32 masters in and out ---------------------------------------------------------------------------

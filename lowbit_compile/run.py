@@ -12,6 +12,7 @@ from . import sharding
 from .compile import CompiledStep
 from .config import Config
 from .kernels.contract import Role
+from .kernels.kernel import Launch
 from .passes.trace import hyper_slots, static_group_items, tensor_meta
 from .state_schema import filled
 from .trace_cache import trace_group
@@ -56,24 +57,6 @@ def bind_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: t
     return args, write_back
 
 
-def run_params(items: list[tuple[Prepared, dict, torch.Tensor, torch.Tensor, dict]]) -> None:
-    """Run the step of every (prepared, group, param, grad, state). Parameters of one group that share
-    a compiled step go to its kernel in one call: many small tensors (biases, norms) then cost one
-    kernel launch, not one each."""
-    buckets: dict[tuple[int, int], list] = {}
-    for item in items:
-        buckets.setdefault((id(item[0].compiled), id(item[1])), []).append(item)
-    for bucket in buckets.values():
-        rows, write_back = [], []
-        for prepared, *rest in bucket:
-            args, wb = prepared.bind(*rest)
-            rows.append(args)
-            write_back += wb
-        bucket[0][0].compiled.kernel.run_many(rows, [prepared.memo for prepared, *_ in bucket])
-        for dst, flat in write_back:
-            dst.copy_(flat.view(dst.shape))
-
-
 def group_signature(group: dict) -> tuple[tuple, list]:
     """What of a param group a prepared step depends on (its flags, which hyperparameters are
     tensors), and the hyperparameter values its guards are checked on. Computed once per group and
@@ -90,9 +73,9 @@ _signatures: dict[tuple, tuple] = {}  # one object per distinct group signature:
 
 @dataclass
 class Prepared:
-    """One parameter's compiled step and state as the last full preparation found them. Reused while
+    """One parameter's compiled step and state as the last full preparation found them, reused while
     the config, the group's signature, the guard, the param's storage and every state entry are
-    still the same objects, so a steady step costs a few attribute checks per parameter."""
+    still the same objects."""
 
     compiled: CompiledStep
     state: dict
@@ -100,9 +83,6 @@ class Prepared:
     param_meta: tuple
     config: Config
     group_sig: tuple
-    bound: list | None = None  # the step's inputs as last bound (when no copy needs writing back)
-    memo: dict = field(default_factory=dict)  # the lowering's checks of those inputs
-    refresh: tuple = ()  # which of them change between steps: (index, role, key) of grad and hyperparameters
 
     @staticmethod
     def make(compiled: CompiledStep, state: dict, param: torch.Tensor, config: Config,
@@ -123,24 +103,116 @@ class Prepared:
         return ok
 
 
-    def bind(self, group: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tuple[list, list]:
-        """``bind_param``, once: later steps only refresh the grad and hyperparameter inputs (the param,
-        state and storage views stay valid while ``still_valid`` holds)."""
-        if self.bound is None:
-            args, write_back = bind_param(self.compiled, group, param, grad, state)
-            if write_back:
-                return args, write_back
-            self.bound = args
-            self.refresh = tuple((i, role, key) for i, (role, key) in enumerate(self.compiled.inputs)
-                                 if role in (Role.GRAD, Role.HYPERPARAMETER))
-            return args, []
-        args = self.bound
-        for i, role, key in self.refresh:
-            args[i] = sharding.local(grad).reshape(-1) if role is Role.GRAD else key.get(group)
-        return args, []
-
-
 def _param_meta(param: torch.Tensor) -> tuple:
     return (param.dtype, param.shape, param.device, sharding.local(param).data_ptr(), type(param))
 
+
+@dataclass
+class _Bucket:
+    """The parameters of one group that share a compiled step: one launch over their rows."""
+
+    compiled: CompiledStep
+    group: dict
+    rows: list[list] = field(default_factory=list)
+    launch: Launch | None = None
+    grad_index: int = -1
+    hypers: tuple = ()  # (row index, param-group slot) of each hyperparameter input
+
+
+@dataclass
+class _Member:
+    """One parameter of the plan: where its row is, and what must still hold for the row to be right."""
+
+    param: torch.Tensor
+    state: dict
+    entries: tuple  # the ids of the state's values
+    shape: torch.Size
+    ptr: int  # the param's data pointer (of its local shard: a DTensor's is its local tensor's)
+    sharded: bool
+    bucket: _Bucket
+    row: int
+    grad: torch.Tensor
+
+
+class StepPlan:
+    """One optimizer's step as its last full preparation bound it: every parameter's row, and one
+    prepared launch per group and compiled step. A later step that finds the same groups, params,
+    storage, states, config and guards (:meth:`refresh`) only re-points the grads that are new
+    tensors and reads the hyperparameters' current values, then runs (:meth:`run`): a few attribute
+    checks per parameter instead of a preparation."""
+
+    def __init__(self, opt: torch.optim.Optimizer, config: Config,
+                 items: list[tuple[Prepared, dict, torch.Tensor, torch.Tensor, dict]]) -> None:
+        self.config = config
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        members: dict[int, _Member] = {}
+        for prepared, group, param, grad, state in items:
+            compiled = prepared.compiled
+            bucket = self.buckets.get((id(compiled), id(group)))
+            if bucket is None:
+                roles = compiled.inputs
+                bucket = self.buckets[id(compiled), id(group)] = _Bucket(
+                    compiled, group, grad_index=next(i for i, (role, _) in enumerate(roles) if role is Role.GRAD),
+                    hypers=tuple((i, key) for i, (role, key) in enumerate(roles) if role is Role.HYPERPARAMETER))
+            args, write_back = bind_param(compiled, group, param, grad, state)
+            self.write_back += write_back
+            members[id(param)] = _Member(param, state, tuple(map(id, state.values())), param.shape,
+                                         sharding.local(param).data_ptr(), sharding.is_sharded(param), bucket,
+                                         len(bucket.rows), grad)
+            bucket.rows.append(args)
+        for bucket in self.buckets.values():
+            bucket.launch = bucket.compiled.kernel.launch(bucket.rows)
+        # the params of each group in order, with their member (None: stepped without a grad)
+        self.groups = [(group, group["params"], len(group["params"]), group_signature(group)[0],
+                        [members.get(id(p)) for p in group["params"]]) for group in opt.param_groups]
+        # strided params and states are bound through copies; a step that creates states (SGD's
+        # first, momentum_buffer = grad) is followed by another trace, so neither is replayed
+        self.reusable = not self.write_back and not any(b.compiled.fresh for b in self.buckets.values())
+
+    def refresh(self, opt: torch.optim.Optimizer, config: Config) -> bool:
+        """Whether this plan still binds ``opt``'s step; if so, its rows now hold the current grads."""
+        if config is not self.config or len(opt.param_groups) != len(self.groups):
+            return False
+        state_of = opt.state
+        for group, (planned, params, count, sig, members) in zip(opt.param_groups, self.groups):
+            if group is not planned or group["params"] is not params or len(params) != count:
+                return False
+            group_sig, values = group_signature(group)
+            if group_sig is not sig:
+                return False
+            for p, m in zip(params, members):
+                grad = p.grad
+                if m is None:
+                    if grad is not None:
+                        return False
+                    continue
+                storage = p._local_tensor if m.sharded else p
+                if (grad is None or state_of.get(p) is not m.state or storage.data_ptr() != m.ptr
+                        or tuple(map(id, m.state.values())) != m.entries):  # a state entry replaced
+                    return False
+                if grad is not m.grad:
+                    if grad.layout is not torch.strided or grad.shape != m.shape:
+                        return False
+                    m.grad = grad
+                    m.bucket.rows[m.row][m.bucket.grad_index] = grad._local_tensor if m.sharded else grad
+                    m.bucket.launch.changed(m.row, m.bucket.grad_index)
+            for bucket in self.buckets.values():
+                if bucket.group is group:
+                    if not bucket.compiled.guard(values):
+                        return False
+                    for i, slot in bucket.hypers:
+                        value = slot.get(group)
+                        for row in bucket.rows:
+                            row[i] = value
+        return True
+
+    def grads(self) -> list[torch.Tensor]:
+        return [m.grad for *_, members in self.groups for m in members if m is not None]
+
+    def run(self) -> None:
+        for bucket in self.buckets.values():
+            bucket.launch.run()
+        for dst, flat in self.write_back:
+            dst.copy_(flat.view(dst.shape))
 

@@ -262,8 +262,8 @@ def test_many_small_tensors_take_one_launch_and_stay_stock(monkeypatch):
     opt = lowbit_compile(torch.optim.AdamW(ours, weight_decay=0.1), "int8")
     stock = torch.optim.AdamW(twin, weight_decay=0.1, foreach=False)
     launches = []
-    launch = cpu.CpuStep._launch
-    monkeypatch.setattr(cpu.CpuStep, "_launch", lambda self, rows: (launches.append(len(rows)), launch(self, rows)))
+    run = cpu.CpuLaunch.run
+    monkeypatch.setattr(cpu.CpuLaunch, "run", lambda self: (launches.extend(len(m) for m, _ in self.calls), run(self)))
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         for p, q in zip(ours, twin):
@@ -306,3 +306,61 @@ def test_a_reused_preparation_follows_every_change():
         stock.step()
         for p, q in zip(ours, twin):
             assert torch.equal(p, q), step
+
+
+def test_a_steady_step_reuses_its_launches_and_sees_every_change():
+    """Steps after the first reuse the prepared launches (no new preparation) while only grads and
+    hyperparameters change; a strided grad, a replaced state entry, an lr change and a step count
+    reset from outside each still step like the stock twin."""
+    shapes = [(300,), (40, 20), (64,), (5000,)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = lowbit_compile(torch.optim.Adam(ours, weight_decay=0.01), "fp32")
+    stock = torch.optim.Adam(twin, weight_decay=0.01, foreach=False)
+    gen = torch.Generator().manual_seed(5)
+    plans = []
+    for step in range(9):
+        for p, q in zip(ours, twin):
+            g = torch.randn(p.shape, generator=gen)
+            if step == 3 and p.dim() == 2:
+                g = torch.randn(tuple(reversed(p.shape)), generator=gen).t()  # a strided grad
+            p.grad, q.grad = g, g.clone()
+        if step == 4:
+            for o in (opt, stock):
+                o.param_groups[0]["lr"] = 3e-3
+        if step == 5:
+            for o, p in ((opt, ours[0]), (stock, twin[0])):
+                o.state[p]["exp_avg"] = o.state[p]["exp_avg"].clone()
+        if step == 6:
+            for o, p in ((opt, ours[2]), (stock, twin[2])):
+                o.state[p]["step"].fill_(1.0)
+        opt.step()
+        stock.step()
+        plans.append(opt._lowbit.plan)
+        for p, q in zip(ours, twin):
+            assert torch.equal(p, q), step
+    assert plans[1] is plans[2] is plans[3] is plans[4]  # new grads (one strided) and a new lr: same plan
+    assert plans[5] is not plans[4]  # a replaced state entry: prepared again
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_the_step_after_one_that_creates_states_is_prepared_again(fmt):
+    """SGD's first step creates momentum_buffer (= grad); the next steps are another trace, so the
+    first step's launches are not replayed: the buffer keeps accumulating like stock's (int8: within
+    a few quantization steps of the block's absmax after 4 steps)."""
+    ours = torch.nn.Parameter(torch.randn(4096))
+    twin = torch.nn.Parameter(ours.detach().clone())
+    opt = lowbit_compile(torch.optim.SGD([ours], lr=0.1, momentum=0.9), fmt, min_8bit_size=0)
+    stock = torch.optim.SGD([twin], lr=0.1, momentum=0.9, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        g = torch.randn(4096, generator=gen)
+        ours.grad, twin.grad = g, g.clone()
+        opt.step()
+        stock.step()
+    buf, want = opt.state[ours]["momentum_buffer"], stock.state[twin]["momentum_buffer"]
+    if fmt == "fp32":
+        assert torch.equal(buf, want) and torch.equal(ours, twin)
+    else:
+        err = (buf.dequantize() - want).abs().max()
+        assert err <= 4 * want.abs().max() / 127

@@ -20,6 +20,7 @@ def test_wheel_has_one_top_level_name_and_imports(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"lowbit_compile"}
     assert "lowbit_compile/passes/trace.py" in names and "lowbit_compile/kernels/formats.py" in names
+    assert "lowbit_compile/py.typed" in names  # PEP 561: type checkers read the package's hints
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

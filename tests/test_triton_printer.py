@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import difflib
 import operator
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -78,8 +73,8 @@ def adam_step(
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
     # dynamic8:512:0:s
     lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_bounds_ptr, rows, cols,
-                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0)
+                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=0.992968738079071,
+                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0070810317993164)
     # dynamic8:512:0:u
     lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_bounds_ptr,
                 rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
@@ -137,8 +132,8 @@ def adamw_step(
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
     # dynamic8:512:0:s
     lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_bounds_ptr, rows, cols,
-                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0)
+                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=0.992968738079071,
+                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0070810317993164)
     # dynamic8:512:0:u
     lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_bounds_ptr,
                 rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
@@ -160,7 +155,7 @@ def adamw_step(
 -    addcdiv_q = tl.math.div_rn(lerp, add_1)
 -    addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
 +    addcdiv = mul_1 + tl.math.div_rn(neg * lerp, add_1)
--                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0)
+-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0070810317993164)
 +                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=0.0)
 -                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0)
 +                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=0.0)""")
@@ -195,34 +190,3 @@ def test_states_of_one_param_must_share_a_block_size():
     with pytest.raises(LoweringError, match=r"different block sizes \[256, 512\]"):
         printer.emit_kernel(graph, "step", CUDA)
 
-
-def test_emitted_kernels_compile_for_sm90_without_a_gpu():
-    """The CUDA flavor through Triton's real compiler and ptxas (in a fresh interpreter: this process
-    runs Triton interpreted), so GPU-only compile errors fail here too."""
-    code = textwrap.dedent("""
-        import torch
-        from lowbit_compile.kernels import triton_backend as tb
-        from lowbit_compile.kernels.formats import StateFormat
-        from lowbit_compile.kernels.lowering import Target
-        from lowbit_compile.kernels.triton_printer import dequantize_graph, emit_kernel, quantize_graph
-        from tests.graphs import body
-
-        bf16 = [torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))]
-        steps = [
-            (torch.optim.AdamW([torch.nn.Parameter(torch.randn(64))]), "int8"),
-            (torch.optim.Adam(bf16, amsgrad=True, maximize=True, weight_decay=0.1), "dynamic8"),
-            (torch.optim.AdamW(bf16, lr=torch.tensor(0.01), betas=(torch.tensor(0.9), torch.tensor(0.99))),
-             "fp8_e4m3"),
-            (torch.optim.AdamW([torch.nn.Parameter(torch.randn(64, dtype=torch.float16))]), "bf16"),
-        ]
-        graphs = [body(opt, fmt) for opt, fmt in steps]
-        fmt = StateFormat.make("fp8_e5m2", 2048, 2, True)
-        graphs += [quantize_graph(fmt, torch.float32), dequantize_graph(fmt, torch.bfloat16)]
-        for graph in graphs:
-            tb.compile_for_target(emit_kernel(graph, "step", Target("cuda")), arch=90)
-        print("compiled", len(graphs))
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[1])
-    assert "compiled 6" in done.stdout, done.stderr[-3000:]
