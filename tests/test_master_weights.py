@@ -342,8 +342,13 @@ def check_exact(name: str, fmt: str, dtype: torch.dtype, backend: str, steps: in
         assert m.dtype == torch.float32 and same_bits(m, r.detach()), (name, fmt)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+# every optimizer with fp32 states and with two of the quantized formats, in rotation (each format with
+# four or five optimizers): the master pass rewrites the param and grad only, the formats the states only
+REFERENCE_GRID = [(name, fmt) for i, name in enumerate(OPTIMIZERS)
+                  for fmt in ("fp32", FORMATS[1 + (2 * i) % 5], FORMATS[1 + (2 * i + 1) % 5])]
+
+
+@pytest.mark.parametrize(("name", "fmt"), REFERENCE_GRID)
 def test_exact_is_the_fp32_master_recipe_bit_for_bit_on_the_reference(name, fmt):
     check_exact(name, fmt, BF16, "reference")
 
@@ -398,6 +403,40 @@ def test_both_ties_of_an_even_bf16_value_survive_steps_and_a_checkpoint():
     again.step()
     assert torch.equal(master_params(opt)[0], expected - 2**-9)
     assert torch.equal(master_params(again)[0], expected - 2**-9) and torch.equal(p, q)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["exact", "8bit"])
+def test_a_steady_step_replays_its_launches_with_the_master(mode):
+    """Contiguous bf16 params on the CPU kernel: steps after the first replay the prepared launches,
+    the residual and step counter bound once; new masters loaded from outside (new residual tensors)
+    are prepared again; a counter reset from outside is seen. "exact" stays the recipe bit for bit;
+    "8bit"'s counter counts every step."""
+    shapes = [(300,), (40, 20), (5000,)]
+    gen = torch.Generator().manual_seed(3)
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen).to(BF16)) for s in shapes]
+    opt = lowbit_compile(torch.optim.AdamW(ours, weight_decay=0.1), "fp32", master_weights=mode, backend="cpu")
+    recipe = Recipe(twin(ours), lambda ms: torch.optim.AdamW(ms, weight_decay=0.1, foreach=False))
+    plans = []
+    for step in range(7):
+        for p, q in zip(ours, recipe.params):
+            p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(BF16)
+            q.grad = p.grad.clone()
+        if step == 4:
+            load_master_params(opt, [m.detach() for m in recipe.masters] if mode == "exact" else master_params(opt))
+        if step == 5 and mode == "8bit":
+            opt.state[ours[0]][residual.SEED].fill_(0.0)
+        opt.step()
+        recipe.step()
+        plans.append(opt._lowbit.plan)
+        if mode == "exact":
+            assert all(same_bits(p.detach(), q.detach()) for p, q in zip(ours, recipe.params)), step
+    assert plans[1] is not None and plans[1] is plans[2] is plans[3]
+    assert plans[4] is not plans[3]  # new residual tensors: prepared again
+    if mode == "exact":
+        assert all(same_bits(m, r.detach()) for m, r in zip(master_params(opt), recipe.masters))
+    else:
+        assert [float(opt.state[p][residual.SEED]) for p in ours] == [2.0, 7.0, 7.0]
 
 
 # the lossy residual --------------------------------------------------------------------------------------
@@ -462,7 +501,7 @@ def test_updates_far_below_the_bf16_spacing_move_the_master():
     """lr 1e-5 on weights near 1 (bf16 spacing 2**-7, so each update is 1/780 of it): stock AdamW on bf16
     params never moves them; "exact" moves with the recipe bit for bit; "8bit" moves as far on average
     (stochastic rounding), where rounding to nearest would drop every update."""
-    n, steps, lr = 4096, 300, 1e-5
+    n, steps, lr = 4096, 100, 1e-5
     start = (1 + torch.rand(n, generator=torch.Generator().manual_seed(0)) * 0.5).to(BF16)
 
     def run(make):
@@ -549,6 +588,26 @@ def test_enable_passes_the_option_on():
     assert residual.TIES in opt.state[params[0]]
 
 
+def test_the_optimizer_classes_take_the_option_and_copies_keep_it():
+    """``lowbit_compile.optim.AdamW(..., master_weights="exact")`` is the recipe; a deep copy stays wrapped
+    with the option and its own copy of the residual, and steps on like the original."""
+    import lowbit_compile.optim
+
+    params = model_params(BF16)
+    opt = lowbit_compile.optim.AdamW(params, weight_decay=0.1, fmt="fp32", master_weights="exact")
+    assert "master_weights='exact'" in repr(opt)
+    recipe = Recipe(twin(params), lambda ms: torch.optim.AdamW(ms, weight_decay=0.1, foreach=False))
+    train(params, opt, 2, seed=1)
+    train(recipe.params, recipe, 2, seed=1)
+    model, dup = copy.deepcopy((params, opt))
+    assert dup._lowbit.config.master_weights == "exact"
+    assert dup.state[model[0]][residual.RESIDUAL] is not opt.state[params[0]][residual.RESIDUAL]
+    for p, o in ((params, opt), (model, dup), (recipe.params, recipe)):
+        train(p, o, 2, seed=2)
+    assert all(same_bits(p.detach(), q.detach()) and same_bits(p.detach(), r.detach())
+               for p, q, r in zip(params, model, recipe.params))
+
+
 # state: conversions, checkpoints, restore -------------------------------------------------------------------
 def train(params, opt, steps, seed):
     """``steps`` steps of ``opt`` (ours or a recipe) on the grads of ``set_grads`` from ``seed``."""
@@ -579,6 +638,69 @@ def test_state_dict_round_trip_resumes_bit_for_bit(mode):
     assert all(same_bits(p.detach(), q.detach()) for p, q in zip(params, again))
     assert all(torch.equal(opt.state[p][residual.RESIDUAL], again_opt.state[q][residual.RESIDUAL])
                for p, q in zip(params, again))
+
+
+def _leaves(tree: object, path: str = "") -> list[tuple[str, object]]:
+    """Every (path, leaf) of a nested state dict, tensors as clones (a state dict holds live tensors)."""
+    if isinstance(tree, dict):
+        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{path}/{k}")]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, f"{path}/{i}")]
+    return [(path, tree.clone() if isinstance(tree, torch.Tensor) else tree)]
+
+
+def _same_leaves(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        pa == pb and (same_bits(va, vb) if isinstance(va, torch.Tensor) and va.is_floating_point() else
+                      torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb)
+        for (pa, va), (pb, vb) in zip(a, b))
+
+
+def _corrupt_residual(entry: dict) -> None:
+    entry[residual.RESIDUAL] = entry[residual.RESIDUAL][:-1]
+
+
+CORRUPTIONS = {  # (mode, how the saved entry of params[1] is damaged, what the error says)
+    "truncated residual": ("exact", _corrupt_residual, "has shape"),
+    "float residual": ("exact", lambda e: e.update({residual.RESIDUAL: e[residual.RESIDUAL].float()}),
+                       "not int16 .exact. or int8"),
+    "residual not a tensor": ("8bit", lambda e: e.update({residual.RESIDUAL: [1, 2]}), "not a tensor"),
+    "no tie bits": ("exact", lambda e: e.pop(residual.TIES), "no 'master_ties'"),
+    "tie table of another shape": ("exact", lambda e: e[residual.TIES].update(bits=e[residual.TIES]["bits"][:, :1]),
+                                   "do not fit"),
+    "tie table missing": ("exact", lambda e: e[residual.TIES].pop("bits"), "no table of bits"),
+    "tie bits that are not bytes": ("exact", lambda e: e[residual.TIES].update(
+        bits=e[residual.TIES]["bits"].float() + 0.5), "not bytes"),
+    "no residual next to its ties": ("exact", lambda e: e.pop(residual.RESIDUAL), "no 'master_residual'"),
+    "counter not a number": ("8bit", lambda e: e.update({residual.SEED: torch.tensor([1.0, float("nan")])}),
+                             "not one finite number"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_a_corrupt_master_checkpoint_is_refused_and_changes_nothing(case):
+    """A residual, tie table or step counter that does not fit its parameter fails ``load_state_dict``
+    naming the parameter, before anything of the optimizer changes (its states, masters and the states
+    of the params whose entries are fine stay as they were)."""
+    mode, damage, message = CORRUPTIONS[case]
+    params = model_params(BF16)
+    opt = lowbit_compile(torch.optim.AdamW(params, weight_decay=0.1), master_weights=mode, min_8bit_size=0)
+    train(params, opt, 2, seed=1)
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    saved.seek(0)
+    bad = torch.load(saved, weights_only=True)
+    damage(bad["state"][1 if mode == "8bit" else 0])
+    target = twin(params)
+    target_opt = lowbit_compile(torch.optim.AdamW(target, weight_decay=0.1), master_weights=mode, min_8bit_size=0)
+    train(target, target_opt, 1, seed=2)
+    before, masters = _leaves(target_opt.state_dict()), master_params(target_opt)
+    index = 1 if mode == "8bit" else 0
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]\['params'\]\[{index}\].*{message}"):
+        target_opt.load_state_dict(bad)
+    assert _same_leaves(_leaves(target_opt.state_dict()), before)
+    assert all(same_bits(m, n) for m, n in zip(master_params(target_opt), masters))
+    train(target, target_opt, 1, seed=3)  # and it still steps
 
 
 def test_the_fp32_master_recipe_checkpoint_goes_out_and_comes_back_in():
