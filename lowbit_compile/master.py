@@ -28,7 +28,7 @@ from .kernels.residual import KEYS, PARAM_DTYPES, RESIDUAL, SEED, TIES, MasterFo
 from .state import QuantizedState
 from .state_schema import StateSchema
 
-_PACKED_TIES = "lowbit_master_ties"
+_PACKED_TIES, _PACKED_RESIDUAL, _PACKED_SEED = "lowbit_master_ties", "lowbit_master_residual", "lowbit_master_seed"
 _CHUNK = 1 << 22  # elements per piece of a host-side conversion (whole tie words): bounded temporaries
 
 
@@ -71,7 +71,8 @@ def conformed(param: torch.Tensor, state: dict, fmt: MasterFormat | None, schema
     the schema's dtype (fp32 under a master), a residual of ``fmt`` (created, unpacked from a
     checkpoint, or converted from another mode through the master it holds), nothing of a master
     where there is none. Reads ``state``, changes nothing."""
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = _unpacked(param, state)
+    state = {**state, **out}
     has_master = any(k in state for k in KEYS)
     if fmt is None and not has_master:
         return out
@@ -86,18 +87,20 @@ def conformed(param: torch.Tensor, state: dict, fmt: MasterFormat | None, schema
         out.update(create(param, fmt))
     elif held[0] != fmt:
         out.update(_converted(param, held, fmt))
-    elif is_packed_ties(state.get(TIES)):
-        out[TIES] = _unpack_ties(state[TIES], param)
     for key in KEYS:
         if key in state and key not in fmt.keys():
             out[key] = None
-    if fmt.seeded and not isinstance(state.get(SEED), torch.Tensor):
+    seed = state.get(SEED)
+    if fmt.seeded and not isinstance(seed, torch.Tensor):
         out[SEED] = torch.zeros((), dtype=torch.float32)
+    elif fmt.seeded and seed.dtype != torch.float32:  # a stock loader cast it to the param's dtype
+        out[SEED] = seed.detach().to(torch.float32)
     return out
 
 
 def _held(param: torch.Tensor, state: dict) -> tuple[MasterFormat, torch.Tensor, torch.Tensor | None] | None:
     """The format, residual and tie words (local) that ``state`` holds, or None without a usable residual."""
+    state = {**state, **_unpacked(param, state)}
     value = state.get(RESIDUAL)
     if not isinstance(value, torch.Tensor):
         return None
@@ -115,8 +118,6 @@ def _held(param: torch.Tensor, state: dict) -> tuple[MasterFormat, torch.Tensor,
                          "is corrupt or was saved for other parameters")
     fmt = MasterFormat(dtypes[value.dtype], param.dtype)
     ties = state.get(TIES)
-    if is_packed_ties(ties):
-        ties = _unpack_ties(ties, param)
     local = sharding.local(value)
     if fmt.has_ties and not (isinstance(ties, torch.Tensor) and ties.dtype == torch.int32
                               and ties.numel() == residual.tie_words(local.numel())):
@@ -182,15 +183,69 @@ def is_packed_ties(value: object) -> bool:
     return isinstance(value, dict) and _PACKED_TIES in value
 
 
+def _is_packed(value: object, marker: str) -> bool:
+    return isinstance(value, dict) and marker in value
+
+
 def pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``state_dict`` post hook: tie bits saved per parameter row (``uint8`` of ``(rows, ceil(width / 8))``,
-    a DTensor sharded like a DTensor param), so a checkpoint loads at any sharding."""
+    """``state_dict`` post hook: the master's entries saved as raw bytes (``uint8``, whose values a stock
+    loader's cast to the param's dtype keeps exactly, as for the packed states): the residual's bytes
+    and the tie bits per parameter row (a DTensor sharded like a DTensor param, so a checkpoint loads at
+    any sharding), the step counter's four bytes."""
     params = {idx: p for saved, group in zip(state_dict["param_groups"], opt.param_groups)
               for idx, p in zip(saved["params"], group["params"])}
     for idx, entry in list(state_dict["state"].items()):
+        packed = {}
+        if isinstance(entry.get(RESIDUAL), torch.Tensor):
+            packed[RESIDUAL] = _pack_residual(entry[RESIDUAL], params[idx])
         if isinstance(entry.get(TIES), torch.Tensor):
-            state_dict["state"][idx] = {**entry, TIES: _pack_ties(entry[TIES], params[idx])}
+            packed[TIES] = _pack_ties(entry[TIES], params[idx])
+        if isinstance(entry.get(SEED), torch.Tensor):
+            packed[SEED] = {_PACKED_SEED: 1, "bytes": entry[SEED].detach().reshape(1).view(torch.uint8)}
+        if packed:
+            state_dict["state"][idx] = {**entry, **packed}
     return state_dict
+
+
+def _pack_residual(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
+    """The residual's bytes per parameter row, ``(rows, width * code bytes)``: a view of the live state."""
+    local = sharding.local(value)
+    rows, width = checkpoint._rows(param.shape)
+    start, stop = sharding.local_rows(param)
+    size = local.element_size()
+    table = local.reshape(-1).view(torch.uint8).view(stop - start, width * size)
+    return {_PACKED_RESIDUAL: size, "bytes": sharding.like(table, param, (rows, width * size))}
+
+
+def _unpacked(param: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
+    """The master's entries of ``state`` that are saved bytes, read back for ``param``'s shard."""
+    out = {}
+    if _is_packed(state.get(RESIDUAL), _PACKED_RESIDUAL):
+        out[RESIDUAL] = _unpack_residual(state[RESIDUAL], param)
+    if is_packed_ties(state.get(TIES)):
+        out[TIES] = _unpack_ties(state[TIES], param)
+    if _is_packed(state.get(SEED), _PACKED_SEED):
+        raw = state[SEED].get("bytes")
+        if not isinstance(raw, torch.Tensor) or raw.numel() != 4:
+            raise ValueError(f"saved {SEED!r} are not the four bytes of one number; the checkpoint is corrupt")
+        out[SEED] = checkpoint._as_bytes(raw.reshape(4), SEED).to("cpu").view(torch.float32).reshape(())
+    return out
+
+
+def _unpack_residual(packed: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+    """The residual of ``param``'s shard (sharded like it) from its saved per-row bytes."""
+    dtype = {1: torch.int8, 2: torch.int16}.get(packed[_PACKED_RESIDUAL])
+    table = packed.get("bytes")
+    if dtype is None or not isinstance(table, torch.Tensor):
+        raise ValueError(f"saved {RESIDUAL!r} are not a table of int8 or int16 codes; the checkpoint is corrupt")
+    rows, width = checkpoint._rows(param.shape)
+    start, stop = sharding.local_rows(param)
+    table = checkpoint._as_bytes(checkpoint._rows_of(table, start, stop, rows), RESIDUAL)
+    if table.shape[1:] != (width * dtype.itemsize,):
+        raise ValueError(f"saved {RESIDUAL!r} of shape {tuple(table.shape)} do not fit a parameter of shape "
+                         f"{tuple(param.shape)}; the checkpoint is truncated or was saved for other parameters")
+    shard = sharding.local(param)
+    return sharding.like(table.to(shard.device).contiguous().view(dtype).view(shard.shape), param)
 
 
 def _pack_ties(words: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
@@ -247,10 +302,10 @@ def loaded(param: torch.Tensor, entry: dict, fmt: MasterFormat, schema: StateSch
     moved to the param's device, converted from another mode; a checkpoint without them (stock, or of
     the fp32 recipe) gives a zero residual (the master is the param)."""
     device = sharding.local(param).device
-    entry = dict(entry)
+    entry = {**entry, **_unpacked(param, entry)}
     for key in (RESIDUAL, TIES):
         value = entry.get(key)
-        if key not in entry or (key == TIES and is_packed_ties(value)):
+        if key not in entry:
             continue
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"state {key!r} is a {type(value).__name__}, not a tensor; the checkpoint is corrupt")

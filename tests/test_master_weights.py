@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -656,22 +657,25 @@ def _same_leaves(a: list, b: list) -> bool:
         for (pa, va), (pb, vb) in zip(a, b))
 
 
-def _corrupt_residual(entry: dict) -> None:
-    entry[residual.RESIDUAL] = entry[residual.RESIDUAL][:-1]
+def _damage(key: str, part: str, how) -> Callable[[dict], None]:
+    """Replace the ``part`` table of the saved ``key`` by ``how(table)``."""
+    return lambda entry: entry[key].update({part: how(entry[key][part])})
 
 
-CORRUPTIONS = {  # (mode, how the saved entry of params[1] is damaged, what the error says)
-    "truncated residual": ("exact", _corrupt_residual, "has shape"),
-    "float residual": ("exact", lambda e: e.update({residual.RESIDUAL: e[residual.RESIDUAL].float()}),
+CORRUPTIONS = {  # (mode, how the saved entry is damaged (params[0]'s for exact, params[1]'s for 8bit), the error)
+    "truncated residual": ("exact", _damage(residual.RESIDUAL, "bytes", lambda t: t[:-1]), "rows"),
+    "residual of another width": ("exact", _damage(residual.RESIDUAL, "bytes", lambda t: t[:, :-2]), "do not fit"),
+    "residual bytes that are not bytes": ("8bit", _damage(residual.RESIDUAL, "bytes", lambda t: t.float() + 0.5),
+                                          "not bytes"),
+    "float residual": ("exact", lambda e: e.update({residual.RESIDUAL: torch.zeros(33, 40)}),
                        "not int16 .exact. or int8"),
     "residual not a tensor": ("8bit", lambda e: e.update({residual.RESIDUAL: [1, 2]}), "not a tensor"),
     "no tie bits": ("exact", lambda e: e.pop(residual.TIES), "no 'master_ties'"),
-    "tie table of another shape": ("exact", lambda e: e[residual.TIES].update(bits=e[residual.TIES]["bits"][:, :1]),
-                                   "do not fit"),
+    "tie table of another shape": ("exact", _damage(residual.TIES, "bits", lambda t: t[:, :1]), "do not fit"),
     "tie table missing": ("exact", lambda e: e[residual.TIES].pop("bits"), "no table of bits"),
-    "tie bits that are not bytes": ("exact", lambda e: e[residual.TIES].update(
-        bits=e[residual.TIES]["bits"].float() + 0.5), "not bytes"),
+    "tie bits that are not bytes": ("exact", _damage(residual.TIES, "bits", lambda t: t.float() + 0.5), "not bytes"),
     "no residual next to its ties": ("exact", lambda e: e.pop(residual.RESIDUAL), "no 'master_residual'"),
+    "counter truncated": ("8bit", _damage(residual.SEED, "bytes", lambda t: t[:3]), "four bytes"),
     "counter not a number": ("8bit", lambda e: e.update({residual.SEED: torch.tensor([1.0, float("nan")])}),
                              "not one finite number"),
 }
@@ -701,6 +705,27 @@ def test_a_corrupt_master_checkpoint_is_refused_and_changes_nothing(case):
     assert _same_leaves(_leaves(target_opt.state_dict()), before)
     assert all(same_bits(m, n) for m, n in zip(master_params(target_opt), masters))
     train(target, target_opt, 1, seed=3)  # and it still steps
+
+
+@pytest.mark.parametrize("mode", ["exact", "8bit"])
+def test_a_checkpoint_a_stock_loader_stored_resumes_under_enable(mode):
+    """``enable()`` wraps at the first step, after a stock ``load_state_dict`` stored the checkpoint (the
+    residual, its tie table and counter as saved, the counter cast to bf16): that step reads them back
+    and steps on as the run that saved it does."""
+    params = model_params(BF16)
+    opt = lowbit_compile(torch.optim.AdamW(params), master_weights=mode, min_8bit_size=0)
+    train(params, opt, 2, seed=1)
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    again = twin(params)
+    stock = torch.optim.AdamW(again)
+    saved.seek(0)
+    stock.load_state_dict(torch.load(saved, weights_only=True))
+    train(params, opt, 2, seed=2)
+    with enable(master_weights=mode, min_8bit_size=0):
+        train(again, stock, 2, seed=2)
+    assert all(same_bits(p.detach(), q.detach()) for p, q in zip(params, again))
+    assert all(same_bits(m, n) for m, n in zip(master_params(opt), master_params(stock)))
 
 
 def test_the_fp32_master_recipe_checkpoint_goes_out_and_comes_back_in():
