@@ -7,7 +7,8 @@ fp32 master copy keeps them, then in their configured formats), the residual of 
 ``master_seed`` (lossy: the step counter of its stochastic rounding). Here they are created, kept in
 step with the configuration, saved as raw bytes per parameter row (every sharding reads them, and a
 stock loader's cast to the param's dtype keeps them), loaded (read and checked in
-``checkpoint.prepare_load``, out of the stock loader's way), dropped by ``restore``, and the fp32 masters exported and imported for checkpoints of the fp32 master recipe.
+``checkpoint.prepare_load``, out of the stock loader's way), dropped by ``restore``, and the fp32
+masters exported and imported for checkpoints of the fp32 master recipe.
 
 fp32 parameters (a norm kept fp32 in a bf16 model) are their own master: the option leaves them as
 they are, and warns only when no parameter of the optimizer is 16-bit, where it can do nothing.
