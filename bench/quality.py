@@ -56,6 +56,15 @@ def full_grid(task: str | None = None) -> list[str]:
     return ["fp32", *ours, "bf16", *PEERS]
 
 
+# Master weights: bf16 params with stock AdamW (no fp32 master), the fp32 master recipe (stock AdamW, and
+# our default states, on fp32 copies), ours with master weights at the default states and with fp32
+# states, the lossy residual, and fp32 params. Each (ours, recipe) pair of MASTER_PAIRS must train
+# identically, every loss of every step (tasks.py's master_spec names them).
+MASTER_GRID = ["fp32", "bf16p-adamw", "bf16p-master", "bf16p-master-dynamic8-b512-k0", "bf16p-exact",
+               "bf16p-exact-fp32", "bf16p-8bit"]
+MASTER_PAIRS = (("bf16p-exact", "bf16p-master-dynamic8-b512-k0"), ("bf16p-exact-fp32", "bf16p-master"))
+MASTER_TASKS = ("char_gpt", "digits", "zipf", "digits_ft")
+
 QUICK_GRID = ["fp32", "int8-b2048-k2", "int8-b2048-k0", "dynamic8-b2048-k2", "fp8_e4m3-b2048-k2", "bf16",
               "bnb-AdamW8bit", "ao-AdamW8bit"]
 
@@ -108,7 +117,7 @@ def run_one(job: tuple[str, str, int, float, int, bool]) -> dict:
         built.append(spec.build(params, hyper))
         return built[-1]
 
-    hist = train(task, build, seed)
+    hist = train(task, build, seed, param_dtype=spec.param_dtype)
     n_params = sum(p.numel() for g in built[0].param_groups for p in g["params"])
     return {
         "task": task_name, "variant": variant, "seed": seed, "steps": task.hyper.steps,
@@ -195,6 +204,24 @@ def markdown(summary: dict, tasks: dict[str, Task]) -> str:
     return "\n".join(lines)
 
 
+def master_report(runs: list[dict]) -> str:
+    """For each (ours, recipe) pair of MASTER_PAIRS, the (task, seed) runs in which every training
+    loss and every validation number are the same float: ours with master weights steps the bf16
+    params exactly as an fp32 master copy does. Empty when the runs hold no pair."""
+    by_key = {(r["task"], r["variant"], r["seed"]): r for r in runs}
+    lines = []
+    for ours, recipe in MASTER_PAIRS:
+        keys = sorted((t, s) for t, v, s in by_key if v == ours and (t, recipe, s) in by_key)
+        if not keys:
+            continue
+        same = [(t, s) for t, s in keys if by_key[(t, ours, s)]["train_loss"] == by_key[(t, recipe, s)]["train_loss"]
+                and by_key[(t, ours, s)]["val"] == by_key[(t, recipe, s)]["val"]]
+        differ = sorted(set(keys) - set(same))
+        lines.append(f"- {ours} vs {recipe}: identical in {len(same)} of {len(keys)} (task, seed) runs"
+                     + (f"; differ: {differ}" if differ else " (every loss of every step, every evaluation)"))
+    return ("\n\nBit for bit against the fp32 master recipe:\n" + "\n".join(lines)) if lines else ""
+
+
 def plot(runs: list[dict], summary: dict, task: str, path: Path) -> None:
     """fp32's validation loss; every optimizer's gap to fp32 along training (mean over seeds of the
     paired gap) in four panels; the final gaps with their seed spread."""
@@ -224,12 +251,13 @@ def plot(runs: list[dict], summary: dict, task: str, path: Path) -> None:
               ("ours, block 2048, no patches", lambda v: v.endswith("-b2048-k0")),
               ("ours, block 1024 and 512 (dashed), no patches", lambda v: v.endswith(("-b1024-k0", "-b512-k0"))),
               ("ours, block 256, no patches (the peers' layout)", lambda v: v.endswith("-b256-k0")),
-              ("bitsandbytes and torchao", lambda v: v in PEERS)]
+              ("bitsandbytes and torchao", lambda v: v in PEERS),
+              ("bf16 params: stock AdamW, the fp32 master recipe, master weights", lambda v: v.startswith("bf16p-"))]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
     def color(variant: str) -> str:
         fmt = variant.split("-")[0]
-        order = [*FORMATS, "bf16", *PEERS]
+        order = [*FORMATS, "bf16", *PEERS, *MASTER_GRID]
         return colors[order.index(fmt if fmt in order else variant) % len(colors)]
 
     fig, axes = plt.subplots(2, 4, figsize=(21, 8.5))
@@ -283,13 +311,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--resume", action="store_true", help="reuse runs already in OUT/quality.json")
     ap.add_argument("--report", action="store_true", help="only rebuild the tables and plots from OUT's JSON")
+    ap.add_argument("--master", action="store_true",
+                    help="the master-weights grid (bf16 params) on MASTER_TASKS, into OUT/quality_master.*")
     ap.add_argument("--compile-peers", action="store_true",
                     help="let torchao torch.compile its step (minutes of compiling per shape on a small CPU)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
 
+    if args.master and args.tasks == list(TASKS):
+        args.tasks = list(MASTER_TASKS)
+
     def variants(task: str) -> list[str]:
+        if args.master and not args.variants:
+            return MASTER_GRID
         if args.variants:
             return [v for v in dict.fromkeys(full_grid() + args.variants)
                     if any(fnmatch.fnmatchcase(v, pat) for pat in args.variants)]
@@ -297,11 +332,11 @@ def main(argv: list[str] | None = None) -> None:
 
     for task in args.tasks:
         for v in variants(task):
-            if OptimizerSpec(v).kind == "ours":
+            if OptimizerSpec(v).kind in ("ours", "bf16 params"):
                 OptimizerSpec(v).lowbit_options()  # a bad name fails now, not an hour in
     seeds = args.seeds or (SEEDS[:2] if args.quick else SEEDS)
     scale = args.step_scale or (0.2 if args.quick else 1.0)
-    name = "quality_quick" if args.quick else "quality"
+    name = ("quality_master" if args.master else "quality") + ("_quick" if args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"{name}.json"
 
@@ -346,7 +381,7 @@ def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
     """Write ``name.md`` and one ``name_<task>.png`` per task from the runs; print the tables."""
     summary = summarize(runs)
     tasks = {t: _task(t, runs[[r["task"] for r in runs].index(t)].get("step_scale", 1.0)) for t in summary}
-    text = markdown(summary, tasks)
+    text = markdown(summary, tasks) + master_report(runs)
     head = (f"Measured {meta['date']}, torch {meta['torch']}, {meta['jobs']} runs in parallel with "
             f"{meta['threads']} thread(s) each on {meta['cpus']} CPUs; torchao "
             f"{'compiled' if meta['torchao_compiled'] else 'run eagerly'}; command: {' '.join(meta['argv'])}\n\n")

@@ -3,6 +3,7 @@ in each state format, interleaved in one process on transformer-shaped parameter
 
     python bench/step_bench.py           # 25M and 100M params, fp32 and bf16, 1 and 2 threads
     python bench/step_bench.py --quick   # 6M params, fp32, 1 thread, no torchao: a few minutes
+    python bench/step_bench.py --master  # bf16 params: master weights against fused fp32 and bf16 AdamW
 
 Per contender: state bytes/param counted from the tensors its optimizer holds; step time (median and
 interquartile range over rounds in which every contender steps once, in rotating order); the ratio
@@ -82,7 +83,7 @@ def make_params(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0
 class Contender:
     name: str
     make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-    family: str  # torch, bitsandbytes, torchao, lowbit, floor
+    family: str  # torch, bitsandbytes, torchao, lowbit, floor, copies (fp32 copies of the params)
     cache_env: str | None = None  # the compile cache a fresh process reads
     flags: dict = field(default_factory=dict)  # group flags set before each step (shared torch optimizer)
 
@@ -157,6 +158,67 @@ class MemoryFloor:
 
     def step(self) -> None:
         self.fn(len(self.state), self.table.buffer_info()[0], 1.0 - LR * WEIGHT_DECAY, -LR, torch.get_num_threads())
+
+
+class FP32Copy:
+    """Fused fp32 AdamW on fp32 copies of a bf16 section's params and grads: fp32 training, in the same run."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = [torch.nn.Parameter(p.detach().float()) for p in params]
+        for p, q in zip(self.params, params):
+            p.grad = q.grad.float()
+        self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        self.param_groups, self.state = self.opt.param_groups, self.opt.state
+
+    def step(self) -> None:
+        self.opt.step()
+
+
+class MasterRecipe:
+    """The fp32 master recipe around fused AdamW: the bf16 grads cast into the fp32 copies' grads, a fused
+    step of the copies, the bf16 params refreshed from them (what mixed precision runs without us)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+        for m in self.masters:
+            m.grad = torch.empty_like(m)
+        self.opt = torch.optim.AdamW(self.masters, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        self.param_groups = self.opt.param_groups
+
+    @property
+    def state(self) -> dict:
+        return {m: {**self.opt.state.get(m, {}), "master": m} for m in self.masters}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        torch._foreach_copy_([m.grad for m in self.masters], [p.grad for p in self.params])
+        self.opt.step()
+        torch._foreach_copy_(self.params, self.masters)
+
+
+def _lowbit_master(fmt: str, mode: str | None) -> Callable:
+    def make(params):
+        from lowbit_compile import lowbit_compile
+
+        return lowbit_compile(torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY), fmt, master_weights=mode)
+
+    return make
+
+
+def master_contenders() -> list[Contender]:
+    """For bf16 params: fused fp32 AdamW on fp32 copies (fp32 training), fused bf16 AdamW (no master), the
+    fp32 master recipe around fused AdamW, and ours with the default states, without and with master
+    weights."""
+    torch_fused = Contender("torch AdamW fused", _torch({"fused": True}), "torch", flags={"foreach": False,
+                                                                                           "fused": True})
+    return [torch_fused,
+            Contender("torch AdamW fused, fp32 params", FP32Copy, "copies"),  # own optimizers, not the shared one
+            Contender("fp32 master recipe (fused AdamW on fp32 copies)", MasterRecipe, "copies"),
+            Contender("lowbit dynamic8, no master", _lowbit_master("dynamic8", None), "lowbit"),
+            Contender("lowbit dynamic8 + exact master", _lowbit_master("dynamic8", "exact"), "lowbit"),
+            Contender("lowbit dynamic8 + 8bit master", _lowbit_master("dynamic8", "8bit"), "lowbit"),
+            Contender("lowbit fp32 states + exact master", _lowbit_master("fp32", "exact"), "lowbit")]
 
 
 def contenders(peers: set[str], formats: tuple[str, ...]) -> list[Contender]:
@@ -391,6 +453,8 @@ def main() -> None:
     parser.add_argument("--formats", default=None, help="lowbit formats, comma list")
     parser.add_argument("--peers", default=None, help="comma list of bitsandbytes,torchao (default: those installed)")
     parser.add_argument("--no-first-step", action="store_true", help="skip the fresh-process measurements")
+    parser.add_argument("--master", action="store_true",
+                        help="bf16 params (25M, 1 and 2 threads): master weights against fused fp32 and bf16 AdamW")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -401,6 +465,8 @@ def main() -> None:
         return
 
     quick = args.quick
+    if args.master:
+        return master_main(args)
     sizes = (args.sizes or ("6M" if quick else "25M,100M,small500")).split(",")
     dtypes = (args.dtypes or ("float32" if quick else "float32,bfloat16")).split(",")
     threads = [int(t) for t in (args.threads or ("1" if quick else "1,2")).split(",")]
@@ -411,12 +477,7 @@ def main() -> None:
     cands = contenders(peers, formats)
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    log_path = RESULTS / f"step_bench_{stamp}{'_quick' if quick else ''}.log"
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        with log_path.open("a") as f:
-            f.write(msg + "\n")
+    log = _logger(RESULTS / f"step_bench_{stamp}{'_quick' if quick else ''}.log")
 
     result = {"mode": "quick" if quick else "full", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
         "cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "load_start": load_average(),
@@ -441,6 +502,48 @@ def main() -> None:
     result["machine"]["load_end"] = load_average()
     _write(result, stamp, quick or args.sizes is not None)
     print(markdown(result))
+
+
+def master_main(args: argparse.Namespace) -> None:
+    """The ``--master`` sections: bf16 params, every contender of ``master_contenders`` interleaved."""
+    sizes = (args.sizes or "25M").split(",")
+    threads = [int(t) for t in (args.threads or "1,2").split(",")]
+    rounds = args.rounds or 10
+    RESULTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log = _logger(RESULTS / f"step_bench_master_{stamp}.log")
+
+    result = {"mode": "master weights", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
+        "cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "load_start": load_average(),
+        "versions": {"lowbit_compile": _version("lowbit_compile")}}, "sections": []}
+    for size in sizes:
+        result["sections"] += run_section(size, torch.bfloat16, threads, master_contenders(), rounds, log)
+    result["machine"]["load_end"] = load_average()
+    for section in result["sections"]:  # the ratio to fp32 training, next to the one to fused bf16 AdamW
+        fp32 = next(r["step_ms_median"] for r in section["rows"] if r["contender"] == "torch AdamW fused, fp32 params")
+        for row in section["rows"]:
+            row["x_fused_fp32"] = row["step_ms_median"] / fp32
+    base = RESULTS / f"step_bench_master_{stamp}"
+    base.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    text = markdown(result) + "\n" + "\n".join(
+        f"- {s['size']}, {s['threads']} thread(s): " + "; ".join(
+            f"{r['contender']} {r['x_fused_fp32']:.2f}x" for r in s["rows"]) for s in result["sections"])
+    text += ("\n\n(x fused fp32 AdamW on fp32 copies of the same values; 'x torch fused' in the tables is fused "
+             "AdamW on the bf16 params. State B/param counts the recipe's fp32 copies; GB/s assumes 2-byte p "
+             "and g for every row.)\n")
+    base.with_suffix(".md").write_text(text)
+    (RESULTS / "master_latest.md").write_text(text)
+    print(text)
+
+
+def _logger(path: Path) -> Callable[[str], None]:
+    """Print a line and append it to ``path``."""
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        with path.open("a") as f:
+            f.write(msg + "\n")
+
+    return log
 
 
 def _write(result: dict, stamp: str, partial: bool) -> None:

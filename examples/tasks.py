@@ -287,14 +287,18 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 
 def train(task: Task, make_optimizer: Callable[[list[nn.Parameter], Hyper], torch.optim.Optimizer], seed: int,
-          steps: int | None = None, on_step: Callable[[int, float], None] | None = None) -> History:
+          steps: int | None = None, on_step: Callable[[int, float], None] | None = None,
+          param_dtype: torch.dtype = torch.float32) -> History:
     """Train ``task``'s model from seed ``seed`` with the optimizer ``make_optimizer(params, hyper)``
-    builds; the data order depends on ``seed`` only. Evaluates every ``eval_every`` steps and at the end."""
+    builds; the data order depends on ``seed`` only. Evaluates every ``eval_every`` steps and at the end.
+    ``param_dtype`` bf16/fp16 trains the model's params in that dtype (``LowPrecision``)."""
     import time
 
     hyper = task.hyper if steps is None else replace(task.hyper, steps=steps)
     steps = hyper.steps
     model = task.model(seed)
+    if param_dtype != torch.float32:
+        model = LowPrecision(model, param_dtype)
     opt = make_optimizer(list(model.parameters()), hyper)
     gen = torch.Generator().manual_seed(10_000 + seed)
     hist = History()
@@ -358,10 +362,22 @@ class OptimizerSpec:
     def kind(self) -> str:
         if self.name == "fp32":
             return "fp32"
+        if master_spec(self.name) is not None:
+            return "bf16 params"
         return "peer" if self.name in PEERS else "ours"
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """bf16 for the ``bf16p-`` names (see ``master_spec``), fp32 otherwise."""
+        return torch.bfloat16 if self.kind == "bf16 params" else torch.float32
 
     def lowbit_options(self) -> dict:
         """``lowbit_compile`` keyword arguments of one of ours (defaults left out)."""
+        spec = master_spec(self.name)
+        if spec is not None:
+            _, ours, mode = spec
+            options = OptimizerSpec(ours).lowbit_options() if ours else {}
+            return {**options, **({"master_weights": mode} if mode else {})}
         fmt, *opts = self.name.split("-")
         if "/" in fmt:
             m, v = fmt.split("/")
@@ -383,9 +399,116 @@ class OptimizerSpec:
             if module.startswith("torchao") and not self.compile_peers:
                 torchao_eager()
             return getattr(importlib.import_module(module), cls)(params, **kwargs)
+        from lowbit_compile import lowbit_compile
+
+        spec = master_spec(self.name)
+        if spec is not None and spec[0] in ("adamw", "master"):
+            kind, ours, _ = spec
+            if kind == "adamw":
+                return torch.optim.AdamW(params, **kwargs)
+            options = OptimizerSpec(ours).lowbit_options() if ours else None
+            return FP32MasterCopy(params, lambda copies: torch.optim.AdamW(copies, **kwargs) if options is None
+                                  else lowbit_compile(torch.optim.AdamW(copies, **kwargs), **options,
+                                                      backend=self.backend))
         opt = torch.optim.AdamW(params, **kwargs)
         if self.kind == "fp32":
             return opt
-        from lowbit_compile import lowbit_compile
 
         return lowbit_compile(opt, **self.lowbit_options(), backend=self.backend)
+
+
+# 16-bit params and fp32 master weights (bench/quality.py's master grid) ---------------------------------
+class LowPrecision(nn.Module):
+    """A task's model with its params in ``dtype``: float inputs cast to it, outputs back to fp32 (the loss
+    and the metrics are computed in fp32, as mixed-precision training does)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model = model.to(dtype)
+        self.dtype = dtype
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        args = tuple(a.to(self.dtype) if a.is_floating_point() else a for a in args)
+        return self.model(*args).float()
+
+
+class FP32MasterCopy:
+    """The fp32 master recipe around any optimizer: fp32 copies of the 16-bit params, stepped by
+    ``make(copies)`` on the 16-bit grads cast to fp32, the params refreshed from them after each step
+    (``param.copy_(master)``). ``state`` shows each copy's states and the copy itself (its bytes)."""
+
+    def __init__(self, params: list[nn.Parameter], make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+        self.params = list(params)
+        self.masters = [nn.Parameter(p.detach().float()) for p in self.params]
+        self.inner = make(self.masters)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        return {p: {**self.inner.state.get(m, {}), "master": m} for p, m in zip(self.params, self.masters)}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+
+class DigitsFinetune(Digits):
+    """Fine-tuning below the bf16 spacing of the weights: the ``digits`` MLP pretrained in fp32 (AdamW,
+    300 steps at 3e-3 on the digits as they are), then fine-tuned at lr 3e-5 on the digits transposed
+    (the same labels, a new layout of the inputs). Adam moves each weight by about lr a step, 1/4 to
+    1/16 of half the bf16 spacing of most weights (0.03-0.2: half spacings of 2**-13 to 2**-11), so
+    bf16 params without an fp32 master keep little of what fp32 learns."""
+
+    name = "digits_ft"
+
+    def __init__(self, hidden: int = 256, pretrain_steps: int = 300) -> None:
+        super().__init__(hidden=hidden, hyper=Hyper(steps=600, lr=3e-5, weight_decay=0.0, warmup=20, eval_every=50))
+        self.pre_x, self.pre_y, self.pretrain_steps = self.train_x, self.train_y, pretrain_steps
+        transpose = (lambda x: x.view(-1, 8, 8).transpose(1, 2).reshape(-1, 64))
+        self.train_x, self.val_x = transpose(self.train_x), transpose(self.val_x)
+        self._pretrained: dict[int, dict] = {}
+
+    def model(self, seed: int) -> nn.Module:
+        if seed not in self._pretrained:
+            model = super().model(seed)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+            gen = torch.Generator().manual_seed(20_000 + seed)
+            for _ in range(self.pretrain_steps):
+                idx = torch.randint(0, len(self.pre_y), (self.batch_size,), generator=gen)
+                loss = F.cross_entropy(model(self.pre_x[idx]), self.pre_y[idx])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            self._pretrained[seed] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        model = super().model(seed)
+        model.load_state_dict(self._pretrained[seed])
+        return model
+
+
+TASKS["digits_ft"] = DigitsFinetune
+
+
+def master_spec(name: str) -> tuple[str, str | None, str | None] | None:
+    """``bf16p-<kind>[-<ours>]``: bf16 params stepped by stock AdamW (``adamw``), by the fp32 master recipe
+    (``master``: stock AdamW on the copies, or ``master-<ours>``: ours on them), by ours with master
+    weights (``exact[-<ours>]``, ``8bit[-<ours>]``), or by ours without (``<ours>``), ``<ours>`` an
+    optimizer name of ours (the default format when left out). Returns (kind, ours, master_weights)."""
+    if not name.startswith("bf16p-"):
+        return None
+    kind, _, rest = name.removeprefix("bf16p-").partition("-")
+    if kind in ("adamw", "master"):
+        return kind, rest or None, None
+    if kind in ("exact", "8bit"):
+        return "ours", rest or None, kind
+    return "ours", name.removeprefix("bf16p-"), None

@@ -1,9 +1,10 @@
 """The contract between the graph passes and the lowerings, typed: what each input of a step graph is,
-which nodes compute per element, and the state nodes ``lowbit::dequantize`` / ``lowbit::quantize_``.
+which nodes compute per element, the state nodes ``lowbit::dequantize`` / ``lowbit::quantize_`` and
+the master nodes ``lowbit::master_read`` / ``lowbit::master_write_``.
 
 The passes write it into ``node.meta`` with the setters here; the passes after them, the runner and
 every backend read it with the accessors here (never by string keys of their own), and
-:func:`state_access` is the one parser of the state nodes' arguments.
+:func:`state_access` and :func:`master_access` are the one parsers of those nodes' arguments.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.fx import Graph, Node
 
 from . import ops
 from .formats import StateFormat
+from .residual import MasterFormat
 
 lowbit = torch.ops.lowbit
 
@@ -31,6 +33,7 @@ class Role(enum.Enum):
     SCALAR_STATE = "scalar_state"  # anything else (the step count)
     HYPERPARAMETER = "hyperparameter"  # a float or tensor of the param group (lr, betas, ...)
     STATE_PART = "state_part"  # one storage tensor of a quantized per-element state
+    MASTER_PART = "master_part"  # the residual (or its tie bits) of a 16-bit param's fp32 master
 
 
 class Part(enum.Enum):
@@ -43,7 +46,7 @@ class Part(enum.Enum):
 
 
 PARTS = tuple(Part)
-PER_ELEMENT_ROLES = frozenset({Role.PARAM, Role.GRAD, Role.PER_ELEMENT_STATE, Role.STATE_PART})
+PER_ELEMENT_ROLES = frozenset({Role.PARAM, Role.GRAD, Role.PER_ELEMENT_STATE, Role.STATE_PART, Role.MASTER_PART})
 
 
 @dataclass(frozen=True)
@@ -146,3 +149,44 @@ def state_part_inputs(graph: Graph, key: str, after: Node | None = None) -> tupl
         set_per_element(node, True)
         parts.append(node)
     return tuple(parts)
+
+
+@dataclass(frozen=True)
+class MasterAccess:
+    """A ``lowbit::master_read`` (``value`` None) or ``lowbit::master_write_`` node, parsed: the 16-bit
+    param, its residual and tie-bit inputs, the step counter a lossy write rounds with, the format,
+    and the new fp32 master a write stores."""
+
+    node: Node
+    fmt: MasterFormat
+    param: Node
+    residual: Node
+    ties: Node | None
+    seed: Node | None = None
+    value: Node | None = None
+
+    @property
+    def reads(self) -> bool:
+        return self.value is None
+
+
+def master_access(node: Node) -> MasterAccess | None:
+    """The parsed master node, or None for any other node."""
+    if node.target is lowbit.master_read.default:
+        param, residual, ties, tag = node.args
+        return MasterAccess(node, MasterFormat.from_tag(tag), param, residual, ties)
+    if node.target is lowbit.master_write_.default:
+        value, param, residual, ties, seed, tag = node.args
+        return MasterAccess(node, MasterFormat.from_tag(tag), param, residual, ties, seed, value)
+    return None
+
+
+def add_master_read(graph: Graph, param: Node, residual: Node, ties: Node | None, fmt: MasterFormat) -> Node:
+    """Insert the node that joins a 16-bit param and its residual into the fp32 master."""
+    return graph.call_function(lowbit.master_read.default, (param, residual, ties, fmt.tag()))
+
+
+def add_master_write(graph: Graph, value: Node, param: Node, residual: Node, ties: Node | None,
+                     seed: Node | None, fmt: MasterFormat) -> Node:
+    """Insert the node that splits the new fp32 master ``value`` into the param and its residual."""
+    return graph.call_function(lowbit.master_write_.default, (value, param, residual, ties, seed, fmt.tag()))

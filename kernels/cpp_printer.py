@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule, Node
 
-from .contract import PARTS, Part, Role, StateAccess, input_of, state_access
+from .contract import PARTS, MasterAccess, Part, Role, StateAccess, input_of, master_access, state_access
 from .formats import FORMAT_IDS, FORMAT_NAMES, StateFormat, dynamic_map, dynamic_midpoints
 from .lowering import LoweringError, Target, lower_body
 from .primitives import Kind, Value
@@ -36,7 +36,7 @@ DEFAULT_CHUNK = 2048  # block length when no state is blockwise (only the unit o
 _ENUM = {"int8": "LB_INT8", "dynamic8": "LB_DYNAMIC8", "fp8_e4m3": "LB_E4M3", "fp8_e5m2": "LB_E5M2",
          "bf16": "LB_BF16_CODES"}
 _CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t", torch.float16: "uint16_t", torch.uint8: "uint8_t",
-           torch.int16: "int16_t"}
+           torch.int16: "int16_t", torch.int8: "int8_t", torch.int32: "int32_t"}
 _LOAD = {torch.float32: "lb_ld", torch.bfloat16: "lb_ld_bf16", torch.float16: "lb_ld_f16"}
 _STORE = {torch.float32: "lb_st", torch.bfloat16: "lb_st_bf16", torch.float16: "lb_st_f16"}
 _ROUND = {torch.bfloat16: "lb_round_bf16", torch.float16: "lb_round_f16"}
@@ -78,7 +78,8 @@ class PointerInput:
     index: int  # position among the body's inputs
     name: str
     dtype: torch.dtype
-    length: str  # "n" (one per element), "blocks" (one per block), "patches" (K per block) or "empty"
+    length: str  # "n" (one per element), "blocks" (one per block), "patches" (K per block), "words" (one
+    # per 32 elements: a master's tie bits) or "empty"
     written: bool
 
 
@@ -159,6 +160,9 @@ class CppPrinter:
     # ---- inputs ---------------------------------------------------------------------------------
     def _classify_inputs(self) -> tuple[tuple[PointerInput, ...], tuple[int, ...]]:
         written = {n.args[0] for n in self.graph.nodes if n.target is torch.ops.aten.copy_.default}
+        for access in map(master_access, self.graph.nodes):
+            if access is not None and not access.reads:
+                written |= {access.param, access.residual, access.ties}
         part_spec: dict[Node, tuple[torch.dtype, str, bool]] = {}
         for state in self.states.values():
             codes_dtype = torch.bfloat16 if state.fmt.name == "bf16" else torch.uint8
@@ -171,6 +175,10 @@ class CppPrinter:
             if node in part_spec:
                 dtype, length, is_written = part_spec[node]
                 pointers.append(PointerInput(index, node.name, dtype, length, is_written))
+            elif desc is not None and desc.role is Role.MASTER_PART:
+                dtype = node.meta["val"].dtype
+                length = "n" if dtype != torch.int32 else "words"
+                pointers.append(PointerInput(index, node.name, dtype, length, node in written))
             elif desc is not None and desc.role in (Role.PARAM, Role.GRAD, Role.PER_ELEMENT_STATE):
                 dtype = node.meta["val"].dtype
                 if dtype not in _LOAD:
@@ -261,6 +269,44 @@ class CppPrinter:
             return
         self.stores += [f"if (full) lb_st(buf_{state.key} + i, {x}); else lb_st_n(buf_{state.key} + i, {x}, r);",
                         f"acc_{state.key} = lb_vmax(acc_{state.key}, lb_key_masked({x}, r));"]
+
+    def master_read(self, master: MasterAccess) -> Value:
+        fmt = master.fmt
+        name = self._name("v", master.node.name)
+        p, res = f"p_{master.param.name} + i", f"p_{master.residual.name} + i"
+        load, load_code = _LOAD[fmt.param_dtype], "lb_ld_i16" if fmt.exact else "lb_ld_i8"
+        d = f"full ? {load_code}({res}) : {load_code}_n({res}, r)"
+        if fmt.has_ties:
+            d = f"lb_master_d_exact({d}, p_{master.ties.name}, start + i)"
+        elif not fmt.exact:
+            d = f"({d}) * {1 << fmt.shift}"
+        join = "lb_master_join_bf16" if fmt.bf16 else "lb_master_join_f16"
+        self._lane(name, f"const vf {name} = {join}(full ? {load}({p}) : {load}_n({p}, r), {d});")
+        return Value(name, torch.float32, Kind.ELEMENT)
+
+    def master_write(self, master: MasterAccess, value: Value, seed: Value | None) -> None:
+        """The param's bits and the residual code computed once per lane vector, then stored; exact bf16
+        ties set their side bits as the code is made."""
+        fmt = master.fmt
+        x, p, res = self._vec(value), f"p_{master.param.name} + i", f"p_{master.residual.name} + i"
+        if fmt.bf16:
+            lines = [f"const vi P = lb_f32_to_bf16_bits({x});", f"const vi d = lb_master_d_bf16({x}, P);"]
+            store_p = (f"lb_st_u16({p}, P)", f"lb_st_u16_n({p}, P, r)")
+        else:
+            lines = [f"const vf P = lb_round_f16({x});", f"const vi d = lb_master_d_f16({x}, P);"]
+            store_p = (f"lb_st_f16({p}, P)", f"lb_st_f16_n({p}, P, r)")
+        if fmt.has_ties:
+            lines.append(f"const vi c = lb_master_code_exact(d, p_{master.ties.name}, start + i, r);")
+        elif fmt.exact:
+            lines.append("const vi c = d;")
+        else:
+            h = self._name("h", "seed")
+            self.pre.append(f"const uint32_t {h} = lb_hash32_s((uint32_t){_operand(seed)});")
+            lines.append(f"const vi c = lb_master_code_8bit<{fmt.shift}>(d, {h}, start + i);")
+        code = "i16" if fmt.exact else "i8"
+        lines.append(f"if (full) {{ {store_p[0]}; lb_st_{code}({res}, c); }} "
+                     f"else {{ {store_p[1]}; lb_st_{code}_n({res}, c, r); }}")
+        self.stores.append("{\n" + "\n".join(f"  {line}" for line in lines) + "\n}")
 
     def bind(self, value: Value, name: str) -> Value:
         if value.atomic and (value.literal is not None or re.fullmatch(r"[A-Za-z_]\w*", value.text)):
@@ -422,7 +468,8 @@ class CppPrinter:
         ind = "  "
         for j, p in enumerate(self.pointers):
             const = "" if p.written else "const "
-            offset = {"n": "start", "blocks": "blk", "empty": "0", "patches": f"blk * {self.patches}"}[p.length]
+            offset = {"n": "start", "blocks": "blk", "empty": "0", "words": "0",
+                      "patches": f"blk * {self.patches}"}[p.length]
             out.append(f"{ind}{const}{_CTYPES[p.dtype]}* __restrict p_{p.name} = ({const}{_CTYPES[p.dtype]}*)ptr[{j}]"
                        f" + {offset};")
         out += [f"{ind}{line}" for line in self.pre]

@@ -78,7 +78,8 @@ class CpuStep:
         is read from a contiguous copy, kept alive in ``keep``."""
         t = row[i]
         blocks = -(-n // self.emitted.block)
-        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0}[spec.length]
+        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0,
+                    "words": -(-n // 32)}[spec.length]
         if t.dtype not in dtypes or t.numel() != expected:
             raise ValueError(f"input {spec.name!r}: expected {expected} elements of {spec.dtype}, got "
                              f"{t.numel()} of {t.dtype}")

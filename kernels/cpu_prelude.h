@@ -526,3 +526,123 @@ static float* lb_scratch(int64_t floats) {
   }
   return buf;
 }
+
+// ---- fp32 master weights: a 16-bit param and its residual (kernels/residual.py) -------------------
+LB_INLINE vi lb_ld_i16(const int16_t* p) { return (lb_ld_u16((const uint16_t*)p) << 16) >> 16; }  // sign-extended
+LB_INLINE vi lb_ld_i16_n(const int16_t* p, int64_t r) {
+  int16_t t[LB_W] = {0};
+  memcpy(t, p, r * sizeof(int16_t));
+  return lb_ld_i16(t);
+}
+LB_INLINE void lb_st_i16(int16_t* p, vi c) { lb_st_u16((uint16_t*)p, c & 0xFFFF); }
+LB_INLINE void lb_st_i16_n(int16_t* p, vi c, int64_t r) {
+  int16_t t[LB_W];
+  lb_st_i16(t, c);
+  memcpy(p, t, r * sizeof(int16_t));
+}
+LB_INLINE void lb_st_u16_n(uint16_t* p, vi c, int64_t r) {
+  uint16_t t[LB_W];
+  lb_st_u16(t, c);
+  memcpy(p, t, r * sizeof(uint16_t));
+}
+LB_INLINE vi lb_ld_i8(const int8_t* p) { return (lb_ld_u8((const uint8_t*)p) << 24) >> 24; }
+LB_INLINE vi lb_ld_i8_n(const int8_t* p, int64_t r) {
+  int8_t t[LB_W] = {0};
+  memcpy(t, p, r);
+  return lb_ld_i8(t);
+}
+LB_INLINE void lb_st_i8(int8_t* p, vi c) { lb_st_u8((uint8_t*)p, c & 0xFF); }
+LB_INLINE void lb_st_i8_n(int8_t* p, vi c, int64_t r) {
+  int8_t t[LB_W];
+  lb_st_i8(t, c);
+  memcpy(p, t, r);
+}
+
+// Random bits of the lossy residual's stochastic rounding: hash32(index ^ hash32(seed)), with
+// Chris Wellons' lowbias32 hash and the element's index in the tensor (residual.random_bits).
+static inline uint32_t lb_hash32_s(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+LB_INLINE vu lb_hash32(vu x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+LB_INLINE vu lb_random_bits(uint32_t seed_hash, int64_t first) {
+  vu idx;
+  for (int l = 0; l < LB_W; ++l) idx[l] = (uint32_t)(first + l);
+  return lb_hash32(idx ^ seed_hash);
+}
+
+// bf16: the residual d = |x| - |p| in fp32 bit patterns. A master is the param's bits plus d, kept
+// in [0, inf] for a residual that no longer fits a changed param; a NaN param stays NaN.
+LB_INLINE vf lb_master_join_bf16(vf p, vi d) {
+  const vi bits = lb_bits_i(p), sign = bits & (int32_t)0x80000000, mag = bits & 0x7FFFFFFF;
+  vi m = mag + d;
+  m = m < 0 ? lb_splat_i(0) : m;
+  m = m > 0x7F800000 ? lb_splat_i(0x7F800000) : m;
+  m = mag > 0x7F800000 ? mag : m;
+  return lb_bits_f(m | sign);
+}
+LB_INLINE vi lb_master_d_bf16(vf x, vi p_bits) {  // p_bits: lb_f32_to_bf16_bits(x)
+  const vi d = (lb_bits_i(x) & 0x7FFFFFFF) - ((p_bits << 16) & 0x7FFFFFFF);
+  return x != x ? lb_splat_i(0) : d;
+}
+// Exact bf16 codes are d, with -2^15 for either tie; the tie's side (1: d = -2^15, a tie rounded up)
+// is bit e % 32 of word e / 32 of `ties`, e the element's index. Bits are read and written only where
+// the code is a tie (rare), atomically: two threads may share a word.
+LB_INLINE vi lb_master_d_exact(vi code, const int32_t* ties, int64_t first) {
+  const vi tie = code == -32768;
+  if (!lb_any(tie)) return code;
+  vi d = code;
+  for (int l = 0; l < LB_W; ++l)
+    if (tie[l]) {
+      const int64_t e = first + l;
+      const uint32_t word = __atomic_load_n((const uint32_t*)ties + (e >> 5), __ATOMIC_RELAXED);  // others' bits
+      d[l] = ((word >> (e & 31)) & 1u) ? -32768 : 32768;
+    }
+  return d;
+}
+LB_INLINE vi lb_master_code_exact(vi d, int32_t* ties, int64_t first, int64_t r) {
+  const vi tie = (d == 32768) | (d == -32768);
+  if (lb_any(tie))
+    for (int l = 0; l < r; ++l)
+      if (tie[l]) {
+        const int64_t e = first + l;
+        uint32_t* word = (uint32_t*)ties + (e >> 5);
+        const uint32_t bit = 1u << (e & 31);
+        if (d[l] < 0) __atomic_fetch_or(word, bit, __ATOMIC_RELAXED);
+        else __atomic_fetch_and(word, ~bit, __ATOMIC_RELAXED);
+      }
+  return tie ? lb_splat_i(-32768) : d;
+}
+// 8bit codes: d stochastically rounded to a multiple of 2^S (floor(d / 2^S + u), u uniform), in [-127, 127].
+template <int S>
+LB_INLINE vi lb_master_code_8bit(vi d, uint32_t seed_hash, int64_t first) {
+  const vi u = (vi)(lb_random_bits(seed_hash, first) & ((1u << S) - 1u));
+  vi q = (d + u) >> S;
+  q = q > 127 ? lb_splat_i(127) : q;
+  return q < -127 ? lb_splat_i(-127) : q;
+}
+// fp16: d = (x - p) / 2^(e - 24), e the exponent of p (at least -14), rounded to an integer (exact
+// unless |x| < 2^-15); 0 where p is inf or NaN.
+LB_INLINE vi lb_f16_exponent(vf p) {  // biased fp32 exponent, at least 127 - 14
+  const vi e = (lb_bits_i(p) >> 23) & 0xFF;
+  return e < 113 ? lb_splat_i(113) : e;
+}
+LB_INLINE vf lb_master_join_f16(vf p, vi d) {
+  const vf unit = lb_bits_f((lb_f16_exponent(p) - 24) << 23);
+  const vf m = p + __builtin_convertvector(d, vf) * unit;
+  return d == 0 ? p : m;  // keeps the sign of a zero
+}
+LB_INLINE vi lb_master_d_f16(vf x, vf p) {  // p: x rounded to fp16
+  const vf inverse = lb_bits_f((278 - lb_f16_exponent(p)) << 23);  // 2^(24 - e), exact
+  const vf d = lb_rint((x - p) * inverse);
+  return (lb_bits_i(p) & 0x7F800000) == 0x7F800000 ? lb_splat_i(0) : __builtin_convertvector(d, vi);
+}

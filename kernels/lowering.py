@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .contract import Role, input_of, state_access
+from .contract import Role, input_of, master_access, state_access
 from .primitives import Kind, Primitives, Value
 
 aten = torch.ops.aten
@@ -136,13 +136,13 @@ class Lowerer:
 
     def _input(self, node: Node) -> None:
         desc = input_of(node)
-        if desc is not None and desc.role is Role.STATE_PART:
-            return  # read and written through the state nodes
+        if desc is not None and desc.role in (Role.STATE_PART, Role.MASTER_PART):
+            return  # read and written through the state and master nodes
         if not node.users:
             return
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and val.dim() > 0:
-            if any(not _is_write_back(user, node) for user in node.users):
+            if any(not _is_write_back(user, node) and master_access(user) is None for user in node.users):
                 self.env[node] = self.p.load(node, _float_dtype(val.dtype, node))
         elif isinstance(val, torch.Tensor):
             self.env[node] = self.p.scalar_input(node, _checked_dtype(val.dtype, node))
@@ -478,6 +478,18 @@ def _dequantize(L: Lowerer, node: Node) -> Value:
 def _quantize(L: Lowerer, node: Node) -> None:
     access = state_access(node)
     L.p.quantize(access, _elementwise(L, L.cast(L.value(access.value), access.dtype)))
+
+
+@lowers(lowbit.master_read.default)
+def _master_read(L: Lowerer, node: Node) -> Value:
+    return L.result(node, L.p.master_read(master_access(node)))
+
+
+@lowers(lowbit.master_write_.default)
+def _master_write(L: Lowerer, node: Node) -> None:
+    access = master_access(node)
+    seed = L.value(access.seed) if access.seed is not None else None
+    L.p.master_write(access, _elementwise(L, L.cast(L.value(access.value), torch.float32)), seed)
 
 
 def _elementwise(L: Lowerer, v: Value) -> Value:

@@ -1,8 +1,9 @@
-"""The two graph-level ops the quantize-states pass inserts: ``lowbit::dequantize`` and ``lowbit::quantize_``.
+"""The graph-level ops of the rewrite passes: ``lowbit::dequantize`` and ``lowbit::quantize_`` (quantize-states),
+``lowbit::master_read`` and ``lowbit::master_write_`` (master weights).
 
 They are registered with ``torch.library`` (with fake implementations), so a rewritten graph runs
 eagerly, traces under ``make_fx``/``torch.compile`` and shows up by name in the profiler. Their
-eager implementations are the reference in ``blockquant.py``.
+eager implementations are the references in ``blockquant.py`` and ``residual.py``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import blockquant
+from . import residual as residual_ref
 from .formats import StateFormat
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -58,3 +60,28 @@ def _(x, codes, scales, patch_values, patch_index, fmt):
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# The param's own write-back, for 16-bit params with fp32 master weights (passes/master_weights.py);
+# the eager implementations are the reference in residual.py.
+@torch.library.custom_op("lowbit::master_read", mutates_args=())
+def master_read(param: torch.Tensor, residual: torch.Tensor, ties: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    """The flat fp32 master of a flat 16-bit param and its residual."""
+    return residual_ref.read(param, residual, ties, residual_ref.MasterFormat.from_tag(fmt))
+
+
+@master_read.register_fake
+def _(param, residual, ties, fmt):
+    return param.new_empty(param.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("lowbit::master_write_", mutates_args=("param", "residual", "ties"))
+def master_write_(x: torch.Tensor, param: torch.Tensor, residual: torch.Tensor, ties: torch.Tensor | None,
+                  seed: torch.Tensor | None, fmt: str) -> None:
+    """Store the new fp32 master ``x`` as the param's round to nearest even and the residual it loses."""
+    residual_ref.write(x, param, residual, ties, seed, residual_ref.MasterFormat.from_tag(fmt))
+
+
+@master_write_.register_fake
+def _(x, param, residual, ties, seed, fmt):
+    return None

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from torch.fx import Node
 
-from .contract import StateAccess
+from .contract import MasterAccess, StateAccess
 
 
 class Kind(enum.Enum):
@@ -69,6 +69,13 @@ class Primitives(Protocol):
 
     def quantize(self, state: StateAccess, value: Value) -> None:
         """Encode ``value`` as the state's new codes, block scales and patches."""
+
+    def master_read(self, master: MasterAccess) -> Value:
+        """The fp32 master of the param's elements: each 16-bit value joined with its residual."""
+
+    def master_write(self, master: MasterAccess, value: Value, seed: Value | None) -> None:
+        """Store the new fp32 master ``value``: the param its round to nearest even, the residual what that
+        loses (stochastically rounded with the random bits of ``seed`` and the element's index when lossy)."""
 
     def bind(self, value: Value, name: str) -> Value:
         """``value`` computed once, under a name (a statement of the kernel)."""

@@ -140,7 +140,7 @@ class TritonKernel:
 
 
 _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int8: "*i8",
-                  torch.uint8: "*u8", torch.int16: "*i16", torch.float8_e4m3fn: "*fp8e4nv",
+                  torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv",
                   torch.float8_e5m2: "*fp8e5"}
 
 

@@ -261,3 +261,79 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
         tl.store(scales_ptr + rows, scale, mask=row_mask)
         codes = encode(x * inverse[:, None], bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
         tl.store(codes_ptr + offsets, codes, mask=mask)
+
+
+# fp32 master weights: a 16-bit param and its residual (the reference is residual.py) ---------------------
+@triton.jit
+def hash32(x):
+    """Chris Wellons' ``lowbias32`` hash of uint32 values."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def f16_exponent(p):
+    """The biased fp32 exponent of fp16 values held in fp32, at least that of 2**-14."""
+    return tl.maximum((p.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 14)
+
+
+@triton.jit
+def master_read(param_ptr, residual_ptr, ties_ptr, offsets, mask, PARAM: tl.constexpr, EXACT: tl.constexpr,
+                SHIFT: tl.constexpr):
+    """``residual.read``: the fp32 master of each element from its 16-bit param and residual code (an
+    exact bf16 tie takes its side from bit ``e % 32`` of tie word ``e // 32``)."""
+    code = tl.load(residual_ptr + offsets, mask=mask, other=0).to(tl.int32)
+    if EXACT:
+        if PARAM == BF16:
+            tie = code == -32768
+            word = tl.load(ties_ptr + (offsets >> 5), mask=mask & tie, other=0)
+            up = ((word >> (offsets & 31).to(tl.int32)) & 1) != 0
+            d = tl.where(tie, tl.where(up, -32768, 32768), code)
+        else:
+            d = code
+    else:
+        d = code * (1 << SHIFT)
+    if PARAM == BF16:
+        bits = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) << 16
+        magnitude = bits & 0x7FFFFFFF
+        m = tl.minimum(tl.maximum(magnitude + d, 0), 0x7F800000)  # a residual a changed param no longer fits
+        m = tl.where(magnitude > 0x7F800000, magnitude, m)  # NaN stays NaN
+        return (m | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    else:
+        p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        unit = ((f16_exponent(p) - 24) << 23).to(tl.float32, bitcast=True)
+        return tl.where(d == 0, p, p + d.to(tl.float32) * unit)
+
+
+@triton.jit
+def master_write(x, param_ptr, residual_ptr, ties_ptr, seed, offsets, mask, PARAM: tl.constexpr,
+                 EXACT: tl.constexpr, SHIFT: tl.constexpr):
+    """``residual.write``: the new fp32 masters ``x`` as params rounded to nearest even and residual codes
+    (stochastically rounded with ``hash32(index ^ hash32(seed))`` when lossy); exact bf16 ties set their
+    side bits, atomically (one word spans 32 elements, which may belong to two programs)."""
+    if PARAM == BF16:
+        p_bits = f32_to_bf16_bits(x)
+        tl.store(param_ptr + offsets, p_bits.to(tl.bfloat16, bitcast=True), mask=mask)
+        d = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) - ((p_bits.to(tl.int32) << 16) & 0x7FFFFFFF)
+        d = tl.where(x != x, 0, d)
+    else:
+        p = round_to(x, F16)
+        tl.store(param_ptr + offsets, p.to(tl.float16), mask=mask)
+        inverse = ((127 + 127 + 24 - f16_exponent(p)) << 23).to(tl.float32, bitcast=True)
+        finite = (p.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
+        d = tl.where(finite, rne(tl.where(finite, (x - p) * inverse, 0.0)), 0.0).to(tl.int32)
+    if EXACT:
+        if PARAM == BF16:
+            bit = (1 << (offsets & 31)).to(tl.int32)
+            tl.atomic_or(ties_ptr + (offsets >> 5), bit, mask=mask & (d == -32768))
+            tl.atomic_and(ties_ptr + (offsets >> 5), ~bit, mask=mask & (d == 32768))
+            d = tl.where((d == 32768) | (d == -32768), -32768, d)
+        tl.store(residual_ptr + offsets, d.to(tl.int16), mask=mask)
+    else:
+        key = hash32(seed.to(tl.uint32))
+        u = (hash32(offsets.to(tl.uint32) ^ key) & ((1 << SHIFT) - 1)).to(tl.int32)
+        q = tl.minimum(tl.maximum((d + u) >> SHIFT, -127), 127)
+        tl.store(residual_ptr + offsets, q.to(tl.int8), mask=mask)

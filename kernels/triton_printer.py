@@ -22,6 +22,7 @@ from torch.fx import Graph, GraphModule, Node
 from .blockquant import PATCH_INDEX_DTYPE, PATCH_VALUE_DTYPE
 from .contract import (
     GraphInput,
+    MasterAccess,
     Role,
     StateAccess,
     add_dequantize,
@@ -267,6 +268,26 @@ class TritonPrinter:
     def _fp8_path(self, fmt: StateFormat) -> list[str]:
         """The FP8 path of an fp8 state's calls (named only where it is the integer one)."""
         return ["FP8_NATIVE=False"] if _is_fp8(fmt) and not self.target.fp8_native else []
+
+    def _master_args(self, master: MasterAccess) -> list[str]:
+        ties = self.param(master.ties) if master.ties is not None else "None"
+        return [self.param(master.param), self.param(master.residual), ties]
+
+    def _master_flags(self, master: MasterAccess) -> list[str]:
+        fmt = master.fmt
+        return ["offsets", "mask", f"PARAM={_DTYPE_IDS[fmt.param_dtype]}", f"EXACT={fmt.exact}", f"SHIFT={fmt.shift}"]
+
+    def master_read(self, master: MasterAccess) -> Value:
+        name = self._ident(master.node.name)
+        self.lines.append(f"# master weights {master.fmt.tag()}")
+        self.lines += _call_lines(f"{name} = lb.master_read", self._master_args(master) + self._master_flags(master))
+        return Value(name, torch.float32, Kind.ELEMENT)
+
+    def master_write(self, master: MasterAccess, value: Value, seed: Value | None) -> None:
+        self.written.update(n for n in (master.param, master.residual, master.ties) if n is not None)
+        args = [value.text, *self._master_args(master), seed.text if seed is not None else "0.0"]
+        self.lines.append(f"# master weights {master.fmt.tag()}")
+        self.lines += _call_lines("lb.master_write", args + self._master_flags(master))
 
     def _table(self, kind: str, fmt: StateFormat) -> str:
         name = f"dynamic8_{'unsigned' if fmt.nonneg else 'signed'}_{kind}_ptr"

@@ -5,6 +5,7 @@ import logging
 from . import optim
 from .api import is_wrapped, lowbit_compile, restore
 from .enable import Scope, enable
+from .master import load_master_params, master_params
 from .memory import memory_report
 from .monitor import LowbitHealthWarning, Monitor, monitor
 from .passes.trace import trace_count
@@ -12,7 +13,8 @@ from .state import QuantizedState
 from .stats import StateStats, stats
 
 __all__ = ["LowbitHealthWarning", "Monitor", "QuantizedState", "Scope", "StateStats", "enable", "is_wrapped",
-           "lowbit_compile", "memory_report", "monitor", "optim", "restore", "stats", "trace_count"]
+           "load_master_params", "lowbit_compile", "master_params", "memory_report", "monitor", "optim", "restore",
+           "stats", "trace_count"]
 
 # `from lowbit_compile import lowbit_compile` gives the function; `@lowbit_compile.enable(...)` works on it too.
 lowbit_compile.enable = enable  # type: ignore[attr-defined]

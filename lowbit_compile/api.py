@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, sharding
+from . import checkpoint, master, sharding
 from .compile import compile_step
 from .config import (
     DEFAULT_BLOCK_SIZE,
@@ -77,6 +77,7 @@ def lowbit_compile(
     backend: str = "auto",
     overrides: Overrides | None = None,
     model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
+    master_weights: str | None = None,
 ) -> torch.optim.Optimizer:
     """Keep every per-element state of ``opt`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
     block-quantized, and run its step through the traced, rewritten update.
@@ -105,6 +106,12 @@ def lowbit_compile(
             predicate ``(name, param) -> bool``; e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``.
             Overrides win over ``min_8bit_size``; sizes and shapes are the full (unsharded) tensor's.
         model: the module (or ``named_parameters()`` pairs) that gives name patterns their names.
+        master_weights: ``"exact"`` or ``"8bit"``: step each bf16/fp16 parameter through its fp32 master,
+            held as the param plus a residual state (``master_residual``): ``"exact"`` is bit for bit an
+            fp32 master copy stepped by the stock optimizer and the param refreshed from it (2.125
+            B/param), ``"8bit"`` keeps the master to 1/256 of the param's spacing, unbiased (1 B/param).
+            The stock states are then those of the fp32 step (then in ``fmt``). fp32 parameters are their
+            own master and stay as they are. See ``lowbit_compile.master``.
 
     Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
     subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures; it
@@ -112,7 +119,7 @@ def lowbit_compile(
     """
     from .optim import lowbit_class  # optim builds its classes from this module
 
-    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
+    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights)
     _check_optimizer(opt)
     check_backend(opt, config)
     known = param_names(model) if model is not None else None  # model may be a one-shot iterator
@@ -120,8 +127,9 @@ def lowbit_compile(
         # an optimizer built from named_parameters() knows its names
         known = {p: n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
     names = _names_for(opt, config, known)
+    master.warn_if_no_effect(opt, config)
     options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
-                   backend=backend, overrides=overrides)
+                   backend=backend, overrides=overrides, master_weights=master_weights)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if names is None:
         names = wrapped.names if wrapped is not None else {}
@@ -134,6 +142,7 @@ def lowbit_compile(
         previous = opt.__dict__.get("step")
         hooks = [
             opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
+            opt.register_state_dict_post_hook(master.pack_state_dict),
             opt.register_load_state_dict_pre_hook(_before_load),
             opt.register_load_state_dict_post_hook(checkpoint.finish_load),
             opt.register_step_pre_hook(_redirect_stock_step),
@@ -143,7 +152,7 @@ def lowbit_compile(
         wrapped.config, wrapped.options = config, options
     wrapped.names = names
     for state, key, new in updates:
-        state[key] = new
+        _apply(state, {key: new})
     setattr(opt, _ATTR, wrapped)
     opt.step = _make_step(opt, wrapped.previous_step)
     opt.__class__ = lowbit_class(type(opt))
@@ -152,16 +161,21 @@ def lowbit_compile(
 
 def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Turn a wrapped optimizer back into a stock one: fp32 (stock-dtype) states, the class's step,
-    and its stock class again (an optimizer built from a ``lowbit_compile.optim`` class included)."""
+    and its stock class again (an optimizer built from a ``lowbit_compile.optim`` class included).
+
+    A 16-bit parameter stepped with master weights keeps its value (its master rounded to nearest even,
+    as the fp32 master recipe leaves it) and loses its residual; its states take its dtype, as the stock
+    step over it keeps them (take ``master_params(opt)`` first to keep the fp32 masters)."""
     from .optim import stock_class
 
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if wrapped is None:
         return opt
-    for state in opt.state.values():
+    for param, state in opt.state.items():
         for key, value in list(state.items()):
             if sharding.is_quantized(value):
                 state[key] = sharding.dequantize(value)
+        master.release(param, state)
     for hook in wrapped.hooks:
         hook.remove()
     del opt.step
@@ -363,17 +377,19 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
             if prepared is not None and prepared.still_valid(state, param, config, group_sig, guards, values):
                 ready.append((prepared, group, param, grad, state))
                 continue
-            schema = probe_schema(opt, group, param)
+            mformat = master.format_for(param, config)
+            schema = _schema(opt, group, param, mformat)
             formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
-            compiled = compile_step(opt, group, param, state, schema, formats, config)
-            todo.append((compiled, schema, formats, group, group_sig, param, grad))
+            compiled = compile_step(opt, group, param, state, schema, formats, config, mformat)
+            todo.append((compiled, schema, formats, mformat, group, group_sig, param, grad))
     # Then create or convert the states of the parameters stepped for the first time, and run.
-    for compiled, schema, formats, group, group_sig, param, grad in todo:
+    for compiled, schema, formats, mformat, group, group_sig, param, grad in todo:
         state = opt.state[param]
-        if not state:
+        if not state.keys() - set(master.KEYS):
             state.update(init_state(param, schema, formats))
         # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
         checkpoint.conform(param, state, formats)
+        _apply(state, master.conformed(param, state, mformat, schema))
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
     return StepPlan(opt, config, ready), on_meta
@@ -393,8 +409,14 @@ def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tenso
 def _formats(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
              param: torch.Tensor) -> dict[str, StateFormat]:
     """The configured format of each per-element state of ``param`` in ``group``."""
-    schema: StateSchema = probe_schema(opt, group, param)
+    schema = _schema(opt, group, param, master.format_for(param, config))
     return dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
+
+
+def _schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, mformat: master.MasterFormat | None
+            ) -> StateSchema:
+    """The states ``param``'s step keeps: those of the fp32 step of its master when it has one."""
+    return probe_schema(opt, group, master.stand_in(param) if mformat else param)
 
 
 def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str]) -> list:
@@ -407,11 +429,25 @@ def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[
             state = opt.state.get(param)
             if not state or param.is_meta:
                 continue
-            for key, fmt in _formats(opt, config, names, group, param).items():
+            mformat = master.format_for(param, config)
+            schema = _schema(opt, group, param, mformat)
+            changes = {}
+            for key, fmt in config.formats_for(param, schema.per_element, names.get(param), schema.nonneg):
                 new = checkpoint.converted(param, key, state.get(key), fmt)
                 if new is not None:
-                    updates.append((state, key, new))
+                    changes[key] = new
+            changes.update(master.conformed(param, {**state, **changes}, mformat, schema))
+            updates.extend((state, key, new) for key, new in changes.items())
     return updates
+
+
+def _apply(state: dict, changes: dict) -> None:
+    """Set the entries of ``changes`` in ``state``; None removes one."""
+    for key, value in changes.items():
+        if value is None:
+            state.pop(key, None)
+        else:
+            state[key] = value
 
 
 def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
@@ -428,9 +464,18 @@ def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
 def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
     """``load_state_dict`` pre hook: read and convert every state first (``checkpoint.prepare_load``)."""
     wrapped: _Wrapped = getattr(opt, _ATTR)
+    config = wrapped.config
+
+    def masters_of(group: dict, param: torch.Tensor) -> Callable[[dict], dict] | None:
+        mformat = master.format_for(param, config)
+        if mformat is None:
+            return None
+        schema = _schema(opt, group, param, mformat)
+        return lambda entry: master.loaded(param, entry, mformat, schema)
+
     return checkpoint.prepare_load(
-        opt, state_dict, lambda group, param: _formats(opt, wrapped.config, wrapped.names, group, param),
-        wrapped.names.get)
+        opt, state_dict, lambda group, param: _formats(opt, config, wrapped.names, group, param),
+        wrapped.names.get, masters_of)
 
 
 # The stock-step guard leaves alone a wrapped optimizer (its step converts what a loader left in its

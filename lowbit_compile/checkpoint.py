@@ -48,6 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import sharding
 from .kernels import blockquant
 from .kernels.formats import StateFormat, decode
+from .kernels.residual import KEYS as MASTER_KEYS
 from .state import QuantizedState, bits_of
 
 _PENDING = "_lowbit_pending"
@@ -147,17 +148,23 @@ def _row_tables(parts: blockquant.Quantized, width: int, fmt: StateFormat
 
 # load_state_dict() ---------------------------------------------------------------------------------
 FormatsOf = Callable[[dict, torch.Tensor], Mapping[str, StateFormat]]
+# (group, param) -> None for a param without master weights, else what its saved entry (per-element
+# states converted) changes to: the master's entries read and brought to the configured mode
+MastersOf = Callable[[dict, torch.Tensor], Callable[[dict], dict] | None]
 
 
 def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: FormatsOf,
-                 name_of: Callable[[torch.Tensor], str | None]) -> dict:
+                 name_of: Callable[[torch.Tensor], str | None], masters_of: MastersOf | None = None) -> dict:
     """``load_state_dict`` pre hook: read and convert every per-element state of the checkpoint
     before the stock loader changes anything; any error names the parameter and state, and leaves
     the optimizer as it was. The converted states are kept aside for :func:`finish_load`, and the
     stock loader gets the rest (``step`` and other scalar states).
 
     ``formats_of(group, param)`` gives the configured format of each per-element state of ``param``
-    in ``group`` (the saved group, as it will be after loading).
+    in ``group`` (the saved group, as it will be after loading). ``masters_of`` reads the master
+    weights (``lowbit_compile.master``): a param with them reads its per-element states as fp32 (its
+    master's step keeps them so; the stock loader would cast them to the param's dtype), and the
+    master's entries never reach the stock loader (dropped for a param without master weights).
     """
     guard_stock_steps()
     groups, saved_groups = opt.param_groups, state_dict["param_groups"]
@@ -182,7 +189,9 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: Forma
             continue
         gi, pi, param = where[idx]
         # the group as it will be: the saved values, the optimizer's own for keys an older torch did not save
-        formats = formats_of({**groups[gi], **saved_groups[gi], "params": groups[gi]["params"]}, param)
+        group = {**groups[gi], **saved_groups[gi], "params": groups[gi]["params"]}
+        formats = formats_of(group, param)
+        finish = masters_of(group, param) if masters_of is not None else None
         label = _label(gi, pi, param, name_of(param))
         new = {}
         for key, value in entry.items():
@@ -192,10 +201,15 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: Forma
                     raise ValueError(f"{label}: the checkpoint holds a low-bit state {key!r}, which "
                                      f"{type(opt).__name__} does not keep per element ({sorted(formats)}); "
                                      "load a checkpoint of this optimizer")
+                if finish is not None and isinstance(value, torch.Tensor) and key not in ("step", *MASTER_KEYS):
+                    new[key] = _as_fp32(value, param)  # a scalar state of the fp32 step (ASGD's eta, mu)
                 continue
             if not is_packed(value) and isinstance(value, torch.Tensor):
-                value = torch.optim.Optimizer._process_value_according_to_param_policy(
-                    param, value, idx, saved_groups, key)  # the stock cast: to the param's device and dtype
+                if finish is None:  # the stock cast: to the param's device and dtype
+                    value = torch.optim.Optimizer._process_value_according_to_param_policy(
+                        param, value, idx, saved_groups, key)
+                else:  # the fp32 step of the param's master keeps them fp32
+                    value = _as_fp32(value, param)
             elif not is_packed(value):
                 raise ValueError(f"{label}: state {key!r} is a {type(value).__name__}, not a tensor; "
                                  "load a checkpoint of this optimizer")
@@ -203,14 +217,24 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: Forma
                 converted_value = converted(param, key, value, fmt)
             except ValueError as err:
                 raise ValueError(f"{label}: {err}") from err
-            if converted_value is not None:
-                new[key] = converted_value
+            if converted_value is not None or finish is not None:
+                new[key] = value if converted_value is None else converted_value
+        if finish is not None:
+            try:
+                changes = finish({**entry, **new})
+            except ValueError as err:
+                raise ValueError(f"{label}: {err}") from err
+            new = {k: v for k, v in {**new, **changes}.items() if v is not None}
         if new:
             pending[param] = new
-            entry = {k: v for k, v in entry.items() if k not in new}
-        plain[idx] = entry
+        plain[idx] = {k: v for k, v in entry.items() if k not in new and k not in MASTER_KEYS}
     opt.__dict__[_PENDING] = pending
     return {**state_dict, "state": plain}
+
+
+def _as_fp32(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A saved state as the fp32 step of ``param``'s master keeps it: on the param's device, fp32 if floating."""
+    return value.to(device=param.device, dtype=torch.float32 if value.is_floating_point() else value.dtype)
 
 
 def finish_load(opt: torch.optim.Optimizer) -> None:
@@ -522,9 +546,11 @@ def stock_state_dict(source: torch.optim.Optimizer | dict) -> dict:
         torch.optim.AdamW(model.parameters()).load_state_dict(stock_state_dict(torch.load(path)))
 
     States of ``DTensor`` parameters stay ``DTensor`` (each rank's rows), as stock AdamW keeps them.
+    The residuals of master weights are left out: with ``master.master_params`` (the fp32 masters) this
+    is the checkpoint of the fp32 master recipe.
     """
     state_dict = source.state_dict() if isinstance(source, torch.optim.Optimizer) else source
-    state = {idx: {k: (_dense(v) if is_packed(v) else v) for k, v in entry.items()}
+    state = {idx: {k: (_dense(v) if is_packed(v) else v) for k, v in entry.items() if k not in MASTER_KEYS}
              for idx, entry in state_dict["state"].items()}
     return {**state_dict, "state": state}
 

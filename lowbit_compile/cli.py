@@ -30,6 +30,9 @@ _RUN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
     (("--override",), dict(action="append", default=[], metavar="PATTERN=FMT",
                            help="format for parameters whose name matches the glob, e.g. '*embed*=fp32' "
                                 "(repeatable; first match wins; names come from the modules run)")),
+    (("--master-weights",), dict(choices=("exact", "8bit"), help="keep the fp32 master of bf16/fp16 params as a "
+                                                                 "residual state: exact (2.125 B/param, bit for bit "
+                                                                 "an fp32 master copy) or 8bit (1 B/param)")),
     (("--restore-at-step",), dict(type=int, metavar="N",
                                   help="switch each optimizer back to stock fp32 states after its N-th step")),
     (("--restore-on-signal",), dict(metavar="SIG", help="switch back to stock fp32 states at the next step "
@@ -58,7 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     est = sub.add_parser("estimate", help="training memory of a model size, stock AdamW vs low-bit states")
     est.add_argument("--params", required=True, type=parse_count, help="parameter count: 7e9, 7B, 125M")
     est.add_argument("--param-dtype", default="fp32", choices=tuple(PARAM_DTYPES))
-    est.add_argument("--master-weights", action="store_true", help="fp32 master copy of 16-bit params")
+    est.add_argument("--master-weights", nargs="?", const="fp32", choices=("fp32", "exact", "8bit"),
+                     help="the fp32 master of 16-bit params: fp32 (a copy, also the stock column; the default "
+                          "when given without a value), exact or 8bit (our residual in the low-bit column)")
     est.add_argument("--fmt", default=DEFAULT_FMT, help="low-bit state format, as for run")
     est.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     est.add_argument("--outliers", type=int, default=DEFAULT_OUTLIERS)
@@ -127,7 +132,8 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
             raise ValueError(f"--log-every must be a non-negative int (0: no progress lines), got {args.log_every}")
         scope = Scope(_parse_fmt(args.fmt), block_size=args.block_size, outliers=args.outliers,
                       min_8bit_size=args.min_8bit_size, backend=args.backend, overrides=overrides or None,
-                      restore_at_step=args.restore_at_step, monitor=args.monitor, log_every=args.log_every or None)
+                      restore_at_step=args.restore_at_step, master_weights=args.master_weights,
+                      monitor=args.monitor, log_every=args.log_every or None)
         signum = _signal_number(args.restore_on_signal) if args.restore_on_signal else None
         _check_target(target)
     except (ValueError, TypeError, NotImplementedError) as err:

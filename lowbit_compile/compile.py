@@ -20,6 +20,9 @@ from .kernels.backends import lower
 from .kernels.contract import Role, input_of
 from .kernels.formats import StateFormat
 from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
+from .kernels.residual import KEYS as MASTER_KEYS
+from .kernels.residual import MasterFormat
+from .passes.master_weights import master_weights
 from .passes.quantize_states import quantize_states
 from .passes.roles import label_roles
 from .passes.signs import NonnegProof, prove_nonneg
@@ -48,22 +51,29 @@ _compiled: dict[tuple, list[CompiledStep]] = {}
 
 
 def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
-                 schema: StateSchema, formats: dict[str, StateFormat], config: Config) -> CompiledStep:
+                 schema: StateSchema, formats: dict[str, StateFormat], config: Config,
+                 master: MasterFormat | None = None) -> CompiledStep:
     """The lowered step for this parameter's signature (built now if no step of it was), from its
-    state as it is or, when empty, as its first step will create it. Changes nothing of ``opt``."""
+    state as it is or, when empty, as its first step will create it. Changes nothing of ``opt``.
+
+    With ``master``, the step is traced as the fp32 master recipe runs it (fp32 param, grad and
+    states; ``schema`` probed so) and rewritten to step the 16-bit ``param`` through its master."""
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
+    dtype = torch.float32 if master is not None else param.dtype
+    state = {k: v for k, v in state.items() if k not in MASTER_KEYS}
     example = trace_example(example_state(state, schema, param.device))
-    key = (trace_key(opt, tgroup, slots, param.dtype, param.device, example, schema.per_element),
-           tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend)
+    key = (trace_key(opt, tgroup, slots, dtype, param.device, example, schema.per_element),
+           tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
+           master.tag() if master is not None else None)
     values = [s.get(tgroup) for s in slots]
     with TRACE_LOCK:
         candidates = _compiled.setdefault(key, [])
         for compiled in candidates:
             if compiled.guard(values):
                 return compiled
-        builder = _Builder(skeleton(opt), tgroup, slots, param.dtype, param.device, example, schema, formats,
-                           config.backend)
+        builder = _Builder(skeleton(opt), tgroup, slots, dtype, param.device, example, schema, formats,
+                           config.backend, master)
         compiled = builder.compile(values)
         candidates.append(compiled)
         return compiled
@@ -83,6 +93,7 @@ class _Builder:
     schema: StateSchema
     formats: dict[str, StateFormat]
     backend: str
+    master: MasterFormat | None = None
 
     def compile(self, values: list) -> CompiledStep:
         trace = traced(self.opt, self.tgroup, self.dtype, self.device, self.example, self.schema.per_element)
@@ -114,7 +125,10 @@ class _Builder:
                         "the rounding of quantized states can make it negative and the step NaN. Keep these "
                         f"states fp32 (fmt={{..., {', '.join(f'{k!r}: {chr(39)}fp32{chr(39)}' for k in states)}}})",
                         stacklevel=2)
-        graph = split_prologue(quantize_states(roles, self.formats))
+        rewritten = quantize_states(roles, self.formats)
+        if self.master is not None:
+            rewritten = master_weights(rewritten, self.master)
+        graph = split_prologue(rewritten)
         inputs = tuple(binding(n) for n in graph.graph.nodes if n.op == "placeholder")
         dtypes = {k: rest[-1] for k, (kind, *rest) in self.schema.init if kind in ("fill", "computed")}
         fresh = tuple((k, self.formats[k], dtypes[k]) for k in trace.fresh)
@@ -134,7 +148,7 @@ class _Builder:
                     seq = list(tgroup[key.key])
                     seq[key.index] = value
                     tgroup[key.key] = type(self.tgroup[key.key])(seq)
-            elif role is Role.SCALAR_STATE:
+            elif role is Role.SCALAR_STATE and key not in MASTER_KEYS:
                 example[key] = value
         with TRACE_LOCK:
             trace = traced(self.opt, tgroup, self.dtype, self.device, example, self.schema.per_element, exclude)

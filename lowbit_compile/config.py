@@ -12,6 +12,7 @@ import torch
 
 from .kernels import backends
 from .kernels.formats import FORMAT_NAMES, StateFormat
+from .kernels.residual import MODES as MASTER_MODES
 
 BACKENDS = backends.BACKENDS  # the one list of backends (the API, enable(), the CLI and the README name these)
 
@@ -51,10 +52,11 @@ class Config:
     min_8bit_size: int
     backend: str
     overrides: tuple[tuple[Matcher, str | tuple[tuple[str, str], ...]], ...] = ()
+    master_weights: str | None = None  # "exact", "8bit" or None: how 16-bit params keep their fp32 master
 
     @staticmethod
     def make(fmt: FmtSpec, block_size: int, outliers: int, min_8bit_size: int,
-             backend: str, overrides: Overrides | None = None) -> Config:
+             backend: str, overrides: Overrides | None = None, master_weights: str | None = None) -> Config:
         """Validate every option up front, naming the bad one and the fix."""
         fmt_key = _fmt_key(fmt, "fmt")
         pairs = overrides.items() if isinstance(overrides, Mapping) else (overrides or ())
@@ -75,8 +77,10 @@ class Config:
             raise ValueError(f"outliers must be an int in [0, min(block_size, 64)], got {outliers!r}")
         if not _is_int(min_8bit_size) or min_8bit_size < 0:
             raise ValueError(f"min_8bit_size must be a non-negative int, got {min_8bit_size!r}")
+        if master_weights is not None and master_weights not in MASTER_MODES:
+            raise ValueError(f"master_weights must be one of {MASTER_MODES} or None, got {master_weights!r}")
         backend = backends.canonical(backend)
-        return Config(fmt_key, block_size, outliers, min_8bit_size, backend, tuple(override_keys))
+        return Config(fmt_key, block_size, outliers, min_8bit_size, backend, tuple(override_keys), master_weights)
 
     @property
     def uses_names(self) -> bool:

@@ -19,6 +19,8 @@ import torch
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS, NONNEG_STATES, Config
 from .kernels import blockquant
 from .kernels.formats import StateFormat
+from .kernels.residual import MODES as MASTER_MODES
+from .kernels.residual import MasterFormat, tie_words
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GB = 10**9
@@ -41,6 +43,7 @@ class Estimate:
 
     rows: tuple[Row, ...]
     title: str
+    params: int = 0  # the model's parameters, when one device holds all of them (for the B/param line)
 
     @property
     def stock_total(self) -> int:
@@ -60,6 +63,9 @@ class Estimate:
         saved = self.stock_total - self.lowbit_total
         pct = 100.0 * saved / self.stock_total if self.stock_total else 0.0
         lines.append(f"saved {saved:,} bytes = {saved / GB:.3f} GB ({pct:.1f}% of the total)   [GB = 10^9 bytes]")
+        if self.params:
+            lines.append(f"per parameter: {self.stock_total / self.params:.3f} B stock, "
+                         f"{self.lowbit_total / self.params:.3f} B low-bit")
         return "\n".join(lines)
 
 
@@ -79,7 +85,7 @@ def estimate(
     params: int,
     *,
     param_dtype: str = "fp32",
-    master_weights: bool = False,
+    master_weights: bool | str | None = False,
     fmt: str | Mapping[str, str] = DEFAULT_FMT,
     block_size: int = DEFAULT_BLOCK_SIZE,
     outliers: int = DEFAULT_OUTLIERS,
@@ -91,12 +97,17 @@ def estimate(
 
     Gradients have the parameters' dtype. The optimizer steps the fp32 master weights when
     ``master_weights`` (mixed precision), else the parameters, and stock states have the dtype of
-    what it steps. With ``shards`` > 1 the components ZeRO stage ``zero_stage`` shards are divided
-    evenly (rounded up) over the devices.
+    what it steps. ``master_weights``: ``True`` or ``"fp32"``, an fp32 copy in both columns;
+    ``"exact"`` or ``"8bit"``, the copy in the stock column and our residual state
+    (``lowbit_compile(..., master_weights=...)``) in the low-bit one. With ``shards`` > 1 the components
+    ZeRO stage ``zero_stage`` shards are divided evenly (rounded up) over the devices.
     """
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {tuple(PARAM_DTYPES)}, got {param_dtype!r}")
-    if master_weights and param_dtype == "fp32":
+    mode = "fp32" if master_weights is True else (master_weights or None)
+    if mode not in (None, "fp32", *MASTER_MODES):
+        raise ValueError(f"master_weights must be True, 'fp32', 'exact', '8bit' or False, got {master_weights!r}")
+    if mode and param_dtype == "fp32":
         raise ValueError("master weights are an fp32 copy of 16-bit params; pass param_dtype='bf16' or 'fp16'")
     if not isinstance(shards, int) or shards < 1:
         raise ValueError(f"shards must be a positive int, got {shards!r}")
@@ -108,14 +119,19 @@ def estimate(
         return -(-params // shards) if zero_stage >= _SHARDED_FROM_STAGE[kind] else params
 
     p_bytes = PARAM_DTYPES[param_dtype].itemsize
-    state_dtype = torch.float32 if master_weights else PARAM_DTYPES[param_dtype]
+    state_dtype = torch.float32 if mode else PARAM_DTYPES[param_dtype]
     n_state = local("states")
     rows = [
         Row(f"params ({param_dtype})", local("params") * p_bytes, local("params") * p_bytes),
         Row(f"grads ({param_dtype})", local("grads") * p_bytes, local("grads") * p_bytes),
     ]
-    if master_weights:
+    if mode == "fp32":
         rows.append(Row("master weights (fp32)", local("master") * 4, local("master") * 4))
+    elif mode:
+        n_master = local("master")
+        residual = MasterFormat(mode, PARAM_DTYPES[param_dtype])
+        held = n_master * residual.residual_dtype.itemsize + (4 * tie_words(n_master) if residual.has_ties else 0)
+        rows.append(Row(f"master ({mode} residual)", n_master * 4, held))
     extra = 0
     states = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
     short = {"exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "max v"}
@@ -132,9 +148,10 @@ def estimate(
         extra += sum(t.numel() * t.element_size() for t in side)
     rows.append(Row("scales + patches", 0, extra))
 
-    what = f"{param_dtype} params and grads" + (", fp32 master weights" if master_weights else "")
+    what = f"{param_dtype} params and grads" + (", fp32 master weights" if mode else "")
     where = "1 device" if shards == 1 else f"per device of {shards} (ZeRO stage {zero_stage})"
     fmt_text = config.fmt if isinstance(config.fmt, str) else dict(config.fmt)
     title = (f"Adam/AdamW memory for {params:,} parameters ({what}), {where}; low-bit: fmt={fmt_text}, "
-             f"block_size={block_size}, outliers={outliers}")
-    return Estimate(tuple(rows), title)
+             f"block_size={block_size}, outliers={outliers}"
+             + (f", master_weights={mode!r}" if mode in MASTER_MODES else ""))
+    return Estimate(tuple(rows), title, params if shards == 1 else 0)

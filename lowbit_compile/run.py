@@ -50,6 +50,8 @@ def bind_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: t
             args.append(state[key])
         elif role is Role.STATE_PART:
             args.append(getattr(state[key[0]], key[1]))
+        elif role is Role.MASTER_PART:  # a residual of the param's master: contiguous, in logical order
+            args.append(state[key].view(-1))
         else:
             args.append(key.get(group))
     return args, write_back

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import master
 from .kernels import blockquant
 from .kernels.formats import StateFormat
 from .passes.trace import shell_optimizer, unhooked_step
@@ -134,18 +135,22 @@ def _sampled_state(value: QuantizedState, index: torch.Tensor) -> torch.Tensor:
 def _next_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
                index: torch.Tensor | None) -> tuple[dict, float]:
     """The stock fp32 step of ``param`` (of its elements at ``index``) on copies: the new
-    per-element states and ||dp|| / ||p||."""
+    per-element states and ||dp|| / ||p||. A param with master weights steps its fp32 master (with
+    the grad as fp32), as the rewritten step does."""
     def part(t: torch.Tensor) -> torch.Tensor:
         return t.detach() if index is None else t.detach().reshape(-1)[index]
 
-    start = part(param).clone()
+    held = master.master_of(param, state)
+    start = part(param if held is None else held).clone()
     probe = start.clone()
-    probe.grad = part(param.grad).clone()
+    probe.grad = part(param.grad).to(probe.dtype, copy=True)
     grad_scale = getattr(opt, "grad_scale", None)  # a fused optimizer under GradScaler unscales in its step
     if grad_scale is not None:
         probe.grad.div_(grad_scale)
     copies = {}
     for k, v in state.items():
+        if k in master.KEYS:
+            continue
         if isinstance(v, QuantizedState):
             copies[k] = v.dequantize() if index is None else _sampled_state(v, index)
         elif isinstance(v, torch.Tensor):

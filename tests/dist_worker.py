@@ -28,6 +28,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from examples.tasks import FP32MasterCopy
 from lowbit_compile import QuantizedState, lowbit_compile, memory_report, restore
 from lowbit_compile.checkpoint import stock_state_dict
 
@@ -326,7 +327,72 @@ def fsdp1_flat(rank: int, world: int, workdir: Path) -> None:
     assert bitwise(list(model.parameters()), expected), "FSDP1 flat-parameter resume is not exact"
 
 
-SCENARIOS = {"fsdp": fsdp, "reshard": reshard, "ddp_and_zero": ddp_and_zero, "fsdp1_flat": fsdp1_flat}
+# master weights ----------------------------------------------------------------------------------------
+def fsdp_net16() -> torch.nn.Module:
+    """``Net`` in bf16 (inputs cast to it), FSDP2-sharded like ``fsdp_net``."""
+    net = Net().to(torch.bfloat16)
+    for layer in (net.a, net.b, net.c):
+        fully_shard(layer)
+    fully_shard(net)
+    return net
+
+
+def train16(model: torch.nn.Module, opt, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(16, 10, generator=gen).to(torch.bfloat16)).float().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+MASTER = {"fmt": "fp32", "master_weights": "exact"}
+
+
+def fsdp_master(rank: int, world: int, workdir: Path) -> None:
+    """bf16 FSDP2 shards with exact master weights: the recipe on the same shards bit for bit, the
+    residual a DTensor like its param, an exact DCP resume; saves a checkpoint for another world size."""
+    from lowbit_compile import master_params
+
+    net, recipe_net = fsdp_net16(), fsdp_net16()
+    opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **MASTER)
+    recipe = FP32MasterCopy(list(recipe_net.parameters()), lambda ms: torch.optim.AdamW(ms, lr=LR, foreach=False))
+    train16(net, opt, 3, seed=1)
+    train16(recipe_net, recipe, 3, seed=1)
+    assert bitwise(full(net), full(recipe_net)), "exact master weights on FSDP2 shards differ from the recipe"
+    ours = [m.full_tensor() for m in master_params(opt)]
+    assert bitwise(ours, [m.detach().full_tensor() for m in recipe.masters]), "the fp32 masters differ"
+    for p in net.parameters():
+        value = opt.state[p]["master_residual"]
+        assert isinstance(value, DTensor) and value.shape == p.shape and value.placements == p.placements
+    print(f"rank {rank}: residual bytes on this rank {memory_report(opt).per_state['master_residual'].bytes}")
+
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(workdir / f"master{world}"))
+    train16(net, opt, 3, seed=2)
+    expected = full(net)
+    if rank == 0:
+        torch.save(expected, workdir / f"master_continued{world}.pt")
+    resumed = fsdp_net16()
+    resumed_opt = lowbit_compile(torch.optim.AdamW(resumed.parameters(), lr=LR), **MASTER)
+    dcp_load(resumed, resumed_opt, workdir / f"master{world}")
+    train16(resumed, resumed_opt, 3, seed=2)
+    assert bitwise(full(resumed), expected), "DCP resume with master weights is not exact"
+
+
+def reshard_master(rank: int, world: int, workdir: Path) -> None:
+    """The master-weights checkpoint of the other world size, loaded here, steps on bit for bit like
+    that size's own run: the residual and its tie bits are per element, whatever the shards."""
+    other = 3 - world
+    net = fsdp_net16()
+    opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **MASTER)
+    dcp_load(net, opt, workdir / f"master{other}")
+    train16(net, opt, 3, seed=2)
+    assert bitwise(full(net), torch.load(workdir / f"master_continued{other}.pt")), (
+        f"master weights resharded from world {other} to {world} step differently")
+
+
+SCENARIOS = {"fsdp": fsdp, "reshard": reshard, "ddp_and_zero": ddp_and_zero, "fsdp1_flat": fsdp1_flat,
+             "fsdp_master": fsdp_master, "reshard_master": reshard_master}
 
 
 def main() -> None:

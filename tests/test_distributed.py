@@ -74,3 +74,10 @@ def test_ddp_and_zero_redundancy_optimizer_train_like_one_process(workdir):
 
 def test_fsdp1_flat_parameters_checkpoint_compactly_and_resume_exactly(workdir):
     print(launch("fsdp1_flat", 2, workdir))
+
+
+def test_fsdp2_master_weights_are_the_recipe_and_resume_exactly_at_any_world_size(workdir):
+    """bf16 FSDP2 with exact master weights at 2 ranks (against the recipe on the same shards, DCP
+    resume), then its checkpoint resumed on 1 rank, bit for bit."""
+    print(launch("fsdp_master", 2, workdir))
+    print(launch("reshard_master", 1, workdir))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.quality import summarize
-from examples.tasks import TASKS, CharGPT, Digits, OptimizerSpec, ZipfEmbedding, train
+from examples.tasks import TASKS, CharGPT, Digits, DigitsFinetune, OptimizerSpec, ZipfEmbedding, master_spec, train
 
 
 def test_optimizer_names():
@@ -23,6 +23,7 @@ SMALL_TASKS = {  # the same task classes, shrunk to keep the test fast
     "char_gpt_2m": lambda: CharGPT(d=32, layers=1, heads=2, ctx=32, val_windows=8),
     "digits": lambda: Digits(hidden=64),
     "zipf": lambda: ZipfEmbedding(vocab=1024, val_bags=256),
+    "digits_ft": lambda: DigitsFinetune(hidden=64, pretrain_steps=20),
 }
 
 
@@ -37,7 +38,7 @@ def one_thread():
 
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_a_seed_fixes_weights_and_batches(name, one_thread):
-    if name == "digits":
+    if name.startswith("digits"):
         pytest.importorskip("sklearn")
     task = SMALL_TASKS[name]()
     first = train(task, OptimizerSpec("fp32").build, seed=3, steps=3)
@@ -77,3 +78,27 @@ def test_state_bytes_count_shared_and_nested_tensors_once():
     opt.step()
     # codes 1 B/elem, per block a fp32 scale and 2 x (bf16 value + int16 index), twice; the step counter
     assert state_bytes(opt) == 2 * (4096 + 2 * (4 + 2 * 4)) + 4
+
+
+def test_bf16_param_names():
+    assert master_spec("fp32") is None and OptimizerSpec("fp32").param_dtype == torch.float32
+    assert master_spec("bf16p-adamw") == ("adamw", None, None)
+    assert master_spec("bf16p-master-dynamic8-b512-k0") == ("master", "dynamic8-b512-k0", None)
+    assert OptimizerSpec("bf16p-exact").lowbit_options() == {"master_weights": "exact"}
+    assert OptimizerSpec("bf16p-8bit-int8-b256").lowbit_options() == {"fmt": "int8", "block_size": 256,
+                                                                      "master_weights": "8bit"}
+    assert OptimizerSpec("bf16p-dynamic8").lowbit_options() == {"fmt": "dynamic8"}
+    assert OptimizerSpec("bf16p-exact").param_dtype == torch.bfloat16
+
+
+def test_exact_master_weights_train_the_bf16_model_as_the_fp32_master_recipe_does(one_thread):
+    """What the quality table's bit-for-bit column checks, on a small task: every loss the same float."""
+    pytest.importorskip("sklearn")
+    task = SMALL_TASKS["digits_ft"]()
+    runs = {}
+    for name in ("bf16p-exact-fp32", "bf16p-master", "bf16p-exact", "bf16p-master-dynamic8-b512-k0", "bf16p-adamw"):
+        spec = OptimizerSpec(name)
+        runs[name] = train(task, spec.build, seed=3, steps=4, param_dtype=spec.param_dtype)
+    assert runs["bf16p-exact-fp32"].train_loss == runs["bf16p-master"].train_loss
+    assert runs["bf16p-exact"].train_loss == runs["bf16p-master-dynamic8-b512-k0"].train_loss
+    assert runs["bf16p-adamw"].train_loss != runs["bf16p-master"].train_loss
