@@ -135,7 +135,12 @@ def reference_layout(x: torch.Tensor, fmt: StateFormat):
     flagged = ~rest_finite.all(1)
     absmax = torch.where(finite & ~is_patch, blocks.abs(), 0.0).amax(1)
     qmax = torch.where(flagged, fmt.flagged_qmax, fmt.qmax)
-    scale = torch.where(absmax > 0, torch.clamp(absmax / qmax, min=blockquant.MIN_SCALE, max=FLT_MAX), 0.0)
+    exact = absmax / qmax
+    if fmt.neg_qmax != fmt.qmax:  # signed dynamic8: each side over its end of the map
+        rest = torch.where(finite & ~is_patch, blocks, 0.0)
+        sides = torch.maximum(rest.amax(1).clamp(min=0) / fmt.qmax, (-rest).amax(1).clamp(min=0) / fmt.neg_qmax)
+        exact = torch.where(flagged, exact, sides)
+    scale = torch.where(absmax > 0, torch.clamp(exact, min=blockquant.MIN_SCALE, max=FLT_MAX), 0.0)
     return order, is_patch.reshape(-1)[:n], flagged, scale
 
 
