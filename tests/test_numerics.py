@@ -6,7 +6,8 @@ kernels (interpreted) store exactly what the reference stores, block by block an
 
 The bounds asserted here are the ones the README states ("Numerics"): for a finite non-patch value
 ``x`` of a block with finite absmax ``A``, scale ``S = max(A / q, 2^-126)`` (``q``: ``qmax``, or
-``flagged_qmax`` in a flagged block), the decoded value is within half a code step of ``x`` at that
+``flagged_qmax`` in a flagged block; signed dynamic8 elsewhere: the larger of the positive side over
+1 and the negative side over 0.99297), the decoded value is within half a code step of ``x`` at that
 scale (the zero-point rule may raise a tiny positive value to the smallest code instead), plus
 ``2^-20 |x| + 2^-149`` for fp32 arithmetic. Patches and bf16 states: ``2^-8 |x| + 2^-134`` (round
 to nearest bf16; a finite value above bf16's largest saturates there; the zero-point rule raises a
