@@ -65,8 +65,8 @@ def format_constants() -> str:
             if fmt.blockwise:
                 pos_inf, neg_inf, nan = special_codes(fmt)
                 fields += (f" static constexpr float neg_qmax = {_cfloat(fmt.neg_qmax)}, "
-                           f"flagged_qmax = {_cfloat(fmt.flagged_qmax)};"
-                           f" static constexpr int pos_inf_code = {pos_inf}, neg_inf_code = {neg_inf}, nan_code = {nan};")
+                           f"flagged_qmax = {_cfloat(fmt.flagged_qmax)}; static constexpr int "
+                           f"pos_inf_code = {pos_inf}, neg_inf_code = {neg_inf}, nan_code = {nan};")
             if name.startswith("fp8"):
                 fields += f" static constexpr int mantissa = {fmt.mantissa_bits}, min_exponent = {fmt.min_exponent};"
             sign = "true" if nonneg else "false"
