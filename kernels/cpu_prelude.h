@@ -499,30 +499,40 @@ static inline void lb_block_scale(const float* buf, int64_t len, float absmax, f
   }
 }
 
-// Values times the block's multiplier -> codes (blockquant.quantize_into): for a non-negative state a
-// positive value whose product underflowed still gets a positive code; in a flagged block finite values
-// stay within flagged_qmax and +inf, -inf and NaN take the format's special codes.
-template <int F, bool U, bool FLAGGED>
+// Values times the block's multiplier -> codes (blockquant.quantize_into): with LIFT (a non-negative
+// state whose multiplier is below 1) a positive value whose product underflowed still gets a positive
+// code; in a flagged block finite values stay within flagged_qmax and +inf, -inf and NaN take the
+// format's special codes.
+template <int F, bool U, bool FLAGGED, bool LIFT>
 LB_INLINE vi lb_encode_scaled(vf x, vf inverse, const int32_t* keys) {
   typedef lb_format<F, U> f;
   vf y = x * inverse;
-  if (U) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
+  if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
   if (!FLAGGED) return lb_encode<F, U>(y, keys);
   const vi code = lb_encode<F, U>(lb_clamp(y, -f::flagged_qmax, f::flagged_qmax), keys);
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
   return lb_key(x) < 0x7F800000 ? code : special;
 }
-template <int F, bool U, bool FLAGGED>
-static inline void lb_encode_block(const float* buf, int64_t len, float inverse, uint8_t* codes, const int32_t* keys) {
+template <int F, bool U, bool FLAGGED, bool LIFT>
+static inline void lb_encode_loop(const float* buf, int64_t len, float inverse, uint8_t* codes, const int32_t* keys) {
   const vf vinv = lb_splat(inverse);
   int64_t i = 0;
   for (; i + 4 * LB_W <= len; i += 4 * LB_W)
-    lb_st_u8x4(codes + i, lb_encode_scaled<F, U, FLAGGED>(lb_ld(buf + i), vinv, keys),
-               lb_encode_scaled<F, U, FLAGGED>(lb_ld(buf + i + LB_W), vinv, keys),
-               lb_encode_scaled<F, U, FLAGGED>(lb_ld(buf + i + 2 * LB_W), vinv, keys),
-               lb_encode_scaled<F, U, FLAGGED>(lb_ld(buf + i + 3 * LB_W), vinv, keys));
-  for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, lb_encode_scaled<F, U, FLAGGED>(lb_ld(buf + i), vinv, keys));
-  if (i < len) lb_st_codes_n(codes + i, lb_encode_scaled<F, U, FLAGGED>(lb_ld_n(buf + i, len - i), vinv, keys), len - i);
+    lb_st_u8x4(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i), vinv, keys),
+               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + LB_W), vinv, keys),
+               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + 2 * LB_W), vinv, keys),
+               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + 3 * LB_W), vinv, keys));
+  for (; i + LB_W <= len; i += LB_W)
+    lb_st_codes(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i), vinv, keys));
+  if (i < len)
+    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld_n(buf + i, len - i), vinv, keys), len - i);
+}
+// A multiplier >= 1 keeps every positive value positive (the product is at least the value), so the
+// usual block of a non-negative state skips the underflow test.
+template <int F, bool U, bool FLAGGED>
+static inline void lb_encode_block(const float* buf, int64_t len, float inverse, uint8_t* codes, const int32_t* keys) {
+  if (U && !(inverse >= 1.0f)) lb_encode_loop<F, U, FLAGGED, U>(buf, len, inverse, codes, keys);
+  else lb_encode_loop<F, U, FLAGGED, false>(buf, len, inverse, codes, keys);
 }
 
 // A block holding inf or NaN (rare: off the hot path, scalar): patches are the K largest finite
