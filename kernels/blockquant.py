@@ -2,7 +2,8 @@
 
 One state of ``n`` elements is stored as
   * ``codes``          (n,)            one code per element, in the format's code dtype;
-  * ``scales``         (n_blocks,)     fp32: the absmax of the block's finite non-patch values / qmax,
+  * ``scales``         (n_blocks,)     fp32: the absmax of the block's finite non-patch values / qmax
+                                       (signed dynamic8: per side, see below),
                                        negative (sign bit set) where the block is *flagged*;
   * ``patch_values``   (n_blocks, K)   bf16: the K largest-magnitude finite values of the block;
   * ``patch_index``    (n_blocks, K)   int16: their offsets inside the block.
@@ -26,8 +27,12 @@ Every float survives (``StateFormat`` names the formats; bounds: README, "Numeri
   scale is 0 or at least ``MIN_SCALE``, and the smallest positive code times the scale is still
   positive (the zero-point rule holds for every block). At the top binade a scale whose largest
   code would decode to inf (``qmax * scale`` rounding past the largest float) is lowered by one ulp;
-  where qmax < 1 (signed dynamic8: 0.993, flagged dynamic8: 0.979 and 0.982) the scale stops at the
-  largest float, and a value past its sign's largest usable map value times that saturates there.
+  where qmax < 1 (signed dynamic8's negative side: 0.993, flagged dynamic8: 0.979 and 0.982) the
+  scale stops at the largest float, and a value past its sign's largest usable map value times that
+  saturates there.
+* *The extreme element keeps its code, whatever its sign.* The signed dynamic map holds +1 but its
+  bottom is -0.99297 (``StateFormat.neg_qmax``): its scale is the larger of the block's largest
+  positive value over 1 and its most negative magnitude over 0.99297 (two reductions, only there).
 * Patches are encoded like a ``bf16`` state of the same sign: a finite value saturates at bf16's
   largest instead of rounding to inf, and a positive value of a non-negative state never becomes 0.
 """
@@ -98,6 +103,20 @@ def _scale_and_inverse(absmax: torch.Tensor, qmax: float) -> tuple[torch.Tensor,
     return torch.where(top, torch.nextafter(scale, torch.zeros_like(scale)), scale), inverse
 
 
+def _block_scale(blocks: torch.Tensor, fmt: StateFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of finite values: scale and multiplier (``_scale_and_inverse``) of the absmax over
+    ``qmax``; where the format's most negative code is smaller than its largest (signed dynamic8),
+    of whichever side needs the larger scale, the positive side over ``qmax`` or the negative side
+    over ``neg_qmax`` (a tie takes the positive side)."""
+    if fmt.neg_qmax == fmt.qmax:
+        return _scale_and_inverse(blocks.abs().amax(dim=1), fmt.qmax)
+    pos, neg = blocks.amax(dim=1), (-blocks).amax(dim=1)
+    scale_p, inverse_p = _scale_and_inverse(torch.where(pos > 0, pos, 0.0), fmt.qmax)
+    scale_n, inverse_n = _scale_and_inverse(torch.where(neg > 0, neg, 0.0), fmt.neg_qmax)
+    negative = scale_n > scale_p
+    return torch.where(negative, scale_n, scale_p), torch.where(negative, inverse_n, inverse_p)
+
+
 def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat) -> None:
     """Quantize the flat values ``x`` into the preallocated storage ``out``."""
     if not fmt.blockwise:
@@ -121,14 +140,14 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat) -> None:
         out.patch_index.copy_(index.to(PATCH_INDEX_DTYPE))
         blocks = blocks.scatter(1, index, 0.0)
     if all_finite:
-        scale, inverse = _scale_and_inverse(blocks.abs().amax(dim=1), fmt.qmax)
+        scale, inverse = _block_scale(blocks, fmt)
         normalized, flagged = blocks * inverse[:, None], None
     else:
         finite = torch.isfinite(blocks)
         flagged = ~finite.all(dim=1)
-        absmax = torch.where(finite, blocks.abs(), 0.0).amax(dim=1)
-        scale, inverse = _scale_and_inverse(absmax, fmt.qmax)
-        scale_f, inverse_f = _scale_and_inverse(absmax, fmt.flagged_qmax)
+        rest = torch.where(finite, blocks, 0.0)
+        scale, inverse = _block_scale(rest, fmt)
+        scale_f, inverse_f = _scale_and_inverse(rest.abs().amax(dim=1), fmt.flagged_qmax)
         scale = torch.where(flagged, -scale_f, scale)  # the sign bit marks the block (-0.0 included)
         inverse = torch.where(flagged, inverse_f, inverse)
         normalized = torch.where(finite, blocks * inverse[:, None], blocks)

@@ -26,7 +26,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .contract import PARTS, MasterAccess, Part, Role, StateAccess, input_of, master_access, state_access
-from .formats import FORMAT_IDS, FORMAT_NAMES, StateFormat, dynamic_map, dynamic_midpoints
+from .formats import FORMAT_IDS, FORMAT_NAMES, StateFormat, dynamic_map, dynamic_midpoints, special_codes
 from .lowering import LoweringError, Target, lower_body
 from .primitives import Kind, Value
 
@@ -54,13 +54,19 @@ def _cfloat(x: float) -> str:
 def format_constants() -> str:
     """The prelude's format enum and per-format constants, from ``formats.py``."""
     lines = ["enum { " + ", ".join(f"{_ENUM[n]} = {FORMAT_IDS[n]}" for n in FORMAT_NAMES if n in _ENUM) + " };",
-             "template <int F, bool U> struct lb_format {};  // qmax, min_positive (and fp8's mantissa, min_exponent)"]
+             "template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, "
+             "the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, min_exponent)"]
     for name in FORMAT_NAMES:
         if name not in _ENUM:
             continue
         for nonneg in (False, True):
             fmt = StateFormat(name, nonneg=nonneg)
             fields = f"static constexpr float qmax = {_cfloat(fmt.qmax)}, min_positive = {_cfloat(fmt.min_positive)};"
+            if fmt.blockwise:
+                pos_inf, neg_inf, nan = special_codes(fmt)
+                fields += (f" static constexpr float neg_qmax = {_cfloat(fmt.neg_qmax)}, "
+                           f"flagged_qmax = {_cfloat(fmt.flagged_qmax)}; static constexpr int "
+                           f"pos_inf_code = {pos_inf}, neg_inf_code = {neg_inf}, nan_code = {nan};")
             if name.startswith("fp8"):
                 fields += f" static constexpr int mantissa = {fmt.mantissa_bits}, min_exponent = {fmt.min_exponent};"
             sign = "true" if nonneg else "false"
@@ -249,8 +255,8 @@ class CppPrinter:
         if state.fmt.name == "bf16":
             self._lane(name, f"vf {name} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);")
             return Value(name, torch.float32, Kind.ELEMENT)
-        code = [f"vf {name} = lb_decode<{self._template(state)}>(full ? lb_ld_codes({codes} + i) : "
-                f"lb_ld_codes_n({codes} + i, r), {self._map(state, 'map')}) * SC_{k};"]
+        code = [f"vf {name} = lb_decode_scaled<{self._template(state)}>(full ? lb_ld_codes({codes} + i) : "
+                f"lb_ld_codes_n({codes} + i, r), {self._map(state, 'map')}, SC_{k}, FL_{k});"]
         if state.fmt.patches:
             code += [f"while (PN_{k} < i + LB_W) {{  // a patch falls in this vector",
                      f"  {name}[PN_{k} - i] = PV_{k}[PA_{k}];",
@@ -477,7 +483,8 @@ class CppPrinter:
             out.append(f"{ind}float* __restrict buf_{s.key} = scratch + {b} * LB_BLOCK;")
             if s.reads:
                 k = s.key
-                out.append(f"{ind}const vf SC_{k} = lb_splat(*{s.ptr(Part.SCALES)});")
+                out.append(f"{ind}const vf SC_{k} = lb_splat(fabsf(*{s.ptr(Part.SCALES)}));")
+                out.append(f"{ind}const bool FL_{k} = signbit(*{s.ptr(Part.SCALES)});  // a flagged block")
                 if s.fmt.patches:
                     out.append(f"{ind}int64_t PI_{k}[{s.fmt.patches}];")
                     out.append(f"{ind}float PV_{k}[{s.fmt.patches}];")
@@ -512,7 +519,7 @@ class CppPrinter:
             if s.writes:
                 parts = ", ".join(s.ptr(part) for part in PARTS)
                 out.append(f"{ind}lb_quantize_block<{self._template(s)}, {s.fmt.patches}>(acc_{s.key}, buf_{s.key}, "
-                           f"len, LB_BLOCK, {_cfloat(s.fmt.qmax)}, {parts}, {self._map(s, 'keys')});")
+                           f"len, LB_BLOCK, {parts}, {self._map(s, 'keys')});")
         out.append("}")
         out.append(_ENTRY_FN)
         return "\n".join(out) + "\n"

@@ -239,6 +239,8 @@ LB_INLINE void lb_st_f16_n(uint16_t* p, vf v, int64_t r) {
 // ---- element formats (kernels/formats.py) -----------------------------------------------------
 // @formats@
 
+LB_INLINE vi lb_key(vf x) { return lb_bits_i(x) & 0x7FFFFFFF; }  // |x| as ordered integer bits
+
 LB_INLINE vi lb_ld_codes(const uint8_t* p) { return lb_ld_u8(p); }  // one byte per lane, zero-extended
 LB_INLINE vi lb_ld_codes_n(const uint8_t* p, int64_t r) {
   uint8_t t[LB_W] = {0};
@@ -367,16 +369,45 @@ LB_INLINE vi lb_encode(vf y, const int32_t* keys) {
   }
 }
 
-// bf16 state storage (not blockwise): a positive value of a non-negative state stays positive.
+// bf16 storage (states and patches; formats.encode, round_bf16): a finite value saturates at bf16's
+// largest instead of rounding to inf, and a positive value of a non-negative state stays positive.
+static const float LB_BF16_TOP = 0x1.fep+127f;
 template <bool U>
 LB_INLINE vf lb_bf16_state_clamp(vf x) {
   const float min_positive = lb_format<LB_BF16_CODES, U>::min_positive;  // the smallest positive bf16
+  const vf a = lb_abs(x);
+  x = (a > LB_BF16_TOP) & (a < lb_splat(INFINITY)) ? lb_bits_f((lb_bits_i(x) & (int32_t)0x80000000) |
+                                                                lb_bits_i(lb_splat(LB_BF16_TOP))) : x;
   return U ? ((x > 0) & (x < min_positive) ? lb_splat(min_positive) : x) : x;
+}
+template <bool U>
+static inline uint16_t lb_patch_bits(float x) {  // one patch value, as lb_bf16_state_clamp then round
+  const float a = fabsf(x);
+  if (a > LB_BF16_TOP && a < INFINITY) x = copysignf(LB_BF16_TOP, x);
+  if (U && x > 0 && x < lb_format<LB_BF16_CODES, U>::min_positive) x = lb_format<LB_BF16_CODES, U>::min_positive;
+  return lb_bf16_bits(x);
+}
+
+// Codes of a block whose scale is `scale` (its magnitude, splat) back to values (blockquant.decode_scaled):
+// in a flagged block (the scale's sign bit set: `flagged`, a per-block constant, so the branch is free)
+// the format's three special codes are +inf, -inf and NaN, and a non-finite decode is not scaled.
+template <int F, bool U>
+__attribute__((noinline)) static vf lb_decode_flagged(vi u, vf d, vf scale) {
+  typedef lb_format<F, U> f;
+  vf v = lb_key(d) < 0x7F800000 ? d * scale : d;
+  v = u == f::pos_inf_code ? lb_splat(INFINITY) : v;
+  v = u == f::neg_inf_code ? lb_splat(-INFINITY) : v;
+  return u == f::nan_code ? lb_nan() : v;
+}
+template <int F, bool U>
+LB_INLINE vf lb_decode_scaled(vi u, const float* map, vf scale, bool flagged) {
+  const vf d = lb_decode<F, U>(u, map);
+  if (__builtin_expect(!flagged, 1)) return d * scale;
+  return lb_decode_flagged<F, U>(u, d, scale);
 }
 
 // ---- block quantization with outlier patches (blockquant.quantize_into) -------------------------
 // Magnitudes compare as the integer bits of |x| (NaN above inf, like argmax); -1 marks no element.
-LB_INLINE vi lb_key(vf x) { return lb_bits_i(x) & 0x7FFFFFFF; }
 LB_INLINE vi lb_lane_mask(int64_t r) {  // lanes [0, r) set
   vi lane;
   for (int l = 0; l < LB_W; ++l) lane[l] = l;
@@ -423,13 +454,141 @@ __attribute__((noinline)) static vi lb_collect(lb_best<K>& best, const float* bu
   return lb_splat_i(best.floor() < INT32_MAX ? best.floor() + 1 : INT32_MAX);  // an equal key loses: it comes later
 }
 
-// Quantize the block held in buf[0, len) (a block of `block` elements, zero-padded past len) into
-// its codes, scale and K patches. `lane_max` holds each lane's largest key in buf. The K patches
-// are the K largest |x| (ties: lowest offset) in the order the reference's repeated argmax finds
-// them; the scale is the absmax of the rest over qmax.
+// ---- block scales (blockquant._scale_and_inverse, _block_scale) ----------------------------------
+// absmax / qmax and the multiplier (1 / absmax) * qmax, fixed as the reference fixes them: a nonzero
+// block below qmax * 2^-126 gets the scale 2^-126 and the exact multiplier 2^126; a scale that is inf
+// (qmax < 1) multiplies by 1 / FLT_MAX; a scale whose largest code would decode to inf loses one ulp.
+static inline void lb_scale_and_inverse(float absmax, float qmax, float* scale, float* inverse) {
+  float s = absmax / qmax, inv = absmax > 0 ? (1.0f / absmax) * qmax : 0.0f;
+  if (absmax > 0 && s < 0x1p-126f) s = 0x1p-126f, inv = 0x1p126f;
+  if (__builtin_isinf(s)) inv = (float)(1.0 / 0x1.fffffep+127);
+  if (__builtin_isinf(s * qmax)) s = nextafterf(s, 0.0f);
+  *scale = s;
+  *inverse = inv;
+}
+// The scale of a block of finite values buf[0, len) whose largest magnitude is absmax: over qmax, or,
+// for a format whose bottom code is smaller than its top (signed dynamic8), from whichever side needs
+// the larger scale (positive over qmax, negative over neg_qmax; a tie is positive): one more pass.
+template <int F, bool U>
+static inline void lb_block_scale(const float* buf, int64_t len, float absmax, float* scale, float* inverse) {
+  typedef lb_format<F, U> f;
+  if constexpr (f::neg_qmax == f::qmax) {
+    lb_scale_and_inverse(absmax, f::qmax, scale, inverse);
+  } else {
+    vi pos = lb_splat_i(0), neg = lb_splat_i(0);  // the largest key of each sign (bits ^ sign orders negatives)
+    int64_t i = 0;
+    for (; i + LB_W <= len; i += LB_W) {
+      const vi b = lb_bits_i(lb_ld(buf + i));
+      pos = lb_vmax(pos, b);
+      neg = lb_vmax(neg, b ^ (int32_t)0x80000000);
+    }
+    if (i < len) {
+      const vi b = lb_bits_i(lb_ld_n(buf + i, len - i));  // zero-padded: +0 joins the positive side
+      pos = lb_vmax(pos, b);
+      neg = lb_vmax(neg, b ^ (int32_t)0x80000000);
+    }
+    int32_t p = 0, n = 0;
+    for (int l = 0; l < LB_W; ++l) p = pos[l] > p ? pos[l] : p, n = neg[l] > n ? neg[l] : n;
+    float pmax, nmax, sp, ip, sn, in;
+    memcpy(&pmax, &p, 4);
+    memcpy(&nmax, &n, 4);
+    lb_scale_and_inverse(pmax, f::qmax, &sp, &ip);
+    lb_scale_and_inverse(nmax, f::neg_qmax, &sn, &in);
+    *scale = sn > sp ? sn : sp;
+    *inverse = sn > sp ? in : ip;
+  }
+}
+
+// Values times the block's multiplier -> codes (blockquant.quantize_into): with LIFT (a non-negative
+// state whose multiplier is below 1) a positive value whose product underflowed still gets a positive
+// code; in a flagged block finite values stay within flagged_qmax and +inf, -inf and NaN take the
+// format's special codes.
+template <int F, bool U, bool FLAGGED, bool LIFT>
+LB_INLINE vi lb_encode_scaled(vf x, vf inverse, const int32_t* keys) {
+  typedef lb_format<F, U> f;
+  vf y = x * inverse;
+  if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
+  if (!FLAGGED) return lb_encode<F, U>(y, keys);
+  const vi code = lb_encode<F, U>(lb_clamp(y, -f::flagged_qmax, f::flagged_qmax), keys);
+  const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
+  return lb_key(x) < 0x7F800000 ? code : special;
+}
+template <int F, bool U, bool FLAGGED, bool LIFT>
+static inline void lb_encode_loop(const float* buf, int64_t len, float inverse, uint8_t* codes, const int32_t* keys) {
+  const vf vinv = lb_splat(inverse);
+  int64_t i = 0;
+  for (; i + 4 * LB_W <= len; i += 4 * LB_W)
+    lb_st_u8x4(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i), vinv, keys),
+               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + LB_W), vinv, keys),
+               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + 2 * LB_W), vinv, keys),
+               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + 3 * LB_W), vinv, keys));
+  for (; i + LB_W <= len; i += LB_W)
+    lb_st_codes(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i), vinv, keys));
+  if (i < len)
+    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld_n(buf + i, len - i), vinv, keys), len - i);
+}
+// A multiplier >= 1 keeps every positive value positive (the product is at least the value), so the
+// usual block of a non-negative state skips the underflow test.
+template <int F, bool U, bool FLAGGED>
+static inline void lb_encode_block(const float* buf, int64_t len, float inverse, uint8_t* codes, const int32_t* keys) {
+  if (U && !(inverse >= 1.0f)) lb_encode_loop<F, U, FLAGGED, U>(buf, len, inverse, codes, keys);
+  else lb_encode_loop<F, U, FLAGGED, false>(buf, len, inverse, codes, keys);
+}
+
+// A block holding inf or NaN (rare: off the hot path, scalar): patches are the K largest finite
+// magnitudes (a non-finite value ranks below every finite one, so it is patched only where fewer than K
+// are finite), and if a non-finite value remains the block is flagged: scale from the finite rest over
+// flagged_qmax, stored with its sign bit set, non-finite values as special codes.
 template <int F, bool U, int K>
-static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t block, float qmax, uint8_t* codes,
-                              float* scale, uint16_t* patch_values, int16_t* patch_index, const int32_t* keys) {
+__attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t len, int64_t block, uint8_t* codes,
+                                                           float* scale, uint16_t* patch_values, int16_t* patch_index,
+                                                           const int32_t* keys) {
+  if (K > 0) {
+    lb_best<K> best;  // keys shifted by one: finite values 1.., non-finite 0
+    for (int64_t i = 0; i < len; ++i) {
+      int32_t key;
+      memcpy(&key, buf + i, 4);
+      key &= 0x7FFFFFFF;
+      key = key < 0x7F800000 ? key + 1 : 0;
+      if (key > best.floor()) best.add(key, (int32_t)i, buf[i]);
+    }
+    for (int64_t pad = len; pad < block && best.floor() < 1; ++pad) best.add(1, (int32_t)pad, 0.0f);  // padding zeros
+    for (int k = 0; k < K; ++k) {
+      patch_values[k] = lb_patch_bits<U>(best.e[k].value);
+      patch_index[k] = (int16_t)best.e[k].index;
+      if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
+    }
+  }
+  int32_t top = 0;
+  bool flagged = false;
+  for (int64_t i = 0; i < len; ++i) {
+    int32_t key;
+    memcpy(&key, buf + i, 4);
+    key &= 0x7FFFFFFF;
+    if (key >= 0x7F800000) flagged = true;
+    else if (key > top) top = key;
+  }
+  float absmax, s, inv;
+  memcpy(&absmax, &top, 4);
+  if (flagged) {
+    lb_scale_and_inverse(absmax, lb_format<F, U>::flagged_qmax, &s, &inv);
+    *scale = -s;  // the sign bit flags the block (-0.0 included)
+    lb_encode_block<F, U, true>(buf, len, inv, codes, keys);
+  } else {
+    lb_block_scale<F, U>(buf, len, absmax, &s, &inv);
+    *scale = s;
+    lb_encode_block<F, U, false>(buf, len, inv, codes, keys);
+  }
+}
+
+// Quantize the block held in buf[0, len) (a block of `block` elements, zero-padded past len) into
+// its codes, scale and K patches. `lane_max` holds each lane's largest key in buf: its maximum says
+// whether the block holds inf or NaN (then lb_quantize_nonfinite). The K patches are the K largest
+// |x| (ties: lowest offset) in the order the reference's repeated argmax finds them; the scale comes
+// from the rest (lb_block_scale).
+template <int F, bool U, int K>
+static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
+                              uint16_t* patch_values, int16_t* patch_index, const int32_t* keys) {
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
   // the K+1 largest elements all reach it, and one pass collects them exactly.
   int32_t lm[LB_W];
@@ -441,6 +600,10 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
         lm[j] = lm[l];
         lm[l] = t;
       }
+  if (__builtin_expect(lm[0] >= 0x7F800000, 0)) {
+    lb_quantize_nonfinite<F, U, K>(buf, len, block, codes, scale, patch_values, patch_index, keys);
+    return;
+  }
   int32_t rest = lm[0] > 0 ? lm[0] : 0;  // no patches: the absmax is the largest lane maximum
   if (K > 0) {
     const int32_t bound = K < LB_W ? lm[K] : -1;
@@ -458,23 +621,15 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
     for (int64_t pad = len; pad < block && best.n <= K; ++pad) best.add(0, (int32_t)pad, 0.0f);  // the padding's zeros
     rest = best.n > K && best.e[K].key > 0 ? best.e[K].key : 0;
     for (int k = 0; k < K; ++k) {
-      patch_values[k] = lb_bf16_bits(best.e[k].value);
+      patch_values[k] = lb_patch_bits<U>(best.e[k].value);
       patch_index[k] = (int16_t)best.e[k].index;
       if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
     }
   }
-  float absmax;
+  float absmax, inv;
   memcpy(&absmax, &rest, 4);
-  const vf vinv = lb_splat(absmax > 0 ? (1.0f / absmax) * qmax : 0.0f);  // torch's qmax / absmax: reciprocal() * qmax
-  *scale = absmax / qmax;
-  int64_t i = 0;
-  for (; i + 4 * LB_W <= len; i += 4 * LB_W)
-    lb_st_u8x4(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, keys),
-               lb_encode<F, U>(lb_ld(buf + i + LB_W) * vinv, keys),
-               lb_encode<F, U>(lb_ld(buf + i + 2 * LB_W) * vinv, keys),
-               lb_encode<F, U>(lb_ld(buf + i + 3 * LB_W) * vinv, keys));
-  for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, lb_encode<F, U>(lb_ld(buf + i) * vinv, keys));
-  if (i < len) lb_st_codes_n(codes + i, lb_encode<F, U>(lb_ld_n(buf + i, len - i) * vinv, keys), len - i);
+  lb_block_scale<F, U>(buf, len, absmax, scale, &inv);
+  lb_encode_block<F, U, false>(buf, len, inv, codes, keys);
 }
 
 // The patches of one block that fall inside its len elements, sorted by offset (the update loop

@@ -66,20 +66,26 @@ class StateFormat:
 
     @property
     def qmax(self) -> float:
-        """The largest code magnitude: a block's absmax maps onto it.
-
-        For the signed dynamic map it is 0.99297, the largest magnitude both signs hold (the map has
-        +1 but not -1): with 1.0 a block whose absmax is negative shrank by 0.7% at every
-        re-quantization, since its largest element came back as -0.99297 of the old absmax.
-        """
+        """The largest code: a block's largest positive value (or its absmax, where the format's codes
+        are symmetric) maps onto it."""
         return {
             "int8": 255.0 if self.nonneg else 127.0,
-            "dynamic8": 1.0 if self.nonneg else -float(dynamic_map(False)[0]),
+            "dynamic8": 1.0,
             "fp8_e4m3": 448.0,
             "fp8_e5m2": 57344.0,
             "bf16": 1.0,
             "fp32": 1.0,
         }[self.name]
+
+    @property
+    def neg_qmax(self) -> float:
+        """The magnitude of the most negative code: a block's most negative value maps onto it. Only the
+        signed dynamic map is asymmetric (it holds +1 but its bottom is -0.99297), so its block scale is
+        the larger of the positive side over 1 and the negative side over 0.99297: the block's extreme
+        element is stored exactly whichever its sign, and no resolution is lost."""
+        if self.name == "dynamic8" and not self.nonneg:
+            return -float(dynamic_map(False)[0])
+        return self.qmax
 
     @property
     def mantissa_bits(self) -> int:

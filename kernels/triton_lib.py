@@ -177,9 +177,7 @@ def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.cons
             idx = tl.where((y > 0) & (idx == 0), 1, idx)
         return idx.to(tl.uint8)
     elif FMT == BF16_CODES:
-        if NONNEG:
-            y = tl.where(y > 0, tl.maximum(y, MIN_POSITIVE), y)
-        return f32_to_bf16_bits(y).to(tl.bfloat16, bitcast=True)
+        return bf16_code(y, NONNEG).to(tl.bfloat16, bitcast=True)
     else:
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         if NONNEG:
@@ -197,11 +195,62 @@ def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.cons
 
 
 @triton.jit
+def bf16_code(x, NONNEG: tl.constexpr):
+    """``formats.encode`` of a bf16 state (and of a patch), as int16 bits: to nearest even, a finite value
+    saturating at bf16's largest (3.3895e38) instead of rounding to inf, and for a non-negative state a
+    positive value never below the smallest positive bf16 (2^-133)."""
+    magnitude = tl.abs(x)
+    x = tl.where((magnitude > 3.3895313892515355e38) & (magnitude < float("inf")),
+                 tl.where(x > 0, 3.3895313892515355e38, -3.3895313892515355e38), x)
+    if NONNEG:
+        x = tl.where((x > 0) & (x < 2.0**-133), 2.0**-133, x)
+    return f32_to_bf16_bits(x)
+
+
+@triton.jit
+def scale_and_inverse(absmax, QMAX: tl.constexpr, INV_QMAX: tl.constexpr):
+    """``blockquant._scale_and_inverse`` per row: ``absmax / qmax`` and ``(1 / absmax) * qmax``; a nonzero
+    block below ``qmax * 2^-126`` gets the scale 2^-126 and the multiplier 2^126, an inf scale (qmax < 1)
+    the multiplier ``1 / FLT_MAX``, and a scale whose largest code would decode to inf loses one ulp.
+    ``INV_QMAX`` mirrors how ``absmax / qmax`` runs on the device: CUDA multiplies by the fp32 reciprocal
+    of a CPU scalar divisor (INV_QMAX is that reciprocal), the CPU divides (0.0)."""
+    nonzero = absmax > 0
+    # qmax / absmax in the reference is Tensor.__rtruediv__: reciprocal, then times qmax
+    inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.where(nonzero, absmax, 1.0)) * QMAX, 0.0)
+    if INV_QMAX != 0.0:
+        scale = absmax * INV_QMAX
+    else:
+        scale = tl.math.div_rn(absmax, QMAX)
+    tiny = nonzero & (scale < 2.0**-126)
+    scale = tl.where(tiny, 2.0**-126, scale)
+    inverse = tl.where(tiny, 2.0**126, inverse)
+    inverse = tl.where(scale == float("inf"), 2.938735877055719e-39, inverse)  # fp32(1 / FLT_MAX)
+    top = scale * QMAX == float("inf")
+    return tl.where(top, (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), scale), inverse
+
+
+@triton.jit
+def code_bits(codes, FMT: tl.constexpr, FP8_NATIVE: tl.constexpr):
+    """Codes of any 8-bit format as their uint8 bit patterns."""
+    if FMT == DYNAMIC8:
+        return codes
+    elif FMT == INT8:
+        return codes.to(tl.uint8, bitcast=True)
+    elif FP8_NATIVE:
+        return codes.to(tl.uint8, bitcast=True)
+    else:
+        return codes
+
+
+@triton.jit
 def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr, rows, cols, offsets, mask,
-               row_mask, FMT: tl.constexpr, K: tl.constexpr, FP8_NATIVE: tl.constexpr = True):
+               row_mask, FMT: tl.constexpr, K: tl.constexpr, FP8_NATIVE: tl.constexpr = True,
+               POS_INF_CODE: tl.constexpr = 0, NEG_INF_CODE: tl.constexpr = 0, NAN_CODE: tl.constexpr = 0):
     """``blockquant.dequantize`` of one tile of ``[ROWS, BLOCK]`` elements (one block per row) in fp32:
-    decode, times the block's scale, the K patches written over their offsets. fp8 codes are float8,
-    or their uint8 bits where not ``FP8_NATIVE``."""
+    decode, times the magnitude of the block's scale, the K patches written over their offsets. In a
+    flagged block (the scale's sign bit set) the codes ``POS_INF_CODE``, ``NEG_INF_CODE`` and
+    ``NAN_CODE`` (``formats.special_codes``, as uint8) are +inf, -inf and NaN, and a non-finite decode is
+    not scaled. fp8 codes are float8, or their uint8 bits where not ``FP8_NATIVE``."""
     if FMT == BF16_CODES:
         codes = tl.load(codes_ptr + offsets, mask=mask, other=0.0)
         values = bf16_bits_to_f32(codes.to(tl.int16, bitcast=True))
@@ -210,15 +259,24 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
             codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
             values = tl.load(map_ptr + codes.to(tl.int32), mask=mask, other=0.0)
         elif FMT == INT8:
-            values = tl.load(codes_ptr + offsets, mask=mask, other=0).to(tl.float32)
+            codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
+            values = codes.to(tl.float32)
         elif FP8_NATIVE:  # float8 codes (no `other`: the interpreter cannot cast a fill value to fp8)
-            values = tl.where(mask, tl.load(codes_ptr + offsets, mask=mask).to(tl.float32), 0.0)
+            codes = tl.load(codes_ptr + offsets, mask=mask)
+            values = tl.where(mask, codes.to(tl.float32), 0.0)
         elif FMT == FP8_E4M3:  # fp8 codes as their uint8 bits
-            values = fp8_value(tl.load(codes_ptr + offsets, mask=mask, other=0), 3, -6)
+            codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
+            values = fp8_value(codes, 3, -6)
         else:
-            values = fp8_value(tl.load(codes_ptr + offsets, mask=mask, other=0), 2, -14)
+            codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
+            values = fp8_value(codes, 2, -14)
         scale = tl.load(scales_ptr + rows, mask=row_mask, other=0.0)
-        values = values * scale[:, None]
+        flagged = (scale.to(tl.int32, bitcast=True) < 0)[:, None]
+        scaled = values * tl.abs(scale)[:, None]
+        bits = code_bits(codes, FMT, FP8_NATIVE)
+        special = tl.where(bits == NAN_CODE, float("nan"), tl.where(bits == POS_INF_CODE, float("inf"), float("-inf")))
+        is_special = flagged & ((bits == POS_INF_CODE) | (bits == NEG_INF_CODE) | (bits == NAN_CODE))
+        values = tl.where(is_special, special, tl.where(flagged & ~(tl.abs(values) < float("inf")), values, scaled))
         for k in tl.static_range(K):
             index = tl.load(patch_index_ptr + rows * K + k, mask=row_mask, other=-1).to(tl.int32)
             bits = tl.load(patch_values_ptr + rows * K + k, mask=row_mask, other=0.0).to(tl.int16, bitcast=True)
@@ -229,38 +287,60 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
 @triton.jit
 def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds_ptr, rows, cols, offsets, mask,
              row_mask, FMT: tl.constexpr, NONNEG: tl.constexpr, K: tl.constexpr, QMAX: tl.constexpr,
-             MIN_POSITIVE: tl.constexpr, INV_QMAX: tl.constexpr, FP8_NATIVE: tl.constexpr = True):
-    """``blockquant.quantize_into`` of one tile: per row (block) the K largest magnitudes become bf16
-    patches (ties to the lowest offset), the absmax of the rest sets the scale, the rest is encoded.
-
-    ``INV_QMAX`` mirrors how the reference's ``absmax / qmax`` runs on the device: CUDA multiplies by
-    the fp32 reciprocal of a CPU scalar divisor (INV_QMAX is that reciprocal), the CPU divides (0.0).
+             MIN_POSITIVE: tl.constexpr, INV_QMAX: tl.constexpr, FP8_NATIVE: tl.constexpr = True,
+             NEG_QMAX: tl.constexpr = 0.0, INV_NEG_QMAX: tl.constexpr = 0.0, FLAGGED_QMAX: tl.constexpr = 0.0,
+             INV_FLAGGED_QMAX: tl.constexpr = 0.0, POS_INF_CODE: tl.constexpr = 0, NEG_INF_CODE: tl.constexpr = 0,
+             NAN_CODE: tl.constexpr = 0):
+    """``blockquant.quantize_into`` of one tile: per row (block) the K largest finite magnitudes become
+    bf16 patches (ties to the lowest offset; a non-finite value only where fewer than K are finite), the
+    finite rest sets the scale (``scale_and_inverse``: the absmax over ``QMAX``, or where a ``NEG_QMAX``
+    is given (signed dynamic8) the larger of the positive side over ``QMAX`` and the negative side over
+    ``NEG_QMAX``), and the rest is encoded. A row whose rest holds inf or NaN is flagged: its scale comes
+    from its finite values over ``FLAGGED_QMAX`` and is stored negated, its finite codes stay within
+    ``FLAGGED_QMAX`` and its inf and NaN take the special codes. The ``INV_*`` are the fp32 reciprocals
+    of the divisors on CUDA, 0.0 on the CPU (``scale_and_inverse``).
     """
     x = tl.where(mask, x, 0.0)  # the reference pads a partial last block with zeros
     if FMT == BF16_CODES:
         tl.store(codes_ptr + offsets, encode(x, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE), mask=mask)
     else:
-        magnitude = tl.abs(x)
+        # a non-finite value ranks below every finite magnitude, a patched one below those
+        magnitude = tl.where(tl.abs(x) < float("inf"), tl.abs(x), -1.0)
         for k in tl.static_range(K):
             index = tl.argmax(magnitude, axis=1, tie_break_left=True)
             hit = cols[None, :] == index[:, None]
-            value = tl.max(tl.where(hit, x, float("-inf")), axis=1)
-            tl.store(patch_values_ptr + rows * K + k, f32_to_bf16_bits(value).to(tl.bfloat16, bitcast=True),
+            value = tl.sum(tl.where(hit, x.to(tl.int32, bitcast=True), 0), axis=1).to(tl.int32)  # its exact bits
+            tl.store(patch_values_ptr + rows * K + k,
+                     bf16_code(value.to(tl.float32, bitcast=True), NONNEG).to(tl.bfloat16, bitcast=True),
                      mask=row_mask)
             tl.store(patch_index_ptr + rows * K + k, index.to(tl.int16), mask=row_mask)
-            magnitude = tl.where(hit, -1.0, magnitude)
+            magnitude = tl.where(hit, -2.0, magnitude)
             x = tl.where(hit, 0.0, x)
-        absmax = tl.max(tl.abs(x), axis=1)
-        # qmax / absmax in the reference is Tensor.__rtruediv__: reciprocal, then times qmax
-        nonzero = absmax > 0
-        inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.where(nonzero, absmax, 1.0)) * QMAX, 0.0)
-        if INV_QMAX != 0.0:
-            scale = absmax * INV_QMAX
+        finite = tl.abs(x) < float("inf")
+        flagged = tl.max(tl.where(finite, 0, 1), axis=1) > 0
+        absmax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
+        if NEG_QMAX != 0.0:
+            scale_p, inverse_p = scale_and_inverse(tl.max(tl.where(finite & (x > 0), x, 0.0), axis=1), QMAX, INV_QMAX)
+            scale_n, inverse_n = scale_and_inverse(tl.max(tl.where(finite & (x < 0), -x, 0.0), axis=1), NEG_QMAX,
+                                                   INV_NEG_QMAX)
+            negative = scale_n > scale_p
+            scale = tl.where(negative, scale_n, scale_p)
+            inverse = tl.where(negative, inverse_n, inverse_p)
         else:
-            scale = tl.math.div_rn(absmax, QMAX)
-        tl.store(scales_ptr + rows, scale, mask=row_mask)
-        codes = encode(x * inverse[:, None], bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
-        tl.store(codes_ptr + offsets, codes, mask=mask)
+            scale, inverse = scale_and_inverse(absmax, QMAX, INV_QMAX)
+        scale_f, inverse_f = scale_and_inverse(absmax, FLAGGED_QMAX, INV_FLAGGED_QMAX)
+        negated = (scale_f.to(tl.int32, bitcast=True) | -2147483648).to(tl.float32, bitcast=True)  # -0.0 too
+        tl.store(scales_ptr + rows, tl.where(flagged, negated, scale), mask=row_mask)
+        inverse = tl.where(flagged, inverse_f, inverse)
+        y = x * inverse[:, None]
+        if NONNEG:  # x * inverse may underflow to 0; the zero-point rule needs it positive
+            y = tl.where((x > 0) & (y < 2.0**-149), 2.0**-149, y)
+        flagged = flagged[:, None]
+        y = tl.where(flagged & finite, tl.minimum(tl.maximum(y, -FLAGGED_QMAX), FLAGGED_QMAX), y)
+        codes = encode(y, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
+        special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
+        bits = tl.where(flagged & ~finite, special, code_bits(codes, FMT, FP8_NATIVE))
+        tl.store(codes_ptr + offsets, bits.to(codes.dtype, bitcast=True), mask=mask)
 
 
 # fp32 master weights: a 16-bit param and its residual (the reference is residual.py) ---------------------

@@ -32,7 +32,7 @@ from .contract import (
     state_access,
     state_part_inputs,
 )
-from .formats import StateFormat
+from .formats import StateFormat, special_codes
 from .lowering import LoweringError, Target, lower_body
 from .primitives import Kind, Value
 
@@ -251,19 +251,27 @@ class TritonPrinter:
         self.lines.append(f"# {fmt.tag()}")
         self.lines += _call_lines(f"{name} = lb.dequantize", self._state_args(state) + [
             table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_format_id(fmt)}", f"K={fmt.patches}",
-            *self._fp8_path(fmt)])
+            *self._fp8_path(fmt), *_special_codes(fmt)])
         return Value(name, torch.float32, Kind.ELEMENT)
 
     def quantize(self, state: StateAccess, value: Value) -> None:
         fmt = state.fmt
         self.written.update(state.parts)
         table = self._table("bounds", fmt) if fmt.name == "dynamic8" else "None"
-        inv_qmax = _fp32_reciprocal(fmt.qmax) if self.target.cuda else 0.0
+        def inv(divisor: float) -> float:
+            return _fp32_reciprocal(divisor) if self.target.cuda else 0.0
+
+        flags = []
+        if fmt.blockwise:
+            if fmt.neg_qmax != fmt.qmax:  # signed dynamic8: a scale per side
+                flags = [f"NEG_QMAX={fmt.neg_qmax!r}", f"INV_NEG_QMAX={inv(fmt.neg_qmax)!r}"]
+            flags += [f"FLAGGED_QMAX={fmt.flagged_qmax!r}", f"INV_FLAGGED_QMAX={inv(fmt.flagged_qmax)!r}",
+                      *_special_codes(fmt)]
         self.lines.append(f"# {fmt.tag()}")
         self.lines += _call_lines("lb.quantize", [value.text] + self._state_args(state) + [
             table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_format_id(fmt)}",
             f"NONNEG={fmt.nonneg}", f"K={fmt.patches}", f"QMAX={fmt.qmax!r}", f"MIN_POSITIVE={fmt.min_positive!r}",
-            f"INV_QMAX={inv_qmax!r}", *self._fp8_path(fmt)])
+            f"INV_QMAX={inv(fmt.qmax)!r}", *self._fp8_path(fmt), *flags])
 
     def _fp8_path(self, fmt: StateFormat) -> list[str]:
         """The FP8 path of an fp8 state's calls (named only where it is the integer one)."""
@@ -388,6 +396,13 @@ def _is_fp8(fmt: StateFormat) -> bool:
 def _format_id(fmt: StateFormat) -> str:
     """The triton_lib constant of a format (each is ``formats.FORMAT_IDS[name]``)."""
     return _FORMAT_NAMES[fmt.name]
+
+
+def _special_codes(fmt: StateFormat) -> list[str]:
+    """The +inf, -inf and NaN codes of a flagged block of a blockwise ``fmt``, as call arguments."""
+    if not fmt.blockwise:
+        return []
+    return [f"{name}={code}" for name, code in zip(("POS_INF_CODE", "NEG_INF_CODE", "NAN_CODE"), special_codes(fmt))]
 
 
 def _is_tensor_input(node: Node) -> bool:

@@ -70,10 +70,12 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const float c_t8 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
   const float c_t9 = (float)0x1.0000000000000p+0 / c_pow_3;
   float* __restrict buf_exp_avg = scratch + 0 * LB_BLOCK;
-  const vf SC_exp_avg = lb_splat(*p_exp_avg_scales);
+  const vf SC_exp_avg = lb_splat(fabsf(*p_exp_avg_scales));
+  const bool FL_exp_avg = signbit(*p_exp_avg_scales);  // a flagged block
   vi acc_exp_avg = lb_splat_i(-1);
   float* __restrict buf_exp_avg_sq = scratch + 1 * LB_BLOCK;
-  const vf SC_exp_avg_sq = lb_splat(*p_exp_avg_sq_scales);
+  const vf SC_exp_avg_sq = lb_splat(fabsf(*p_exp_avg_sq_scales));
+  const bool FL_exp_avg_sq = signbit(*p_exp_avg_sq_scales);  // a flagged block
   vi acc_exp_avg_sq = lb_splat_i(-1);
   {
     int64_t i = 0;
@@ -82,8 +84,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const int64_t r = LB_W;
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
-      vf v_dequantize_default_decoded = lb_decode<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s) * SC_exp_avg;
-      vf v_dequantize_default_1_decoded = lb_decode<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u) * SC_exp_avg_sq;
+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
       const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
       const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
@@ -100,8 +102,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       acc_exp_avg_sq = lb_vmax(acc_exp_avg_sq, lb_key_masked(v_addcmul, r));
     }
   }
-  lb_quantize_block<LB_DYNAMIC8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, (float)0x1.fc66660000000p-1, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, lb_dyn_keys_s.e);
-  lb_quantize_block<LB_DYNAMIC8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, (float)0x1.0000000000000p+0, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, lb_dyn_keys_u.e);
+  lb_quantize_block<LB_DYNAMIC8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, lb_dyn_keys_s.e);
+  lb_quantize_block<LB_DYNAMIC8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, lb_dyn_keys_u.e);
 }""")
 
     def test_fp32_states_take_torch_sqrt(self):
@@ -201,20 +203,20 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
             out.append(f"== {fmt} {layout}\n" + _diff(_vector_loop(default), _vector_loop(kernel)))
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
--      vf v_dequantize_default_decoded = lb_decode<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s) * SC_exp_avg;
--      vf v_dequantize_default_1_decoded = lb_decode<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u) * SC_exp_avg_sq;
-+      vf v_dequantize_default_decoded = lb_decode<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr) * SC_exp_avg;
-+      vf v_dequantize_default_1_decoded = lb_decode<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr) * SC_exp_avg_sq;
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 == fp8_e4m3 {}
--      vf v_dequantize_default_decoded = lb_decode<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s) * SC_exp_avg;
--      vf v_dequantize_default_1_decoded = lb_decode<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u) * SC_exp_avg_sq;
-+      vf v_dequantize_default_decoded = lb_decode<LB_E4M3, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr) * SC_exp_avg;
-+      vf v_dequantize_default_1_decoded = lb_decode<LB_E4M3, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr) * SC_exp_avg_sq;
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E4M3, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 == fp8_e5m2 {}
--      vf v_dequantize_default_decoded = lb_decode<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s) * SC_exp_avg;
--      vf v_dequantize_default_1_decoded = lb_decode<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u) * SC_exp_avg_sq;
-+      vf v_dequantize_default_decoded = lb_decode<LB_E5M2, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr) * SC_exp_avg;
-+      vf v_dequantize_default_1_decoded = lb_decode<LB_E5M2, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr) * SC_exp_avg_sq;
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E5M2, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 == bf16 {}
 -  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start;
 -  float* __restrict p_exp_avg_scales = (float*)ptr[3] + blk;
@@ -233,13 +235,15 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  uint16_t* __restrict p_exp_avg_sq_patch_values = (uint16_t*)ptr[8] + 0;
 +  int16_t* __restrict p_exp_avg_sq_patch_index = (int16_t*)ptr[9] + 0;
 -  float* __restrict buf_exp_avg = scratch + 0 * LB_BLOCK;
--  const vf SC_exp_avg = lb_splat(*p_exp_avg_scales);
+-  const vf SC_exp_avg = lb_splat(fabsf(*p_exp_avg_scales));
+-  const bool FL_exp_avg = signbit(*p_exp_avg_scales);  // a flagged block
 -  vi acc_exp_avg = lb_splat_i(-1);
 -  float* __restrict buf_exp_avg_sq = scratch + 1 * LB_BLOCK;
--  const vf SC_exp_avg_sq = lb_splat(*p_exp_avg_sq_scales);
+-  const vf SC_exp_avg_sq = lb_splat(fabsf(*p_exp_avg_sq_scales));
+-  const bool FL_exp_avg_sq = signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
--      vf v_dequantize_default_decoded = lb_decode<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s) * SC_exp_avg;
--      vf v_dequantize_default_1_decoded = lb_decode<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u) * SC_exp_avg_sq;
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = full ? lb_ld_bf16(p_exp_avg_codes + i) : lb_ld_bf16_n(p_exp_avg_codes + i, r);
 +      vf v_dequantize_default_1_decoded = full ? lb_ld_bf16(p_exp_avg_sq_codes + i) : lb_ld_bf16_n(p_exp_avg_sq_codes + i, r);
 -      if (full) lb_st(buf_exp_avg + i, v_lerp); else lb_st_n(buf_exp_avg + i, v_lerp, r);
@@ -267,14 +271,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  const int PC_exp_avg_sq = lb_sorted_patches<2>(p_exp_avg_sq_patch_index, p_exp_avg_sq_patch_values, len, PI_exp_avg_sq, PV_exp_avg_sq);
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
--      vf v_dequantize_default_decoded = lb_decode<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s) * SC_exp_avg;
--      vf v_dequantize_default_1_decoded = lb_decode<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u) * SC_exp_avg_sq;
-+      vf v_dequantize_default_decoded = lb_decode<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr) * SC_exp_avg;
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
 +      while (PN_exp_avg < i + LB_W) {  // a patch falls in this vector
 +        v_dequantize_default_decoded[PN_exp_avg - i] = PV_exp_avg[PA_exp_avg];
 +        PN_exp_avg = ++PA_exp_avg < PC_exp_avg ? PI_exp_avg[PA_exp_avg] : LB_NO_PATCH;
 +      }
-+      vf v_dequantize_default_1_decoded = lb_decode<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr) * SC_exp_avg_sq;
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 +      while (PN_exp_avg_sq < i + LB_W) {  // a patch falls in this vector
 +        v_dequantize_default_1_decoded[PN_exp_avg_sq - i] = PV_exp_avg_sq[PA_exp_avg_sq];
 +        PN_exp_avg_sq = ++PA_exp_avg_sq < PC_exp_avg_sq ? PI_exp_avg_sq[PA_exp_avg_sq] : LB_NO_PATCH;
@@ -346,14 +350,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
     def test_format_constants_come_from_formats_py(self):
         self.assertExpectedInline(format_constants(), """\
 enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3, LB_BF16_CODES = 4 };
-template <int F, bool U> struct lb_format {};  // qmax, min_positive (and fp8's mantissa, min_exponent)
-template <> struct lb_format<LB_INT8, false> { static constexpr float qmax = (float)0x1.fc00000000000p+6, min_positive = (float)0x1.0000000000000p+0; };
-template <> struct lb_format<LB_INT8, true> { static constexpr float qmax = (float)0x1.fe00000000000p+7, min_positive = (float)0x1.0000000000000p+0; };
-template <> struct lb_format<LB_DYNAMIC8, false> { static constexpr float qmax = (float)0x1.fc66660000000p-1, min_positive = (float)0x1.27476c0000000p-21; };
-template <> struct lb_format<LB_DYNAMIC8, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.5cf7520000000p-22; };
-template <> struct lb_format<LB_E4M3, false> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr int mantissa = 3, min_exponent = -6; };
-template <> struct lb_format<LB_E4M3, true> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr int mantissa = 3, min_exponent = -6; };
-template <> struct lb_format<LB_E5M2, false> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr int mantissa = 2, min_exponent = -14; };
-template <> struct lb_format<LB_E5M2, true> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr int mantissa = 2, min_exponent = -14; };
+template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, min_exponent)
+template <> struct lb_format<LB_INT8, false> { static constexpr float qmax = (float)0x1.fc00000000000p+6, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc00000000000p+6, flagged_qmax = (float)0x1.f800000000000p+6; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
+template <> struct lb_format<LB_INT8, true> { static constexpr float qmax = (float)0x1.fe00000000000p+7, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fe00000000000p+7, flagged_qmax = (float)0x1.f800000000000p+7; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
+template <> struct lb_format<LB_DYNAMIC8, false> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.27476c0000000p-21; static constexpr float neg_qmax = (float)0x1.fc66660000000p-1, flagged_qmax = (float)0x1.f533340000000p-1; static constexpr int pos_inf_code = 255, neg_inf_code = 0, nan_code = 254; };
+template <> struct lb_format<LB_DYNAMIC8, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.5cf7520000000p-22; static constexpr float neg_qmax = (float)0x1.0000000000000p+0, flagged_qmax = (float)0x1.f700000000000p-1; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
+template <> struct lb_format<LB_E4M3, false> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr float neg_qmax = (float)0x1.c000000000000p+8, flagged_qmax = (float)0x1.a000000000000p+8; static constexpr int pos_inf_code = 126, neg_inf_code = 254, nan_code = 127; static constexpr int mantissa = 3, min_exponent = -6; };
+template <> struct lb_format<LB_E4M3, true> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr float neg_qmax = (float)0x1.c000000000000p+8, flagged_qmax = (float)0x1.a000000000000p+8; static constexpr int pos_inf_code = 126, neg_inf_code = 254, nan_code = 127; static constexpr int mantissa = 3, min_exponent = -6; };
+template <> struct lb_format<LB_E5M2, false> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr float neg_qmax = (float)0x1.c000000000000p+15, flagged_qmax = (float)0x1.c000000000000p+15; static constexpr int pos_inf_code = 124, neg_inf_code = 252, nan_code = 127; static constexpr int mantissa = 2, min_exponent = -14; };
+template <> struct lb_format<LB_E5M2, true> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr float neg_qmax = (float)0x1.c000000000000p+15, flagged_qmax = (float)0x1.c000000000000p+15; static constexpr int pos_inf_code = 124, neg_inf_code = 252, nan_code = 127; static constexpr int mantissa = 2, min_exponent = -14; };
 template <> struct lb_format<LB_BF16_CODES, false> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };
 template <> struct lb_format<LB_BF16_CODES, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };""")

@@ -1,11 +1,13 @@
 """Every float survives every format (issue 13): property tests of encode/decode and of whole steps
 on the reference lowering, against float64 and stock fp32, with block magnitudes anywhere from the
 smallest subnormal to the largest float, zeros, subnormals, inf and NaN mixed in; non-finite values
-staying in their element; idle rows decaying for thousands of steps.
+staying in their element; idle rows decaying for thousands of steps. The CPU kernel and the Triton
+kernels (interpreted) store exactly what the reference stores, block by block and step by step.
 
 The bounds asserted here are the ones the README states ("Numerics"): for a finite non-patch value
 ``x`` of a block with finite absmax ``A``, scale ``S = max(A / q, 2^-126)`` (``q``: ``qmax``, or
-``flagged_qmax`` in a flagged block), the decoded value is within half a code step of ``x`` at that
+``flagged_qmax`` in a flagged block; signed dynamic8 elsewhere: the larger of the positive side over
+1 and the negative side over 0.99297), the decoded value is within half a code step of ``x`` at that
 scale (the zero-point rule may raise a tiny positive value to the smallest code instead), plus
 ``2^-20 |x| + 2^-149`` for fp32 arithmetic. Patches and bf16 states: ``2^-8 |x| + 2^-134`` (round
 to nearest bf16; a finite value above bf16's largest saturates there; the zero-point rule raises a
@@ -14,6 +16,7 @@ positive value below 2^-133 to it). Non-finite values: exact.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import warnings
@@ -25,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lowbit_compile import QuantizedState, checkpoint, lowbit_compile
-from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import StateFormat, dynamic_map
+from lowbit_compile.kernels import blockquant, cpp_printer, cpu_build
+from lowbit_compile.kernels.formats import FORMAT_IDS, StateFormat, dynamic_map, dynamic_midpoints
 
 BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"]
 FORMATS = [pytest.param(name, nonneg, id=f"{name}-{'u' if nonneg else 's'}")
@@ -135,7 +138,12 @@ def reference_layout(x: torch.Tensor, fmt: StateFormat):
     flagged = ~rest_finite.all(1)
     absmax = torch.where(finite & ~is_patch, blocks.abs(), 0.0).amax(1)
     qmax = torch.where(flagged, fmt.flagged_qmax, fmt.qmax)
-    scale = torch.where(absmax > 0, torch.clamp(absmax / qmax, min=blockquant.MIN_SCALE, max=FLT_MAX), 0.0)
+    exact = absmax / qmax
+    if fmt.neg_qmax != fmt.qmax:  # signed dynamic8: each side over its end of the map
+        rest = torch.where(finite & ~is_patch, blocks, 0.0)
+        sides = torch.maximum(rest.amax(1).clamp(min=0) / fmt.qmax, (-rest).amax(1).clamp(min=0) / fmt.neg_qmax)
+        exact = torch.where(flagged, exact, sides)
+    scale = torch.where(absmax > 0, torch.clamp(exact, min=blockquant.MIN_SCALE, max=FLT_MAX), 0.0)
     return order, is_patch.reshape(-1)[:n], flagged, scale
 
 
@@ -233,6 +241,131 @@ def test_one_inf_leaves_the_rest_of_its_block_as_it_was():
             assert_holds(y, blockquant.quantize(y, fmt), fmt)
 
 
+# -- the kernels' block quantize and decode -----------------------------------------------------------
+# The prelude's lb_quantize_block and lb_decode_scaled over whole blocks, as the step kernel calls them
+# (a block buffer with its lane maxima; codes times the scale's magnitude, the patches put over them).
+_CPU_BLOCKS = r"""
+static const float map_s[256] = {%s};
+static const float mids_s[255] = {%s};
+static const float map_u[256] = {%s};
+static const float mids_u[255] = {%s};
+static const lb_dyn_keys keys_s = lb_dyn_build(mids_s), keys_u = lb_dyn_build(mids_u);
+template <int F, bool U, int K>
+static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* scales, uint16_t* pv, int16_t* pi) {
+  float* buf = lb_scratch(block + LB_W);
+  for (int64_t b = 0; b * block < n; ++b) {
+    const int64_t start = b * block, len = n - start < block ? n - start : block;
+    vi acc = lb_splat_i(-1);
+    for (int64_t i = 0; i < len; i += LB_W) {
+      const int64_t r = len - i < LB_W ? len - i : LB_W;
+      const vf v = r == LB_W ? lb_ld(x + start + i) : lb_ld_n(x + start + i, r);
+      if (r == LB_W) lb_st(buf + i, v); else lb_st_n(buf + i, v, r);
+      acc = lb_vmax(acc, lb_key_masked(v, r));
+    }
+    lb_quantize_block<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K,
+                               F == LB_DYNAMIC8 ? (U ? keys_u.e : keys_s.e) : nullptr);
+  }
+}
+template <int F, bool U, int K>
+static void dequantize(float* out, int64_t n, int64_t block, uint8_t* codes, float* scales, uint16_t* pv, int16_t* pi) {
+  for (int64_t b = 0; b * block < n; ++b) {
+    const int64_t start = b * block, len = n - start < block ? n - start : block;
+    const vf scale = lb_splat(fabsf(scales[b]));
+    const bool flagged = signbit(scales[b]);
+    for (int64_t i = 0; i < len; i += LB_W) {
+      const int64_t r = len - i < LB_W ? len - i : LB_W;
+      const vi c = r == LB_W ? lb_ld_codes(codes + start + i) : lb_ld_codes_n(codes + start + i, r);
+      const vf v = lb_decode_scaled<F, U>(c, F == LB_DYNAMIC8 ? (U ? map_u : map_s) : nullptr, scale, flagged);
+      if (r == LB_W) lb_st(out + start + i, v); else lb_st_n(out + start + i, v, r);
+    }
+    for (int k = 0; k < K; ++k)
+      if (pi[b * K + k] < len) out[start + pi[b * K + k]] = lb_bf16_scalar(pv[b * K + k]);
+  }
+}
+#define ONE(F, U, K) case (F * 2 + U) * 4 + K: (q ? quantize<F, U, K> : dequantize<F, U, K>)(x, n, block, codes, scales, pv, pi); break;
+#define FORMAT(F) ONE(F, 0, 0) ONE(F, 0, 2) ONE(F, 1, 0) ONE(F, 1, 2)
+extern "C" void blocks(int fmt, int nonneg, int k, int q, float* x, int64_t n, int64_t block, uint8_t* codes,
+                       float* scales, uint16_t* pv, int16_t* pi) {
+  switch ((fmt * 2 + nonneg) * 4 + k) { FORMAT(LB_INT8) FORMAT(LB_DYNAMIC8) FORMAT(LB_E4M3) FORMAT(LB_E5M2) }
+}
+"""
+
+
+@functools.cache
+def _cpu_blocks():
+    tables = (dynamic_map(False), dynamic_midpoints(False), dynamic_map(True), dynamic_midpoints(True))
+    return cpu_build.load(cpp_printer.PRELUDE + _CPU_BLOCKS % tuple(", ".join(f"{v.hex()}f" for v in t.tolist())
+                                                                   for t in tables), ())
+
+
+def _cpu_call(values: torch.Tensor, q: blockquant.Quantized, fmt: StateFormat, quantize: bool) -> None:
+    ptr = [ctypes.c_void_p(t.data_ptr()) for t in (values, *q)]
+    _cpu_blocks().blocks(FORMAT_IDS[fmt.name], int(fmt.nonneg), fmt.patches, int(quantize), ptr[0],
+                         ctypes.c_int64(values.numel()), ctypes.c_int64(fmt.block_size), *ptr[1:])
+
+
+def cpu_quantize(x: torch.Tensor, fmt: StateFormat) -> blockquant.Quantized:
+    out = blockquant.empty(x.numel(), fmt)
+    _cpu_call(x.float().contiguous(), out, fmt, True)
+    return out
+
+
+def cpu_dequantize(q: blockquant.Quantized, fmt: StateFormat) -> torch.Tensor:
+    out = torch.empty(q.codes.numel())
+    _cpu_call(out, q, fmt, False)
+    return out
+
+
+def triton_quantize(x: torch.Tensor, fmt: StateFormat) -> blockquant.Quantized:
+    from lowbit_compile.kernels import triton_backend
+
+    out = blockquant.empty(x.numel(), fmt)
+    triton_backend.quantize_into(x, out, fmt)
+    return out
+
+
+def triton_dequantize(q: blockquant.Quantized, fmt: StateFormat) -> torch.Tensor:
+    from lowbit_compile.kernels import triton_backend
+
+    return triton_backend.dequantize(q, fmt, torch.float32)
+
+
+KERNEL_BLOCKS = {"cpu": (cpu_quantize, cpu_dequantize), "triton": (triton_quantize, triton_dequantize)}
+
+
+def assert_same_storage(got: blockquant.Quantized, want: blockquant.Quantized, what: str = "") -> None:
+    for part, a, b in zip(blockquant.Quantized._fields, got, want):
+        assert same_values(a, b), (what, part, a, b)
+
+
+@pytest.mark.parametrize(("name", "nonneg"), FORMATS)
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), block=st.sampled_from([8, 32]), outliers=st.sampled_from([0, 2]))
+def test_kernel_blocks_store_what_the_reference_stores(backend, name, nonneg, data, block, outliers):
+    """The kernels' block quantize gives the reference's codes, scales (flag included) and patches bit for
+    bit, and their decode of the reference's storage its values, for blocks anywhere in the float range
+    with inf and NaN (the Triton kernels under the interpreter; a NaN's payload is not compared)."""
+    fmt = StateFormat(name, block, outliers, nonneg)
+    x = data.draw(block_values(block, nonneg))
+    quantize, dequantize = KERNEL_BLOCKS[backend]
+    want = blockquant.quantize(x, fmt)
+    assert_same_storage(quantize(x, fmt), want)
+    assert same_values(dequantize(want, fmt), blockquant.dequantize(want, fmt))
+
+
+@pytest.mark.parametrize("nonneg", [False, True], ids=["s", "u"])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_triton_bf16_states_store_what_the_reference_stores(nonneg, data):
+    """bf16 states: rounded to nearest even, saturating at bf16's largest, inf and NaN kept."""
+    fmt = StateFormat.make("bf16", 0, 0, nonneg)
+    x = data.draw(block_values(64, nonneg))
+    got = triton_quantize(x, fmt)
+    assert same_values(got.codes, blockquant.quantize(x, fmt).codes)
+    assert same_values(triton_dequantize(got, fmt), blockquant.dequantize(got, fmt))
+
+
 # -- whole steps on the reference lowering ------------------------------------------------------------
 OPTIMIZERS = {
     "AdamW": (torch.optim.AdamW, {"lr": 1e-3}),
@@ -297,16 +430,75 @@ def test_one_step_matches_stock_from_the_same_state(opt_name, fmt, data, step):
         assert_holds(want, value.storage_parts, value.fmt)
 
 
-def _poisoned_run(fmt: str, poison: float | None, steps: int = 8):
+@functools.cache
+def _kernel_rig(fmt: str, backend: str, dtype: torch.dtype):
+    """AdamW on the reference lowering and on ``backend``, ``dtype`` params, stepped once."""
+    params = [torch.nn.Parameter(torch.zeros(RIG_NUMEL, dtype=dtype)) for _ in range(2)]
+    opts = [lowbit_compile(torch.optim.AdamW([p], lr=1e-3), fmt, block_size=RIG_BLOCK, outliers=1, min_8bit_size=0,
+                           backend=b) for p, b in zip(params, ("reference", backend))]
+    for p, opt in zip(params, opts):
+        p.grad = torch.ones(RIG_NUMEL, dtype=dtype)
+        opt.step()
+    return params, opts
+
+
+KERNEL_STEPS = [pytest.param(backend, fmt, dtype, id=f"{backend}-{fmt}-{str(dtype)[6:]}")
+                for backend, fmt, dtype in
+                [("cpu", f, torch.float32) for f in BLOCKWISE + ["bf16"]]
+                + [("cpu", f, d) for f in ("dynamic8", "fp8_e5m2") for d in (torch.bfloat16, torch.float16)]
+                + [("triton", f, torch.float32) for f in BLOCKWISE + ["bf16"]] + [("triton", "dynamic8", torch.bfloat16)]]
+
+
+@pytest.mark.parametrize(("backend", "fmt", "dtype"), KERNEL_STEPS)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), step=st.integers(1, 10**6))
+def test_kernel_steps_store_what_the_reference_stores(backend, fmt, dtype, data, step):
+    """From the same param, grad and states (inf and NaN anywhere), one AdamW step of the kernel stores
+    every state exactly as the reference does (NaN payloads aside), so its non-finite elements are
+    stock's and every other one is within the reference's bound; the param has the reference's inf and
+    NaN elements, and its finite ones are within one rounding of the reference's update (the kernel
+    takes the SIMD square root, torch MKL's: ``test_cpu_lowering.py``), 4 ulps here."""
+    params, opts = _kernel_rig(fmt, backend, dtype)
+    param = data.draw(block_values(RIG_BLOCK, False))
+    grad = data.draw(block_values(RIG_BLOCK, False))
+    param, grad = (torch.nn.functional.pad(v, (0, RIG_NUMEL - v.numel()))[:RIG_NUMEL].to(dtype) for v in (param, grad))
+    for p in params:
+        p.data.copy_(param)
+        p.grad = grad.clone()
+    ref_state, state = (opt.state[p] for p, opt in zip(params, opts))
+    for key, value in ref_state.items():
+        if isinstance(value, QuantizedState):
+            drawn = data.draw(block_values(RIG_BLOCK, value.fmt.nonneg))
+            value.copy_(torch.nn.functional.pad(drawn, (0, RIG_NUMEL - drawn.numel()))[:RIG_NUMEL])
+            for a, b in zip(state[key].storage_parts, value.storage_parts):
+                a.copy_(b)
+        else:
+            value.fill_(step)
+            state[key].fill_(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for opt in opts:
+            opt.step()
+    ours, ref = params[1].detach(), params[0].detach()
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(ours), finite) and same_values(ours[~finite], ref[~finite])
+    ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+    torch.testing.assert_close(ours[finite].float(), ref[finite].float(), rtol=4 * ulp, atol=4e-9)
+    for key, value in ref_state.items():
+        if isinstance(value, QuantizedState):
+            assert_same_storage(state[key].storage_parts, value.storage_parts, key)
+
+
+def _poisoned_run(fmt: str, poison: float | None, steps: int = 8, ours: str = "reference"):
     """AdamW on 3 blocks of 64 (params and states recorded after every step); at step 2 one grad
-    element of the middle block is ``poison``. Returns (ours, stock) per step."""
+    element of the middle block is ``poison``. Returns (ours, stock) per step, ours on backend ``ours``."""
     gen = torch.Generator().manual_seed(0)
     init = torch.randn(192, generator=gen)
     grads = [torch.randn(192, generator=gen) for _ in range(steps)]
     if poison is not None:
         grads[2][100] = poison
     runs = []
-    for backend in ("reference", None):
+    for backend in (ours, None):
         p = torch.nn.Parameter(init.clone())
         opt = torch.optim.AdamW([p], lr=1e-2)
         if backend:
@@ -324,12 +516,14 @@ def _poisoned_run(fmt: str, poison: float | None, steps: int = 8):
 
 @pytest.mark.parametrize("poison", [1e30, INF, -INF, NAN], ids=["1e30", "inf", "-inf", "nan"])
 @pytest.mark.parametrize("fmt", BLOCKWISE + ["bf16"])
-def test_a_non_finite_gradient_stays_in_its_element(fmt, poison):
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_non_finite_gradient_stays_in_its_element(backend, fmt, poison):
     """After every step the inf/NaN elements of the param and of every state are exactly stock's
     (a 1e30 grad: v = inf, a zero step; inf: param NaN; NaN: m, v and param NaN in that element
-    only), and the blocks without the poisoned element are bit for bit those of a clean run."""
-    ours, stock = _poisoned_run(fmt, poison)
-    clean, _ = _poisoned_run(fmt, None)
+    only), and the blocks without the poisoned element are bit for bit those of a clean run; on the
+    reference lowering and on the CPU kernel, the default on CPU."""
+    ours, stock = _poisoned_run(fmt, poison, ours=backend)
+    clean, _ = _poisoned_run(fmt, None, ours=backend)
     others = torch.ones(192, dtype=torch.bool)
     others[64:128] = False
     for (p, states), (sp, stock_states), (cp, clean_states) in zip(ours, stock, clean):

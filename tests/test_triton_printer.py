@@ -55,11 +55,12 @@ def adam_step(
     neg = tl.cast(neg, tl.float32)
     # dynamic8:512:0:s
     dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_map_ptr,
-                                       rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, K=0)
+                                       rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255,
+                                       NEG_INF_CODE=0, NAN_CODE=254)
     # dynamic8:512:0:u
     dequantize_default_1 = lb.dequantize(exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None,
                                          dynamic8_unsigned_map_ptr, rows, cols, offsets, mask, row_mask,
-                                         FMT=lb.DYNAMIC8, K=0)
+                                         FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
     lerp_small = tl.abs(sub) < 0.5
     lerp_diff = grad - dequantize_default
     lerp = tl.fma(tl.where(lerp_small, sub, sub - 1.0), lerp_diff, tl.where(lerp_small, dequantize_default, grad))
@@ -73,12 +74,15 @@ def adam_step(
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
     # dynamic8:512:0:s
     lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_bounds_ptr, rows, cols,
-                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=0.992968738079071,
-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0070810317993164)
+                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
+                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0, NEG_QMAX=0.992968738079071,
+                INV_NEG_QMAX=1.0070810317993164, FLAGGED_QMAX=0.9789062738418579,
+                INV_FLAGGED_QMAX=1.0215482711791992, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
     # dynamic8:512:0:u
     lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_bounds_ptr,
                 rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
-                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0)
+                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.982421875,
+                INV_FLAGGED_QMAX=1.017892599105835, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
 """)
 
     def test_adamw(self):
@@ -113,11 +117,12 @@ def adamw_step(
     neg = tl.cast(neg, tl.float32)
     # dynamic8:512:0:s
     dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_map_ptr,
-                                       rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, K=0)
+                                       rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255,
+                                       NEG_INF_CODE=0, NAN_CODE=254)
     # dynamic8:512:0:u
     dequantize_default_1 = lb.dequantize(exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None,
                                          dynamic8_unsigned_map_ptr, rows, cols, offsets, mask, row_mask,
-                                         FMT=lb.DYNAMIC8, K=0)
+                                         FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
     mul_1 = param * sub
     lerp_small = tl.abs(sub_1) < 0.5
     lerp_diff = grad - dequantize_default
@@ -132,12 +137,15 @@ def adamw_step(
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
     # dynamic8:512:0:s
     lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_bounds_ptr, rows, cols,
-                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=0.992968738079071,
-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0070810317993164)
+                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
+                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0, NEG_QMAX=0.992968738079071,
+                INV_NEG_QMAX=1.0070810317993164, FLAGGED_QMAX=0.9789062738418579,
+                INV_FLAGGED_QMAX=1.0215482711791992, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
     # dynamic8:512:0:u
     lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_bounds_ptr,
                 rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
-                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0)
+                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.982421875,
+                INV_FLAGGED_QMAX=1.017892599105835, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
 """)
 
     def test_cpu_flavor_differs_only_where_eager_cpu_rounds_differently(self):
@@ -155,10 +163,16 @@ def adamw_step(
 -    addcdiv_q = tl.math.div_rn(lerp, add_1)
 -    addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
 +    addcdiv = mul_1 + tl.math.div_rn(neg * lerp, add_1)
--                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0070810317993164)
-+                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=0.0)
--                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0)
-+                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=0.0)""")
+-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0, NEG_QMAX=0.992968738079071,
+-                INV_NEG_QMAX=1.0070810317993164, FLAGGED_QMAX=0.9789062738418579,
+-                INV_FLAGGED_QMAX=1.0215482711791992, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
++                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=0.0, NEG_QMAX=0.992968738079071, INV_NEG_QMAX=0.0,
++                FLAGGED_QMAX=0.9789062738418579, INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=0,
++                NAN_CODE=254)
+-                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.982421875,
+-                INV_FLAGGED_QMAX=1.017892599105835, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
++                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=0.0, FLAGGED_QMAX=0.982421875, INV_FLAGGED_QMAX=0.0,
++                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)""")
 
 
 def test_an_op_without_a_lowering_is_an_error_naming_it():
