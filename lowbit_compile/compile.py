@@ -20,6 +20,7 @@ from .kernels.backends import lower
 from .kernels.contract import Role, input_of
 from .kernels.formats import StateFormat
 from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
+from .passes.opmath import LOW_PRECISION, compute_in_fp32
 from .passes.quantize_states import quantize_states
 from .passes.roles import label_roles
 from .passes.signs import NonnegProof, prove_nonneg
@@ -54,8 +55,9 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
     example = trace_example(example_state(state, schema, param.device))
+    opmath = fp32_opmath(group, param.dtype, formats)
     key = (trace_key(opt, tgroup, slots, param.dtype, param.device, example, schema.per_element),
-           tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend)
+           tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend, opmath)
     values = [s.get(tgroup) for s in slots]
     with TRACE_LOCK:
         candidates = _compiled.setdefault(key, [])
@@ -63,10 +65,18 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
             if compiled.guard(values):
                 return compiled
         builder = _Builder(skeleton(opt), tgroup, slots, param.dtype, param.device, example, schema, formats,
-                           config.backend)
+                           config.backend, opmath)
         compiled = builder.compile(values)
         candidates.append(compiled)
         return compiled
+
+
+def fp32_opmath(group: dict, dtype: torch.dtype, formats: dict[str, StateFormat]) -> bool:
+    """Whether a bf16/fp16 param's update computes in fp32 and rounds once per store (as torch's
+    fused optimizers do): with any quantized state, or for a group that asks for ``fused=True``;
+    otherwise the step stays the single-tensor one, bit for bit."""
+    quantized = any(not f.passthrough for f in formats.values())
+    return dtype in LOW_PRECISION and (quantized or bool(group.get("fused")))
 
 
 @dataclass
@@ -83,6 +93,7 @@ class _Builder:
     schema: StateSchema
     formats: dict[str, StateFormat]
     backend: str
+    opmath: bool = False
 
     def compile(self, values: list) -> CompiledStep:
         trace = traced(self.opt, self.tgroup, self.dtype, self.device, self.example, self.schema.per_element)
@@ -114,7 +125,8 @@ class _Builder:
                         "the rounding of quantized states can make it negative and the step NaN. Keep these "
                         f"states fp32 (fmt={{..., {', '.join(f'{k!r}: {chr(39)}fp32{chr(39)}' for k in states)}}})",
                         stacklevel=2)
-        graph = split_prologue(quantize_states(roles, self.formats))
+        rewritten = quantize_states(roles, self.formats)
+        graph = split_prologue(compute_in_fp32(rewritten) if self.opmath else rewritten)
         inputs = tuple(binding(n) for n in graph.graph.nodes if n.op == "placeholder")
         dtypes = {k: rest[-1] for k, (kind, *rest) in self.schema.init if kind in ("fill", "computed")}
         fresh = tuple((k, self.formats[k], dtypes[k]) for k in trace.fresh)
