@@ -11,6 +11,7 @@ from expecttest import TestCase
 from lowbit_compile import compile as compile_module
 from lowbit_compile import lowbit_compile
 from lowbit_compile.passes.opmath import compute_in_fp32
+from lowbit_compile.passes.split import split_prologue
 
 from .graphs import code, pass_graphs
 
@@ -57,6 +58,23 @@ def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_av
     def test_fp32_params_are_unchanged(self):
         g = pass_graphs(torch.optim.AdamW([torch.nn.Parameter(torch.randn(64))]), fmt="int8")
         self.assertEqual(code(compute_in_fp32(g["quantized"])), code(g["quantized"]))
+
+
+STOCK = {"Adam": {}, "AdamW": {}, "SGD": {"momentum": 0.9}, "Adagrad": {}, "Adamax": {}, "NAdam": {}, "RAdam": {},
+         "RMSprop": {}, "Adadelta": {}, "ASGD": {}, "Rprop": {}}
+
+
+@pytest.mark.parametrize("name", list(STOCK))
+def test_every_stock_body_rounds_only_where_it_stores(name):
+    """After the pass no per-element value of a stock optimizer's bf16 body is bf16 but the inputs and
+    what is copied back into them."""
+    p = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    body = split_prologue(compute_in_fp32(pass_graphs(getattr(torch.optim, name)([p], **STOCK[name]),
+                                                      fmt="int8")["quantized"])).body
+    low = [n.name for n in body.graph.nodes if n.op == "call_function" and n.target is not torch.ops.aten.copy_.default
+           and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype == torch.bfloat16]
+    assert low == []
+    assert any(n.target is torch.ops.aten.copy_.default for n in body.graph.nodes)
 
 
 def _ulps(x: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
