@@ -9,7 +9,8 @@ temporary directory: empty for the cold run, filled by it for the warm one. The 
 ``import lowbit_compile``, the first ``step()`` and the second, and splits the first step by wrapping
 the library's stages (exclusive times: a stage nested in another counts once): the state-layout
 probe, tracing (make_fx), the graph passes, C++ emission, the C++ compiler, loading the library,
-creating the states, and the rest (the kernel's first run, lazy imports, bookkeeping). Results go to
+creating the states, and the rest (the kernel's first run, lazy imports, bookkeeping), in wall and CPU
+seconds (CPU includes the compiler's, and is what to read on a loaded machine). Results go to
 bench/results/first_step.json and .md.
 """
 
@@ -47,30 +48,41 @@ STAGES = [
     ("lowbit_compile.kernels.cpu_build", "load", "load library"),
     ("lowbit_compile.api", "init_state", "create states"),
 ]
-ORDER = ["import lowbit_compile", "probe", "trace", "passes", "emit C++", "C++ compile", "load library",
+ORDER = ["import torch", "import lowbit_compile", "probe", "trace", "passes", "emit C++", "C++ compile", "load library",
          "create states", "rest (first run, lazy imports)", "first step", "second step"]
 
 
+def clocks() -> tuple[float, float]:
+    """(wall, CPU) seconds; CPU counts this process and its finished children (the C++ compiler), so a
+    stage's CPU time stays meaningful on a loaded machine where its wall time is not."""
+    t = os.times()
+    return time.perf_counter(), t.user + t.system + t.children_user + t.children_system
+
+
 class StageTimer:
-    """Exclusive wall time per stage: entering a stage pauses the one it was called from."""
+    """Exclusive wall and CPU time per stage: entering a stage pauses the one it was called from."""
 
     def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
-        self.stack: list[list] = []  # [stage, start of its running interval]
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.stack: list[list] = []  # [stage, wall and CPU clock at the start of its running interval]
+
+    def _charge(self, stage: str, since: tuple[float, float], now: tuple[float, float]) -> None:
+        self.wall[stage] = self.wall.get(stage, 0.0) + now[0] - since[0]
+        self.cpu[stage] = self.cpu.get(stage, 0.0) + now[1] - since[1]
 
     def wrap(self, fn, stage: str):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            now = time.perf_counter()
+            now = clocks()
             if self.stack:
-                outer = self.stack[-1]
-                self.totals[outer[0]] = self.totals.get(outer[0], 0.0) + now - outer[1]
+                self._charge(*self.stack[-1], now)
             self.stack.append([stage, now])
             try:
                 return fn(*args, **kwargs)
             finally:
-                end = time.perf_counter()
-                self.totals[stage] = self.totals.get(stage, 0.0) + end - self.stack.pop()[1]
+                end = clocks()
+                self._charge(*self.stack.pop(), end)
                 if self.stack:
                     self.stack[-1][1] = end
 
@@ -78,11 +90,13 @@ class StageTimer:
 
 
 def child() -> None:
-    start = time.perf_counter()
+    t0 = clocks()
     import torch
 
+    t1 = clocks()
     import lowbit_compile
-    imported = time.perf_counter() - start
+
+    t2 = clocks()
     torch.set_num_threads(1)
     timer = StageTimer()
     for module, attr, stage in STAGES:
@@ -94,19 +108,23 @@ def child() -> None:
     opt = lowbit_compile.lowbit_compile(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01))
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen) * 1e-3
-    start = time.perf_counter()
+    start = clocks()
     opt.step()
-    first = time.perf_counter() - start
-    start = time.perf_counter()
+    mid = clocks()
     opt.step()
-    second = time.perf_counter() - start
+    end = clocks()
     from lowbit_compile.kernels import cpu_build
 
-    stages = dict(timer.totals)
-    stages["rest (first run, lazy imports)"] = first - sum(stages.values())
-    stages.update({"import lowbit_compile": imported, "first step": first, "second step": second})
+    out = {}
+    for i, totals in enumerate((timer.wall, timer.cpu)):
+        stages = dict(totals)
+        first = mid[i] - start[i]
+        stages["rest (first run, lazy imports)"] = first - sum(stages.values())
+        stages.update({"import torch": t1[i] - t0[i], "import lowbit_compile": t2[i] - t1[i], "first step": first,
+                       "second step": end[i] - mid[i]})
+        out["stages" if i == 0 else "cpu"] = stages
     backends = {prepared.compiled.kernel.backend for prepared in opt._lowbit.prepared.values()}
-    print(json.dumps({"stages": stages, "compiles": cpu_build.compile_count, "backends": sorted(backends),
+    print(json.dumps({**out, "compiles": cpu_build.compile_count, "backends": sorted(backends),
                       "params": sum(p.numel() for p in params), "tensors": len(params)}))
 
 
@@ -124,9 +142,11 @@ def markdown(result: dict) -> str:
              "tensors, AdamW, default format, CPU kernel, 1 thread)", "",
              f"{result['date']}; medians of {result['repeats']} fresh processes each; load averages "
              f"{result['load_start']} -> {result['load_end']}; C++ compilations: cold {result['cold_compiles']}, "
-             f"warm {result['warm_compiles']}.", "", "| stage | cold cache s | warm cache s |", "|---|---:|---:|"]
+             f"warm {result['warm_compiles']}.", "",
+             "| stage | cold wall s | cold CPU s | warm wall s | warm CPU s |", "|---|---:|---:|---:|---:|"]
     for stage in ORDER:
-        lines.append(f"| {stage} | {result['cold'].get(stage, 0.0):.3f} | {result['warm'].get(stage, 0.0):.3f} |")
+        lines.append(f"| {stage} | " + " | ".join(f"{result[t][k].get(stage, 0.0):.3f}" for t in ("cold", "warm")
+                                                   for k in ("wall", "cpu")) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -152,7 +172,8 @@ def main() -> None:
               "cold_compiles": runs["cold"][0]["compiles"], "warm_compiles": runs["warm"][0]["compiles"],
               "backends": runs["cold"][0]["backends"], "runs": runs}
     for temperature, rs in runs.items():
-        result[temperature] = {stage: statistics.median(r["stages"].get(stage, 0.0) for r in rs) for stage in ORDER}
+        result[temperature] = {k: {stage: statistics.median(r[field].get(stage, 0.0) for r in rs) for stage in ORDER}
+                               for k, field in (("wall", "stages"), ("cpu", "cpu"))}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
