@@ -4,6 +4,7 @@ in each state format, interleaved in one process on transformer-shaped parameter
     python bench/step_bench.py           # 25M and 100M params, fp32 and bf16, 1 and 2 threads
     python bench/step_bench.py --quick   # 6M params, fp32, 1 thread, no torchao: a few minutes
     python bench/step_bench.py --master  # bf16 params: master weights against fused fp32 and bf16 AdamW
+    python bench/step_bench.py --optimizers all   # every stock optimizer against its fused/foreach twin
 
 Per contender: state bytes/param counted from the tensors its optimizer holds; step time (median and
 interquartile range over rounds in which every contender steps once, in rotating order); the ratio
@@ -61,6 +62,7 @@ def small_shapes(count: int = 500) -> list[tuple[int, ...]]:
 PARAM_SETS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
     "6M": lambda: transformer_shapes(256, 6, 4096),
     "25M": lambda: transformer_shapes(512, 8, 4096),  # 100 tensors: also the first-step model
+    "12M": lambda: transformer_shapes(320, 8, 8192),  # the every-optimizer comparison
     "100M": lambda: transformer_shapes(768, 12, 16384),
     "small500": small_shapes,
     # the 100M model's 148 tensors at 64 elements each: the step is its per-tensor host work
@@ -364,6 +366,91 @@ def _step(c: Contender, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
+# ---- every stock optimizer against its stock twin ------------------------------------------------------
+# hyperparameters beyond lr: SGD with momentum (plain SGD has no state to quantize)
+OPTIMIZERS = {"Adam": {}, "AdamW": {"weight_decay": WEIGHT_DECAY}, "SGD": {"momentum": 0.9}, "Adagrad": {},
+              "Adamax": {}, "NAdam": {}, "RAdam": {}, "RMSprop": {}, "Adadelta": {}, "ASGD": {}, "Rprop": {}}
+
+
+def stock_twin(cls: type) -> str:
+    """``"fused"`` where torch has a fused CPU implementation of ``cls``, else ``"foreach"``."""
+    p = torch.nn.Parameter(torch.zeros(8))
+    p.grad = torch.ones(8)
+    try:
+        cls([p], lr=LR, fused=True).step()
+    except (RuntimeError, ValueError, TypeError):
+        return "foreach"
+    return "fused"
+
+
+def kernel_backends(opt: torch.optim.Optimizer) -> set[str]:
+    """The backends that stepped each parameter of a wrapped optimizer (``"cpu"``: the fused C++ kernel)."""
+    return {prepared.compiled.kernel.backend for prepared in opt._lowbit.prepared.values()}
+
+
+def run_optimizers(size: str, names: list[str], threads: int, rounds: int, formats: tuple[str, ...],
+                   log: Callable[[str], None]) -> dict:
+    """Each optimizer's step: its stock twin and ours in ``formats``, interleaved in rounds on one set of
+    params; raises if a parameter of ours ran anywhere but the fused CPU kernel."""
+    from lowbit_compile import lowbit_compile
+
+    shapes = PARAM_SETS[size]()
+    params = make_params(shapes, torch.float32)
+    n = sum(p.numel() for p in params)
+    log(f"every optimizer, {size} ({n / 1e6:.1f}M fp32 params in {len(shapes)} tensors), {threads} thread(s)")
+    rows = []
+    with torch_threads(threads):
+        for name in names:
+            cls, kwargs = getattr(torch.optim, name), OPTIMIZERS[name]
+            impl = stock_twin(cls)
+            built = [(f"torch {impl}", cls(params, lr=LR, **kwargs, **{impl: True}))]
+            built += [(f"lowbit {fmt}", lowbit_compile(cls(params, lr=LR, **kwargs), fmt)) for fmt in formats]
+            for _, opt in built:
+                opt.step()
+                opt.step()
+            for label, opt in built[1:]:
+                backends = kernel_backends(opt)
+                if backends != {"cpu"}:
+                    raise RuntimeError(f"{name} {label} ran on {sorted(backends)}, not only the fused CPU kernel")
+            times: dict[str, list[float]] = {label: [] for label, _ in built}
+            for r in range(rounds):
+                for label, opt in built[r % len(built):] + built[:r % len(built)]:
+                    start = time.perf_counter()
+                    opt.step()
+                    times[label].append(time.perf_counter() - start)
+            med = {label: statistics.median(t) * 1e3 for label, t in times.items()}
+            twin = med[f"torch {impl}"]
+            row = {"optimizer": name, "kwargs": dict(kwargs), "twin": impl, "twin_ms": twin,
+                   "formats": {fmt: {"ms": med[f"lowbit {fmt}"], "x_twin": med[f"lowbit {fmt}"] / twin,
+                                     "state_bytes_per_param": state_bytes(o) / n, "backends": ["cpu"]}
+                               for fmt, (_, o) in zip(formats, built[1:])},
+                   "twin_state_bytes_per_param": state_bytes(built[0][1]) / n,
+                   "step_ms_all": {label: [x * 1e3 for x in t] for label, t in times.items()}}
+            rows.append(row)
+            log(f"  {name}: torch {impl} {twin:.1f} ms; " + ", ".join(
+                f"{fmt} {f['ms']:.1f} ms ({f['x_twin']:.2f}x)" for fmt, f in row["formats"].items()))
+            del built
+    return {"size": size, "params": n, "tensors": len(shapes), "threads": threads, "rounds": rounds,
+            "formats": list(formats), "rows": rows}
+
+
+def optimizers_markdown(result: dict) -> str:
+    s = result["optimizers"]
+    meta = result["machine"]
+    fmts = s["formats"]
+    lines = [f"# Every stock optimizer: our CPU kernel against its stock twin ({s['size']}: {s['params'] / 1e6:.1f}M "
+             f"fp32 params in {s['tensors']} tensors, {s['threads']} thread(s))", "",
+             f"{meta['cpu']}, {meta['cores']} cores, torch {meta['torch']}; {result['date']}; load averages "
+             f"{meta['load_start']} -> {meta.get('load_end')}. Medians of {s['rounds']} interleaved rounds; every "
+             "parameter of ours ran in the fused CPU kernel (checked).", "",
+             "| optimizer | stock twin | twin ms | " + " | ".join(f"ours {f} ms | x twin" for f in fmts) + " |",
+             "|---|---|---:|" + "---:|---:|" * len(fmts)]
+    for r in s["rows"]:
+        lines.append(f"| {r['optimizer']} | {r['twin']} | {r['twin_ms']:.1f} | " + " | ".join(
+            f"{r['formats'][f]['ms']:.1f} | {r['formats'][f]['x_twin']:.2f}" for f in fmts) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # ---- first step and peak memory, in a fresh process ---------------------------------------------------
 def child(args: argparse.Namespace) -> None:
     """One contender in this fresh process: time its first step, then the peak extra resident memory
@@ -455,6 +542,9 @@ def main() -> None:
     parser.add_argument("--no-first-step", action="store_true", help="skip the fresh-process measurements")
     parser.add_argument("--master", action="store_true",
                         help="bf16 params (25M, 1 and 2 threads): master weights against fused fp32 and bf16 AdamW")
+    parser.add_argument("--optimizers", default="AdamW",
+                        help="AdamW (the default: the full AdamW comparison), or 'all' or a comma list of "
+                             f"{','.join(OPTIMIZERS)}: each against its stock fused/foreach twin")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -464,6 +554,9 @@ def main() -> None:
         child(args)
         return
 
+    if args.optimizers != "AdamW":
+        optimizers_main(args)
+        return
     quick = args.quick
     if args.master:
         return master_main(args)
@@ -544,6 +637,29 @@ def _logger(path: Path) -> Callable[[str], None]:
             f.write(msg + "\n")
 
     return log
+
+
+def optimizers_main(args: argparse.Namespace) -> None:
+    names = list(OPTIMIZERS) if args.optimizers == "all" else args.optimizers.split(",")
+    unknown = [n for n in names if n not in OPTIMIZERS]
+    if unknown:
+        raise SystemExit(f"--optimizers: unknown {unknown}; pick from {','.join(OPTIMIZERS)} or 'all'")
+    from lowbit_compile.config import DEFAULT_FMT
+
+    formats = tuple((args.formats or f"{DEFAULT_FMT},int8").split(","))
+    size = (args.sizes or "12M").split(",")[0]
+    threads = int((args.threads or "1").split(",")[0])
+    RESULTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    result = {"mode": "optimizers", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
+        "cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "load_start": load_average()}}
+    result["optimizers"] = run_optimizers(size, names, threads, args.rounds or 7, formats, print)
+    result["machine"]["load_end"] = load_average()
+    base = RESULTS / f"step_bench_optimizers_{stamp}"
+    base.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    text = optimizers_markdown(result)
+    base.with_suffix(".md").write_text(text)
+    print(text)
 
 
 def _write(result: dict, stamp: str, partial: bool) -> None:

@@ -23,6 +23,7 @@ from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
 from .kernels.residual import KEYS as MASTER_KEYS
 from .kernels.residual import MasterFormat
 from .passes.master_weights import master_weights
+from .passes.opmath import LOW_PRECISION, compute_in_fp32
 from .passes.quantize_states import quantize_states
 from .passes.roles import label_roles
 from .passes.signs import NonnegProof, prove_nonneg
@@ -63,9 +64,10 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     dtype = torch.float32 if master is not None else param.dtype
     state = {k: v for k, v in state.items() if k not in MASTER_KEYS}
     example = trace_example(example_state(state, schema, param.device))
+    opmath = fp32_opmath(group, dtype, formats)  # a master's step is traced in fp32 already
     key = (trace_key(opt, tgroup, slots, dtype, param.device, example, schema.per_element),
            tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
-           master.tag() if master is not None else None)
+           master.tag() if master is not None else None, opmath)
     values = [s.get(tgroup) for s in slots]
     with TRACE_LOCK:
         candidates = _compiled.setdefault(key, [])
@@ -73,10 +75,18 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
             if compiled.guard(values):
                 return compiled
         builder = _Builder(skeleton(opt), tgroup, slots, dtype, param.device, example, schema, formats,
-                           config.backend, master)
+                           config.backend, master, opmath)
         compiled = builder.compile(values)
         candidates.append(compiled)
         return compiled
+
+
+def fp32_opmath(group: dict, dtype: torch.dtype, formats: dict[str, StateFormat]) -> bool:
+    """Whether a bf16/fp16 param's update computes in fp32 and rounds once per store (as torch's
+    fused optimizers do): with any quantized state, or for a group that asks for ``fused=True``;
+    otherwise the step stays the single-tensor one, bit for bit."""
+    quantized = any(not f.passthrough for f in formats.values())
+    return dtype in LOW_PRECISION and (quantized or bool(group.get("fused")))
 
 
 @dataclass
@@ -94,6 +104,7 @@ class _Builder:
     formats: dict[str, StateFormat]
     backend: str
     master: MasterFormat | None = None
+    opmath: bool = False
 
     def compile(self, values: list) -> CompiledStep:
         trace = traced(self.opt, self.tgroup, self.dtype, self.device, self.example, self.schema.per_element)
@@ -126,6 +137,8 @@ class _Builder:
                         f"states fp32 (fmt={{..., {', '.join(f'{k!r}: {chr(39)}fp32{chr(39)}' for k in states)}}})",
                         stacklevel=2)
         rewritten = quantize_states(roles, self.formats)
+        if self.opmath:
+            rewritten = compute_in_fp32(rewritten)
         if self.master is not None:
             rewritten = master_weights(rewritten, self.master)
         graph = split_prologue(rewritten)

@@ -233,6 +233,13 @@ def _step_shape_env() -> type:
             self.branch_guards: set[int] = set()  # indices into self.guards that a branch node checks
             self._checked: set[sympy.Basic] = set()
 
+        def _get_stack_summary(self, is_debug: bool = False, framework_loc: str | None = None):
+            """No source locations for symbols and guards: they only label dynamo's logs, and finding one
+            imports torch.export (and networkx), seconds of a fresh process's first step."""
+            from torch.fx.experimental.symbolic_shapes import SLoc
+
+            return SLoc(framework_loc, None), ""
+
         def evaluate_sym_node(self, sym_node, size_oblivious=False, fallback_value=None):
             before, expr = len(self.guards), sym_node.expr  # (the decision may simplify the expression)
             result = super().evaluate_sym_node(sym_node, size_oblivious, fallback_value)

@@ -173,8 +173,10 @@ BF16_SIZES = [1024, 64, 96, 32]
 
 @pytest.mark.parametrize(("fmt", "cls", "kwargs"), BF16_CASES)
 def test_bf16_params_match_reference_bit_for_bit(fmt, cls, kwargs):
-    """bf16 params and states: every op rounds to bf16 as aten's does, sqrt and division of bf16
-    values are correctly rounded in both, so params and states are identical."""
+    """bf16 params: with fp32 states every op rounds to bf16 as aten's does; with low-bit states both
+    compute in fp32 and round once per store (passes/opmath.py), where the kernel's sqrt and reciprocal
+    multiply are within one fp32 rounding of torch's, which moves a bf16 result only within ~2**-16 of
+    a rounding boundary (no element here). Params and states are identical."""
     ref, ours = _twins(fmt, cls, kwargs, torch.bfloat16, BF16_SIZES)
     _assert_same_states(ref, ours)
     for a, b in zip(ref[0], ours[0]):
