@@ -307,8 +307,9 @@ LB_INLINE vf lb_decode_dynamic8(vi u) {
   return lb_bits_f(U ? bits : bits | (s & (int32_t)0x80000000));
 }
 // Encode to nearest (formats.encode: an exact tie to the larger magnitude): the level is the count
-// of level bounds <= |y|; p = floor(|y| * recip + bias) is the bucket or the one below it, and one
-// exact compare with the next bucket's lower edge settles it. NaN becomes 255.
+// of level bounds <= |y|; p = floor(|y| * recip + bias) is the bucket or the one below it (0 below
+// level 0's bound, which is where zero ends), and one exact compare with the next bucket's lower
+// edge settles it. NaN becomes 255.
 template <bool U>
 LB_INLINE vi lb_encode_dynamic8(vf y) {
   using T = lb_dyn<U>;
@@ -318,14 +319,13 @@ LB_INLINE vi lb_encode_dynamic8(vf y) {
   vf p = lb_floor(lb_fma(a, lb_perm8(T::recip, slot), lb_perm8(T::bias, slot)));
   const vi up = (vi)(a >= lb_fma(p, lb_perm8(T::spacing, slot), lb_perm8(T::step, slot)));
   p += lb_bits_f(up & lb_bits_i(lb_splat(1.0f)));
-  const vf first = lb_perm8(T::first, slot), last = lb_perm8(T::last, slot);
-  p = p < first ? first : p;
+  const vf last = lb_perm8(T::last, slot);
   p = p > last ? last : p;
   vi code;
   if (U) {
-    code = __builtin_convertvector(p, vi) & (y > 0);  // a positive value never becomes 0
+    p = p < lb_splat(1.0f) ? lb_splat(1.0f) : p;  // a positive value never becomes 0
+    code = __builtin_convertvector(p, vi) & (y > 0);
   } else {
-    p = lb_bits_f(lb_bits_i(p) & (a >= lb_splat(T::lower[0])));
     code = __builtin_convertvector(lb_bits_f(lb_bits_i(p) | (lb_bits_i(y) & (int32_t)0x80000000)), vi) + 127;
   }
   return y != y ? lb_splat_i(255) : code;

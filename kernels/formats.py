@@ -149,28 +149,31 @@ DYNAMIC_MAP_VERSION = 2
 def dynamic_levels(nonneg: bool) -> tuple[DynamicLevel, ...]:
     """The levels of the dynamic map (after Dettmers et al. 2022, "8-bit Optimizers via Block-wise
     Quantization", Sec. 2.2: a decimal exponent and a linear fraction whose resolution grows with
-    it, so small magnitudes keep relative precision). Level L covers the decade up to
+    it, so small magnitudes keep relative precision). Level L covers about the decade up to
     ``10**(L - levels + 1)`` with ``2**L`` values; signed: 7 levels (1e-6 .. 1, 127 magnitudes a
-    sign), unsigned: 8 (1e-7 .. 1, 255 magnitudes).
+    sign), unsigned: 8 (1e-7 .. 1, 255 magnitudes). The top value is 1.
 
-    Every spacing has 12 significant bits and every offset is a multiple of its spacing's last
-    bit, so each value, each midpoint between neighbours and ``spacing * p + offset`` itself are
-    exact in fp32 (with or without fma): kernels decode and encode by arithmetic, bit for bit.
+    Built from the top down: each level's values are ``top_below + spacing * (j + 1)``, where
+    ``top_below`` is the level below's top value (level 0 holds one value, above zero). Every
+    spacing has 12 significant bits and every value is a multiple of its level's spacing's last bit,
+    so values, midpoints and ``spacing * p + offset`` are exact in fp32 (with or without fma), and
+    a level's lower bound (the midpoint to the level below) is exactly its first bucket's lower
+    edge: kernels decode and encode by arithmetic, bit for bit.
     """
     n = 8 if nonneg else 7
     levels: list[DynamicLevel] = []
-    below = 0.0  # the top value of the level below (zero under level 0)
-    for i in range(n):
-        top, count = 10.0 ** (i - n + 1), 2**i
+    top = 1.0
+    for i in reversed(range(1, n)):
+        count = 2**i
         unit = 2.0 ** (math.frexp(0.9 * top / count)[1] - 12)
         spacing = round(0.9 * top / count / unit) * unit
-        offset = round(top / unit) * unit - spacing * (2 * count - 1)
-        first = spacing * count + offset
-        levels.append(DynamicLevel(count, spacing, offset, (below + first) / 2))
-        below = spacing * (2 * count - 1) + offset
+        below = top - spacing * count
+        levels.append(DynamicLevel(count, spacing, below - spacing * (count - 1), below + spacing / 2))
+        top = below
+    levels.append(DynamicLevel(1, top, 0.0, top / 2))
     for level in levels:
         assert all(float(torch.tensor(v, dtype=torch.float32)) == v for v in (level.spacing, level.offset, level.lower))
-    return tuple(levels)
+    return tuple(reversed(levels))
 
 
 def _magnitudes(nonneg: bool) -> list[float]:
@@ -202,8 +205,8 @@ def dynamic_thresholds(nonneg: bool) -> torch.Tensor:
 # Per level, in this order, what the kernels read (formats.dynamic_level_table): the lower bound,
 # an estimate of the code magnitude (p ~ |x| * recip + bias, never above the true bucket and at
 # most one below), the decode spacing and offset, the lower edge of bucket p + 1 as
-# ``spacing * p + step``, the level's first and last code magnitudes, and the code of zero.
-DYNAMIC_LEVEL_FIELDS = ("lower", "recip", "bias", "spacing", "offset", "step", "first", "last", "zero")
+# ``spacing * p + step``, the level's last code magnitude, and the code of zero.
+DYNAMIC_LEVEL_FIELDS = ("lower", "recip", "bias", "spacing", "offset", "step", "last", "zero")
 
 
 @functools.cache
@@ -217,9 +220,9 @@ def dynamic_level_table(nonneg: bool) -> torch.Tensor:
         recip = (1.0 / lv.spacing) * (1.0 - 2.0**-16)
         low_edge = lv.spacing * (lv.first - 0.5) + lv.offset
         rows.append([lv.lower, recip, lv.first - low_edge * recip, lv.spacing, lv.offset, lv.offset + lv.spacing / 2,
-                     lv.first, 2 * lv.first - 1, 0 if nonneg else 127])
+                     2 * lv.first - 1, 0 if nonneg else 127])
     if not nonneg:
-        rows.append([math.nan, 0.0, 0.0, 0.0, 1.0, 0.0, 128, 128, 127])
+        rows.append([math.nan, 0.0, 0.0, 0.0, 1.0, 0.0, 128, 127])
     return torch.tensor(rows, dtype=torch.float32).T.contiguous()
 
 

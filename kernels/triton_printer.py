@@ -49,7 +49,7 @@ class KernelParam:
     """One runtime argument of an emitted kernel, in order.
 
     ``kind`` is ``"input"`` (the body input at ``index``: a pointer when ``tensor``, else a number)
-    or ``"table"`` (the launcher supplies ``formats.dynamic_map`` / ``dynamic_midpoints``).
+    or ``"table"`` (the launcher supplies ``formats.dynamic_level_table``).
     ``dtype`` is what a pointer points to (None for a number).
     """
 
@@ -245,7 +245,7 @@ class TritonPrinter:
 
     def dequantize(self, state: StateAccess) -> Value:
         fmt = state.fmt
-        table = self._table("map", fmt) if fmt.name == "dynamic8" else "None"
+        table = self._table("levels", fmt) if fmt.name == "dynamic8" else "None"
         name = self._ident(state.node.name)
         self.lines.append(f"# {fmt.tag()}")
         self.lines += _call_lines(f"{name} = lb.dequantize", self._state_args(state) + [
@@ -256,7 +256,7 @@ class TritonPrinter:
     def quantize(self, state: StateAccess, value: Value) -> None:
         fmt = state.fmt
         self.written.update(state.parts)
-        table = self._table("bounds", fmt) if fmt.name == "dynamic8" else "None"
+        table = self._table("levels", fmt) if fmt.name == "dynamic8" else "None"
         inv_qmax = _fp32_reciprocal(fmt.qmax) if self.target.cuda else 0.0
         self.lines.append(f"# {fmt.tag()}")
         self.lines += _call_lines("lb.quantize", [value.text] + self._state_args(state) + [

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, dynamic_midpoints
+from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, dynamic_thresholds
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 # conftest.py sets TRITON_INTERPRET=1 before triton is imported; without it CPU tensors cannot run
@@ -54,7 +54,7 @@ def _ties(fmt: StateFormat) -> torch.Tensor:
     if fmt.name == "int8":
         return torch.arange(0, 60, dtype=torch.float64) + 0.5
     if fmt.name == "dynamic8":
-        return dynamic_midpoints(fmt.nonneg).double()[::4]
+        return dynamic_thresholds(fmt.nonneg).double()[::4]
     if fmt.name.startswith("fp8"):
         m = 3 if fmt.name == "fp8_e4m3" else 2
         e = torch.arange(-8, 8, dtype=torch.float64)
@@ -73,7 +73,7 @@ FORMATS = [(name, nonneg) for name in FORMAT_NAMES if name != "fp32" for nonneg 
 def test_quantize_and_dequantize_kernels_match_reference_bit_for_bit(name, nonneg, dtype):
     fmt = StateFormat.make(name, BLOCK, 2, nonneg)
     x = corner_values(fmt, dtype)
-    exact = torch.tensor(fmt.qmax).to(dtype).item() == fmt.qmax  # signed dynamic8's 0.99297 is no bf16
+    exact = torch.tensor(fmt.qmax).to(dtype).item() == fmt.qmax  # a qmax that is no bf16 (none now)
     if fmt.blockwise and exact:  # the tie block really is at inverse scale 1
         assert blockquant.quantize(x[3 * BLOCK: 4 * BLOCK], fmt).scales.item() * fmt.qmax == fmt.qmax
     ref = blockquant.quantize(x, fmt)
