@@ -157,8 +157,9 @@ def main() -> None:
             lib.run(CONTENDERS[name][0], *ptrs, ctypes.c_int64(args.n), args.reps)
             times[name].append((time.perf_counter() - t0) / (args.n * args.reps) * 1e9)
     rows = {name: (min(t), statistics.median(t)) for name, t in times.items()}
-    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-             f"load {os.getloadavg()}; command: bench/encode_bench.py --n {args.n} --reps {args.reps} --rounds {args.rounds}",
+    command = f"bench/encode_bench.py --n {args.n} --reps {args.reps} --rounds {args.rounds}"
+    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, {platform.machine()}, "
+             f"load averages {os.getloadavg()}; command: {command}",
              "", "| encode + decode | ns/elem min | ns/elem median | min / int8 of its sign |", "|---|---:|---:|---:|"]
     for name, (lo, med) in rows.items():
         ref = rows["int8 unsigned" if "unsigned" in name else "int8 signed"][0]

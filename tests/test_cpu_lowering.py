@@ -13,6 +13,8 @@ from lowbit_compile.kernels import cpp_printer, cpu, cpu_build
 from lowbit_compile.kernels.backends import resolve
 from lowbit_compile.kernels.formats import StateFormat, decode, encode
 
+from .test_formats import dynamic8_probes
+
 FORMATS = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32"]
 BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"]
 
@@ -81,6 +83,21 @@ def test_prelude_formats_match_torch_code_for_code(lanes):
             lib.convert(index, int(nonneg), 1, ctypes.c_void_p(got.data_ptr()), ctypes.c_void_p(x.data_ptr()),
                         ctypes.c_int64(len(x)))
             assert torch.equal(got, encode(x, fmt).view(torch.uint8)), (name, nonneg)
+
+
+@pytest.mark.parametrize("lanes", [None, 16], ids=["native", "16-lanes"])
+def test_prelude_dynamic8_encode_matches_reference_near_every_threshold(lanes):
+    """The arithmetic encode (level, estimate, one exact compare) against formats.encode on every
+    fp32 within 64 ulps of each threshold and map value, log-uniform magnitudes, both signs."""
+    lib = _harness(lanes)
+    for nonneg in (False, True):
+        fmt = StateFormat("dynamic8", 2048, 2, nonneg)
+        x = dynamic8_probes(nonneg, seed=1)
+        x = torch.nn.functional.pad(x, (0, -len(x) % 16)).contiguous()
+        got = torch.empty(len(x), dtype=torch.uint8)
+        lib.convert(1, int(nonneg), 1, ctypes.c_void_p(got.data_ptr()), ctypes.c_void_p(x.data_ptr()),
+                    ctypes.c_int64(len(x)))
+        assert torch.equal(got, encode(x, fmt)), nonneg
 
 
 def _twins(fmt, cls, kwargs, dtype, sizes, steps=3, block_size=64, outliers=2, threads=None):

@@ -11,6 +11,8 @@ import torch
 from lowbit_compile.kernels import blockquant
 from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, dynamic_thresholds
 
+from .test_formats import dynamic8_probes
+
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 # conftest.py sets TRITON_INTERPRET=1 before triton is imported; without it CPU tensors cannot run
 assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -84,6 +86,23 @@ def test_quantize_and_dequantize_kernels_match_reference_bit_for_bit(name, nonne
     for out_dtype in (torch.float32, dtype):
         expected = blockquant.dequantize(ref, fmt, out_dtype)
         assert torch.equal(bits(triton_backend.dequantize(ref, fmt, out_dtype)), bits(expected))
+
+
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_dynamic8_kernel_encode_matches_reference_near_every_threshold(nonneg):
+    """The Triton arithmetic encode on every fp32 within 64 ulps of each threshold and map value:
+    blocks of 255 such values and a 1 (absmax 1, so the kernel encodes the values themselves)."""
+    fmt = StateFormat.make("dynamic8", 256, 0, nonneg)
+    x = dynamic8_probes(nonneg, seed=2)
+    x = x[torch.isfinite(x) & (x.abs() <= 1)]
+    x = torch.nn.functional.pad(x, (0, -len(x) % 255)).view(-1, 255)
+    x = torch.cat([torch.ones(len(x), 1), x], dim=1).reshape(-1)
+    ref = blockquant.quantize(x, fmt)
+    assert torch.all(ref.scales == 1.0)
+    ours = blockquant.empty(len(x), fmt)
+    triton_backend.quantize_into(x, ours, fmt)
+    assert torch.equal(ours.codes, ref.codes)
+    assert torch.equal(triton_backend.dequantize(ref, fmt), blockquant.dequantize(ref, fmt))
 
 
 @pytest.mark.parametrize("outliers", [0, 3])
