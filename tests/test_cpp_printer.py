@@ -378,3 +378,28 @@ template <> struct lb_dyn<true> {
   static constexpr float step[8] = {(float)-0x1.0be0000000000p-23, (float)-0x1.35e0000000000p-18, (float)-0x1.088a000000000p-14, (float)-0x1.7709000000000p-11, (float)-0x1.f152000000000p-8, (float)-0x1.3f5a000000000p-4, (float)-0x1.9419c00000000p-1, (float)0x1.ad00000000000p-25};
   static constexpr float last[8] = {(float)0x1.8000000000000p+1, (float)0x1.c000000000000p+2, (float)0x1.e000000000000p+3, (float)0x1.f000000000000p+4, (float)0x1.f800000000000p+5, (float)0x1.fc00000000000p+6, (float)0x1.fe00000000000p+7, (float)0x1.0000000000000p+0};
 };""")
+
+
+def test_dynamic8_level_tables_are_generated_from_formats(monkeypatch):
+    """lb_dyn<U> holds formats.dynamic_level_table field by field (``lower`` by level, the rest at
+    permute slot (127 + L) & 7): a change in formats.py reaches the kernels, no copy to forget."""
+    from lowbit_compile.kernels import cpp_printer
+    from lowbit_compile.kernels.formats import DYNAMIC_LEVEL_FIELDS, dynamic_level_table
+
+    def rendered(text: str, nonneg: bool, name: str) -> list[float]:
+        block = text.split(f"struct lb_dyn<{'true' if nonneg else 'false'}> {{")[1].split("\n};")[0]
+        line = block.split(f"float {name}[8] = {{")[1].split("}")[0]
+        return [float.fromhex(v.removeprefix("(float)")) if v != "NAN" else float("nan") for v in line.split(", ")]
+
+    text = format_constants()
+    for nonneg in (False, True):
+        table = dict(zip(DYNAMIC_LEVEL_FIELDS, dynamic_level_table(nonneg).tolist()))
+        assert f"static constexpr int levels = {8 if nonneg else 7};" in text
+        assert rendered(text, nonneg, "lower")[:7] == table["lower"][:7]
+        for name in DYNAMIC_LEVEL_FIELDS[1:-1]:
+            assert rendered(text, nonneg, name) == [table[name][(slot - 127) % 8] for slot in range(8)], name
+    changed = dynamic_level_table(False).clone()
+    changed[3, 2] = 0.5  # level 2's spacing
+    monkeypatch.setattr(cpp_printer, "dynamic_level_table", lambda nonneg: changed if not nonneg else
+                        dynamic_level_table(True))
+    assert rendered(format_constants(), False, "spacing")[(127 + 2) % 8] == 0.5
