@@ -130,7 +130,7 @@ class StateFormat:
 @dataclass(frozen=True)
 class DynamicLevel:
     """One level of the dynamic map: code magnitudes ``p`` in ``[first, 2 * first)`` (``first = 2**L``)
-    decode to ``spacing * p + offset``, equally spaced up to the level's top value, a power of ten.
+    decode to ``spacing * p + offset``, equally spaced up to the level's top value (about a power of ten).
     Magnitudes from ``lower`` (the midpoint to the level below; for level 0 the midpoint to zero) up
     to the next level's ``lower`` encode into it."""
 
