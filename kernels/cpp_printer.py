@@ -26,7 +26,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .contract import PARTS, MasterAccess, Part, Role, StateAccess, input_of, master_access, state_access
-from .formats import FORMAT_IDS, FORMAT_NAMES, StateFormat, dynamic_map, dynamic_midpoints, special_codes
+from .formats import DYNAMIC_LEVEL_FIELDS, FORMAT_IDS, FORMAT_NAMES, StateFormat, dynamic_level_table, special_codes
 from .lowering import LoweringError, Target, lower_body
 from .primitives import Kind, Value
 
@@ -71,7 +71,23 @@ def format_constants() -> str:
                 fields += f" static constexpr int mantissa = {fmt.mantissa_bits}, min_exponent = {fmt.min_exponent};"
             sign = "true" if nonneg else "false"
             lines.append(f"template <> struct lb_format<{_ENUM[name]}, {sign}> {{ {fields} }};")
-    return "\n".join(lines)
+    return "\n".join(lines + _dynamic_levels())
+
+
+def _dynamic_levels() -> list[str]:
+    """``lb_dyn<U>``: the dynamic map's levels (``formats.dynamic_level_table``); ``lower`` by level,
+    the other fields by permute slot, level L at ``(127 + L) & 7`` (the low bits of the fp32
+    exponent of a code magnitude of level L)."""
+    lines = ["template <bool U> struct lb_dyn {};  // formats.dynamic_level_table"]
+    for nonneg in (False, True):
+        table = dict(zip(DYNAMIC_LEVEL_FIELDS, dynamic_level_table(nonneg).tolist()))
+        fields = [f"static constexpr int levels = {8 if nonneg else 7};"]
+        for name in DYNAMIC_LEVEL_FIELDS[:-1]:
+            values = table[name] if name == "lower" else [table[name][(slot + 1) % 8] for slot in range(8)]
+            fields.append(f"static constexpr float {name}[8] = {{{', '.join(map(_cfloat, values))}}};")
+        body = "\n  ".join(fields)
+        lines.append(f"template <> struct lb_dyn<{'true' if nonneg else 'false'}> {{\n  {body}\n}};")
+    return lines
 
 
 PRELUDE = (Path(__file__).parent / "cpu_prelude.h").read_text().replace("// @formats@", format_constants())
@@ -456,11 +472,6 @@ class CppPrinter:
     def _render(self, passes: list[list[str]]) -> str:
         blockwise = [s for s in self.states.values() if s.fmt.blockwise]
         out: list[str] = []
-        for nonneg in sorted({s.fmt.nonneg for s in blockwise if s.fmt.name == "dynamic8"}):
-            sign = "u" if nonneg else "s"
-            self._table(out, f"lb_dyn_map_{sign}", dynamic_map(nonneg).tolist())
-            self._table(out, f"lb_dyn_mids_{sign}", dynamic_midpoints(nonneg).tolist())
-            out.append(f"static const lb_dyn_keys lb_dyn_keys_{sign} = lb_dyn_build(lb_dyn_mids_{sign});")
         row = len(self.pointers) + 1
         out += [
             f"static const int64_t LB_BLOCK = {self.block};",
@@ -530,14 +541,9 @@ class CppPrinter:
 
     @staticmethod
     def _map(s: _State, which: str) -> str:
-        if s.fmt.name != "dynamic8":
-            return "nullptr"
-        return f"lb_dyn_{which}_{'u' if s.fmt.nonneg else 's'}" + (".e" if which == "keys" else "")
-
-    @staticmethod
-    def _table(out: list[str], name: str, values: list[float]) -> None:
-        body = ", ".join(f"{float(v).hex()}f" for v in values)
-        out.append(f"static const float {name}[{len(values)}] = {{{body}}};")
+        """The table argument of lb_decode / lb_quantize_block: no format reads one any more (the
+        dynamic map is arithmetic); the parameter goes with the next edit of the block code."""
+        return "nullptr"
 
 
 _ENTRY_FN = """
@@ -546,7 +552,6 @@ _ENTRY_FN = """
 extern "C" int lowbit_step(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {
   float s[LB_N_SCALARS > 0 ? LB_N_SCALARS : 1];
   for (int k = 0; k < LB_N_SCALARS; ++k) s[k] = (float)scalars[k];
-  if (lb_dyn_bad) return 3;
   int64_t* first = (int64_t*)malloc((n_tensors + 1) * sizeof(int64_t));
   if (!first) return 1;
   first[0] = 0;

@@ -153,10 +153,6 @@ class CpuLaunch:
             scalars_addr = scalars.buffer_info()[0] if scalars else None
             status = step.kernel(len(members), table.buffer_info()[0], scalars_addr, torch.get_num_threads())
             step.launches += 1
-            if status == 3:
-                raise RuntimeError("lowbit-compile CPU kernel: the dynamic8 map of kernels/formats.py is finer "
-                                   "than the kernel's encode buckets (cpu_prelude.h, lb_dyn_build); use "
-                                   "backend='reference'")
             if status:
                 raise MemoryError("lowbit-compile CPU kernel could not allocate its block buffers")
         if step.scalar_states:

@@ -55,6 +55,11 @@ LB_INLINE vf lb_rint(vf a) {  // round half to even (the default rounding mode),
   for (int l = 0; l < LB_W; ++l) r[l] = __builtin_rintf(a[l]);
   return r;
 }
+LB_INLINE vf lb_floor(vf a) {
+  vf r;
+  for (int l = 0; l < LB_W; ++l) r[l] = __builtin_floorf(a[l]);
+  return r;
+}
 LB_INLINE vf lb_nan() { return lb_bits_f(lb_splat_i(0x7FC00000)); }
 LB_INLINE vf lb_maximum(vf a, vf b) {  // torch.maximum: NaN if either is NaN
   vf m = a > b ? a : b;
@@ -100,7 +105,10 @@ LB_INLINE void lb_st_u8(uint8_t* p, vi x) { _mm_storeu_si128((__m128i*)p, _mm512
 LB_INLINE vi lb_ld_u16(const uint16_t* p) { return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
 LB_INLINE void lb_st_u16(uint16_t* p, vi x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)x)); }
 LB_INLINE int lb_any(vi m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }  // any lane set
-LB_INLINE vf lb_gather(const float* base, vi idx) { return (vf)_mm512_i32gather_ps((__m512i)idx, base, 4); }
+LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t: 8 constants)
+  const __m512 lo = _mm512_castps256_ps512(_mm256_loadu_ps(t));
+  return (vf)_mm512_permutexvar_ps((__m512i)idx, _mm512_shuffle_f32x4(lo, lo, 0x44));  // t twice
+}
 LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {
   lb_st_u8(p, a);
   lb_st_u8(p + LB_W, b);
@@ -122,7 +130,9 @@ LB_INLINE void lb_st_u16(uint16_t* p, vi x) {  // lanes hold 0..65535
   _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(t));
 }
 LB_INLINE int lb_any(vi m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
-LB_INLINE vf lb_gather(const float* base, vi idx) { return (vf)_mm256_i32gather_ps(base, (__m256i)idx, 4); }
+LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t: 8 constants)
+  return (vf)_mm256_permutevar8x32_ps(_mm256_loadu_ps(t), (__m256i)idx);
+}
 LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of 0..255: two packs, one store
   __m256i t = _mm256_packus_epi16(_mm256_packus_epi32((__m256i)a, (__m256i)b),
                                   _mm256_packus_epi32((__m256i)c, (__m256i)d));
@@ -153,9 +163,9 @@ LB_INLINE int lb_any(vi m) {
   for (int l = 0; l < LB_W; ++l) any |= m[l];
   return any != 0;
 }
-LB_INLINE vf lb_gather(const float* base, vi idx) {
+LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7]
   vf r;
-  for (int l = 0; l < LB_W; ++l) r[l] = base[idx[l]];
+  for (int l = 0; l < LB_W; ++l) r[l] = t[idx[l] & 7];
   return r;
 }
 LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {
@@ -165,8 +175,6 @@ LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {
   lb_st_u8(p + 3 * LB_W, d);
 }
 #endif
-
-LB_INLINE vi lb_gather_i(const int32_t* base, vi idx) { return lb_bits_i(lb_gather((const float*)base, idx)); }
 
 // bf16 <-> fp32. Rounding is c10's round_to_nearest_even, NaN -> 0x7FC0.
 LB_INLINE vi lb_f32_to_bf16_bits(vf x) {  // in the low 16 bits of each lane
@@ -287,58 +295,42 @@ LB_INLINE vi lb_encode_fp8_rounded(vf y) {
   return (code | (vi)((vu)sign >> 24)) & 0xFF;
 }
 
-// dynamic8: a sorted 256-entry map; encode is bucketize(x, midpoints, right=True), by one table
-// look-up. The sign, exponent and top 7 mantissa bits of x pick a bucket of magnitudes [lo, hi)
-// (those below 2^-30 join the first, those from 2 the last) that holds at most one midpoint (the
-// map's spacing is at least twice a bucket's width; lb_dyn_build checks it and sets lb_dyn_bad,
-// which makes every step fail with status 3 instead of encoding wrongly). A bucket's entry is the
-// count of midpoints <= x at the bucket's start, and the low 16 bits of its midpoint's magnitude,
-// from which one more midpoint (x > 0) or one fewer (x < 0) is <= x.
-static const int LB_DYN_MIN_EXP = -30;
-static const int LB_DYN_KEYS = (1 - LB_DYN_MIN_EXP) * 128;  // exponents 2^-30 .. 2^0, 128 buckets each
-static const int32_t LB_DYN_NONE = 1 << 17;                 // no midpoint in the bucket: never reached
-struct lb_dyn_keys {
-  int32_t e[2 * LB_DYN_KEYS];  // positive x, then negative x; count | threshold << 8
-};
-static int lb_dyn_bad = 0;  // a map finer than the buckets (formats.py changed without this table)
-static lb_dyn_keys lb_dyn_build(const float* mids) {  // the 255 sorted midpoints
-  lb_dyn_keys t;
-  for (int neg = 0; neg < 2; ++neg)
-    for (int k = 0; k < LB_DYN_KEYS; ++k) {
-      const uint32_t lo_bits = (uint32_t)(k + ((127 + LB_DYN_MIN_EXP) << 7)) << 16;
-      const uint32_t hi_bits = lo_bits + (1u << 16);
-      float lo, hi;
-      memcpy(&lo, &lo_bits, 4);
-      memcpy(&hi, &hi_bits, 4);
-      if (k == 0) lo = 0.0f;
-      int32_t count = 0, inside = 0, threshold = LB_DYN_NONE;
-      for (int j = 0; j < 255; ++j) {
-        const float m = mids[j], a = fabsf(m);
-        uint32_t bits;
-        memcpy(&bits, &a, 4);
-        if (!neg) {
-          if (m <= lo) ++count;
-          else if (m < hi) ++inside, threshold = (int32_t)(bits & 0xFFFF);  // x >= m from these low bits
-        } else {
-          if (m <= -lo) ++count;
-          if (m < 0 && a >= lo && a < hi) ++inside, threshold = (int32_t)(bits & 0xFFFF) + 1;  // x < m past them
-        }
-      }
-      if (inside > 1) lb_dyn_bad = 1;
-      t.e[neg * LB_DYN_KEYS + k] = count | threshold << 8;
-    }
-  return t;
+// dynamic8 (formats.dynamic_levels): code magnitude p of level L (p in [2^L, 2^(L+1))) is
+// spacing * p + offset, exact in fp32. L is the exponent of (float)p and lb_dyn<U> keeps each
+// level's fields at slot (127 + L) & 7, read by one in-register permute: no table in memory.
+template <bool U>
+LB_INLINE vf lb_decode_dynamic8(vi u) {
+  const vi s = U ? u : u - 127;  // signed codes: 127 +- p
+  const vi p = s < 0 ? -s : s;
+  const vf pf = __builtin_convertvector(p, vf);
+  const vi slot = lb_bits_i(pf) >> 23;
+  const vf v = lb_fma(pf, lb_perm8(lb_dyn<U>::spacing, slot), lb_perm8(lb_dyn<U>::offset, slot));
+  const vi bits = lb_bits_i(v) & (p != 0);  // p = 0 is zero
+  return lb_bits_f(U ? bits : bits | (s & (int32_t)0x80000000));
 }
-LB_INLINE vf lb_decode_dynamic8(vi u, const float* map) { return lb_gather(map, u); }
-LB_INLINE vi lb_encode_dynamic8(vf y, const int32_t* keys) {
-  const vi bits = lb_bits_i(y), neg = bits < 0, ab = bits & 0x7FFFFFFF;
-  vi key = (ab >> 16) - ((127 + LB_DYN_MIN_EXP) << 7);
-  key = key < 0 ? lb_splat_i(0) : key;
-  key = key > LB_DYN_KEYS - 1 ? lb_splat_i(LB_DYN_KEYS - 1) : key;
-  const vi e = lb_gather_i(keys, key + (neg & LB_DYN_KEYS));
-  const vi past = ((ab & 0xFFFF) >= (e >> 8)) & 1;
-  const vi idx = (e & 0xFF) + ((past ^ neg) - neg);  // + past, or - past where x < 0
-  return y != y ? lb_splat_i(255) : idx;  // NaN: torch.bucketize puts it past every midpoint
+// Encode to nearest (formats.encode: an exact tie to the larger magnitude): the level is the count
+// of level bounds <= |y|; p = floor(|y| * recip + bias) is the bucket or the one below it (0 below
+// level 0's bound, which is where zero ends), and one exact compare with the next bucket's lower
+// edge settles it. NaN becomes 255.
+template <bool U>
+LB_INLINE vi lb_encode_dynamic8(vf y) {
+  using T = lb_dyn<U>;
+  const vf a = U ? y : lb_abs(y);
+  vi slot = lb_splat_i(127);
+  for (int l = 1; l < T::levels; ++l) slot -= (vi)(a >= lb_splat(T::lower[l]));
+  vf p = lb_floor(lb_fma(a, lb_perm8(T::recip, slot), lb_perm8(T::bias, slot)));
+  const vi up = (vi)(a >= lb_fma(p, lb_perm8(T::spacing, slot), lb_perm8(T::step, slot)));
+  p += lb_bits_f(up & lb_bits_i(lb_splat(1.0f)));
+  const vf last = lb_perm8(T::last, slot);
+  p = p > last ? last : p;
+  vi code;
+  if (U) {
+    p = p < lb_splat(1.0f) ? lb_splat(1.0f) : p;  // a positive value never becomes 0
+    code = __builtin_convertvector(p, vi) & (y > 0);
+  } else {
+    code = __builtin_convertvector(lb_bits_f(lb_bits_i(p) | (lb_bits_i(y) & (int32_t)0x80000000)), vi) + 127;
+  }
+  return y != y ? lb_splat_i(255) : code;
 }
 
 // Codes (one byte per lane) -> values relative to the block scale.
@@ -346,7 +338,7 @@ template <int F, bool U>
 LB_INLINE vf lb_decode(vi u, const float* map) {
   if constexpr (F == LB_INT8) return U ? __builtin_convertvector(u, vf) : __builtin_convertvector((u << 24) >> 24, vf);
   else if constexpr (F == LB_E4M3 || F == LB_E5M2) return lb_decode_fp8<lb_format<F, U>::mantissa>(u);
-  else return lb_decode_dynamic8(u, map);
+  else return lb_decode_dynamic8<U>(u);
 }
 
 // Values already multiplied by qmax/absmax -> codes; a positive value of a non-negative state never
@@ -358,9 +350,7 @@ LB_INLINE vi lb_encode(vf y, const int32_t* keys) {
     if (U) q = (y > 0) & (q == 0) ? lb_splat(1.0f) : q;
     return __builtin_convertvector(q, vi) & 0xFF;
   } else if constexpr (F == LB_DYNAMIC8) {
-    vi idx = lb_encode_dynamic8(y, keys);
-    if (U) idx = (y > 0) & (idx == 0) ? lb_splat_i(1) : idx;
-    return idx;
+    return lb_encode_dynamic8<U>(y);
   } else {
     const float qmax = lb_format<F, U>::qmax, min_positive = lb_format<F, U>::min_positive;
     vf c = lb_clamp(y, -qmax, qmax);

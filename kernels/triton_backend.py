@@ -24,7 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from . import blockquant
 from .backends import interpreting
-from .formats import StateFormat, dynamic_map, dynamic_midpoints
+from .formats import StateFormat, dynamic_level_table
 from .kernel import BuildError, RowLaunch
 from .lowering import Target
 from .triton_printer import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
@@ -194,10 +194,9 @@ def _compile(source: str, name: str, key: str) -> Callable:
 
 @functools.cache
 def _table(kind: str, nonneg: bool, device: torch.device) -> torch.Tensor:
-    """A dynamic8 table on ``device``: the 256 map values, or the 255 midpoints padded with +inf."""
-    if kind == "map":
-        return dynamic_map(nonneg).to(device)
-    return torch.cat([dynamic_midpoints(nonneg), torch.tensor([float("inf")])]).to(device)
+    """A dynamic8 table on ``device`` (``kind`` is ``"levels"``, the one table kernels read)."""
+    assert kind == "levels", kind
+    return dynamic_level_table(nonneg).reshape(-1).to(device)
 
 
 _KERNELS: dict[str, TritonKernel] = {}

@@ -148,15 +148,41 @@ def fp8_value(code, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     return (bits | ((u & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
+# Rows of a dynamic8 levels table (formats.DYNAMIC_LEVEL_FIELDS, 8 levels each).
+_LOWER, _RECIP, _BIAS, _SPACING, _OFFSET, _STEP, _LAST, _ZERO = (tl.constexpr(8 * i) for i in range(8))
+
+
 @triton.jit
-def dynamic8_index(y, bounds_ptr):
-    """``torch.bucketize(y, bounds, right=True)`` over the 255 dynamic-map midpoints (padded to 256
-    with +inf): a branchless binary search, 8 table loads per element."""
-    pos = tl.zeros(y.shape, dtype=tl.int32)
-    for level in tl.static_range(8):  # steps of 128, 64, ..., 1
-        probe = tl.load(bounds_ptr + pos + ((128 >> level) - 1))
-        pos = tl.where(probe <= y, pos + (128 >> level), pos)
-    return pos
+def dynamic8_code(y, levels_ptr, NONNEG: tl.constexpr):
+    """``formats.encode`` of dynamic8 by arithmetic over ``formats.dynamic_level_table`` (the CPU
+    kernel's ``lb_encode_dynamic8``): the level is the count of level bounds <= |y|, the estimate
+    ``floor(|y| * recip + bias)`` is the bucket or the one below (0 below level 0's bound, where
+    zero ends), one exact compare settles it."""
+    a = y if NONNEG else tl.abs(y)
+    level = tl.zeros(y.shape, dtype=tl.int32)
+    for i in tl.static_range(1, 8 if NONNEG else 7):
+        level += (a >= tl.load(levels_ptr + _LOWER + i)).to(tl.int32)
+    p = tl.floor(a * tl.load(levels_ptr + _RECIP + level) + tl.load(levels_ptr + _BIAS + level))
+    edge = p * tl.load(levels_ptr + _SPACING + level) + tl.load(levels_ptr + _STEP + level)  # exact
+    p = tl.where(a >= edge, p + 1.0, p)
+    p = tl.minimum(p, tl.load(levels_ptr + _LAST + level))
+    if NONNEG:
+        code = tl.where(y > 0, tl.maximum(p, 1.0), 0.0).to(tl.int32)  # a positive value never becomes 0
+    else:
+        code = 127 + tl.where(y < 0, -p, p).to(tl.int32)
+    return tl.where(y != y, 255, code).to(tl.uint8)
+
+
+@triton.jit
+def dynamic8_value(codes, levels_ptr):
+    """``formats.decode`` of dynamic8 codes (uint8) by arithmetic: code magnitude p of level L (the
+    exponent of p) is ``spacing * p + offset``, exact in fp32; the table's zero code gives the sign."""
+    s = codes.to(tl.int32) - tl.load(levels_ptr + _ZERO).to(tl.int32)
+    p = tl.abs(s).to(tl.float32)
+    level = tl.minimum(tl.maximum((p.to(tl.int32, bitcast=True) >> 23) - 127, 0), 7)
+    v = p * tl.load(levels_ptr + _SPACING + level) + tl.load(levels_ptr + _OFFSET + level)  # exact
+    v = tl.where(s == 0, 0.0, v)
+    return tl.where(s < 0, -v, v)
 
 
 @triton.jit
@@ -172,10 +198,7 @@ def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.cons
         else:
             return tl.minimum(tl.maximum(rne(y), -QMAX), QMAX).to(tl.int8)
     elif FMT == DYNAMIC8:
-        idx = dynamic8_index(y, bounds_ptr)
-        if NONNEG:
-            idx = tl.where((y > 0) & (idx == 0), 1, idx)
-        return idx.to(tl.uint8)
+        return dynamic8_code(y, bounds_ptr, NONNEG)
     elif FMT == BF16_CODES:
         return bf16_code(y, NONNEG).to(tl.bfloat16, bitcast=True)
     else:
@@ -257,7 +280,7 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
     else:
         if FMT == DYNAMIC8:
             codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
-            values = tl.load(map_ptr + codes.to(tl.int32), mask=mask, other=0.0)
+            values = dynamic8_value(codes, map_ptr)
         elif FMT == INT8:
             codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
             values = codes.to(tl.float32)

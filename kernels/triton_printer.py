@@ -50,7 +50,7 @@ class KernelParam:
     """One runtime argument of an emitted kernel, in order.
 
     ``kind`` is ``"input"`` (the body input at ``index``: a pointer when ``tensor``, else a number)
-    or ``"table"`` (the launcher supplies ``formats.dynamic_map`` / ``dynamic_midpoints``).
+    or ``"table"`` (the launcher supplies ``formats.dynamic_level_table``).
     ``dtype`` is what a pointer points to (None for a number).
     """
 
@@ -246,7 +246,7 @@ class TritonPrinter:
 
     def dequantize(self, state: StateAccess) -> Value:
         fmt = state.fmt
-        table = self._table("map", fmt) if fmt.name == "dynamic8" else "None"
+        table = self._table("levels", fmt) if fmt.name == "dynamic8" else "None"
         name = self._ident(state.node.name)
         self.lines.append(f"# {fmt.tag()}")
         self.lines += _call_lines(f"{name} = lb.dequantize", self._state_args(state) + [
@@ -257,7 +257,7 @@ class TritonPrinter:
     def quantize(self, state: StateAccess, value: Value) -> None:
         fmt = state.fmt
         self.written.update(state.parts)
-        table = self._table("bounds", fmt) if fmt.name == "dynamic8" else "None"
+        table = self._table("levels", fmt) if fmt.name == "dynamic8" else "None"
         def inv(divisor: float) -> float:
             return _fp32_reciprocal(divisor) if self.target.cuda else 0.0
 

@@ -47,7 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import sharding
 from .kernels import blockquant
-from .kernels.formats import StateFormat, decode
+from .kernels.formats import DYNAMIC_MAP_VERSION, StateFormat, decode, upgrade_dynamic8_codes
 from .kernels.residual import KEYS as MASTER_KEYS
 from .state import QuantizedState, bits_of
 
@@ -101,6 +101,8 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
         "dtype": _int(str(qs.dtype).removeprefix("torch.")),
         "row_splits": _int(",".join(map(str, sharding.row_splits(param)))),
     }
+    if qs.fmt.name == "dynamic8":
+        out["lowbit_map"] = DYNAMIC_MAP_VERSION  # no tag: a version-1 map (converted on load)
     for name, t in tables.items():
         out[name] = sharding.like(t, param, (rows, *t.shape[1:])) if sharded else t
     return out
@@ -306,9 +308,13 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state") -> t
             qs = QuantizedState(blockquant.Quantized(codes, *empty[1:]), fmt, shard.shape, dtype)
             return sharding.like(qs, param)
         saved = _saved_blocks(packed, header, start, stop, width)
+        version = _map_version(packed, fmt)
     except ValueError as err:
         raise ValueError(f"state {key!r}: {err}") from err
     saved = _Blocks(*(t.to(shard.device) for t in saved))
+    if version < DYNAMIC_MAP_VERSION:  # codes of the old dynamic map: the nearest codes of this one
+        at_element = torch.searchsorted(saved.first, start * width + torch.arange(codes.numel()), right=True) - 1
+        codes = upgrade_dynamic8_codes(codes, fmt.nonneg, torch.signbit(saved.scales[at_element.clamp(min=0)]))
     n, b = codes.numel(), fmt.block_size
     first = start * width + torch.arange(blockquant.n_blocks(n, fmt), device=shard.device) * b
     length = torch.clamp(start * width + n - first, max=b)
@@ -325,6 +331,17 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state") -> t
     exact = same.repeat_interleave(length)
     bits_of(qs.codes)[exact] = bits_of(codes)[exact]
     return sharding.like(qs, param)
+
+
+def _map_version(packed: dict[str, Any], fmt: StateFormat) -> int:
+    """The dynamic map a dynamic8 state's codes were saved in (1 before maps were tagged)."""
+    if fmt.name != "dynamic8":
+        return DYNAMIC_MAP_VERSION
+    version = packed.get("lowbit_map", 1)
+    if not isinstance(version, int) or not 1 <= version <= DYNAMIC_MAP_VERSION:
+        raise ValueError(f"its dynamic8 codes use map version {version!r}, newer than this version of "
+                         f"lowbit_compile reads (1..{DYNAMIC_MAP_VERSION}): upgrade lowbit_compile to load it")
+    return version
 
 
 class _Header(NamedTuple):

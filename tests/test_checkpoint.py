@@ -12,7 +12,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from lowbit_compile import QuantizedState, checkpoint, enable, lowbit_compile, restore
 from lowbit_compile.config import DEFAULT_OUTLIERS
-from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.kernels.formats import (
+    StateFormat,
+    decode,
+    dynamic_map,
+    encode,
+    legacy_dynamic_map,
+    special_codes,
+    upgrade_dynamic8_codes,
+)
 
 # odd shapes on purpose: partial blocks, blocks that span rows, a 1-D and a 0-d parameter
 SHAPES = [(67, 33), (300,), (), (5, 1, 7)]
@@ -377,3 +385,54 @@ def test_a_state_a_stock_loader_stored_is_restored_exactly_at_the_rewrite(dtype)
     assert_same([p.detach() for p in params], [p.detach() for p in resumed])
     assert_same(state_bits(opt, params), state_bits(stock, resumed))
 
+
+
+def test_a_dynamic8_checkpoint_of_the_old_map_loads_converted_code_by_code():
+    """A checkpoint from before map version 2 (no ``lowbit_map``; codes index the legacy sorted
+    map) loads as the nearest codes of the current map, block scales and patches as saved; a
+    current one loads bit for bit; a newer map version fails naming the fix."""
+    params = make_params()
+    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "dynamic8", **OPTIONS)
+    train(opt, params, 2, seed=1)
+    old = saved_and_loaded(opt.state_dict())
+    legacy_codes = {}
+    for idx, p in enumerate(params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            packed, nonneg = old["state"][idx][key], opt.state[p][key].fmt.nonneg
+            assert packed.pop("lowbit_map") == 2
+            legacy = legacy_dynamic_map(nonneg).double()
+            values = dynamic_map(nonneg)[packed["codes"].long()].double()  # how version 1 encoded them
+            packed["codes"] = torch.bucketize(values, (legacy[1:] + legacy[:-1]) / 2, right=True).to(torch.uint8)
+            legacy_codes[idx, key] = packed["codes"].reshape(-1).clone()
+    fresh = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "dynamic8", **OPTIONS)
+    fresh.load_state_dict(old)
+    for idx, p in enumerate(params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            loaded, saved = fresh.state[p][key], opt.state[p][key]
+            old_values = legacy_dynamic_map(saved.fmt.nonneg)[legacy_codes[idx, key].long()]
+            assert torch.equal(loaded.codes.reshape(-1), encode(old_values, saved.fmt))
+            assert_same([loaded.scales, loaded.patch_values, loaded.patch_index],
+                        [saved.scales, saved.patch_values, saved.patch_index])
+            step = (loaded.codes.reshape(-1).long() - saved.codes.reshape(-1).long()).abs()
+            assert int(step.max()) <= 1  # one code of the new map off at most, after two roundings
+    current = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "dynamic8", **OPTIONS)
+    current.load_state_dict(saved_and_loaded(opt.state_dict()))
+    assert_same(state_bits(current, params), state_bits(opt, params))
+    newer = opt.state_dict()
+    newer["state"][0]["exp_avg"]["lowbit_map"] = 3
+    with pytest.raises(ValueError, match=r"'exp_avg'.*map version 3.*upgrade lowbit_compile"):
+        lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "dynamic8", **OPTIONS).load_state_dict(newer)
+
+
+def test_old_map_codes_of_a_flagged_block_keep_their_special_codes():
+    for nonneg in (False, True):
+        fmt = StateFormat("dynamic8", nonneg=nonneg)
+        codes = torch.arange(256).to(torch.uint8)
+        upgraded = upgrade_dynamic8_codes(codes, nonneg, torch.ones(256, dtype=torch.bool))
+        special = list(special_codes(fmt))
+        assert upgraded[special].tolist() == special
+        finite = torch.ones(256, dtype=torch.bool)
+        finite[special] = False
+        assert torch.all(decode(upgraded[finite], fmt).abs() <= fmt.flagged_qmax)
+        plain = upgrade_dynamic8_codes(codes, nonneg, torch.zeros(256, dtype=torch.bool))
+        assert torch.equal(plain, encode(legacy_dynamic_map(nonneg), fmt))

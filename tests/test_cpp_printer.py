@@ -84,8 +84,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const int64_t r = LB_W;
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
       const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
       const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
@@ -102,8 +102,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       acc_exp_avg_sq = lb_vmax(acc_exp_avg_sq, lb_key_masked(v_addcmul, r));
     }
   }
-  lb_quantize_block<LB_DYNAMIC8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, lb_dyn_keys_s.e);
-  lb_quantize_block<LB_DYNAMIC8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, lb_dyn_keys_u.e);
+  lb_quantize_block<LB_DYNAMIC8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, nullptr);
+  lb_quantize_block<LB_DYNAMIC8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, nullptr);
 }""")
 
     def test_fp32_states_take_torch_sqrt(self):
@@ -203,18 +203,18 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
             out.append(f"== {fmt} {layout}\n" + _diff(_vector_loop(default), _vector_loop(kernel)))
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 == fp8_e4m3 {}
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E4M3, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 == fp8_e5m2 {}
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E5M2, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 == bf16 {}
@@ -242,8 +242,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const vf SC_exp_avg_sq = lb_splat(fabsf(*p_exp_avg_sq_scales));
 -  const bool FL_exp_avg_sq = signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = full ? lb_ld_bf16(p_exp_avg_codes + i) : lb_ld_bf16_n(p_exp_avg_codes + i, r);
 +      vf v_dequantize_default_1_decoded = full ? lb_ld_bf16(p_exp_avg_sq_codes + i) : lb_ld_bf16_n(p_exp_avg_sq_codes + i, r);
 -      if (full) lb_st(buf_exp_avg + i, v_lerp); else lb_st_n(buf_exp_avg + i, v_lerp, r);
@@ -271,8 +271,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  const int PC_exp_avg_sq = lb_sorted_patches<2>(p_exp_avg_sq_patch_index, p_exp_avg_sq_patch_values, len, PI_exp_avg_sq, PV_exp_avg_sq);
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), lb_dyn_map_s, SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), lb_dyn_map_u, SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
 +      while (PN_exp_avg < i + LB_W) {  // a patch falls in this vector
 +        v_dequantize_default_decoded[PN_exp_avg - i] = PV_exp_avg[PA_exp_avg];
@@ -353,11 +353,57 @@ enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3, LB_BF16_CODES = 4
 template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, min_exponent)
 template <> struct lb_format<LB_INT8, false> { static constexpr float qmax = (float)0x1.fc00000000000p+6, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc00000000000p+6, flagged_qmax = (float)0x1.f800000000000p+6; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
 template <> struct lb_format<LB_INT8, true> { static constexpr float qmax = (float)0x1.fe00000000000p+7, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fe00000000000p+7, flagged_qmax = (float)0x1.f800000000000p+7; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
-template <> struct lb_format<LB_DYNAMIC8, false> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.27476c0000000p-21; static constexpr float neg_qmax = (float)0x1.fc66660000000p-1, flagged_qmax = (float)0x1.f533340000000p-1; static constexpr int pos_inf_code = 255, neg_inf_code = 0, nan_code = 254; };
-template <> struct lb_format<LB_DYNAMIC8, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.5cf7520000000p-22; static constexpr float neg_qmax = (float)0x1.0000000000000p+0, flagged_qmax = (float)0x1.f700000000000p-1; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
+template <> struct lb_format<LB_DYNAMIC8, false> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0c00000000000p-20; static constexpr float neg_qmax = (float)0x1.0000000000000p+0, flagged_qmax = (float)0x1.f8cd000000000p-1; static constexpr int pos_inf_code = 255, neg_inf_code = 0, nan_code = 254; };
+template <> struct lb_format<LB_DYNAMIC8, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.ad00000000000p-24; static constexpr float neg_qmax = (float)0x1.0000000000000p+0, flagged_qmax = (float)0x1.f533800000000p-1; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
 template <> struct lb_format<LB_E4M3, false> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr float neg_qmax = (float)0x1.c000000000000p+8, flagged_qmax = (float)0x1.a000000000000p+8; static constexpr int pos_inf_code = 126, neg_inf_code = 254, nan_code = 127; static constexpr int mantissa = 3, min_exponent = -6; };
 template <> struct lb_format<LB_E4M3, true> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr float neg_qmax = (float)0x1.c000000000000p+8, flagged_qmax = (float)0x1.a000000000000p+8; static constexpr int pos_inf_code = 126, neg_inf_code = 254, nan_code = 127; static constexpr int mantissa = 3, min_exponent = -6; };
 template <> struct lb_format<LB_E5M2, false> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr float neg_qmax = (float)0x1.c000000000000p+15, flagged_qmax = (float)0x1.c000000000000p+15; static constexpr int pos_inf_code = 124, neg_inf_code = 252, nan_code = 127; static constexpr int mantissa = 2, min_exponent = -14; };
 template <> struct lb_format<LB_E5M2, true> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr float neg_qmax = (float)0x1.c000000000000p+15, flagged_qmax = (float)0x1.c000000000000p+15; static constexpr int pos_inf_code = 124, neg_inf_code = 252, nan_code = 127; static constexpr int mantissa = 2, min_exponent = -14; };
 template <> struct lb_format<LB_BF16_CODES, false> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };
-template <> struct lb_format<LB_BF16_CODES, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };""")
+template <> struct lb_format<LB_BF16_CODES, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };
+template <bool U> struct lb_dyn {};  // formats.dynamic_level_table
+template <> struct lb_dyn<false> {
+  static constexpr int levels = 7;
+  static constexpr float lower[8] = {(float)0x1.0c00000000000p-21, (float)0x1.b380000000000p-19, (float)0x1.6410000000000p-16, (float)0x1.4768000000000p-13, (float)0x1.4fd0000000000p-10, (float)0x1.7620000000000p-7, (float)0x1.b6cc000000000p-4, NAN};
+  static constexpr float recip[8] = {(float)0x1.b2b9f40000000p+17, (float)0x1.5b8cf00000000p+15, (float)0x1.15e9560000000p+13, (float)0x1.bbedca0000000p+10, (float)0x1.6334080000000p+8, (float)0x1.1c78920000000p+6, (float)0x0.0p+0, (float)0x1.e911320000000p+19};
+  static constexpr float bias[8] = {(float)0x1.471d2a0000000p+0, (float)0x1.8726920000000p+1, (float)0x1.a724820000000p+2, (float)0x1.b735640000000p+3, (float)0x1.bf1cb20000000p+4, (float)0x1.c30ce00000000p+5, (float)0x0.0p+0, (float)0x1.0001000000000p-1};
+  static constexpr float spacing[8] = {(float)0x1.2d80000000000p-18, (float)0x1.7920000000000p-16, (float)0x1.d7a0000000000p-14, (float)0x1.2740000000000p-11, (float)0x1.7100000000000p-9, (float)0x1.ccc0000000000p-7, (float)0x0.0p+0, (float)0x1.0c00000000000p-20};
+  static constexpr float offset[8] = {(float)-0x1.d500000000000p-19, (float)-0x1.e1f0000000000p-15, (float)-0x1.684c000000000p-11, (float)-0x1.e818000000000p-8, (float)-0x1.3c78000000000p-4, (float)-0x1.924d000000000p-1, (float)0x1.0000000000000p+0, (float)0x0.0p+0};
+  static constexpr float step[8] = {(float)-0x1.4f00000000000p-20, (float)-0x1.83a8000000000p-15, (float)-0x1.4ad2000000000p-11, (float)-0x1.d5a4000000000p-8, (float)-0x1.36b4000000000p-4, (float)-0x1.8eb3800000000p-1, (float)0x0.0p+0, (float)0x1.0c00000000000p-21};
+  static constexpr float last[8] = {(float)0x1.8000000000000p+1, (float)0x1.c000000000000p+2, (float)0x1.e000000000000p+3, (float)0x1.f000000000000p+4, (float)0x1.f800000000000p+5, (float)0x1.fc00000000000p+6, (float)0x1.0000000000000p+7, (float)0x1.0000000000000p+0};
+};
+template <> struct lb_dyn<true> {
+  static constexpr int levels = 8;
+  static constexpr float lower[8] = {(float)0x1.ad00000000000p-25, (float)0x1.5c70000000000p-22, (float)0x1.1cc0000000000p-19, (float)0x1.05c8000000000p-16, (float)0x1.0c74000000000p-13, (float)0x1.2ae8000000000p-10, (float)0x1.5f10000000000p-7, (float)0x1.a866000000000p-4};
+  static constexpr float recip[8] = {(float)0x1.0fb7d20000000p+21, (float)0x1.b2b9f40000000p+18, (float)0x1.5b8cf00000000p+16, (float)0x1.15e9560000000p+14, (float)0x1.bbedca0000000p+11, (float)0x1.6334080000000p+9, (float)0x1.1c78920000000p+7, (float)0x1.3186440000000p+23};
+  static constexpr float bias[8] = {(float)0x1.47159e0000000p+0, (float)0x1.871cea0000000p+1, (float)0x1.a726720000000p+2, (float)0x1.b724720000000p+3, (float)0x1.bf355c0000000p+4, (float)0x1.c31cae0000000p+5, (float)0x1.c50cde0000000p+6, (float)0x1.0001000000000p-1};
+  static constexpr float spacing[8] = {(float)0x1.e260000000000p-22, (float)0x1.2d80000000000p-19, (float)0x1.7920000000000p-17, (float)0x1.d7a0000000000p-15, (float)0x1.2740000000000p-12, (float)0x1.7100000000000p-10, (float)0x1.ccc0000000000p-8, (float)0x1.ad00000000000p-24};
+  static constexpr float offset[8] = {(float)-0x1.7720000000000p-22, (float)-0x1.8140000000000p-18, (float)-0x1.201c000000000p-14, (float)-0x1.85c6000000000p-11, (float)-0x1.fa8c000000000p-8, (float)-0x1.423c000000000p-4, (float)-0x1.95e6800000000p-1, (float)0x0.0p+0};
+  static constexpr float step[8] = {(float)-0x1.0be0000000000p-23, (float)-0x1.35e0000000000p-18, (float)-0x1.088a000000000p-14, (float)-0x1.7709000000000p-11, (float)-0x1.f152000000000p-8, (float)-0x1.3f5a000000000p-4, (float)-0x1.9419c00000000p-1, (float)0x1.ad00000000000p-25};
+  static constexpr float last[8] = {(float)0x1.8000000000000p+1, (float)0x1.c000000000000p+2, (float)0x1.e000000000000p+3, (float)0x1.f000000000000p+4, (float)0x1.f800000000000p+5, (float)0x1.fc00000000000p+6, (float)0x1.fe00000000000p+7, (float)0x1.0000000000000p+0};
+};""")
+
+
+def test_dynamic8_level_tables_are_generated_from_formats(monkeypatch):
+    """lb_dyn<U> holds formats.dynamic_level_table field by field (``lower`` by level, the rest at
+    permute slot (127 + L) & 7): a change in formats.py reaches the kernels, no copy to forget."""
+    from lowbit_compile.kernels import cpp_printer
+    from lowbit_compile.kernels.formats import DYNAMIC_LEVEL_FIELDS, dynamic_level_table
+
+    def rendered(text: str, nonneg: bool, name: str) -> list[float]:
+        block = text.split(f"struct lb_dyn<{'true' if nonneg else 'false'}> {{")[1].split("\n};")[0]
+        line = block.split(f"float {name}[8] = {{")[1].split("}")[0]
+        return [float.fromhex(v.removeprefix("(float)")) if v != "NAN" else float("nan") for v in line.split(", ")]
+
+    text = format_constants()
+    for nonneg in (False, True):
+        table = dict(zip(DYNAMIC_LEVEL_FIELDS, dynamic_level_table(nonneg).tolist()))
+        assert f"static constexpr int levels = {8 if nonneg else 7};" in text
+        assert rendered(text, nonneg, "lower")[:7] == table["lower"][:7]
+        for name in DYNAMIC_LEVEL_FIELDS[1:-1]:
+            assert rendered(text, nonneg, name) == [table[name][(slot - 127) % 8] for slot in range(8)], name
+    changed = dynamic_level_table(False).clone()
+    changed[3, 2] = 0.5  # level 2's spacing
+    monkeypatch.setattr(cpp_printer, "dynamic_level_table", lambda nonneg: changed if not nonneg else
+                        dynamic_level_table(True))
+    assert rendered(format_constants(), False, "spacing")[(127 + 2) % 8] == 0.5

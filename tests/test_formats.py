@@ -8,7 +8,15 @@ import torch
 
 from lowbit_compile import QuantizedState, checkpoint
 from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import StateFormat, dynamic_map
+from lowbit_compile.kernels.formats import (
+    StateFormat,
+    decode,
+    dynamic_level_table,
+    dynamic_levels,
+    dynamic_map,
+    dynamic_thresholds,
+    encode,
+)
 
 BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"]
 ALL = BLOCKWISE + ["bf16"]
@@ -101,6 +109,73 @@ def test_dynamic8_encodes_to_the_nearest_map_value():
         tie_or_fp32 = 1e-6 * norm.abs() + 1e-12
         raised = nonneg & (x > 0) & (q.codes == 1)  # zero-point rule may pick the smallest positive
         assert torch.all((chosen <= best + tie_or_fp32) | raised)
+
+
+def dynamic8_probes(nonneg: bool, seed: int = 0) -> torch.Tensor:
+    """Every fp32 within 64 ulps of every encode threshold and of every map value, 3 * 10^5
+    log-uniform magnitudes over 1e-9..2, zeros, saturating and non-finite values; both signs."""
+    points = torch.cat([dynamic_thresholds(nonneg), dynamic_map(nonneg).abs()]).view(torch.int32)
+    near = torch.cat([points + d for d in range(-64, 65)]).view(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.exp(torch.empty(3 * 10**5).uniform_(-9 * 2.3026, 0.7, generator=gen))
+    special = torch.tensor([0.0, 1.0, 1.5, 1e30, float("inf"), 2.0**-149, 1e-38])
+    x = torch.cat([near[near >= 0], spread, special])
+    return torch.cat([x, -x])
+
+
+def _nearest_codes(x: torch.Tensor, nonneg: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Brute force over the 256 decoded values (float64): the distance to the nearest, and whether
+    two different values are that near (an exact tie)."""
+    table = dynamic_map(nonneg).double().unique()
+    best, tied = [], []
+    for chunk in x.double().split(1 << 16):
+        d = (chunk[:, None] - table[None, :]).abs()
+        lo = d.min(1).values
+        best.append(lo)
+        tied.append((d == lo[:, None]).sum(1) > 1)
+    return torch.cat(best), torch.cat(tied)
+
+
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_dynamic8_encode_is_exactly_the_nearest_of_the_256_values(nonneg):
+    """Exact in float64: each finite |x| <= 1 gets a code at the smallest distance (an exact tie
+    to the larger magnitude); a non-negative state's positive values never become 0."""
+    fmt = StateFormat("dynamic8", nonneg=nonneg)
+    x = dynamic8_probes(nonneg)
+    x = x[torch.isfinite(x) & (x.abs() <= 1)]
+    codes = encode(x, fmt)
+    got = decode(codes, fmt).double()
+    best, tied = _nearest_codes(x, nonneg)
+    raised = torch.zeros_like(x, dtype=torch.bool)
+    if nonneg:
+        assert torch.all(codes[x < 0] == 0) and not torch.any((x > 0) & (codes == 0))
+        raised = (x > 0) & (x < dynamic_thresholds(True)[0])  # the smallest positive instead of 0
+        x, got, best, tied, raised = (t[x >= 0] for t in (x, got, best, tied, raised))
+    dist = (x.double() - got).abs()
+    assert torch.all((dist == best) | raised)
+    assert torch.all(got[tied].abs() >= x[tied].double().abs())  # ties: the larger magnitude
+    assert int(encode(torch.tensor([float("nan")]), fmt)) == 255  # NaN saturates at the top code
+
+
+def test_dynamic8_map_is_symmetric_and_arithmetic():
+    """The signed map holds -1..1 symmetrically (so qmax is 1 for both signs), code 127 is zero;
+    spacing * p + offset in fp32 gives every value, and every threshold is the exact midpoint."""
+    signed = dynamic_map(False)
+    assert torch.equal(signed[:255], -signed[:255].flip(0)) and signed[127] == 0 and signed[254] == 1
+    assert StateFormat("dynamic8").qmax == 1.0 == StateFormat("dynamic8", nonneg=True).qmax
+    for nonneg in (False, True):
+        table = dynamic_map(nonneg)
+        mags = table[128:255] if not nonneg else table[1:]
+        p = torch.arange(1, len(mags) + 1, dtype=torch.float32)
+        level = torch.log2(p).floor().long()
+        rows = dynamic_level_table(nonneg)
+        spacing, offset = rows[3][level], rows[4][level]
+        assert torch.equal(p * spacing + offset, mags)
+        assert torch.equal(torch.addcmul(offset, p, spacing), mags)  # an fma rounds the same
+        mids = (torch.cat([torch.zeros(1), mags[:-1]]).double() + mags.double()) / 2
+        assert torch.equal(dynamic_thresholds(nonneg).double(), mids)
+        tops = [lv.spacing * (2 * lv.first - 1) + lv.offset for lv in dynamic_levels(nonneg)]
+        assert tops[-1] == 1.0 and all(b > 8 * a for a, b in zip(tops, tops[1:]))  # about a decade each
 
 
 @pytest.mark.parametrize("nonneg", [False, True])

@@ -36,9 +36,8 @@ from lowbit_compile.kernels import triton_lib as lb
 @triton.jit
 def adam_step(
     param_ptr, grad_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, sub,
-    hp_betas_1, sub_1, pow_3, hp_eps, neg, dynamic8_signed_map_ptr, dynamic8_unsigned_map_ptr,
-    dynamic8_signed_bounds_ptr, dynamic8_unsigned_bounds_ptr, n_elements, first_block, BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
+    hp_betas_1, sub_1, pow_3, hp_eps, neg, dynamic8_signed_levels_ptr, dynamic8_unsigned_levels_ptr, n_elements,
+    first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
     rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -54,12 +53,12 @@ def adam_step(
     hp_eps = tl.cast(hp_eps, tl.float32)
     neg = tl.cast(neg, tl.float32)
     # dynamic8:512:0:s
-    dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_map_ptr,
-                                       rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255,
-                                       NEG_INF_CODE=0, NAN_CODE=254)
+    dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None,
+                                       dynamic8_signed_levels_ptr, rows, cols, offsets, mask, row_mask,
+                                       FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
     # dynamic8:512:0:u
     dequantize_default_1 = lb.dequantize(exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None,
-                                         dynamic8_unsigned_map_ptr, rows, cols, offsets, mask, row_mask,
+                                         dynamic8_unsigned_levels_ptr, rows, cols, offsets, mask, row_mask,
                                          FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
     lerp_small = tl.abs(sub) < 0.5
     lerp_diff = grad - dequantize_default
@@ -73,16 +72,15 @@ def adam_step(
     addcdiv = tl.where(neg == 1.0, param + addcdiv_q, tl.fma(neg, addcdiv_q, param))
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
     # dynamic8:512:0:s
-    lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_bounds_ptr, rows, cols,
+    lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_levels_ptr, rows, cols,
                 offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0, NEG_QMAX=0.992968738079071,
-                INV_NEG_QMAX=1.0070810317993164, FLAGGED_QMAX=0.9789062738418579,
-                INV_FLAGGED_QMAX=1.0215482711791992, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
+                MIN_POSITIVE=9.98377799987793e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.9859390258789062,
+                INV_FLAGGED_QMAX=1.0142614841461182, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
     # dynamic8:512:0:u
-    lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_bounds_ptr,
+    lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_levels_ptr,
                 rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
-                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.982421875,
-                INV_FLAGGED_QMAX=1.017892599105835, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
+                MIN_POSITIVE=9.988434612751007e-08, INV_QMAX=1.0, FLAGGED_QMAX=0.9789085388183594,
+                INV_FLAGGED_QMAX=1.0215458869934082, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
 """)
 
     def test_adamw(self):
@@ -97,9 +95,8 @@ from lowbit_compile.kernels import triton_lib as lb
 @triton.jit
 def adamw_step(
     param_ptr, grad_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, sub,
-    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, dynamic8_signed_map_ptr, dynamic8_unsigned_map_ptr,
-    dynamic8_signed_bounds_ptr, dynamic8_unsigned_bounds_ptr, n_elements, first_block, BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
+    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, dynamic8_signed_levels_ptr, dynamic8_unsigned_levels_ptr,
+    n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
     rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -116,12 +113,12 @@ def adamw_step(
     hp_eps = tl.cast(hp_eps, tl.float32)
     neg = tl.cast(neg, tl.float32)
     # dynamic8:512:0:s
-    dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_map_ptr,
-                                       rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255,
-                                       NEG_INF_CODE=0, NAN_CODE=254)
+    dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None,
+                                       dynamic8_signed_levels_ptr, rows, cols, offsets, mask, row_mask,
+                                       FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
     # dynamic8:512:0:u
     dequantize_default_1 = lb.dequantize(exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None,
-                                         dynamic8_unsigned_map_ptr, rows, cols, offsets, mask, row_mask,
+                                         dynamic8_unsigned_levels_ptr, rows, cols, offsets, mask, row_mask,
                                          FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
     mul_1 = param * sub
     lerp_small = tl.abs(sub_1) < 0.5
@@ -136,16 +133,15 @@ def adamw_step(
     addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
     # dynamic8:512:0:s
-    lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_bounds_ptr, rows, cols,
+    lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_levels_ptr, rows, cols,
                 offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0, NEG_QMAX=0.992968738079071,
-                INV_NEG_QMAX=1.0070810317993164, FLAGGED_QMAX=0.9789062738418579,
-                INV_FLAGGED_QMAX=1.0215482711791992, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
+                MIN_POSITIVE=9.98377799987793e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.9859390258789062,
+                INV_FLAGGED_QMAX=1.0142614841461182, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
     # dynamic8:512:0:u
-    lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_bounds_ptr,
+    lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_levels_ptr,
                 rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
-                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.982421875,
-                INV_FLAGGED_QMAX=1.017892599105835, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
+                MIN_POSITIVE=9.988434612751007e-08, INV_QMAX=1.0, FLAGGED_QMAX=0.9789085388183594,
+                INV_FLAGGED_QMAX=1.0215458869934082, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
 """)
 
     def test_cpu_flavor_differs_only_where_eager_cpu_rounds_differently(self):
@@ -163,16 +159,14 @@ def adamw_step(
 -    addcdiv_q = tl.math.div_rn(lerp, add_1)
 -    addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
 +    addcdiv = mul_1 + tl.math.div_rn(neg * lerp, add_1)
--                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0, NEG_QMAX=0.992968738079071,
--                INV_NEG_QMAX=1.0070810317993164, FLAGGED_QMAX=0.9789062738418579,
--                INV_FLAGGED_QMAX=1.0215482711791992, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
-+                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=0.0, NEG_QMAX=0.992968738079071, INV_NEG_QMAX=0.0,
-+                FLAGGED_QMAX=0.9789062738418579, INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=0,
-+                NAN_CODE=254)
--                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.982421875,
--                INV_FLAGGED_QMAX=1.017892599105835, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
-+                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=0.0, FLAGGED_QMAX=0.982421875, INV_FLAGGED_QMAX=0.0,
-+                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)""")
+-                MIN_POSITIVE=9.98377799987793e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.9859390258789062,
+-                INV_FLAGGED_QMAX=1.0142614841461182, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
++                MIN_POSITIVE=9.98377799987793e-07, INV_QMAX=0.0, FLAGGED_QMAX=0.9859390258789062,
++                INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
+-                MIN_POSITIVE=9.988434612751007e-08, INV_QMAX=1.0, FLAGGED_QMAX=0.9789085388183594,
+-                INV_FLAGGED_QMAX=1.0215458869934082, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
++                MIN_POSITIVE=9.988434612751007e-08, INV_QMAX=0.0, FLAGGED_QMAX=0.9789085388183594,
++                INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)""")
 
 
 def test_an_op_without_a_lowering_is_an_error_naming_it():

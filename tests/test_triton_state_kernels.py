@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, dynamic_midpoints
+from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, dynamic_thresholds
+
+from .test_formats import dynamic8_probes
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 # conftest.py sets TRITON_INTERPRET=1 before triton is imported; without it CPU tensors cannot run
@@ -54,7 +56,7 @@ def _ties(fmt: StateFormat) -> torch.Tensor:
     if fmt.name == "int8":
         return torch.arange(0, 60, dtype=torch.float64) + 0.5
     if fmt.name == "dynamic8":
-        return dynamic_midpoints(fmt.nonneg).double()[::4]
+        return dynamic_thresholds(fmt.nonneg).double()[::4]
     if fmt.name.startswith("fp8"):
         m = 3 if fmt.name == "fp8_e4m3" else 2
         e = torch.arange(-8, 8, dtype=torch.float64)
@@ -73,7 +75,7 @@ FORMATS = [(name, nonneg) for name in FORMAT_NAMES if name != "fp32" for nonneg 
 def test_quantize_and_dequantize_kernels_match_reference_bit_for_bit(name, nonneg, dtype):
     fmt = StateFormat.make(name, BLOCK, 2, nonneg)
     x = corner_values(fmt, dtype)
-    exact = torch.tensor(fmt.qmax).to(dtype).item() == fmt.qmax  # signed dynamic8's 0.99297 is no bf16
+    exact = torch.tensor(fmt.qmax).to(dtype).item() == fmt.qmax  # a qmax that is no bf16 (none now)
     if fmt.blockwise and exact:  # the tie block really is at inverse scale 1
         assert blockquant.quantize(x[3 * BLOCK: 4 * BLOCK], fmt).scales.item() * fmt.qmax == fmt.qmax
     ref = blockquant.quantize(x, fmt)
@@ -84,6 +86,23 @@ def test_quantize_and_dequantize_kernels_match_reference_bit_for_bit(name, nonne
     for out_dtype in (torch.float32, dtype):
         expected = blockquant.dequantize(ref, fmt, out_dtype)
         assert torch.equal(bits(triton_backend.dequantize(ref, fmt, out_dtype)), bits(expected))
+
+
+@pytest.mark.parametrize("nonneg", [False, True])
+def test_dynamic8_kernel_encode_matches_reference_near_every_threshold(nonneg):
+    """The Triton arithmetic encode on every fp32 within 64 ulps of each threshold and map value:
+    blocks of 255 such values and a 1 (absmax 1, so the kernel encodes the values themselves)."""
+    fmt = StateFormat.make("dynamic8", 256, 0, nonneg)
+    x = dynamic8_probes(nonneg, seed=2)
+    x = x[torch.isfinite(x) & (x.abs() <= 1)]
+    x = torch.nn.functional.pad(x, (0, -len(x) % 255)).view(-1, 255)
+    x = torch.cat([torch.ones(len(x), 1), x], dim=1).reshape(-1)
+    ref = blockquant.quantize(x, fmt)
+    assert torch.all(ref.scales == 1.0)
+    ours = blockquant.empty(len(x), fmt)
+    triton_backend.quantize_into(x, ours, fmt)
+    assert torch.equal(ours.codes, ref.codes)
+    assert torch.equal(triton_backend.dequantize(ref, fmt), blockquant.dequantize(ref, fmt))
 
 
 @pytest.mark.parametrize("outliers", [0, 3])
