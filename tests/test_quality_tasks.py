@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.quality import summarize
-from examples.tasks import TASKS, CharGPT, Digits, OptimizerSpec, ZipfEmbedding, train
+from examples.tasks import TASKS, CharGPT, DiffusionDigits, Digits, OptimizerSpec, ZipfEmbedding, train
 
 
 def test_optimizer_names():
@@ -23,6 +23,7 @@ SMALL_TASKS = {  # the same task classes, shrunk to keep the test fast
     "char_gpt_2m": lambda: CharGPT(d=32, layers=1, heads=2, ctx=32, val_windows=8),
     "digits": lambda: Digits(hidden=64),
     "zipf": lambda: ZipfEmbedding(vocab=1024, val_bags=256),
+    "dit_digits": lambda: DiffusionDigits(d=32, layers=1, heads=2, val_images=16, val_timesteps=1),
 }
 
 
@@ -37,7 +38,7 @@ def one_thread():
 
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_a_seed_fixes_weights_and_batches(name, one_thread):
-    if name == "digits":
+    if name in ("digits", "dit_digits"):
         pytest.importorskip("sklearn")
     task = SMALL_TASKS[name]()
     first = train(task, OptimizerSpec("fp32").build, seed=3, steps=3)
@@ -47,7 +48,8 @@ def test_a_seed_fixes_weights_and_batches(name, one_thread):
     assert first.train_loss != other.train_loss
     lowbit = train(task, OptimizerSpec("int8").build, seed=3, steps=3)
     assert lowbit.train_loss[0] == first.train_loss[0]  # same start, same first batch
-    assert set(first.final) == ({"loss", "acc"} if task.metric else {"loss"})
+    bands = set(getattr(task, "BANDS", ()))  # the diffusion task also reports a loss per noise band
+    assert set(first.final) == ({"loss", "acc"} if task.metric else {"loss"}) | bands
 
 
 def _run(variant, seed, loss):
