@@ -22,12 +22,8 @@ import argparse
 import functools
 import json
 import math
-import multiprocessing
-import platform
-import signal
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find examples/ and bench/
@@ -35,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 import torch
 from torch import nn
 
-from bench.quality import _mean_std, scale_steps, state_bytes, summarize
-from examples.tasks import TASKS, DiffusionDigits, OptimizerSpec, Task, train
+from bench.quality import mean_std, results_header, run_meta, run_pool, scale_steps, state_bytes, summarize
+from bench.rounding import check_name, make_optimizer
+from examples.tasks import TASKS, DiffusionDigits, Task, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASK = "dit_digits"
@@ -155,7 +152,7 @@ def run_one(job: tuple[str, str, int, float, int, bool]) -> dict:
     record_grads = variant == "fp32"
     logged = TimestepLog(task)
     names = [n for n, p in task.model(seed).named_parameters() if p.numel() >= MIN_QUANTIZED]
-    spec = OptimizerSpec(variant, compile_peers)
+    make = make_optimizer(variant, compile_peers=compile_peers, seed=seed)
     built: list[torch.optim.Optimizer] = []
     params: list[nn.Parameter] = []
     per_step: dict[str, list[float]] = {n: [] for n in names}
@@ -173,7 +170,7 @@ def run_one(job: tuple[str, str, int, float, int, bool]) -> dict:
 
     def build(ps, hyper):
         params.extend(ps)
-        built.append(spec.build(ps, hyper))
+        built.append(make(ps, hyper))
         return built[-1]
 
     def on_step(step: int, loss: float) -> None:
@@ -242,9 +239,9 @@ def summarize_diffusion(runs: list[dict]) -> dict:
             **entry,
             "bands": {b: {k: bands[b][variant][k] for k in ("loss_mean", "paired_gap_pct", "matches_fp32")}
                       for b in BANDS},
-            "sample_acc": _mean_std([r["sample_acc"] for r in rs]),
+            "sample_acc": mean_std([r["sample_acc"] for r in rs]),
             "steps_to_fp32_mid_ratio": (math.nan, math.nan) if not ratios else
-            (math.inf, math.nan) if not all(map(math.isfinite, ratios)) else _mean_std(ratios),
+            (math.inf, math.nan) if not all(map(math.isfinite, ratios)) else mean_std(ratios),
         }
     return out
 
@@ -343,7 +340,8 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
 
     dit = [r for r in runs if r["task"] == TASK]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    color = {v: colors[i % len(colors)] for i, v in enumerate(GRID)}
+    extra = sorted({r["variant"] for r in dit} - set(GRID))  # e.g. the rounding prototypes
+    color = {v: colors[i % len(colors)] for i, v in enumerate(GRID + extra)}
     fig, axes = plt.subplots(2, 3, figsize=(19, 10))
     base = {r["seed"]: r for r in dit if r["variant"] == "fp32"}
     ax = axes[0][0]
@@ -355,18 +353,18 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
            yscale="log")
     ax.legend(fontsize=7)
     ax = axes[0][1]
-    for variant in [v for v in GRID if v != "fp32"]:
+    for variant in [v for v in GRID + extra if v != "fp32"]:
         rs = [r for r in dit if r["variant"] == variant and r["seed"] in base]
         if not rs:
             continue
         gap = [statistics.fmean((r["val"][i]["loss"] / base[r["seed"]]["val"][i]["loss"] - 1) * 100 for r in rs)
                for i in range(len(rs[0]["val_steps"]))]
-        ax.plot(rs[0]["val_steps"], gap, color=color[variant], label=variant)
+        ax.plot(rs[0]["val_steps"], gap, ":" if "+" in variant else "-", color=color[variant], label=variant)
     ax.axhline(0, color="black", lw=0.8)
     ax.set(title="validation loss gap to fp32 along training (mean over seeds)", xlabel="step", ylabel="%")
     ax.legend(fontsize=7)
     ax = axes[0][2]
-    rows = [v for v in GRID if v in summary and v != "fp32"]
+    rows = [v for v in GRID + extra if v in summary and v != "fp32"]
     width = 0.2
     for j, key in enumerate(("loss", *BANDS)):
         vals = [summary[v]["paired_gap_pct"] if key == "loss" else summary[v]["bands"][key]["paired_gap_pct"]
@@ -441,9 +439,7 @@ def plot_samples(runs: list[dict], path: Path, seed: int = 0) -> None:
 def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
     summary = summarize_diffusion(runs)
     grads = grad_summary(runs)
-    head = (f"Measured {meta['date']}, torch {meta['torch']}, {meta['jobs']} runs in parallel with {meta['threads']} "
-            f"thread(s) each on {meta['cpus']} CPUs; torchao "
-            f"{'compiled' if meta['torchao_compiled'] else 'run eagerly'}; command: {' '.join(meta['argv'])}\n\n")
+    head = results_header(meta)
     text = markdown(summary, grads, meta)
     (out / f"{name}.md").write_text(head + text + "\n")
     plot(runs, summary, out / f"{name}.png")
@@ -466,12 +462,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile-peers", action="store_true", help="let torchao torch.compile its step")
     args = ap.parse_args(argv)
 
-    from tqdm import tqdm
-
     variants = args.variants or (QUICK_GRID if args.quick else GRID)
     for v in variants:
-        if OptimizerSpec(v).kind == "ours":
-            OptimizerSpec(v).lowbit_options()  # a bad name fails now, not an hour in
+        check_name(v)  # a bad name fails now, not an hour in
     seeds = args.seeds or (SEEDS[:1] if args.quick else SEEDS)
     scale = 0.1 if args.quick else 1.0
     name = "diffusion_quick" if args.quick else "diffusion"
@@ -489,27 +482,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_grad_only:
         jobs += [(t, "fp32", seeds[0], scale, args.threads, False) for t in GRAD_ONLY]
     jobs = [j for j in jobs if j[:3] not in done]
-    meta = {"argv": sys.argv, "torch": torch.__version__, "torchao_compiled": args.compile_peers,
-            "python": platform.python_version(), "machine": platform.machine(), "cpus": multiprocessing.cpu_count(),
-            "jobs": args.jobs, "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M"), "step_scale": scale,
-            "classifier_acc": digit_classifier()[1]}
+    meta = run_meta(args.jobs, args.threads, args.compile_peers, step_scale=scale,
+                    classifier_acc=digit_classifier()[1])
 
     def save() -> None:
         json_path.write_text(json.dumps({"meta": meta, "summary": summarize_diffusion(runs),
                                          "grads": grad_summary(runs), "runs": runs}))
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the pool below takes its workers down
-    start = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(args.jobs) as pool, tqdm(total=len(jobs), unit="run") as bar:
-        for record in pool.imap_unordered(run_one, jobs):
-            record["step_scale"] = scale
-            runs.append(record)
-            bar.set_postfix_str(f"{record['task']} {record['variant']} s{record['seed']}: "
-                                f"{record['val'][-1]['loss']:.4f}")
-            bar.update()
-            save()
-    meta["wall_seconds"] = time.perf_counter() - start
-    save()
+    run_pool(run_one, jobs, args.jobs, runs, meta, save, step_scale=scale)
     report(runs, meta, args.out, name)
 
 

@@ -24,6 +24,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def run_one(job: tuple[str, str, int, float, int, bool]) -> dict:
 
 
 # summary -------------------------------------------------------------------------------------------
-def _mean_std(xs: list[float]) -> tuple[float, float]:
+def mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
@@ -140,15 +141,15 @@ def summarize(runs: list[dict], key: str = "loss") -> dict:
         for r in rows:
             by_variant.setdefault(r["variant"], {})[r["seed"]] = r
         base = by_variant.get("fp32", {})
-        base_mean, base_std = _mean_std([r["val"][-1][key] for r in base.values()]) if base else (math.nan, 0)
+        base_mean, base_std = mean_std([r["val"][-1][key] for r in base.values()]) if base else (math.nan, 0)
         noise_pct = base_std / base_mean * 100
         out[task] = {}
         for variant, seeds in by_variant.items():
             losses = [r["val"][-1][key] for r in seeds.values()]
-            mean, std = _mean_std(losses)
+            mean, std = mean_std(losses)
             paired = [(seeds[s]["val"][-1][key] - base[s]["val"][-1][key]) / base[s]["val"][-1][key] * 100
                       for s in seeds if s in base]
-            gap = _mean_std(paired) if paired else (math.nan, math.nan)
+            gap = mean_std(paired) if paired else (math.nan, math.nan)
             entry = {
                 "seeds": sorted(seeds), "loss_mean": mean, "loss_std": std,
                 "paired_gap_pct": gap, "fp32_noise_pct": noise_pct,
@@ -158,7 +159,7 @@ def summarize(runs: list[dict], key: str = "loss") -> dict:
             }
             metric = [k for k in next(iter(seeds.values()))["val"][-1] if k != key]
             for m in metric:
-                entry[f"{m}_mean"], entry[f"{m}_std"] = _mean_std([r["val"][-1][m] for r in seeds.values()])
+                entry[f"{m}_mean"], entry[f"{m}_std"] = mean_std([r["val"][-1][m] for r in seeds.values()])
             out[task][variant] = entry
     return out
 
@@ -293,8 +294,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="let torchao torch.compile its step (minutes of compiling per shape on a small CPU)")
     args = ap.parse_args(argv)
 
-    from tqdm import tqdm
-
     def variants(task: str) -> list[str]:
         if args.variants:
             return [v for v in dict.fromkeys(full_grid() + args.variants)
@@ -324,20 +323,35 @@ def main(argv: list[str] | None = None) -> None:
             if (t, v, s) not in done]
     # the most expensive task first, so the parallel tail is short
     jobs.sort(key=lambda j: -1 if j[0].startswith("char_gpt") else list(TASKS).index(j[0]))
-    meta = {"argv": sys.argv, "torch": torch.__version__, "torchao_compiled": args.compile_peers,
-            "python": platform.python_version(), "machine": platform.machine(),
-            "cpus": multiprocessing.cpu_count(), "jobs": args.jobs,
-            "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M")}
+    meta = run_meta(args.jobs, args.threads, args.compile_peers)
 
     def save() -> None:
         json_path.write_text(json.dumps({"meta": meta, "summary": summarize(runs), "runs": runs}))
 
+    run_pool(run_one, jobs, args.jobs, runs, meta, save, step_scale=scale)
+    report(runs, meta, args.out, name)
+
+
+def run_meta(jobs: int, threads: int, compile_peers: bool, **extra) -> dict:
+    """What a results file records about how it was measured."""
+    return {"argv": sys.argv, "torch": torch.__version__, "torchao_compiled": compile_peers,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": multiprocessing.cpu_count(), "jobs": jobs, "threads": threads,
+            "date": time.strftime("%Y-%m-%d %H:%M"), **extra}
+
+
+def run_pool(run: Callable[[tuple], dict], jobs: list[tuple], n_jobs: int, runs: list[dict], meta: dict,
+             save: Callable[[], None], **tags) -> None:
+    """Run every job in a pool of ``n_jobs`` fresh processes, appending each record (with ``tags``) to
+    ``runs`` and saving after each, so a stopped grid resumes where it was; records the wall time."""
+    from tqdm import tqdm
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the pool below takes its workers down
     ctx = multiprocessing.get_context("spawn")
     start = time.perf_counter()
-    with ctx.Pool(args.jobs) as pool, tqdm(total=len(jobs), desc="runs", unit="run") as bar:
-        for record in pool.imap_unordered(run_one, jobs):
-            record["step_scale"] = scale
+    with ctx.Pool(n_jobs) as pool, tqdm(total=len(jobs), desc="runs", unit="run") as bar:
+        for record in pool.imap_unordered(run, jobs):
+            record.update(tags)
             runs.append(record)
             bar.set_postfix_str(f"{record['task']} {record['variant']} s{record['seed']}: "
                                 f"{record['val'][-1]['loss']:.4f}")
@@ -345,7 +359,13 @@ def main(argv: list[str] | None = None) -> None:
             save()
     meta["wall_seconds"] = time.perf_counter() - start
     save()
-    report(runs, meta, args.out, name)
+
+
+def results_header(meta: dict) -> str:
+    """The line above a results table: when, with what, by which command."""
+    return (f"Measured {meta['date']}, torch {meta['torch']}, {meta['jobs']} runs in parallel with "
+            f"{meta['threads']} thread(s) each on {meta['cpus']} CPUs; torchao "
+            f"{'compiled' if meta['torchao_compiled'] else 'run eagerly'}; command: {' '.join(meta['argv'])}\n\n")
 
 
 def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
@@ -353,9 +373,7 @@ def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
     summary = summarize(runs)
     tasks = {t: _task(t, runs[[r["task"] for r in runs].index(t)].get("step_scale", 1.0)) for t in summary}
     text = markdown(summary, tasks)
-    head = (f"Measured {meta['date']}, torch {meta['torch']}, {meta['jobs']} runs in parallel with "
-            f"{meta['threads']} thread(s) each on {meta['cpus']} CPUs; torchao "
-            f"{'compiled' if meta['torchao_compiled'] else 'run eagerly'}; command: {' '.join(meta['argv'])}\n\n")
+    head = results_header(meta)
     (out / f"{name}.md").write_text(head + text + "\n")
     for task in summary:
         plot(runs, summary, task, out / f"{name}_{task}.png")

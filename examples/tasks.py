@@ -349,7 +349,7 @@ class DiffusionDigits(Task):
         self.train_x, self.train_y = x[perm[n_val:]], y[perm[n_val:]]
         self.d, self.layers, self.heads = d, layers, heads
         self.batch_size, self.timesteps_per_batch = batch, timesteps_per_batch
-        self.hyper = hyper or Hyper(steps=1200, lr=1e-3, weight_decay=0.0, warmup=50, eval_every=200)
+        self.hyper = hyper or Hyper(steps=2000, lr=3e-3, weight_decay=0.0, warmup=100, eval_every=100)
         betas = torch.linspace(1e-4, 0.02, self.T, dtype=torch.float64)
         self.alpha_bar = torch.cumprod(1 - betas, 0).float()
         # the fixed validation set: val_timesteps evenly spaced timesteps in each band, for every image

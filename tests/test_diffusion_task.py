@@ -19,14 +19,6 @@ def tiny(**kwargs) -> DiffusionDigits:
                            hyper=Hyper(steps=40, lr=3e-3, weight_decay=0.0, warmup=5, eval_every=20), **kwargs)
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_an_untrained_dit_predicts_zero_noise_and_training_lowers_the_denoising_loss(one_thread):
     task = tiny()
     untrained = task.evaluate(task.model(0))

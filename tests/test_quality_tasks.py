@@ -27,15 +27,6 @@ SMALL_TASKS = {  # the same task classes, shrunk to keep the test fast
 }
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny ops on a busy 2-core machine run many times faster on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_a_seed_fixes_weights_and_batches(name, one_thread):
     if name in ("digits", "dit_digits"):
