@@ -101,12 +101,15 @@ def decades(xs: list[float]) -> float:
     return math.log10(max(pos) / min(pos)) if len(pos) > 1 else 0.0
 
 
-def percentile_decades(xs: list[float], lo: float = 5, hi: float = 95) -> float:
-    """log10 of the ratio between the ``hi`` and ``lo`` percentiles (robust to a few extreme steps)."""
-    t = torch.tensor([x for x in xs if x > 0], dtype=torch.float64)
-    if t.numel() < 2:
+def swing_decades(xs: list[float], window: int = 51) -> float:
+    """How far a per-step series swings from step to step, its trend taken out: the 95th minus the 5th
+    percentile of log10(value) less its mean over the ``window`` steps around it."""
+    logs = torch.tensor(xs, dtype=torch.float64).clamp(min=1e-30).log10()
+    if logs.numel() < window:
         return 0.0
-    return math.log10((t.quantile(hi / 100) / t.quantile(lo / 100)).item())
+    trend = logs.unfold(0, window, 1).mean(dim=1)
+    dev = logs[window // 2: window // 2 + trend.numel()] - trend
+    return (dev.quantile(0.95) - dev.quantile(0.05)).item()
 
 
 # samples -------------------------------------------------------------------------------------------
@@ -248,15 +251,15 @@ def summarize_diffusion(runs: list[dict]) -> dict:
 
 def grad_summary(runs: list[dict]) -> dict:
     """Per task with recorded gradients: over its quantized tensors, the median and max of the per-step
-    gradient RMS's spread (5th to 95th percentile after warmup, in decades) and, for the diffusion
-    task, of the fixed-weight sweep's range across timesteps at each checkpoint."""
+    gradient RMS's swing after warmup (``swing_decades``) and, for the diffusion task, of the
+    fixed-weight sweep's range across timesteps at each checkpoint."""
     out = {}
     for task in sorted({r["task"] for r in runs if "grads" in r}):
         rs = [r for r in runs if r["task"] == task and "grads" in r]
         warm = make_task(task, rs[0].get("step_scale", 1.0)).hyper.warmup
-        spreads = [percentile_decades(r["grads"]["per_step"][n][warm:]) for r in rs for n in r["grads"]["names"]]
+        swings = [swing_decades(r["grads"]["per_step"][n][warm:]) for r in rs for n in r["grads"]["names"]]
         entry = {"seeds": sorted(r["seed"] for r in rs), "tensors": len(rs[0]["grads"]["names"]),
-                 "per_step_p5_p95_decades": {"median": statistics.median(spreads), "max": max(spreads)}}
+                 "per_step_swing_decades": {"median": statistics.median(swings), "max": max(swings)}}
         if rs[0]["grads"]["sweeps"]:
             entry["sweep_decades"] = {}
             for step in rs[0]["grads"]["sweeps"]:
@@ -310,18 +313,19 @@ def markdown(summary: dict, grads: dict, meta: dict) -> str:
                   f"{SAMPLES_PER_CLASS * 10} class-conditional samples (25 DDIM steps).", ""]
     if grads:
         lines += ["### Gradient range (fp32 runs)", "",
-                  "| task | seeds | quantized tensors | per-step RMS, p5..p95 (decades): median / max over tensors "
+                  "| task | seeds | quantized tensors | step-to-step swing of the RMS (decades): median / max "
                   "| across timesteps at fixed weights (decades): median / max, per checkpoint step |",
                   "|---|---|---:|---:|---|"]
         for task, g in grads.items():
             sweep = "; ".join(f"step {s}: {v['median']:.2f} / {v['max']:.2f} ({v['max_tensor']})"
                               for s, v in g.get("sweep_decades", {}).items()) or "–"
-            p = g["per_step_p5_p95_decades"]
+            p = g["per_step_swing_decades"]
             lines.append(f"| {task} | {g['seeds']} | {g['tensors']} | {p['median']:.2f} / {p['max']:.2f} | {sweep} |")
         end = next((g["end_sweep_rms_median_over_tensors"] for g in grads.values()
                     if "end_sweep_rms_median_over_tensors" in g), None)
-        lines += ["", "Per-step spread: log10 of the 95th over the 5th percentile of each quantized tensor's gradient "
-                  "RMS over the steps after warmup (what the optimizer's states see). Across timesteps: log10 of the "
+        lines += ["", "Step-to-step swing: log10 of the 95th over the 5th percentile, over the steps after warmup, "
+                  "of each quantized tensor's gradient RMS over its running geometric mean (51 steps): what the "
+                  "optimizer's states see beyond the trend. Across timesteps: log10 of the "
                   "largest over the smallest gradient RMS of a tensor over the timesteps "
                   f"{list(SWEEP_T)} on one fixed batch, at the fp32 run's weights of that step."]
         if end:
@@ -383,27 +387,24 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
         last = g["sweeps"][str(max(map(int, g["sweeps"])))]
         for rms in last.values():
             ax.plot([t + 1 for t in g["sweep_t"]], rms, lw=0.8, alpha=0.7)
-        ax.set(title=f"gradient RMS per quantized tensor vs timestep (fixed weights, end of seed {fp32_0['seed']})",
+        ax.set(title=f"gradient RMS by timestep, each quantized tensor (end, seed {fp32_0['seed']})",
                xlabel="timestep + 1", ylabel="gradient RMS", xscale="log", yscale="log")
     ax = axes[1][1]
     if fp32_0:
         g = fp32_0["grads"]
-        ts = torch.tensor(g["timesteps"], dtype=torch.float32)
-        for n in g["names"][:1] + g["names"][-1:]:
-            sc = ax.scatter(range(len(g["per_step"][n])), g["per_step"][n], c=ts, s=3, cmap="viridis", label=n)
+        n = max(g["names"], key=lambda n: swing_decades(g["per_step"][n]))  # the tensor that swings most
+        sc = ax.scatter(range(len(g["per_step"][n])), g["per_step"][n], c=g["timesteps"], s=3, cmap="viridis")
         fig.colorbar(sc, ax=ax, label="timestep of the step's batch")
-        ax.set(title="gradient RMS of every step (fp32), first and last quantized tensor", xlabel="step",
-               ylabel="gradient RMS", yscale="log")
-        ax.legend(fontsize=7, markerscale=4)
+        ax.set(title=f"gradient RMS of every step: {n}", xlabel="step", ylabel="gradient RMS", yscale="log")
     ax = axes[1][2]
     grads = grad_summary(runs)
     tasks = list(grads)
-    ax.bar(range(len(tasks)), [grads[t]["per_step_p5_p95_decades"]["median"] for t in tasks], color=colors[0],
+    ax.bar(range(len(tasks)), [grads[t]["per_step_swing_decades"]["median"] for t in tasks], color=colors[0],
            label="median over tensors")
-    ax.scatter(range(len(tasks)), [grads[t]["per_step_p5_p95_decades"]["max"] for t in tasks], color="black",
+    ax.scatter(range(len(tasks)), [grads[t]["per_step_swing_decades"]["max"] for t in tasks], color="black",
                zorder=3, label="max over tensors")
     ax.set_xticks(range(len(tasks)), tasks, fontsize=8)
-    ax.set(title="spread of the per-step gradient RMS (p5..p95 after warmup)", ylabel="decades")
+    ax.set(title="step-to-step swing of the gradient RMS (p5..p95 around its running mean)", ylabel="decades")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

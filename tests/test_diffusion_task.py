@@ -68,3 +68,12 @@ def test_steps_to_a_target_interpolates_between_evaluations():
     assert steps_to([100, 200], [0.4, 0.3], 0.5) == 100  # reached at the first evaluation
     assert math.isinf(steps_to([100, 200], [1.0, 0.9], 0.5))
     assert decades([0.0, 1e-3, 1e-1]) == pytest.approx(2.0)
+
+
+def test_the_step_to_step_swing_ignores_the_trend():
+    from bench.diffusion import swing_decades
+
+    trend = [10 ** (-i / 100) for i in range(400)]  # four decades of steady decay
+    assert swing_decades(trend) < 0.01
+    alternating = [x * (10 if i % 2 else 1) for i, x in enumerate(trend)]  # a factor 10 between neighbours
+    assert swing_decades(alternating) == pytest.approx(1.0, abs=0.05)
