@@ -37,7 +37,7 @@ CHECKPOINTS = (250, 1000, 2000)
 def long_task(steps: int) -> CharGPT:
     task = char_gpt_2m()
     task.name = TASK
-    task.hyper = replace(task.hyper, steps=steps, warmup=min(100, steps // 10), eval_every=50 if steps >= 500 else 10)
+    task.hyper = replace(task.hyper, steps=steps, warmup=min(100, steps // 10), eval_every=125 if steps >= 500 else 10)
     return task
 
 
