@@ -440,7 +440,7 @@ def plot_samples(runs: list[dict], path: Path, seed: int = 0) -> None:
 def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
     summary = summarize_diffusion(runs)
     grads = grad_summary(runs)
-    head = results_header(meta)
+    head = results_header(meta, runs)
     text = markdown(summary, grads, meta)
     (out / f"{name}.md").write_text(head + text + "\n")
     plot(runs, summary, out / f"{name}.png")

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             json_path.write_text(json.dumps({"meta": meta, "runs": runs}))
 
         run_pool(run_one, jobs, args.jobs, runs, meta, save)
-    text = results_header(meta) + markdown(runs)
+    text = results_header(meta, runs) + markdown(runs)
     (args.out / "long_run.md").write_text(text + "\n")
     plot(runs, args.out / "long_run.png")
     print(text)

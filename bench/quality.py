@@ -351,7 +351,7 @@ def run_pool(run: Callable[[tuple], dict], jobs: list[tuple], n_jobs: int, runs:
     start = time.perf_counter()
     with ctx.Pool(n_jobs) as pool, tqdm(total=len(jobs), desc="runs", unit="run") as bar:
         for record in pool.imap_unordered(run, jobs):
-            record.update(tags)
+            record.update(tags, command=" ".join(sys.argv))
             runs.append(record)
             bar.set_postfix_str(f"{record['task']} {record['variant']} s{record['seed']}: "
                                 f"{record['val'][-1]['loss']:.4f}")
@@ -361,11 +361,14 @@ def run_pool(run: Callable[[tuple], dict], jobs: list[tuple], n_jobs: int, runs:
     save()
 
 
-def results_header(meta: dict) -> str:
-    """The line above a results table: when, with what, by which command."""
+def results_header(meta: dict, runs: list[dict] = ()) -> str:
+    """The line above a results table: when, with what, by which command(s) (a resumed grid's runs name
+    the command that ran each)."""
+    commands = list(dict.fromkeys(r["command"] for r in runs if "command" in r)) or [" ".join(meta["argv"])]
     return (f"Measured {meta['date']}, torch {meta['torch']}, {meta['jobs']} runs in parallel with "
             f"{meta['threads']} thread(s) each on {meta['cpus']} CPUs; torchao "
-            f"{'compiled' if meta['torchao_compiled'] else 'run eagerly'}; command: {' '.join(meta['argv'])}\n\n")
+            f"{'compiled' if meta['torchao_compiled'] else 'run eagerly'}; "
+            f"command{'s' if len(commands) > 1 else ''}: {'; '.join(f'`{c}`' for c in commands)}\n\n")
 
 
 def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
@@ -373,7 +376,7 @@ def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
     summary = summarize(runs)
     tasks = {t: _task(t, runs[[r["task"] for r in runs].index(t)].get("step_scale", 1.0)) for t in summary}
     text = markdown(summary, tasks)
-    head = results_header(meta)
+    head = results_header(meta, runs)
     (out / f"{name}.md").write_text(head + text + "\n")
     for task in summary:
         plot(runs, summary, task, out / f"{name}_{task}.png")

@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         if path.exists():
             task_runs = [r for r in json.loads(path.read_text())["runs"] if r["task"] == task]
             others[task] = summarize(task_runs).get(task, {}) if task_runs else {}
-    text = results_header(meta) + markdown(lion, others)
+    text = results_header(meta, runs) + markdown(lion, others)
     (args.out / "rounding.md").write_text(text + "\n")
     print(text)
 
