@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 import torch
 from torch import nn
 
-from bench.quality import mean_std, results_header, run_meta, run_pool, scale_steps, state_bytes, summarize
+from bench.quality import load_runs, mean_std, results_header, run_meta, run_pool, scale_steps, state_bytes, summarize
 from bench.rounding import check_name, make_optimizer
 from examples.tasks import TASKS, DiffusionDigits, Task, train
 
@@ -472,12 +472,11 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"{name}.json"
     if args.report:
-        data = json.loads(json_path.read_text())
-        report(data["runs"], data["meta"], args.out, name)
+        report(*load_runs(json_path), args.out, name)
         return
     runs: list[dict] = []
     if args.resume and json_path.exists():
-        runs = [r for r in json.loads(json_path.read_text())["runs"] if r.get("step_scale", 1.0) == scale]
+        runs = [r for r in load_runs(json_path)[0] if r.get("step_scale", 1.0) == scale]
     done = {(r["task"], r["variant"], r["seed"]) for r in runs}
     jobs = [(TASK, v, s, scale, args.threads, args.compile_peers) for v in variants for s in seeds]
     if not args.no_grad_only:

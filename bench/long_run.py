@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
-from bench.quality import results_header, run_meta, run_pool, state_bytes, summarize
+from bench.quality import load_runs, results_header, run_meta, run_pool, state_bytes, summarize
 from bench.rounding import check_name, make_optimizer
 from examples.tasks import CharGPT, char_gpt_2m, train
 
@@ -157,9 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[dict] = []
     meta = run_meta(args.jobs, args.threads, False)
     if (args.resume or args.report) and json_path.exists():
-        data = json.loads(json_path.read_text())
-        runs = [r for r in data["runs"] if r["steps"] == args.steps]
-        meta = data["meta"] if args.report else meta
+        runs, saved_meta = load_runs(json_path)
+        runs = [r for r in runs if r["steps"] == args.steps]
+        meta = saved_meta if args.report else meta
     if not args.report:
         for v in args.variants:
             check_name(v)

@@ -312,12 +312,11 @@ def main(argv: list[str] | None = None) -> None:
 
     runs: list[dict] = []
     if args.report:
-        data = json.loads(json_path.read_text())
-        runs, meta = data["runs"], data["meta"]
+        runs, meta = load_runs(json_path)
         report(runs, meta, args.out, name)
         return
     if args.resume and json_path.exists():
-        runs = [r for r in json.loads(json_path.read_text())["runs"] if r.get("step_scale", 1.0) == scale]
+        runs = [r for r in load_runs(json_path)[0] if r.get("step_scale", 1.0) == scale]
     done = {(r["task"], r["variant"], r["seed"]) for r in runs}
     jobs = [(t, v, s, scale, args.threads, args.compile_peers) for t in args.tasks for v in variants(t) for s in seeds
             if (t, v, s) not in done]
@@ -330,6 +329,15 @@ def main(argv: list[str] | None = None) -> None:
 
     run_pool(run_one, jobs, args.jobs, runs, meta, save, step_scale=scale)
     report(runs, meta, args.out, name)
+
+
+def load_runs(path: Path) -> tuple[list[dict], dict]:
+    """The runs and the meta of a results JSON; each run names the command that ran it (runs saved
+    before runs named it get the file's command)."""
+    data = json.loads(path.read_text())
+    for r in data["runs"]:
+        r.setdefault("command", " ".join(data["meta"]["argv"]))
+    return data["runs"], data["meta"]
 
 
 def run_meta(jobs: int, threads: int, compile_peers: bool, **extra) -> dict:

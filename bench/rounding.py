@@ -239,7 +239,7 @@ def markdown(lion: dict, others: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.quality import results_header, run_meta, run_pool, summarize
+    from bench.quality import load_runs, results_header, run_meta, run_pool, summarize
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", nargs="+", help="default: fp32 and every format with each rounding")
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_meta(args.jobs, 1, False)
     if args.report or args.resume:
         if json_path.exists():
-            data = json.loads(json_path.read_text())
-            runs, meta = data["runs"], (data["meta"] if args.report else meta)
+            runs, saved_meta = load_runs(json_path)
+            meta = saved_meta if args.report else meta
     if not args.report:
         variants = args.variants or lion_variants()
         for v in variants:
