@@ -134,7 +134,8 @@ def plot(runs: list[dict], path: Path) -> None:
     for ax in axes[1:]:
         ax.axhline(0, color="black", lw=0.8)
         for c in CHECKPOINTS:
-            ax.axvline(c, color="0.6", lw=0.6, ls="--")
+            if c <= max(r["steps"] for r in runs):
+                ax.axvline(c, color="0.6", lw=0.6, ls="--")
     for ax in axes:
         ax.legend(fontsize=8)
     fig.tight_layout()
