@@ -1,6 +1,7 @@
 """The prepared GPU check of the fused Triton step (issue 3): correctness against the reference lowering
-on the GPU, then the step time of AdamW at 1e9 and 1e8 params against torch's fused AdamW,
-bitsandbytes AdamW8bit and torchao AdamW8bit/AdamWFp8, with fp32 and bf16 params.
+on the GPU (fp8 states on both FP8 paths where the GPU has fp8 conversions: float8 and integer bits),
+then the step time of AdamW at 1e9 and 1e8 params against torch's fused AdamW, bitsandbytes AdamW8bit
+and torchao AdamW8bit/AdamWFp8, with fp32 and bf16 params (our fp8 formats on both paths).
 
     python bench/gpu_check.py --out gpu_check.json      # one H200: under 8 minutes
     python bench/gpu_check.py --device cpu --dry-run    # here: same code paths, tiny sizes, Triton interpreter
@@ -18,6 +19,7 @@ stops the timing before the time runs out and says what it skipped. Prints a tab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(row["skipped"])
                 else:
                     report["timing"].append(row)
-                    print(f"{name:22s} {int(size):.0e} {str(dtype)[6:]:9s} {row['median_ms']:9.3f} ms "
+                    print(f"{name:24s} {int(size):.0e} {str(dtype)[6:]:9s} {row['median_ms']:9.3f} ms "
                           f"{row['GBps']:7.0f} GB/s {row['pct_of_copy']:5.1f}%")
     add_speedups(report["timing"])
     report["launch_sweep"] = sweep_launches(device, args, report["copy_GBps"], deadline)
@@ -118,7 +120,9 @@ def environment(device: torch.device) -> dict:
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-           "interpreter": triton_backend.interpreting()}
+           "interpreter": triton_backend.interpreting(), "fp8_paths": [_path_name(n) for n in fp8_paths(device)]}
+    if device.type == "cuda":
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
     for peer in ("bitsandbytes", "torchao"):
         try:
             env[peer] = __import__(peer).__version__
@@ -171,7 +175,43 @@ def methods(args: argparse.Namespace, device: torch.device) -> list[tuple[str, C
                 ("torchao_adamw_fp8", _torchao("AdamWFp8"))]
     for fmt in args.formats:
         out.append((f"lowbit_{fmt}", _ours(fmt)))
+        if fmt.startswith("fp8") and len(fp8_paths(device)) > 1:  # what a GPU without fp8 conversions runs
+            out.append((f"lowbit_{fmt}{INT_FP8}", _ours(fmt, fp8_native=False)))
     return out
+
+
+INT_FP8 = "_int-fp8"  # suffix of a method or check run on the integer FP8 path
+
+
+def fp8_paths(device: torch.device) -> list[bool]:
+    """The FP8 paths this device runs: the integer one always, float8 where its conversions exist."""
+    return [True, False] if triton_backend.fp8_native_for(device) else [False]
+
+
+def _path_name(native: bool) -> str:
+    return "float8" if native else "int-fp8"
+
+
+@contextlib.contextmanager
+def fp8_path(native: bool | None):
+    """Kernels built and stepped inside take this FP8 path (None: the device's own)."""
+    before = triton_backend.FP8_PATH["native"]
+    triton_backend.FP8_PATH["native"] = native
+    try:
+        yield
+    finally:
+        triton_backend.FP8_PATH["native"] = before
+
+
+class _OnFp8Path:
+    """An optimizer whose every step runs on one FP8 path (the path is picked at each launch)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, native: bool) -> None:
+        self.opt, self.native = opt, native
+
+    def step(self) -> None:
+        with fp8_path(self.native):
+            self.opt.step()
 
 
 def _bnb(params):
@@ -188,10 +228,11 @@ def _torchao(name: str) -> Callable:
     return make
 
 
-def _ours(fmt: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Callable:
+def _ours(fmt: str, block_size: int = DEFAULT_BLOCK_SIZE, fp8_native: bool | None = None) -> Callable:
     def make(params):
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-        return lowbit_compile(opt, fmt=fmt, block_size=block_size, backend="triton")
+        opt = lowbit_compile(opt, fmt=fmt, block_size=block_size, backend="triton")
+        return opt if fp8_native is None else _OnFp8Path(opt, fp8_native)
     return make
 
 
@@ -227,7 +268,7 @@ def bytes_per_param(name: str, dtype: torch.dtype, block_size: int = DEFAULT_BLO
         return base + 2 * 2 * p  # stock states keep the param dtype
     if name.startswith(("bnb", "torchao")):
         return base + 2 * 2 * 1 + 2 * 2 * 4 / 256  # 8-bit codes, an fp32 absmax per 256
-    fmt = StateFormat.make(name.removeprefix("lowbit_"), block_size, DEFAULT_OUTLIERS, False)
+    fmt = StateFormat.make(name.removeprefix("lowbit_").removesuffix(INT_FP8), block_size, DEFAULT_OUTLIERS, False)
     codes = fmt.code_dtype.itemsize
     per_block = 2 * (4 + fmt.patches * 4) / fmt.block_size if fmt.blockwise else 0.0
     return base + 2 * (2 * codes + per_block)
@@ -321,11 +362,14 @@ def check_correctness(device: torch.device, args: argparse.Namespace) -> list[di
     n = args.check_numel
     for case in args.cases:
         cls, fmt, dtype, block, kwargs = CASES[case]
-        try:
-            results.append(check_case(case, cls, fmt, dtype, block, kwargs, device, n))
-        except Exception as e:  # reported, and the check goes on
-            results.append({"check": case, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            print(f"  {case:28s} ERROR {results[-1]['error']}")
+        for native in fp8_paths(device) if fmt.startswith("fp8") else [None]:
+            label = case + ("" if native in (None, True) else INT_FP8)
+            try:
+                with fp8_path(native):
+                    results.append(check_case(label, cls, fmt, dtype, block, kwargs, device, n))
+            except Exception as e:  # reported, and the check goes on
+                results.append({"check": label, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(f"  {label:28s} ERROR {results[-1]['error']}")
     results += check_state_kernels(device, n)
     if device.type == "cuda":
         results.append(check_past_two_to_the_31(device))
@@ -371,16 +415,19 @@ def check_state_kernels(device: torch.device, n: int) -> list[dict]:
     results = []
     for name in FORMATS:
         for nonneg in (False, True):
-            fmt = StateFormat.make(name, 256, 2, nonneg)
-            x = torch.randn(n, device=device) * torch.exp(torch.randn(n, device=device) * 3)
-            x = x.abs() if nonneg else x
-            ref = blockquant.quantize(x, fmt)
-            ours = blockquant.empty(n, fmt, device)
-            triton_backend.quantize_into(x, ours, fmt)
-            mismatches = sum(int((bits(a) != bits(b)).sum()) for a, b in zip(ref, ours))
-            dense = triton_backend.dequantize(ref, fmt)
-            mismatches += int((bits(dense) != bits(blockquant.dequantize(ref, fmt))).sum())
-            results.append({"check": f"state kernels {fmt.tag()}", "mismatches": mismatches, "ok": mismatches == 0})
+            for native in fp8_paths(device) if name.startswith("fp8") else [None]:
+                fmt = StateFormat.make(name, 256, 2, nonneg)
+                x = torch.randn(n, device=device) * torch.exp(torch.randn(n, device=device) * 3)
+                x = x.abs() if nonneg else x
+                ref = blockquant.quantize(x, fmt)
+                ours = blockquant.empty(n, fmt, device)
+                with fp8_path(native):
+                    triton_backend.quantize_into(x, ours, fmt)
+                    dense = triton_backend.dequantize(ref, fmt)
+                mismatches = sum(int((bits(a) != bits(b)).sum()) for a, b in zip(ref, ours))
+                mismatches += int((bits(dense) != bits(blockquant.dequantize(ref, fmt))).sum())
+                label = f"state kernels {fmt.tag()}" + ("" if native in (None, True) else INT_FP8)
+                results.append({"check": label, "mismatches": mismatches, "ok": mismatches == 0})
     bad = [r["check"] for r in results if not r["ok"]]
     print(f"  state kernels: {len(results) - len(bad)}/{len(results)} bit-identical {bad or ''}")
     return results

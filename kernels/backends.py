@@ -1,38 +1,98 @@
-"""Which lowering turns a rewritten step graph into something to run, per backend and device."""
+"""The backends, and the one policy for lowering a rewritten step on each.
+
+``"cpu"``: the project's own C++ kernel (``cpu.py``); ``"triton"``: one Triton kernel per step (GPU;
+CPU tensors under ``TRITON_INTERPRET=1``); ``"reference"``: the eager oracle; ``"auto"``: the fused
+backend of the parameters' device. Importing this module imports neither triton nor inductor: a
+backend's modules load when its first kernel is built.
+
+A step is lowered completely (printed, compiled, loaded) before its first run changes anything.
+When the fused backend of ``"auto"`` cannot build a step (an op of an optimizer of one's own that no
+printer covers, no C++ compiler), the step runs on the reference, with one warning naming why; a
+backend asked for by name fails instead, at the same point, leaving the optimizer as it was.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib.util
+import os
+import sys
+import warnings
 
+import torch
 from torch.fx import GraphModule
 
-from .cpu import lower_cpu
-from .reference import lower_reference
+from .kernel import BuildError, StepKernel
+from .lowering import LoweringError
+from .reference import ReferenceStep
 
-Lowering = Callable[[GraphModule], Callable[..., None]]
-
-# "inductor" is the CPU lowering: C++ emitted from the rewritten graph, built with inductor's toolchain
-LOWERINGS: dict[str, Lowering] = {"reference": lower_reference, "inductor": lower_cpu}
-
-try:  # the fused GPU lowering, wherever triton imports
-    from .triton_backend import lower_triton
-except ImportError:
-    pass
-else:
-    LOWERINGS["triton"] = lower_triton
+BACKENDS = ("auto", "cpu", "triton", "reference")
+DEPRECATED_NAMES = {"inductor": "cpu"}  # the CPU kernel was first built with inductor's toolchain
 
 
-def resolve(backend: str, device_type: str) -> str:
-    """The concrete backend for ``backend`` on ``device_type`` ("auto" picks the fastest available)."""
-    if backend == "auto":
-        preferred = "triton" if device_type == "cuda" else "inductor"
-        return preferred if preferred in LOWERINGS else "reference"
-    if backend not in LOWERINGS:
-        raise NotImplementedError(
-            f"backend={backend!r} is not available in this version; use backend='reference' or 'auto'"
-        )
+class BackendError(ValueError):
+    """A backend that cannot run the parameters it was asked to."""
+
+
+def canonical(backend: str) -> str:
+    """``backend``'s current name (a deprecated one warns); a ValueError for an unknown one."""
+    if backend in DEPRECATED_NAMES:
+        new = DEPRECATED_NAMES[backend]
+        warnings.warn(f"backend={backend!r} is deprecated; it is the C++ CPU kernel, now named backend={new!r}",
+                      DeprecationWarning, stacklevel=3)
+        return new
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend
 
 
-def lower(graph: GraphModule, backend: str) -> Callable[..., None]:
-    return LOWERINGS[backend](graph)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels built now run interpreted (``TRITON_INTERPRET=1``); imports nothing."""
+    knobs = getattr(sys.modules.get("triton"), "knobs", None)  # triton >= 3.4 reads the variable into knobs
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def resolve(backend: str, device_type: str) -> str:
+    """The concrete backend for ``backend`` on tensors of ``device_type``; a :class:`BackendError`
+    naming the fix when a backend asked for by name cannot run them."""
+    backend = canonical(backend)
+    if backend == "auto":
+        if device_type == "cuda":
+            return "triton" if triton_available() else "reference"
+        return "cpu" if device_type == "cpu" else "reference"
+    if backend == "cpu" and device_type != "cpu":
+        raise BackendError(f"backend='cpu' runs CPU tensors, not {device_type} ones; use backend='auto'")
+    if backend == "triton":
+        if not triton_available():
+            raise BackendError("backend='triton' needs the triton package (pip install triton); use backend='auto'")
+        if device_type != "cuda" and not (device_type == "cpu" and interpreting()):
+            raise BackendError(f"backend='triton' runs CUDA tensors (CPU ones only under TRITON_INTERPRET=1), not "
+                               f"{device_type} ones; use backend='auto' or 'cpu'")
+    return backend
+
+
+def lower(step: GraphModule, backend: str, device: torch.device) -> StepKernel:
+    """The kernel of the split, rewritten ``step`` for parameters on ``device``, built now."""
+    concrete = resolve(backend, device.type)
+    if concrete == "reference":
+        return ReferenceStep(step)
+    try:
+        if concrete == "cpu":
+            from .cpu import lower_cpu
+
+            return lower_cpu(step)
+        from .triton_backend import TritonStep
+
+        return TritonStep(step, device)
+    except (LoweringError, BuildError) as err:
+        if canonical(backend) != "auto":
+            raise LoweringError(f"backend={backend!r} cannot run this step: {err}. Use backend='auto' (the "
+                                "reference lowering where the kernels do not reach) or backend='reference'") from err
+        warnings.warn(f"lowbit-compile: the {concrete} kernel cannot run this step ({err}); it runs on the eager "
+                      "reference lowering instead (op by op, with fp32 temporaries)", stacklevel=2)
+        return ReferenceStep(step)

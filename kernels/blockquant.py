@@ -2,13 +2,34 @@
 
 One state of ``n`` elements is stored as
   * ``codes``          (n,)            one code per element, in the format's code dtype;
-  * ``scales``         (n_blocks,)     fp32: the absmax of the block's non-patch values / qmax;
-  * ``patch_values``   (n_blocks, K)   bf16: the K largest-magnitude values of the block;
+  * ``scales``         (n_blocks,)     fp32: the absmax of the block's finite non-patch values / qmax,
+                                       negative (sign bit set) where the block is *flagged*;
+  * ``patch_values``   (n_blocks, K)   bf16: the K largest-magnitude finite values of the block;
   * ``patch_index``    (n_blocks, K)   int16: their offsets inside the block.
 Patches are taken out before the absmax, so one giant value in a block no longer flattens every
 other value of that block to code 0. Ties in magnitude go to the lowest offset. A partial last
 block is padded with zeros for the computation only; a patch there may point into the padding,
 and decoding ignores it.
+
+Every float survives (``StateFormat`` names the formats; bounds: README, "Numerics"):
+
+* *Non-finite values stay in their element.* A block holding +inf, -inf or NaN among its non-patch
+  values is flagged by the sign bit of its scale (scales are otherwise >= 0). Its scale comes from
+  its finite values only, over ``flagged_qmax``; the non-finite values take the format's three
+  special codes (``formats.special_codes``), which decode exactly. A block without one is stored as
+  if flagging did not exist, so finite blocks keep every code. Patches are chosen among finite
+  values first (a non-finite value ranks below every finite one); a block with fewer finite values
+  than K patches the non-finite ones too, as they are (bf16 holds inf and NaN).
+* *Every scale is usable.* A block with nonzero absmax below ``qmax * MIN_SCALE`` (down to the
+  smallest subnormal) gets the scale ``MIN_SCALE`` and is encoded with the exact multiplier
+  ``1 / MIN_SCALE``: ``qmax / absmax`` would overflow to inf, and ``0 * inf`` is NaN. So every
+  scale is 0 or at least ``MIN_SCALE``, and the smallest positive code times the scale is still
+  positive (the zero-point rule holds for every block). At the top binade a scale whose largest
+  code would decode to inf (``qmax * scale`` rounding past the largest float) is lowered by one ulp;
+  where qmax < 1 (signed dynamic8: 0.993, flagged dynamic8: 0.979 and 0.982) the scale stops at the
+  largest float, and a value past its sign's largest usable map value times that saturates there.
+* Patches are encoded like a ``bf16`` state of the same sign: a finite value saturates at bf16's
+  largest instead of rounding to inf, and a positive value of a non-negative state never becomes 0.
 """
 
 from __future__ import annotations
@@ -22,6 +43,10 @@ from .formats import StateFormat, decode, encode
 
 PATCH_VALUE_DTYPE = torch.bfloat16
 PATCH_INDEX_DTYPE = torch.int16
+# The smallest scale of a block with a nonzero value: the smallest normal float, so its reciprocal
+# (2^126) is finite and exact, and every format's smallest positive code times it is > 0.
+MIN_SCALE = 2.0**-126
+_SMALLEST_SUBNORMAL = 2.0**-149
 
 
 class Quantized(NamedTuple):
@@ -55,6 +80,24 @@ def _blocks(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     return flat.view(nb, b)
 
 
+def _scale_and_inverse(absmax: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block: the scale (a code decodes to ``code * scale``) and the multiplier that takes the
+    block's values to codes (``qmax / absmax``), neither of them 0 for a nonzero block nor inf."""
+    scale = absmax / qmax
+    nonzero = absmax > 0
+    inverse = torch.where(nonzero, qmax / absmax, 0.0)
+    tiny = nonzero & (scale < MIN_SCALE)
+    if not bool((tiny | torch.isinf(scale * qmax)).any()):  # the usual case
+        return scale, inverse
+    scale = torch.where(tiny, MIN_SCALE, scale)
+    inverse = torch.where(tiny, 1.0 / MIN_SCALE, inverse)
+    top = torch.isinf(scale * qmax)
+    # only a qmax < 1 (signed or flagged dynamic8) overflows the scale itself: it stops at the largest
+    # float, and values past the largest usable map value times it saturate there
+    inverse = torch.where(torch.isinf(scale), 1.0 / torch.finfo(torch.float32).max, inverse)
+    return torch.where(top, torch.nextafter(scale, torch.zeros_like(scale)), scale), inverse
+
+
 def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat) -> None:
     """Quantize the flat values ``x`` into the preallocated storage ``out``."""
     if not fmt.blockwise:
@@ -62,22 +105,49 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat) -> None:
         return
     n = x.numel()
     blocks = _blocks(x, fmt)
-    mag = blocks.abs()
+    finite = torch.isfinite(blocks)
+    all_finite = bool(finite.all())  # the usual case skips the non-finite handling below
     idx = []
+    if fmt.patches:  # non-finite values rank below every finite magnitude, patches taken below those
+        mag = blocks.abs() if all_finite else torch.where(finite, blocks.abs(), -1.0)
     for _ in range(fmt.patches):
         j = torch.argmax(mag, dim=1, keepdim=True)  # first maximal value: lowest offset wins ties
         idx.append(j)
-        mag.scatter_(1, j, -1.0)
+        mag.scatter_(1, j, -2.0)
     if idx:
         index = torch.cat(idx, dim=1)
-        out.patch_values.copy_(blocks.gather(1, index).to(PATCH_VALUE_DTYPE))
+        # encoded like a bf16 state of the same sign: saturating, and a positive v never 0
+        out.patch_values.copy_(encode(blocks.gather(1, index), StateFormat.make("bf16", 0, 0, fmt.nonneg)))
         out.patch_index.copy_(index.to(PATCH_INDEX_DTYPE))
         blocks = blocks.scatter(1, index, 0.0)
-    absmax = blocks.abs().amax(dim=1)
-    inv = torch.where(absmax > 0, fmt.qmax / absmax, 0.0)
-    out.scales.copy_(absmax / fmt.qmax)
-    codes = encode(blocks * inv[:, None], fmt).reshape(-1)
-    out.codes.copy_(codes[:n])
+    if all_finite:
+        scale, inverse = _scale_and_inverse(blocks.abs().amax(dim=1), fmt.qmax)
+        normalized, flagged = blocks * inverse[:, None], None
+    else:
+        finite = torch.isfinite(blocks)
+        flagged = ~finite.all(dim=1)
+        absmax = torch.where(finite, blocks.abs(), 0.0).amax(dim=1)
+        scale, inverse = _scale_and_inverse(absmax, fmt.qmax)
+        scale_f, inverse_f = _scale_and_inverse(absmax, fmt.flagged_qmax)
+        scale = torch.where(flagged, -scale_f, scale)  # the sign bit marks the block (-0.0 included)
+        inverse = torch.where(flagged, inverse_f, inverse)
+        normalized = torch.where(finite, blocks * inverse[:, None], blocks)
+        flagged = flagged[:, None]
+    out.scales.copy_(scale)
+    if fmt.nonneg:  # x * inverse may underflow to 0; the zero-point rule needs it positive
+        normalized = torch.where(blocks > 0, normalized.clamp(min=_SMALLEST_SUBNORMAL), normalized)
+    out.codes.copy_(encode(normalized, fmt, flagged).reshape(-1)[:n])
+
+
+def decode_scaled(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """fp32 values of ``codes`` under their blocks' ``scales`` (broadcasting against ``codes``):
+    decode times the scale's magnitude, and in a flagged block (scale sign bit set) the special codes
+    as +inf, -inf or NaN."""
+    flagged = torch.signbit(scales)
+    if not bool(flagged.any()):
+        return decode(codes, fmt) * scales
+    values = decode(codes, fmt, flagged)
+    return torch.where(torch.isfinite(values), values * scales.abs(), values)
 
 
 def dequantize(q: Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -89,7 +159,7 @@ def dequantize(q: Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float3
     codes = q.codes
     if nb * b != n:
         codes = torch.nn.functional.pad(codes.view(torch.uint8), (0, nb * b - n)).view(codes.dtype)
-    values = decode(codes.view(nb, b), fmt) * q.scales[:, None]
+    values = decode_scaled(codes.view(nb, b), q.scales[:, None], fmt)
     if fmt.patches:
         values.scatter_(1, q.patch_index.long(), q.patch_values.float())
     return values.reshape(-1)[:n].to(dtype)

@@ -1,9 +1,9 @@
-"""The CPU lowering (``backend="inductor"``, what ``"auto"`` picks for CPU tensors).
+"""The CPU backend (``backend="cpu"``, what ``"auto"`` picks for CPU tensors).
 
 The split step's prologue (host math on Python floats) runs as its FX code; the body becomes one
-fused C++ kernel (``cpu_emit``) compiled with inductor's toolchain and cached on disk
+fused C++ kernel (``cpp_printer``) compiled with the C++ toolchain inductor uses and cached on disk
 (``cpu_build``). The kernel is specific to the signature only: any parameter size, and any number
-of parameters in one call (``run_many``), which is how many small tensors cost one launch.
+of parameters in one call (``CpuLaunch``), which is how many small tensors cost one launch.
 
 Why not inductor's own code generation: the block quantization needs, per block, the K largest
 magnitudes with their offsets, an absmax of the rest and an encode that depends on both. Expressed in
@@ -18,7 +18,6 @@ import ctypes
 import functools
 import operator
 import os
-import warnings
 from array import array
 from collections.abc import Callable, Sequence
 
@@ -26,13 +25,16 @@ import torch
 from torch.fx import GraphModule
 
 from . import cpu_build
-from .cpu_emit import ENTRY, EmittedStep, UnsupportedStep, emit_step
+from .contract import Role, role_of
+from .cpp_printer import ENTRY, EmittedStep, PointerInput, emit_step
+from .kernel import same_scalar_states
+from .lowering import Target
 
 
 class CpuStep:
-    """A compiled step with the split graph's signature; ``run_many`` steps several parameters at once."""
+    """A compiled step with the split graph's signature; a launch steps several parameters at once."""
 
-    takes_memos = True  # run_many accepts per-row memo dicts
+    backend = "cpu"
 
     def __init__(self, step: GraphModule, emitted: EmittedStep, kernel: Callable[..., int]) -> None:
         self.step = step
@@ -59,132 +61,116 @@ class CpuStep:
                             for p, i in zip(emitted.pointers, self.pointer_args))
         assert all(sources[p.index][0] == "arg" for p in emitted.pointers)
         self.scalar_sources = tuple(sources[i] for i in emitted.scalars)
-        self.scalar_states = tuple(index[n] for n in top if n.meta.get("role") == "scalar_state")
-        self.param_arg = next(index[n] for n in top if n.meta.get("role") == "param")
+        self.scalar_states = tuple(index[n] for n in top if role_of(n) is Role.SCALAR_STATE)
+        self.param_arg = next(index[n] for n in top if role_of(n) is Role.PARAM)
+        self.grad_arg = next((index[n] for n in top if role_of(n) is Role.GRAD), None)
         self.launches = 0
 
-    def __call__(self, *args: object) -> None:
-        self.run_many([args])
+    def launch(self, rows: Sequence[list]) -> CpuLaunch:
+        """One kernel call per set of rows whose scalar states (the step count) are equal, prepared:
+        every buffer checked and its pointer in the call's table."""
+        return CpuLaunch(self, rows)
 
-    def run_many(self, rows: Sequence[Sequence[object]], memos: Sequence[dict] | None = None) -> None:
-        """Step every row (one parameter's top-level inputs each), one kernel call per set of rows
-        whose scalar states (the step count) are equal; all rows share their hyperparameters.
-
-        ``memos`` (one dict per row, kept by the caller while the row's tensors stay the same
-        objects) let a steady step re-check only the inputs that changed object, the grad."""
-        if memos is not None:
-            rows = [_Memo(row, memo) for row, memo in zip(rows, memos)]
-        if len(rows) > 1 and self.scalar_states:
-            ks = self.scalar_states
-            states = [row[k] for row in rows for k in ks]
-            if all(t.dtype == states[0].dtype and t.shape == states[0].shape for t in states):
-                values = torch.stack(states).reshape(len(rows), -1).tolist()  # one read, not one .item() each
-            else:
-                values = [[row[k].item() for k in ks] for row in rows]
-            classes: dict[tuple, list] = {}
-            for row, key in zip(rows, values):
-                classes.setdefault(tuple(key), []).append(row)
-            for same in classes.values():
-                self._launch(same)
-        else:
-            self._launch(rows)
-
-    def _launch(self, rows: Sequence[Sequence[object]]) -> None:
-        """The prologue runs once, on the first row; the other rows' scalar states are set to its
-        result, then one kernel call steps every row."""
-        first = rows[0]
-        outputs = self.prologue(*(first[i] for i in self.prologue_args))
-        if len(rows) > 1 and self.scalar_states:
-            for k in self.scalar_states:
-                torch._foreach_copy_([row[k] for row in rows[1:]], [first[k]] * (len(rows) - 1))
-        scalars = array("d", [float(outputs[j] if kind == "pro" else first[j]) for kind, j in self.scalar_sources])
-        table = array("q")
-        keep: list[torch.Tensor] = []  # contiguous copies of strided read-only inputs, alive until the call
-        for row in rows:
-            table.extend(self._pointers(row, keep))
-        table_addr, _ = table.buffer_info()
-        scalars_addr = scalars.buffer_info()[0] if scalars else None
-        status = self.kernel(len(rows), table_addr, scalars_addr, torch.get_num_threads())
-        self.launches += 1
-        if status == 3:
-            raise RuntimeError("lowbit-compile CPU kernel: the dynamic8 map of kernels/formats.py is finer than "
-                               "the kernel's encode buckets (cpu_prelude.h, lb_dyn_build); use backend='reference'")
-        if status:
-            raise MemoryError("lowbit-compile CPU kernel could not allocate its block buffers")
-
-    def _pointers(self, row: Sequence[object], keep: list[torch.Tensor]) -> list[int]:
-        """[element count, data pointers...] for one parameter, after checking every buffer's dtype,
-        length and layout (a wrong binding must fail here, not write out of bounds)."""
-        if isinstance(row, _Memo):
-            return self._memo_pointers(row, keep)
-        n = row[self.param_arg].numel()
+    def check(self, row: Sequence[object], i: int, n: int, spec: PointerInput, dtypes: frozenset,
+              keep: list[torch.Tensor]) -> int:
+        """The data pointer of input ``i`` of a row of ``n`` elements, after checking its dtype, length
+        and layout (a wrong binding must fail here, not write out of bounds); a strided read-only input
+        is read from a contiguous copy, kept alive in ``keep``."""
+        t = row[i]
         blocks = -(-n // self.emitted.block)
-        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0}
-        out = [n]
-        for i, dtypes, spec in self.checks:
-            t = row[i]
-            if t.dtype not in dtypes or t.numel() != expected[spec.length]:
-                raise ValueError(f"input {spec.name!r}: expected {expected[spec.length]} elements of "
-                                 f"{spec.dtype}, got {t.numel()} of {t.dtype}")
-            if not t.is_contiguous():
-                if spec.written:
-                    raise ValueError(f"input {spec.name!r} must be contiguous (it is written in place)")
-                t = t.contiguous()
-                keep.append(t)
-            out.append(t.data_ptr())
-        return out
+        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0}[spec.length]
+        if t.dtype not in dtypes or t.numel() != expected:
+            raise ValueError(f"input {spec.name!r}: expected {expected} elements of {spec.dtype}, got "
+                             f"{t.numel()} of {t.dtype}")
+        if not t.is_contiguous():
+            if spec.written:
+                raise ValueError(f"input {spec.name!r} must be contiguous (it is written in place)")
+            t = t.contiguous()
+            keep.append(t)
+        return t.data_ptr()
 
 
-    def _memo_pointers(self, row: _Memo, keep: list[torch.Tensor]) -> list[int]:
-        """``_pointers``, re-checking only the inputs that are not the same objects as at the last
-        call with this memo (a steady step: the grad)."""
-        seen = row.memo.get(self)
-        if seen is None:
-            ptrs = self._pointers(row.row, keep)
-            if not keep:  # no temporary copies: the pointers stay valid while the objects do
-                row.memo[self] = ([row[i] for i, _, _ in self.checks], ptrs)
-            return ptrs
-        tensors, ptrs = seen
-        n = ptrs[0]
-        blocks = -(-n // self.emitted.block)
-        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0}
-        for j, (i, dtypes, spec) in enumerate(self.checks):
-            t = row[i]
-            if t is tensors[j]:
-                continue
-            if t.dtype not in dtypes or t.numel() != expected[spec.length] or not t.is_contiguous():
-                return self._pointers(row.row, keep)  # the full check says what is wrong, or copies
-            tensors[j] = t
-            ptrs[j + 1] = t.data_ptr()
-        return ptrs
+class CpuLaunch:
+    """Kernel calls over fixed rows (one parameter's inputs each), kept between steps: each call's
+    pointer table is built once; a step re-points the grads that are new objects (:meth:`set_grad`)
+    and reads the rows' hyperparameters as they are when it runs (:meth:`run`). The prologue runs
+    once per call, on its first row, and the other rows' scalar states are set to its result."""
+
+    def __init__(self, step: CpuStep, rows: Sequence[list]) -> None:
+        self.step = step
+        self.rows = rows
+        self.grad_check = next((c for c in step.checks if c[0] == step.grad_arg), None)
+        self.grad_arg = step.grad_arg
+        self._build()
+
+    def _build(self) -> None:
+        step = self.step
+        self.calls: list[tuple[list[int], array]] = []
+        self.where: dict[int, tuple[array, int]] = {}  # row -> (its call's table, the slot of its grad pointer)
+        self.keep: dict[int, list[torch.Tensor]] = {}
+        for members in same_scalar_states(self.rows, step.scalar_states):
+            table = array("q")
+            for r in members:
+                row, keep = self.rows[r], []
+                n = row[step.param_arg].numel()
+                table.append(n)
+                for i, dtypes, spec in step.checks:
+                    if i == self.grad_arg:
+                        self.where[r] = (table, len(table))
+                    table.append(step.check(row, i, n, spec, dtypes, keep))
+                self.keep[r] = keep
+            self.calls.append((members, table))
+        self.scalar_tensors = [self.rows[r][k] for r in range(len(self.rows)) for k in step.scalar_states]
+        self.versions = self._versions()
+
+    def _versions(self) -> list[int]:
+        """In-place writes to the scalar states since our own (someone reset a step count)."""
+        return [t._version for t in self.scalar_tensors]
+
+    def changed(self, r: int, i: int) -> None:
+        """``rows[r][i]`` is a new tensor: the grad is re-pointed; any other input needs a new launch."""
+        if i != self.grad_arg:
+            raise ValueError(f"only the grad of a prepared launch may change, not input {i}")
+        row = self.rows[r]
+        table, slot = self.where[r]
+        _, dtypes, spec = self.grad_check
+        keep: list[torch.Tensor] = []
+        table[slot] = self.step.check(row, i, row[self.step.param_arg].numel(), spec, dtypes, keep)
+        self.keep[r] = keep
+
+    def run(self) -> None:
+        step = self.step
+        if step.scalar_states and self._versions() != self.versions:
+            self._build()  # the step counts were changed from outside: group the rows again
+        for members, table in self.calls:
+            first = self.rows[members[0]]
+            outputs = step.prologue(*(first[i] for i in step.prologue_args))
+            if len(members) > 1 and step.scalar_states:
+                for k in step.scalar_states:
+                    torch._foreach_copy_([self.rows[r][k] for r in members[1:]], [first[k]] * (len(members) - 1))
+            scalars = array("d", [float(outputs[j] if kind == "pro" else first[j]) for kind, j in step.scalar_sources])
+            scalars_addr = scalars.buffer_info()[0] if scalars else None
+            status = step.kernel(len(members), table.buffer_info()[0], scalars_addr, torch.get_num_threads())
+            step.launches += 1
+            if status == 3:
+                raise RuntimeError("lowbit-compile CPU kernel: the dynamic8 map of kernels/formats.py is finer "
+                                   "than the kernel's encode buckets (cpu_prelude.h, lb_dyn_build); use "
+                                   "backend='reference'")
+            if status:
+                raise MemoryError("lowbit-compile CPU kernel could not allocate its block buffers")
+        if step.scalar_states:
+            self.versions = self._versions()
 
 
-class _Memo:
-    """A row with the caller's memo dict attached (``CpuStep.run_many``)."""
-
-    __slots__ = ("row", "memo")
-
-    def __init__(self, row: Sequence[object], memo: dict) -> None:
-        self.row, self.memo = row, memo
-
-    def __getitem__(self, i: int) -> object:
-        return self.row[i]
-
-
-def lower_cpu(step: GraphModule) -> Callable[..., None]:
-    """Lower a split, rewritten step to the fused CPU kernel; the reference where the emitter refuses."""
+def lower_cpu(step: GraphModule) -> CpuStep:
+    """The split, rewritten step as one compiled C++ kernel (``LoweringError`` or ``RuntimeError`` when
+    it cannot be built: an op no printer covers, or no C++ compiler). A step without quantized states
+    takes torch's own square root and true divisions, so it is bit for bit stock; with quantized
+    states the kernel takes the SIMD square root and multiplies by the reciprocal of a scalar divisor,
+    each within one fp32 rounding of torch's."""
     stock = not any(n.target is torch.ops.lowbit.dequantize.default for n in step.body.graph.nodes)
-    try:
-        emitted = emit_step(step.body, exact=stock)
-    except UnsupportedStep as err:
-        warnings.warn(f"lowbit-compile: the CPU kernel does not cover this step ({err}); running the eager "
-                      "reference lowering instead", stacklevel=2)
-        return step.forward
-    try:
-        cpu_build.compiler()
-    except RuntimeError as err:
-        warnings.warn(f"lowbit-compile: {err}; running the eager reference lowering instead", stacklevel=2)
-        return step.forward
+    emitted = emit_step(step.body, Target("cpu", torch_sqrt=stock, reciprocal_divisor=not stock))
+    cpu_build.compiler()
     lib = cpu_build.load(emitted.full_source)
     if emitted.mkl_sqrt:
         vsqrt = _torch_vsqrt()

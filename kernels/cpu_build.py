@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .kernel import BuildError
+
 FLAGS = (
     "-O3", "-DNDEBUG", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
     "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
@@ -40,7 +42,7 @@ def compiler() -> str:
     name = os.environ.get("CXX", "g++")
     path = shutil.which(name)
     if path is None:
-        raise RuntimeError(f"no C++ compiler found ({name!r}); install g++ or set $CXX, or use backend='reference'")
+        raise BuildError(f"no C++ compiler found ({name!r}); install g++ or set $CXX, or use backend='reference'")
     return os.path.realpath(path)
 
 
@@ -104,7 +106,7 @@ def _compile(source: str, lib_path: Path, extra_flags: tuple[str, ...]) -> None:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             errors = [line[:300] for line in done.stderr.splitlines() if "error" in line][:10]
-            raise RuntimeError("compiling a lowbit-compile CPU kernel failed:\n" + " ".join(cmd) + "\n"
+            raise BuildError("compiling a lowbit-compile CPU kernel failed:\n" + " ".join(cmd) + "\n"
                                + "\n".join(errors))
         os.replace(tmp_src, src_path)  # kept next to the library for reading and debugging
         os.replace(tmp_lib, lib_path)

@@ -1,7 +1,8 @@
-// Runtime of the fused CPU step kernels that kernels/cpu_emit.py generates: SIMD helpers, the
+// Runtime of the fused CPU step kernels that kernels/cpp_printer.py prints: SIMD helpers, the
 // element formats of kernels/formats.py, and block (de)quantization with outlier patches exactly as
-// kernels/blockquant.py defines them. The emitter pastes this file in front of every kernel, so a
-// kernel's source (and its cache key) is self-contained.
+// kernels/blockquant.py defines them. The printer pastes this file in front of every kernel, with the
+// format constants generated from formats.py in place of the @formats@ line, so a kernel's source
+// (and its cache key) is self-contained.
 //
 // Vectors are GCC vector extensions of LB_W float lanes (16 with AVX-512, else 8); the compiler maps
 // them onto the machine's SIMD registers. Per-lane loops over __builtin_fmaf/__builtin_sqrtf/
@@ -63,6 +64,10 @@ LB_INLINE vf lb_minimum(vf a, vf b) {
   vf m = a < b ? a : b;
   return (a != a) | (b != b) ? lb_nan() : m;
 }
+LB_INLINE float lb_maximum_s(float a, float b) { return a != a || b != b ? NAN : (a > b ? a : b); }
+LB_INLINE float lb_minimum_s(float a, float b) { return a != a || b != b ? NAN : (a < b ? a : b); }
+LB_INLINE vf lb_abs(vf a) { return lb_bits_f(lb_bits_i(a) & 0x7FFFFFFF); }
+LB_INLINE vi lb_mask(bool b) { return lb_splat_i(b ? -1 : 0); }  // a scalar condition as a lane mask
 LB_INLINE vf lb_clamp(vf x, float lo, float hi) {  // NaN stays NaN, like Tensor.clamp
   x = x < lb_splat(lo) ? lb_splat(lo) : x;
   return x > lb_splat(hi) ? lb_splat(hi) : x;
@@ -199,8 +204,40 @@ static inline uint16_t lb_bf16_bits(float x) {
   return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
 }
 
+static inline float lb_round_bf16_s(float x) { return lb_bf16_scalar(lb_bf16_bits(x)); }
+
+// fp16 <-> fp32 through the compiler's _Float16 (IEEE conversions, to nearest even).
+LB_INLINE vf lb_round_f16(vf x) {
+  vf r;
+  for (int l = 0; l < LB_W; ++l) r[l] = (float)(_Float16)x[l];
+  return r;
+}
+static inline float lb_round_f16_s(float x) { return (float)(_Float16)x; }
+LB_INLINE vf lb_ld_f16(const uint16_t* p) {
+  _Float16 h[LB_W];
+  memcpy(h, p, sizeof h);
+  vf r;
+  for (int l = 0; l < LB_W; ++l) r[l] = (float)h[l];
+  return r;
+}
+LB_INLINE void lb_st_f16(uint16_t* p, vf v) {
+  _Float16 h[LB_W];
+  for (int l = 0; l < LB_W; ++l) h[l] = (_Float16)v[l];
+  memcpy(p, h, sizeof h);
+}
+LB_INLINE vf lb_ld_f16_n(const uint16_t* p, int64_t r) {
+  uint16_t t[LB_W] = {0};
+  memcpy(t, p, r * sizeof(uint16_t));
+  return lb_ld_f16(t);
+}
+LB_INLINE void lb_st_f16_n(uint16_t* p, vf v, int64_t r) {
+  uint16_t t[LB_W];
+  lb_st_f16(t, v);
+  memcpy(p, t, r * sizeof(uint16_t));
+}
+
 // ---- element formats (kernels/formats.py) -----------------------------------------------------
-enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3 };
+// @formats@
 
 LB_INLINE vi lb_ld_codes(const uint8_t* p) { return lb_ld_u8(p); }  // one byte per lane, zero-extended
 LB_INLINE vi lb_ld_codes_n(const uint8_t* p, int64_t r) {
@@ -215,13 +252,17 @@ LB_INLINE void lb_st_codes_n(uint8_t* p, vi c, int64_t r) {
   memcpy(p, t, r);
 }
 
-// float8_e4m3fn: bias 7, no infinities, 0x7F is NaN.
-LB_INLINE vf lb_decode_e4m3(vi u) {
-  vi em = u & 0x7F, e = em >> 3, m = em & 7;
-  vf normal = lb_bits_f(((e + 120) << 23) | (m << 20));
-  vf sub = __builtin_convertvector(m, vf) * lb_splat(0x1p-9f);
+// fp8 with M mantissa bits and 7 - M exponent bits: e4m3fn (M = 3: no infinities, all-ones is NaN)
+// and e5m2 (M = 2: infinities and NaNs as in IEEE).
+template <int M>
+LB_INLINE vf lb_decode_fp8(vi u) {
+  const int E = 7 - M, BIAS = (1 << (E - 1)) - 1;
+  vi e = (u >> M) & ((1 << E) - 1), m = u & ((1 << M) - 1);
+  vf normal = lb_bits_f(((e + (127 - BIAS)) << 23) | (m << (23 - M)));
+  vf sub = __builtin_convertvector(m, vf) * lb_bits_f(lb_splat_i((127 + 1 - BIAS - M) << 23));  // m * 2^(1-BIAS-M)
   vf v = e == 0 ? sub : normal;
-  v = em == 0x7F ? lb_nan() : v;
+  if (M == 3) v = (u & 0x7F) == 0x7F ? lb_nan() : v;
+  else v = e == (1 << E) - 1 ? lb_bits_f((255 << 23) | (m << (23 - M))) : v;
   return lb_bits_f(lb_bits_i(v) | ((u & 0x80) << 24));
 }
 // Round |y| <= qmax to fp8 with M mantissa bits (normals from 2^MIN_EXP) by adding and removing
@@ -238,24 +279,11 @@ LB_INLINE vi lb_encode_fp8_rounded(vf y) {
   vf c = lb_bits_f(magic);
   vf r = (lb_bits_f(ab) + c) - c;
   vi normal = (lb_bits_i(r) >> (23 - M)) - ((127 - bias) << M);
-  vi sub = __builtin_convertvector(r * lb_splat((float)(1 << (M - MIN_EXP))), vi);  // r = k * 2^(MIN_EXP - M)
-  vi code = r >= lb_splat(MIN_EXP == -6 ? 0x1p-6f : 0x1p-14f) ? normal : sub;
+  vi sub = __builtin_convertvector(r * lb_bits_f(lb_splat_i((127 + M - MIN_EXP) << 23)), vi);  // r / 2^(MIN_EXP-M)
+  vi code = r >= lb_bits_f(lb_splat_i((127 + MIN_EXP) << 23)) ? normal : sub;
   code = y != y ? lb_splat_i(0x7F) : code;
   return (code | (vi)((vu)sign >> 24)) & 0xFF;
 }
-LB_INLINE vi lb_encode_e4m3(vf f) { return lb_encode_fp8_rounded<3, -6>(f); }
-
-// float8_e5m2: bias 15, infinities and NaNs like IEEE.
-LB_INLINE vf lb_decode_e5m2(vi u) {
-  vi e = (u >> 2) & 0x1F, m = u & 3;
-  vf normal = lb_bits_f(((e + 112) << 23) | (m << 21));
-  vf special = lb_bits_f((255 << 23) | (m << 21));
-  vf sub = __builtin_convertvector(m, vf) * lb_splat(0x1p-16f);
-  vf v = e == 0 ? sub : normal;
-  v = e == 31 ? special : v;
-  return lb_bits_f(lb_bits_i(v) | ((u & 0x80) << 24));
-}
-LB_INLINE vi lb_encode_e5m2(vf f) { return lb_encode_fp8_rounded<2, -14>(f); }
 
 // dynamic8: a sorted 256-entry map; encode is bucketize(x, midpoints, right=True), by one table
 // look-up. The sign, exponent and top 7 mantissa bits of x pick a bucket of magnitudes [lo, hi)
@@ -314,37 +342,35 @@ LB_INLINE vi lb_encode_dynamic8(vf y, const int32_t* keys) {
 // Codes (one byte per lane) -> values relative to the block scale.
 template <int F, bool U>
 LB_INLINE vf lb_decode(vi u, const float* map) {
-  if (F == LB_INT8) return U ? __builtin_convertvector(u, vf) : __builtin_convertvector((u << 24) >> 24, vf);
-  if (F == LB_E4M3) return lb_decode_e4m3(u);
-  if (F == LB_E5M2) return lb_decode_e5m2(u);
-  return lb_decode_dynamic8(u, map);
+  if constexpr (F == LB_INT8) return U ? __builtin_convertvector(u, vf) : __builtin_convertvector((u << 24) >> 24, vf);
+  else if constexpr (F == LB_E4M3 || F == LB_E5M2) return lb_decode_fp8<lb_format<F, U>::mantissa>(u);
+  else return lb_decode_dynamic8(u, map);
 }
 
 // Values already multiplied by qmax/absmax -> codes; a positive value of a non-negative state never
 // becomes code 0 (formats.encode).
 template <int F, bool U>
 LB_INLINE vi lb_encode(vf y, const int32_t* keys) {
-  if (F == LB_INT8) {
-    vf q = lb_clamp(lb_rint(y), U ? 0.0f : -127.0f, U ? 255.0f : 127.0f);
+  if constexpr (F == LB_INT8) {
+    vf q = lb_clamp(lb_rint(y), U ? 0.0f : -lb_format<F, U>::qmax, lb_format<F, U>::qmax);
     if (U) q = (y > 0) & (q == 0) ? lb_splat(1.0f) : q;
     return __builtin_convertvector(q, vi) & 0xFF;
-  }
-  if (F == LB_DYNAMIC8) {
+  } else if constexpr (F == LB_DYNAMIC8) {
     vi idx = lb_encode_dynamic8(y, keys);
     if (U) idx = (y > 0) & (idx == 0) ? lb_splat_i(1) : idx;
     return idx;
+  } else {
+    const float qmax = lb_format<F, U>::qmax, min_positive = lb_format<F, U>::min_positive;
+    vf c = lb_clamp(y, -qmax, qmax);
+    if (U) c = (c > 0) & (c < min_positive) ? lb_splat(min_positive) : c;
+    return lb_encode_fp8_rounded<lb_format<F, U>::mantissa, lb_format<F, U>::min_exponent>(c);
   }
-  const float qmax = F == LB_E4M3 ? 448.0f : 57344.0f;
-  const float min_positive = F == LB_E4M3 ? 0x1p-9f : 0x1p-16f;
-  vf c = lb_clamp(y, -qmax, qmax);
-  if (U) c = (c > 0) & (c < min_positive) ? lb_splat(min_positive) : c;
-  return F == LB_E4M3 ? lb_encode_e4m3(c) : lb_encode_e5m2(c);
 }
 
 // bf16 state storage (not blockwise): a positive value of a non-negative state stays positive.
 template <bool U>
 LB_INLINE vf lb_bf16_state_clamp(vf x) {
-  const float min_positive = 0x1p-133f;  // the smallest positive bf16
+  const float min_positive = lb_format<LB_BF16_CODES, U>::min_positive;  // the smallest positive bf16
   return U ? ((x > 0) & (x < min_positive) ? lb_splat(min_positive) : x) : x;
 }
 

@@ -12,7 +12,7 @@ import torch
 from . import blockquant
 from .formats import StateFormat
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @torch.library.custom_op("lowbit::dequantize", mutates_args=())
@@ -26,12 +26,12 @@ def dequantize(
 ) -> torch.Tensor:
     """Decode one flat state to ``dtype`` (the dtype the stock optimizer keeps that state in)."""
     q = blockquant.Quantized(codes, scales, patch_values, patch_index)
-    return blockquant.dequantize(q, StateFormat.from_tag(fmt), _DTYPES[dtype])
+    return blockquant.dequantize(q, StateFormat.from_tag(fmt), DTYPES[dtype])
 
 
 @dequantize.register_fake
 def _(codes, scales, patch_values, patch_index, fmt, dtype):
-    return codes.new_empty(codes.shape, dtype=_DTYPES[dtype])
+    return codes.new_empty(codes.shape, dtype=DTYPES[dtype])
 
 
 @torch.library.custom_op(

@@ -1,5 +1,5 @@
-"""The Triton lowering (``LOWERINGS["triton"]``): compile the emitted kernel of a step and launch it
-per parameter, plus standalone quantize/dequantize kernels of one state.
+"""The Triton backend: compile the printed kernel of a step and launch it per parameter, plus
+standalone quantize/dequantize kernels of one state.
 
 Every launch goes through a ``torch.library`` custom op (``lowbit::fused_step``,
 ``lowbit::quantize_triton``, ``lowbit::dequantize_triton``) with a fake implementation, so launches
@@ -14,7 +14,6 @@ import copy
 import functools
 import hashlib
 import linecache
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,25 +23,42 @@ from torch.fx import GraphModule
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import blockquant
+from .backends import interpreting
 from .formats import StateFormat, dynamic_map, dynamic_midpoints
-from .triton_emitter import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
+from .kernel import BuildError, RowLaunch
+from .lowering import Target
+from .triton_printer import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
 
 
-def interpreting() -> bool:
-    """Whether kernels built now run under the Triton interpreter (``TRITON_INTERPRET=1``)."""
-    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; earlier ones read the variable directly
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def flavor_of(device: torch.device) -> str:
-    """Which device's ATen formulas a kernel for ``device`` reproduces (see ``triton_emitter``)."""
-    return "cuda" if device.type == "cuda" else "cpu"
+def target_of(device: torch.device) -> Target:
+    """Whose arithmetic a kernel for ``device`` reproduces: CUDA's, or (interpreted on CPU tensors)
+    eager CPU's, so the interpreter tests compare with the reference on the same machine; and its
+    FP8 path (:func:`fp8_native_for`)."""
+    return Target("cuda" if device.type == "cuda" else "cpu", fp8_native=fp8_native_for(device))
 
 
 # Launch tuning, for benchmarks: None picks num_warps from the tile size.
 LAUNCH_OPTIONS: dict[str, int | None] = {"num_warps": None}
+
+FP8_NATIVE_ARCH = 89  # the first CUDA compute capability with fp8 conversion instructions (Ada, then Hopper)
+# The FP8 path of kernels emitted from now on, for tests and bench/gpu_check.py: None picks it from the device.
+FP8_PATH: dict[str, bool | None] = {"native": None}
+
+
+def fp8_native_for(device: torch.device) -> bool:
+    """Whether kernels for ``device`` hold fp8 codes as float8 and convert them with the GPU's cvt
+    instructions (sm_89 and later), or as uint8 bits with integer operations (earlier GPUs). The
+    interpreter runs both; CPU tensors take the native path unless ``FP8_PATH`` says otherwise."""
+    forced = FP8_PATH["native"]
+    if forced is not None:
+        return forced
+    return _cuda_arch(device) >= FP8_NATIVE_ARCH if device.type == "cuda" else True
+
+
+@functools.cache
+def _cuda_arch(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
 
 
 class TritonKernel:
@@ -57,6 +73,24 @@ class TritonKernel:
         self.key = kernel_key(emitted)
         self.interpreted = interpreting()
         self.fn = _compile(emitted.source, emitted.name, self.key)
+        # fp8 codes on the integer path: the kernel reads and writes their bytes
+        self.byte_inputs = frozenset(p.index for p in emitted.params if p.kind == "input" and p.dtype == torch.uint8)
+
+    def build(self, device: torch.device) -> None:
+        """Compile for ``device`` now, not at the first launch (which comes after the step's prologue
+        has advanced its counters); interpreted kernels need no compiling."""
+        if self.interpreted or device.type != "cuda":
+            return
+        e = self.emitted
+        args = [p.dtype if p.dtype is not None else 1.0 for p in e.params]
+        try:
+            self.fn.warmup(*args, 1 << 20, 0, BLOCK=e.block, ROWS=e.rows, grid=(1,),
+                           num_warps=self._num_warps(), enable_fp_fusion=False)
+        except Exception as err:  # triton's compile errors have no common base class
+            raise BuildError(f"compiling the Triton kernel {e.name} for {device} failed: {err}") from err
+
+    def _num_warps(self) -> int:
+        return LAUNCH_OPTIONS["num_warps"] or _warps(self.emitted)
 
     def split(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
         """The body inputs ``inputs`` (in graph order) as the op's (written, read, numbers) lists."""
@@ -88,15 +122,15 @@ class TritonKernel:
             value = values[p.index]
             if isinstance(value, torch.Tensor) and value.device != device:
                 value = value.to(device, non_blocking=True)  # a 0-d hyperparameter kept on the host
+            if p.index in self.byte_inputs and value.dtype != torch.uint8:
+                value = value.view(torch.uint8)
             args.append(value)
         n = anchor.numel()
         blocks = triton.cdiv(n, e.block) - first_block
         if blocks <= 0:
             return
-        tile = e.block * e.rows
-        num_warps = LAUNCH_OPTIONS["num_warps"] or (4 if tile <= 1024 else 8 if tile <= 4096 else 16)
         self.fn[(triton.cdiv(blocks, e.rows),)](
-            *args, n, first_block, BLOCK=e.block, ROWS=e.rows, num_warps=num_warps, enable_fp_fusion=False,
+            *args, n, first_block, BLOCK=e.block, ROWS=e.rows, num_warps=self._num_warps(), enable_fp_fusion=False,
         )
 
     def _list_of(self, p: KernelParam) -> str:
@@ -110,20 +144,30 @@ _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16
                   torch.float8_e5m2: "*fp8e5"}
 
 
-def compile_for_target(emitted: EmittedKernel, arch: int = 90, num_warps: int = 8):
-    """Compile ``emitted`` for CUDA compute capability ``arch`` without a GPU (Triton's bundled ptxas):
-    GPU-only compile errors show on any machine. Not available under the interpreter."""
+def _warps(e: EmittedKernel) -> int:
+    tile = e.block * e.rows
+    return 4 if tile <= 1024 else 8 if tile <= 4096 else 16
+
+
+def compile_for_target(graph: GraphModule, arch: int = 90, fp8_native: bool | None = None,
+                       name: str = "lowbit_step"):
+    """Emit the CUDA kernel of ``graph`` (a split step's body, or a standalone state graph) as a GPU of
+    compute capability ``arch`` would run it, FP8 path included (``fp8_native`` forces one), and compile it
+    without a GPU (Triton's bundled ptxas): GPU-only compile errors show on any machine. Not available
+    under the interpreter."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if interpreting():
         raise RuntimeError("compile_for_target needs TRITON_INTERPRET unset: it builds real Triton kernels")
+    native = arch >= FP8_NATIVE_ARCH if fp8_native is None else fp8_native
+    emitted = emit_kernel(graph, name, Target("cuda", fp8_native=native))
     signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else "fp32" for p in emitted.params}
     signature.update(n_elements="i64", first_block="i64", BLOCK="constexpr", ROWS="constexpr")
     fn = _compile(emitted.source, emitted.name, kernel_key(emitted))
     source = ASTSource(fn, signature, constexprs={"BLOCK": emitted.block, "ROWS": emitted.rows})
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": False})
+                          options={"num_warps": _warps(emitted), "enable_fp_fusion": False})
 
 
 def kernel_key(emitted: EmittedKernel) -> str:
@@ -193,54 +237,62 @@ dequantize_op = _define_launch_op("dequantize_triton")  # one state into a dense
 
 # the step lowering ---------------------------------------------------------------------------------
 class FusedStepBody(torch.nn.Module):
-    """Stands in for the ``body`` child of a split step: emits its kernel for the device it first
-    runs on (once per device type) and launches it through ``lowbit::fused_step``."""
+    """Stands in for the ``body`` child of a split step: launches its kernel through
+    ``lowbit::fused_step``."""
 
-    def __init__(self, body: GraphModule, name: str = "lowbit_step") -> None:
+    def __init__(self, kernel: TritonKernel) -> None:
         super().__init__()
-        self.graph_module = body
-        self.kernel_name = name
-        self._kernels: dict[str, TritonKernel] = {}
-
-    def kernel(self, device: torch.device) -> TritonKernel:
-        flavor = flavor_of(device)
-        kernel = self._kernels.get(flavor)
-        if kernel is None:
-            kernel = self._kernels[flavor] = kernel_for(emit_kernel(self.graph_module, self.kernel_name, flavor))
-        return kernel
+        self.kernel = kernel
 
     def forward(self, *inputs: Any) -> None:
-        anchor = next(x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0)
-        kernel = self.kernel(anchor.device)
-        fused_step_op(kernel.key, *kernel.split(inputs))
+        fused_step_op(self.kernel.key, *self.kernel.split(inputs))
 
 
-def lower_triton(step: GraphModule) -> Callable[..., None]:
-    """``LOWERINGS["triton"]``: the split step with its body replaced by the fused kernel; the scalar
-    prologue still runs on the host, as in the reference."""
-    root = torch.nn.Module()
-    root.prologue = step.prologue
-    root.body = FusedStepBody(step.body)
-    return GraphModule(root, copy.deepcopy(step.graph), "FusedStep").forward
+class TritonStep:
+    """A split step whose body is one Triton kernel, emitted and built when this is made; the scalar
+    prologue runs on the host, as in the reference. One launch per parameter."""
+
+    backend = "triton"
+
+    def __init__(self, step: GraphModule, device: torch.device) -> None:
+        if device.type != "cuda" and not interpreting():
+            raise BuildError(
+                f"the triton backend runs {device.type} tensors only under TRITON_INTERPRET=1, set before the "
+                "first kernel is built; use backend='cpu' or 'auto' for CPU tensors"
+            )
+        kernel = kernel_for(emit_kernel(step.body, "lowbit_step", target_of(device)))
+        kernel.build(device)
+        root = torch.nn.Module()
+        root.prologue = step.prologue
+        root.body = FusedStepBody(kernel)
+        self.kernel = kernel
+        self.graph = GraphModule(root, copy.deepcopy(step.graph), "FusedStep")
+
+    def launch(self, rows: Sequence[list]) -> RowLaunch:
+        return RowLaunch(self._run, rows)
+
+    def _run(self, rows: Sequence[list]) -> None:
+        for row in rows:
+            self.graph(*row)
 
 
 # standalone state kernels --------------------------------------------------------------------------
 @functools.cache
-def _state_kernel(kind: str, fmt: StateFormat, dtype: torch.dtype, flavor: str) -> TritonKernel:
+def _state_kernel(kind: str, fmt: StateFormat, dtype: torch.dtype, target: Target) -> TritonKernel:
     graph = quantize_graph(fmt, dtype) if kind == "quantize" else dequantize_graph(fmt, dtype)
-    return kernel_for(emit_kernel(graph, f"lowbit_{kind}", flavor))
+    return kernel_for(emit_kernel(graph, f"lowbit_{kind}", target))
 
 
 def quantize_into(x: torch.Tensor, out: blockquant.Quantized, fmt: StateFormat) -> None:
     """``blockquant.quantize_into`` with a Triton kernel: ``x`` (any float dtype, any shape) into ``out``."""
     flat = x.reshape(-1)
-    kernel = _state_kernel("quantize", fmt, flat.dtype, flavor_of(flat.device))
+    kernel = _state_kernel("quantize", fmt, flat.dtype, target_of(flat.device))
     quantize_op(kernel.key, *kernel.split((flat, *out)))
 
 
 def dequantize(q: blockquant.Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``blockquant.dequantize`` with a Triton kernel: the flat values of ``q`` as a new ``dtype`` tensor."""
     out = torch.empty(q.codes.numel(), dtype=dtype, device=q.codes.device)
-    kernel = _state_kernel("dequantize", fmt, dtype, flavor_of(out.device))
+    kernel = _state_kernel("dequantize", fmt, dtype, target_of(out.device))
     dequantize_op(kernel.key, *kernel.split((*q, out)))
     return out

@@ -11,6 +11,11 @@ rules for kernels that use these helpers:
   contracted with the product that feeds it, and the emitter writes every fma ATen uses explicitly;
 * import this module only after ``TRITON_INTERPRET`` has its final value: ``triton.jit`` reads it when
   it decorates, and an interpreted kernel cannot call compiled helpers (nor the reverse).
+
+FP8 codes take one of two paths, the constexpr ``FP8_NATIVE`` (read by fp8 formats only): float8 types
+and their conversions (cvt instructions that only sm_89 and later have), or integer bit operations on
+uint8 codes (:func:`fp8_code`, :func:`fp8_value`), which compile for every architecture. Both give the
+same codes.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Element formats (constexpr ids), in the order of formats.FORMAT_NAMES; fp32 states never reach a kernel.
-INT8 = tl.constexpr(0)
-DYNAMIC8 = tl.constexpr(1)
-FP8_E4M3 = tl.constexpr(2)
-FP8_E5M2 = tl.constexpr(3)
-BF16_CODES = tl.constexpr(4)
+from .formats import FORMAT_IDS
+
+# Element formats (constexpr ids, formats.FORMAT_IDS); fp32 states never reach a kernel.
+INT8 = tl.constexpr(FORMAT_IDS["int8"])
+DYNAMIC8 = tl.constexpr(FORMAT_IDS["dynamic8"])
+FP8_E4M3 = tl.constexpr(FORMAT_IDS["fp8_e4m3"])
+FP8_E5M2 = tl.constexpr(FORMAT_IDS["fp8_e5m2"])
+BF16_CODES = tl.constexpr(FORMAT_IDS["bf16"])
 
 # Value dtypes of params and stock states: every value lives in fp32 registers, rounded to its dtype.
 F32 = tl.constexpr(0)
@@ -92,13 +99,6 @@ def load_scalar(ptr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def lerp(start, end, weight):
-    """``torch.lerp`` as ATen computes it on CPU and CUDA: one fma from the nearer end point."""
-    small = tl.abs(weight) < 0.5
-    return tl.fma(tl.where(small, weight, weight - 1.0), end - start, tl.where(small, start, end))
-
-
-@triton.jit
 def round_to_fp8(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     """Round fp32 to the nearest fp8 value (ties to even, subnormals included), held exactly in fp32.
 
@@ -114,6 +114,41 @@ def round_to_fp8(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
 
 
 @triton.jit
+def fp8_code(r, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """The fp8 bit pattern (as uint8) of ``r``, a finite value :func:`round_to_fp8` returned, or NaN
+    (0x7F with the sign): the fp32 exponent rebiased and the mantissa truncated (exact, no bits are
+    lost), or below the smallest normal the multiple of the subnormal unit. ``cpu_prelude.h``'s
+    ``lb_encode_fp8_rounded`` is the same arithmetic."""
+    bits = r.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    smallest_normal = (127 + MIN_EXPONENT) << 23
+    normal = (magnitude >> (23 - MANTISSA_BITS)) - ((127 + MIN_EXPONENT - 1) << MANTISSA_BITS)
+    below = tl.minimum(magnitude, smallest_normal).to(tl.float32, bitcast=True)  # in range of the int cast
+    subnormal = (below * (2.0 ** (MANTISSA_BITS - MIN_EXPONENT))).to(tl.int32)
+    code = tl.where(magnitude >= smallest_normal, normal, subnormal)
+    return (tl.where(r != r, 0x7F, code) | sign).to(tl.uint8)
+
+
+@triton.jit
+def fp8_value(code, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """The fp32 value of fp8 codes held in uint8, subnormals, infinities (e5m2) and NaNs included: the
+    exponent rebiased into fp32's, or the subnormal multiple of ``2**(MIN_EXPONENT - MANTISSA_BITS)``.
+    ``cpu_prelude.h``'s ``lb_decode_e4m3`` / ``lb_decode_e5m2`` are the same arithmetic."""
+    u = code.to(tl.int32)
+    exponent = (u & 0x7F) >> MANTISSA_BITS
+    mantissa = u & ((1 << MANTISSA_BITS) - 1)
+    normal = ((exponent + (127 + MIN_EXPONENT - 1)) << 23) | (mantissa << (23 - MANTISSA_BITS))
+    subnormal = (mantissa.to(tl.float32) * (2.0 ** (MIN_EXPONENT - MANTISSA_BITS))).to(tl.int32, bitcast=True)
+    bits = tl.where(exponent == 0, subnormal, normal)
+    if MANTISSA_BITS == 3:  # e4m3fn: no infinities, only S.1111.111 is NaN
+        bits = tl.where((u & 0x7F) == 0x7F, 0x7FC00000, bits)
+    else:  # e5m2: the top exponent is infinity or NaN, as in IEEE
+        bits = tl.where(exponent == 31, (255 << 23) | (mantissa << 21), bits)
+    return (bits | ((u & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def dynamic8_index(y, bounds_ptr):
     """``torch.bucketize(y, bounds, right=True)`` over the 255 dynamic-map midpoints (padded to 256
     with +inf): a branchless binary search, 8 table loads per element."""
@@ -126,8 +161,9 @@ def dynamic8_index(y, bounds_ptr):
 
 @triton.jit
 def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr,
-           MIN_POSITIVE: tl.constexpr):
-    """``formats.encode``: values already multiplied by their block's ``qmax / absmax`` to codes."""
+           MIN_POSITIVE: tl.constexpr, FP8_NATIVE: tl.constexpr = True):
+    """``formats.encode``: values already multiplied by their block's ``qmax / absmax`` to codes (fp8
+    codes as float8, or as their uint8 bits where not ``FP8_NATIVE``)."""
     if FMT == INT8:
         if NONNEG:
             q = tl.minimum(tl.maximum(rne(y), 0.0), QMAX)
@@ -149,16 +185,23 @@ def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.cons
         if NONNEG:
             y = tl.where(y > 0, tl.maximum(y, MIN_POSITIVE), y)
         if FMT == FP8_E4M3:
-            return round_to_fp8(y, 3, -6).to(tl.float8e4nv)
+            if FP8_NATIVE:
+                return round_to_fp8(y, 3, -6).to(tl.float8e4nv)
+            else:
+                return fp8_code(round_to_fp8(y, 3, -6), 3, -6)
         else:
-            return round_to_fp8(y, 2, -14).to(tl.float8e5)
+            if FP8_NATIVE:
+                return round_to_fp8(y, 2, -14).to(tl.float8e5)
+            else:
+                return fp8_code(round_to_fp8(y, 2, -14), 2, -14)
 
 
 @triton.jit
 def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr, rows, cols, offsets, mask,
-               row_mask, FMT: tl.constexpr, K: tl.constexpr, DTYPE: tl.constexpr):
-    """``blockquant.dequantize`` of one tile of ``[ROWS, BLOCK]`` elements (one block per row):
-    decode, times the block's scale, the K patches written over their offsets, rounded to DTYPE."""
+               row_mask, FMT: tl.constexpr, K: tl.constexpr, FP8_NATIVE: tl.constexpr = True):
+    """``blockquant.dequantize`` of one tile of ``[ROWS, BLOCK]`` elements (one block per row) in fp32:
+    decode, times the block's scale, the K patches written over their offsets. fp8 codes are float8,
+    or their uint8 bits where not ``FP8_NATIVE``."""
     if FMT == BF16_CODES:
         codes = tl.load(codes_ptr + offsets, mask=mask, other=0.0)
         values = bf16_bits_to_f32(codes.to(tl.int16, bitcast=True))
@@ -168,21 +211,25 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
             values = tl.load(map_ptr + codes.to(tl.int32), mask=mask, other=0.0)
         elif FMT == INT8:
             values = tl.load(codes_ptr + offsets, mask=mask, other=0).to(tl.float32)
-        else:  # fp8 (no `other`: the interpreter cannot cast a fill value to fp8)
+        elif FP8_NATIVE:  # float8 codes (no `other`: the interpreter cannot cast a fill value to fp8)
             values = tl.where(mask, tl.load(codes_ptr + offsets, mask=mask).to(tl.float32), 0.0)
+        elif FMT == FP8_E4M3:  # fp8 codes as their uint8 bits
+            values = fp8_value(tl.load(codes_ptr + offsets, mask=mask, other=0), 3, -6)
+        else:
+            values = fp8_value(tl.load(codes_ptr + offsets, mask=mask, other=0), 2, -14)
         scale = tl.load(scales_ptr + rows, mask=row_mask, other=0.0)
         values = values * scale[:, None]
         for k in tl.static_range(K):
             index = tl.load(patch_index_ptr + rows * K + k, mask=row_mask, other=-1).to(tl.int32)
             bits = tl.load(patch_values_ptr + rows * K + k, mask=row_mask, other=0.0).to(tl.int16, bitcast=True)
             values = tl.where(cols[None, :] == index[:, None], bf16_bits_to_f32(bits)[:, None], values)
-    return round_to(values, DTYPE)
+    return values
 
 
 @triton.jit
 def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds_ptr, rows, cols, offsets, mask,
              row_mask, FMT: tl.constexpr, NONNEG: tl.constexpr, K: tl.constexpr, QMAX: tl.constexpr,
-             MIN_POSITIVE: tl.constexpr, INV_QMAX: tl.constexpr):
+             MIN_POSITIVE: tl.constexpr, INV_QMAX: tl.constexpr, FP8_NATIVE: tl.constexpr = True):
     """``blockquant.quantize_into`` of one tile: per row (block) the K largest magnitudes become bf16
     patches (ties to the lowest offset), the absmax of the rest sets the scale, the rest is encoded.
 
@@ -191,7 +238,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
     """
     x = tl.where(mask, x, 0.0)  # the reference pads a partial last block with zeros
     if FMT == BF16_CODES:
-        tl.store(codes_ptr + offsets, encode(x, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE), mask=mask)
+        tl.store(codes_ptr + offsets, encode(x, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE), mask=mask)
     else:
         magnitude = tl.abs(x)
         for k in tl.static_range(K):
@@ -212,5 +259,5 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
         else:
             scale = tl.math.div_rn(absmax, QMAX)
         tl.store(scales_ptr + rows, scale, mask=row_mask)
-        codes = encode(x * inverse[:, None], bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE)
+        codes = encode(x * inverse[:, None], bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
         tl.store(codes_ptr + offsets, codes, mask=mask)

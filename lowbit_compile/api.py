@@ -1,7 +1,8 @@
 """``lowbit_compile(opt)`` and ``restore(opt)``: switch a stock optimizer to low-bit states and back.
 
-The optimizer object stays the same instance of the same class with the same ``param_groups``;
-only its ``step`` (an instance attribute shadowing the class method) and its state tensors change.
+The optimizer object stays the same instance with the same ``param_groups``; its class becomes the
+low-bit subclass of its class (``lowbit_compile.optim``: still an instance of the stock class), its
+``step`` an instance attribute shadowing the class method, and its state tensors change.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import checkpoint, sharding
+from .compile import compile_step
 from .config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -25,7 +26,11 @@ from .config import (
     Overrides,
     param_names,
 )
-from .runner import Prepared, StateSchema, compile_step, group_signature, init_state, probe_schema, run_params
+from .kernels.backends import BackendError, resolve
+from .kernels.formats import StateFormat
+from .passes.trace import unhooked_step
+from .run import Prepared, StepPlan, group_signature
+from .state_schema import StateSchema, init_state, probe_schema
 
 # The stock optimizers whose step is elementwise over each parameter: enable() rewrites these. Any
 # other torch.optim.Optimizer subclass is accepted by lowbit_compile() once its step is traced and
@@ -52,12 +57,14 @@ class _Wrapped:
     ``step`` instance attribute it replaced (e.g. an LR scheduler's wrapper), and the parameter
     names that name-pattern overrides match against."""
 
-    def __init__(self, config: Config, previous_step: Any, hooks: list) -> None:
+    def __init__(self, config: Config, options: dict[str, Any], previous_step: Any, hooks: list) -> None:
         self.config = config
+        self.options = options  # as given (less model=): what a copy is wrapped with again
         self.previous_step = previous_step
         self.hooks = hooks
         self.names: dict[torch.Tensor, str] = {}
         self.prepared: dict[torch.Tensor, Prepared] = {}  # per parameter, reused while valid
+        self.plan: StepPlan | None = None  # the last step's bound launches, reused while they fit
 
 
 def lowbit_compile(
@@ -91,39 +98,63 @@ def lowbit_compile(
         outliers: largest-magnitude values per block kept exactly in bf16 (patches); they help the
             linear int8 grid, not dynamic8, whose map already spans six decades.
         min_8bit_size: tensors with fewer elements keep stock fp32 states.
-        backend: ``"auto"`` or ``"reference"`` (eager lowering).
+        backend: one of ``lowbit_compile.config.BACKENDS``: ``"auto"`` (the fused lowering for the
+            parameters' device) or a named one, ``"reference"`` being the eager oracle.
         overrides: per-parameter formats, first match wins: ``{pattern: fmt}`` or ``[(pattern, fmt)]``
             where a pattern is a glob on the parameter name (``"*embed*"``), a compiled regex, or a
             predicate ``(name, param) -> bool``; e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``.
             Overrides win over ``min_8bit_size``; sizes and shapes are the full (unsharded) tensor's.
         model: the module (or ``named_parameters()`` pairs) that gives name patterns their names.
 
-    Returns ``opt`` itself. Calling it again re-configures; it never quantizes twice.
+    Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
+    subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures; it
+    never quantizes twice.
     """
+    from .optim import lowbit_class  # optim builds its classes from this module
+
     config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
     _check_optimizer(opt)
-    names = _names_for(opt, config, model)
+    check_backend(opt, config)
+    known = param_names(model) if model is not None else None  # model may be a one-shot iterator
+    if known is None and opt.param_groups and all("param_names" in g for g in opt.param_groups):
+        # an optimizer built from named_parameters() knows its names
+        known = {p: n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+    names = _names_for(opt, config, known)
+    options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
+                   backend=backend, overrides=overrides)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+    if names is None:
+        names = wrapped.names if wrapped is not None else {}
+    if known is not None and config.uses_names:
+        config.check_patterns(known.values())
+    _check_state_names(opt, config)
+    updates = _conform_updates(opt, config, names)  # everything that can fail, before anything changes
+    checkpoint.guard_stock_steps()
     if wrapped is None:
         previous = opt.__dict__.get("step")
         hooks = [
             opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
-            opt.register_load_state_dict_pre_hook(checkpoint.unpack_pre_hook),
-            opt.register_load_state_dict_post_hook(_after_load),
+            opt.register_load_state_dict_pre_hook(_before_load),
+            opt.register_load_state_dict_post_hook(checkpoint.finish_load),
+            opt.register_step_pre_hook(_redirect_stock_step),
         ]
-        wrapped = _Wrapped(config, previous, hooks)
+        wrapped = _Wrapped(config, options, previous, hooks)
     else:
-        wrapped.config = config
-    if names is not None:
-        wrapped.names = names
-    _conform_state(opt, wrapped)
+        wrapped.config, wrapped.options = config, options
+    wrapped.names = names
+    for state, key, new in updates:
+        state[key] = new
     setattr(opt, _ATTR, wrapped)
     opt.step = _make_step(opt, wrapped.previous_step)
+    opt.__class__ = lowbit_class(type(opt))
     return opt
 
 
 def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Turn a wrapped optimizer back into a stock one: fp32 (stock-dtype) states, the class's step."""
+    """Turn a wrapped optimizer back into a stock one: fp32 (stock-dtype) states, the class's step,
+    and its stock class again (an optimizer built from a ``lowbit_compile.optim`` class included)."""
+    from .optim import stock_class
+
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if wrapped is None:
         return opt
@@ -137,23 +168,23 @@ def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     if wrapped.previous_step is not None:
         opt.step = wrapped.previous_step
     delattr(opt, _ATTR)
+    opt.__class__ = stock_class(type(opt))
     return opt
 
 
 def is_wrapped(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` runs the low-bit step now (``lowbit_compile`` applied, ``restore`` not since)."""
     return hasattr(opt, _ATTR)
 
 
-def _names_for(opt: torch.optim.Optimizer, config: Config,
-               model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None) -> dict | None:
-    """The names of ``opt``'s parameters in ``model``; name-pattern overrides need every one."""
-    if model is None:
+def _names_for(opt: torch.optim.Optimizer, config: Config, known: dict[torch.Tensor, str] | None) -> dict | None:
+    """The names of ``opt``'s parameters among the ``model=`` names; name-pattern overrides need every one."""
+    if known is None:
         wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
         if config.uses_names and (wrapped is None or not wrapped.names):
             raise ValueError("overrides match parameter names, so lowbit_compile needs model=<the module> "
                              "(or model=module.named_parameters()) to know them")
         return None
-    known = param_names(model)
     params = [p for group in opt.param_groups for p in group["params"]]
     missing = sum(p not in known for p in params)
     if missing and config.uses_names:
@@ -190,10 +221,21 @@ def _check_optimizer(opt: object) -> None:
                 probe_schema(opt, group, param)
 
 
+def check_backend(opt: torch.optim.Optimizer, config: Config) -> None:
+    """Refuse a backend asked for by name that cannot run some parameter's device, before anything
+    changes (``"auto"`` runs everywhere)."""
+    for i, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            try:
+                resolve(config.backend, p.device.type)
+            except BackendError as err:
+                raise ValueError(f"param_groups[{i}] holds a {p.device.type} parameter: {err}") from None
+
+
 def _make_step(opt: torch.optim.Optimizer, previous: Any) -> Callable:
     """The instance ``step``: stock hooks around the rewritten update; keeps an LR scheduler's
     "optimizer.step() was called" tracking working when the scheduler wrapped ``step`` first."""
-    hooked = torch.optim.Optimizer.profile_hook_step(_lowbit_step)
+    hooked = torch.optim.Optimizer.profile_hook_step(_rewritten_update())
     track_lr_sched = previous is not None and getattr(previous, "_wrapped_by_lr_sched", False)
 
     def step(self, closure=None):
@@ -225,24 +267,45 @@ def stock_step_runs_rewritten(opt: torch.optim.Optimizer, args: tuple, kwargs: d
     twin.__dict__.update(opt.__dict__)
     twin.param_groups = []
     twin.state = collections.defaultdict(dict)
-    return (twin,), {"closure": lambda: _lowbit_step(opt, closure)}
+    return (twin,), {"closure": RunRewritten(opt, closure)}
+
+
+class RunRewritten:
+    """The closure ``stock_step_runs_rewritten`` hands the idle stock step: the rewritten update of
+    ``opt``, which calls ``closure`` (the caller's, or None) first. A later pre-hook that needs to act
+    between the caller's closure and the update (``monitor``) replaces ``closure``."""
+
+    def __init__(self, opt: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> None:
+        self.opt = opt
+        self.closure = closure
+
+    def __call__(self) -> Any:
+        return _rewritten_update()(self.opt, self.closure)
 
 
 def _redirect_stock_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """A wrapped optimizer stepped through its class's stock ``step`` -- a bound method captured
-    before it was wrapped, which accelerate's AcceleratedOptimizer puts back after every GradScaler
-    step -- still runs the rewritten update, never the stock one on quantized states."""
-    if getattr(opt, _ATTR, None) is None or _IN_REWRITTEN_STEP.get():
+    """The step pre-hook of a wrapped optimizer: stepped through its class's stock ``step`` -- a
+    bound method captured before it was wrapped, which accelerate's AcceleratedOptimizer puts back
+    after every GradScaler step -- it still runs the rewritten update, never the stock one on
+    quantized states. A step an earlier hook (``enable``'s) already redirected is left alone."""
+    if getattr(opt, _ATTR, None) is None or _IN_REWRITTEN_STEP.get() or (args and args[0] is not opt):
         return None
     return stock_step_runs_rewritten(opt, args, kwargs)
 
 
-register_optimizer_step_pre_hook(_redirect_stock_step)
+_DISABLED_STEP: list[Callable] = []
 
 
-# Under torch.compile the step is a graph break that runs as is: its host side (tracing, caches,
-# the scalar prologue) is not traceable, and each param's update is already one fused launch.
-@torch.compiler.disable
+def _rewritten_update() -> Callable:
+    """The rewritten update as the step calls it: under ``torch.compile`` a graph break
+    (``torch.compiler.disable``) that runs as is, since its host side (tracing, caches, the scalar
+    prologue) is not traceable and each param's update is already one fused launch. Made on the first
+    wrap, not at import (``torch.compiler`` loads dynamo)."""
+    if not _DISABLED_STEP:
+        _DISABLED_STEP.append(torch.compiler.disable(_lowbit_step))
+    return _DISABLED_STEP[0]
+
+
 @torch.no_grad()
 def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
     loss = None
@@ -258,7 +321,27 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     if found_inf is not None and found_inf.item():
         return loss
     grad_scale = getattr(opt, "grad_scale", None)
-    items = []
+    plan, on_meta = wrapped.plan, []
+    if plan is None or not plan.refresh(opt, config):
+        plan, on_meta = _prepare(opt, wrapped)
+        wrapped.plan = plan if plan.reusable and not on_meta else None
+    if grad_scale is not None:
+        for grad in plan.grads():
+            grad.div_(grad_scale)
+    plan.run()
+    if on_meta:
+        _stock_step(opt, on_meta)
+    return loss
+
+
+def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:
+    """The full preparation of a step: find or build the kernel of every parameter to step (a step
+    that cannot be built fails here, with every state, counter and grad as it was), then create or
+    convert the states of the parameters stepped for the first time, and bind them all. Also the
+    params on the ``meta`` device, which the stock update steps."""
+    config = wrapped.config
+    ready, todo = [], []
+    on_meta: list[tuple[dict, torch.Tensor]] = []
     for group in opt.param_groups:
         group_sig, values = group_signature(group)
         guards: dict[int, bool] = {}
@@ -266,52 +349,91 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
             grad = param.grad
             if grad is None:
                 continue
+            if param.is_meta:  # no values to quantize: the stock step, as stock AdamW runs it
+                on_meta.append((group, param))
+                continue
             if grad.is_sparse:
                 raise RuntimeError(
                     "lowbit_compile: a parameter has a sparse gradient, which the rewritten step does not "
                     "take (it is traced for dense gradients); use torch.optim.SparseAdam, or leave the "
                     "optimizer unwrapped, for sparse gradients"
                 )
-            if grad_scale is not None:
-                grad.div_(grad_scale)
-            state = opt.state[param]
+            state = opt.state.get(param, {})
             prepared = wrapped.prepared.get(param)
-            if prepared is None or not prepared.still_valid(state, param, config, group_sig, guards, values):
-                schema = probe_schema(opt, group, param)
-                formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param),
-                                                  schema.nonneg))
-                if not state:
-                    state.update(init_state(param, schema, formats))
-                # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
-                checkpoint.conform(param, state, formats)
-                compiled = compile_step(opt, group, param, state, schema, formats, config)
-                prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
-            items.append((prepared, group, param, grad, state))
-    run_params(items)
-    return loss
+            if prepared is not None and prepared.still_valid(state, param, config, group_sig, guards, values):
+                ready.append((prepared, group, param, grad, state))
+                continue
+            schema = probe_schema(opt, group, param)
+            formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
+            compiled = compile_step(opt, group, param, state, schema, formats, config)
+            todo.append((compiled, schema, formats, group, group_sig, param, grad))
+    # Then create or convert the states of the parameters stepped for the first time, and run.
+    for compiled, schema, formats, group, group_sig, param, grad in todo:
+        state = opt.state[param]
+        if not state:
+            state.update(init_state(param, schema, formats))
+        # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
+        checkpoint.conform(param, state, formats)
+        prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
+        ready.append((prepared, group, param, grad, state))
+    return StepPlan(opt, config, ready), on_meta
 
 
-def _conform_state(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
-    """Bring every existing per-element state to the configured format (adoption mid-training,
-    a re-configuration, or a loaded checkpoint). All-or-nothing: new states are built first."""
+def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tensor]]) -> None:
+    """The class's own update of ``params`` (each with its group), on ``opt``'s state."""
+    shell = object.__new__(type(opt))
+    shell.__dict__.update(opt.__dict__)
+    groups: dict[int, dict] = {}
+    for group, param in params:
+        groups.setdefault(id(group), {**group, "params": []})["params"].append(param)
+    shell.param_groups = list(groups.values())
+    unhooked_step(type(opt))(shell)
+
+
+def _formats(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
+             param: torch.Tensor) -> dict[str, StateFormat]:
+    """The configured format of each per-element state of ``param`` in ``group``."""
+    schema: StateSchema = probe_schema(opt, group, param)
+    return dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
+
+
+def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str]) -> list:
+    """``(state, key, new)`` for every existing per-element state not in its configured format
+    (adoption mid-training, a re-configuration, a checkpoint a stock loader stored): all built
+    before any is stored, so a state that cannot be converted changes nothing."""
     updates = []
     for group in opt.param_groups:
         for param in group["params"]:
             state = opt.state.get(param)
-            if not state:
+            if not state or param.is_meta:
                 continue
-            schema: StateSchema = probe_schema(opt, group, param)
-            for key, fmt in wrapped.config.formats_for(param, schema.per_element, wrapped.names.get(param),
-                                                       schema.nonneg):
+            for key, fmt in _formats(opt, config, names, group, param).items():
                 new = checkpoint.converted(param, key, state.get(key), fmt)
                 if new is not None:
                     updates.append((state, key, new))
-    for state, key, new in updates:
-        state[key] = new
+    return updates
 
 
-def _after_load(opt: torch.optim.Optimizer) -> None:
-    """``load_state_dict`` post hook: restore the packed states, then convert every state (stock fp32
-    ones included) to the configured format."""
-    checkpoint.reinsert_packed(opt)
-    _conform_state(opt, getattr(opt, _ATTR))
+def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
+    """Refuse a fmt dict or override that names a state no optimizer keeps (a misspelling)."""
+    if not config.state_names:
+        return
+    kept = set()
+    for group in opt.param_groups:
+        for param in {p.dim(): p for p in group["params"] if not p.is_meta}.values():
+            kept.update(probe_schema(opt, group, param).per_element)
+    config.check_state_names(kept, type(opt).__name__)
+
+
+def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``load_state_dict`` pre hook: read and convert every state first (``checkpoint.prepare_load``)."""
+    wrapped: _Wrapped = getattr(opt, _ATTR)
+    return checkpoint.prepare_load(
+        opt, state_dict, lambda group, param: _formats(opt, wrapped.config, wrapped.names, group, param),
+        wrapped.names.get)
+
+
+# The stock-step guard leaves alone a wrapped optimizer (its step converts what a loader left in its
+# state) and optimizers that are not stock elementwise ones (ZeroRedundancyOptimizer keeps a copy of
+# its inner optimizer's state but steps the inner one).
+checkpoint.defer_to(lambda opt: is_wrapped(opt) or not isinstance(opt, SUPPORTED))

@@ -1,43 +1,59 @@
-"""Checkpoints of wrapped optimizers: compact quantized states in ``state_dict()``, an exact
+"""Checkpoints of wrapped optimizers: compact quantized states in ``state_dict()``, an all-or-nothing
 ``load_state_dict()`` at any sharding, conversion of stock or other-format states, an fp32 export.
 
-A quantized state is saved *packed*: a plain dict of tensors, strings and int lists (so
-``torch.load(weights_only=True)`` reads it), never fp32. Its tensors are laid out by parameter row
-(dim 0), which is how FSDP2 shards, so one form serves every world size:
+A quantized state is saved *packed*: a plain dict of tensors and ints (so
+``torch.load(weights_only=True)`` reads it), never fp32. Every tensor in it is raw bytes
+(``uint8``), so a stock ``load_state_dict`` that casts them to the parameter's dtype (as it does
+when the optimizer is rewritten only at its first step, under ``enable()``) keeps their values
+exactly, and they are recovered at that step:
 
-* ``codes``: per row, the row's code bytes (raw ``uint8``, whatever the code dtype);
-* ``block_scales`` / ``block_patch_values`` / ``block_patch_index``: per row, the scale and outlier
-  patches of every block that intersects the row (``_slots`` of them, zero-padded);
+* ``codes``: per parameter row (dim 0), the row's code bytes;
+* ``block_scales`` / ``block_patch_values`` / ``block_patch_index``: the bytes of each block's fp32
+  scale, bf16 patch values and int16 patch offsets, in one of two layouts:
+
+  - *by block* ``(blocks, bytes)``: one record per block, in order, for parameters that are not
+    ``DTensor``s: every shape (1-D ones and FSDP1's flat buffers included) costs one code byte per
+    element plus one record per block, and every tensor is a view of the live state (no copy).
+  - *by row* ``(rows, slots, bytes)``: per row, every block that intersects it (``_slots`` of
+    them, zero-padded), for ``DTensor`` parameters (FSDP2): dim 0 is how FSDP2 shards, so
+    ``torch.distributed.checkpoint`` hands any world size exactly the rows it needs, without
+    collectives. Rows narrower than a block pay a record each (a 1-D ``DTensor`` state: 5 bytes
+    per element); a compact table that any world size can read would need each rank to write
+    records of blocks other ranks hold.
+
 * ``row_splits``: where the shards the blocks were counted in start and end (blocks start at each
-  shard's first element), plus ``lowbit_format`` (format tag), ``shape`` and ``dtype``. These
-  four are text stored as one int each (little-endian UTF-8, e.g. ``"0,65,129"``), because a state
-  dict that torch flattens (``flatten_optimizer_state_dict``) may hold only tensors, ints, floats
-  and dicts.
+  shard's first element), plus ``lowbit_format`` (format tag), ``shape`` and ``dtype``. These four
+  are text stored as one int each (little-endian UTF-8, e.g. ``"0,65,129"``), because a state dict
+  that torch flattens (``flatten_optimizer_state_dict``) may hold only tensors, ints, floats and dicts.
 
-For a ``DTensor`` parameter every tensor is a ``DTensor`` sharded on dim 0 like the parameter, so
-``torch.distributed.checkpoint`` saves each rank's rows and hands any world size (or an unsharded
-model) exactly the rows it needs. Loading keeps the saved blocks bit for bit where they are the
-blocks of the loading shard (same sharding), re-quantizes the others from the saved values, then
-brings the state to the optimizer's configured format: stock fp32 states get quantized, other
-formats or block sizes get converted, and a state that cannot be read fails naming it.
+For a plain parameter every tensor of ``state_dict()`` is a view of the live state (as stock
+AdamW's are); for a ``DTensor`` one, every tensor is a copy taken at the call. Either way the parts
+of one state never disagree. Loading keeps the saved blocks bit for bit where they are the blocks
+of the loading shard (same sharding), re-quantizes the others from the saved values, then brings the
+state to the optimizer's configured format. ``load_state_dict`` reads and converts every state
+before anything changes, so a checkpoint that cannot be read leaves the optimizer as it was.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
+import threading
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import sharding
 from .kernels import blockquant
 from .kernels.formats import StateFormat, decode
-from .state import QuantizedState
+from .state import QuantizedState, bits_of
 
 _PENDING = "_lowbit_pending"
 _TABLES = ("block_scales", "block_patch_values", "block_patch_index")
 _TEXT = ("lowbit_format", "shape", "dtype", "row_splits")
+_RECORD_DTYPES = (torch.float32, blockquant.PATCH_VALUE_DTYPE, blockquant.PATCH_INDEX_DTYPE)
 
 
 def is_packed(value: object) -> bool:
@@ -48,6 +64,7 @@ def is_packed(value: object) -> bool:
 # state_dict() ---------------------------------------------------------------------------------------
 def pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
     """``Optimizer.state_dict`` post hook: replace every quantized state by its packed form."""
+    guard_stock_steps()
     params = {idx: p for saved, group in zip(state_dict["param_groups"], opt.param_groups)
               for idx, p in zip(saved["params"], group["params"])}
     packed = {}
@@ -64,18 +81,41 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
     qs: QuantizedState = sharding.local(value)
     rows, width = _rows(param.shape)
     start, stop = sharding.local_rows(param)
-    tables = {"codes": qs.codes.view(torch.uint8).view(stop - start, width * qs.codes.element_size())}
+    sharded = sharding.is_sharded(param)
+    code_bytes = qs.codes.element_size()
+    parts = qs.storage_parts
+    if sharded or not all(_owns_storage(t) for t in parts):
+        # copies: a DTensor's row tables are computed, and a view into a larger buffer would make
+        # torch.save write the whole buffer; all parts copied alike, so they never disagree
+        parts = blockquant.Quantized(*(t.clone() for t in parts))
+    tables = {"codes": parts.codes.view(torch.uint8).view(stop - start, width * code_bytes)}
     if qs.fmt.blockwise:
-        scales, values, index = _row_tables(qs, width)
-        # patch offsets as raw bytes too: gloo and NCCL cannot gather or broadcast int16
-        tables.update(zip(_TABLES, (scales, values, index.view(torch.uint8))))
-    return {
+        if sharded:
+            tables.update(zip(_TABLES, (_as_record_bytes(t) for t in _row_tables(parts, width, qs.fmt))))
+        else:
+            tables.update(zip(_TABLES, (_as_record_bytes(t) for t in parts[1:])))
+    out = {
         "lowbit_format": _int(qs.fmt.tag()),
         "shape": _int(",".join(map(str, param.shape))),
         "dtype": _int(str(qs.dtype).removeprefix("torch.")),
         "row_splits": _int(",".join(map(str, sharding.row_splits(param)))),
-        **{name: sharding.like(t, param, (rows, *t.shape[1:])) for name, t in tables.items()},
     }
+    for name, t in tables.items():
+        out[name] = sharding.like(t, param, (rows, *t.shape[1:])) if sharded else t
+    return out
+
+
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _as_record_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A table of per-block values (``(blocks,)`` or ``(..., K)``) viewed as raw bytes, last dim bytes."""
+    if t.dim() == 1 or (t.dim() == 2 and t.dtype == torch.float32):
+        t = t.unsqueeze(-1)
+    return t.view(torch.uint8)
 
 
 def _int(text: str) -> int:
@@ -91,48 +131,97 @@ def _slots(width: int, block_size: int) -> int:
     return (width + block_size - 2) // block_size + 1
 
 
-def _row_tables(qs: QuantizedState, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of ``qs``, the scale and patches of each block that intersects it, in block order."""
-    b, device = qs.fmt.block_size, qs.scales.device
-    offset = torch.arange(qs.codes.numel() // width, device=device) * width
+def _row_tables(parts: blockquant.Quantized, width: int, fmt: StateFormat
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, the scale and patches of each block that intersects it, in block order."""
+    b, device = fmt.block_size, parts.scales.device
+    n_rows = parts.codes.numel() // width if width else 0
+    offset = torch.arange(n_rows, device=device) * width
     block = offset[:, None] // b + torch.arange(_slots(width, b), device=device)
-    valid = (block <= (offset[:, None] + width - 1) // b) & (block < qs.scales.numel())
+    valid = (block <= (offset[:, None] + width - 1) // b) & (block < parts.scales.numel())
     # each part with one zero row appended, which padding slots (and an empty shard) read
-    scales, values, index = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in qs.storage_parts[1:])
-    block = torch.where(valid, block, qs.scales.numel())
+    scales, values, index = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in parts[1:])
+    block = torch.where(valid, block, parts.scales.numel())
     return scales[block], values[block], index[block]
 
 
 # load_state_dict() ---------------------------------------------------------------------------------
-def unpack_pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``load_state_dict`` pre hook: take the packed states out before the stock loader casts their
-    tensors to the parameter dtype; :func:`reinsert_packed` puts them back afterwards. A packed
-    state that cannot be read fails here, before the stock loader changes anything."""
-    position = {idx: i for i, idx in enumerate(itertools.chain.from_iterable(
-        g["params"] for g in state_dict["param_groups"]))}
-    params = [p for group in opt.param_groups for p in group["params"]]
-    pending: dict[int, dict] = {}
+FormatsOf = Callable[[dict, torch.Tensor], Mapping[str, StateFormat]]
+
+
+def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: FormatsOf,
+                 name_of: Callable[[torch.Tensor], str | None]) -> dict:
+    """``load_state_dict`` pre hook: read and convert every per-element state of the checkpoint
+    before the stock loader changes anything; any error names the parameter and state, and leaves
+    the optimizer as it was. The converted states are kept aside for :func:`finish_load`, and the
+    stock loader gets the rest (``step`` and other scalar states).
+
+    ``formats_of(group, param)`` gives the configured format of each per-element state of ``param``
+    in ``group`` (the saved group, as it will be after loading).
+    """
+    guard_stock_steps()
+    groups, saved_groups = opt.param_groups, state_dict["param_groups"]
+    if len(groups) != len(saved_groups):
+        raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved_groups)}) "
+                         f"than the optimizer ({len(groups)}); load a checkpoint of this optimizer")
+    for i, (group, saved) in enumerate(zip(groups, saved_groups)):
+        if len(group["params"]) != len(saved["params"]):
+            raise ValueError(
+                f"loaded state dict contains a parameter group that doesn't match the size of optimizer's group: "
+                f"param_groups[{i}] has {len(saved['params'])} parameters in the checkpoint and "
+                f"{len(group['params'])} in the optimizer; load a checkpoint of this optimizer")
+    where: dict[Any, tuple[int, int, torch.Tensor]] = {}
+    for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
+        for pi, (idx, param) in enumerate(zip(saved["params"], group["params"])):
+            where[idx] = (gi, pi, param)
+    pending: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     plain: dict = {}
     for idx, entry in state_dict["state"].items():
-        ours = {k: v for k, v in entry.items() if is_packed(v)}
-        if ours and position[idx] < len(params):
-            for key, packed in ours.items():
-                _read_header(packed, params[position[idx]], key)
-        if ours:
-            pending[position[idx]] = ours
-            entry = {k: v for k, v in entry.items() if k not in ours}
+        if idx not in where:
+            plain[idx] = entry
+            continue
+        gi, pi, param = where[idx]
+        # the group as it will be: the saved values, the optimizer's own for keys an older torch did not save
+        formats = formats_of({**groups[gi], **saved_groups[gi], "params": groups[gi]["params"]}, param)
+        label = _label(gi, pi, param, name_of(param))
+        new = {}
+        for key, value in entry.items():
+            fmt = formats.get(key)
+            if fmt is None:
+                if is_packed(value):
+                    raise ValueError(f"{label}: the checkpoint holds a low-bit state {key!r}, which "
+                                     f"{type(opt).__name__} does not keep per element ({sorted(formats)}); "
+                                     "load a checkpoint of this optimizer")
+                continue
+            if not is_packed(value) and isinstance(value, torch.Tensor):
+                value = torch.optim.Optimizer._process_value_according_to_param_policy(
+                    param, value, idx, saved_groups, key)  # the stock cast: to the param's device and dtype
+            elif not is_packed(value):
+                raise ValueError(f"{label}: state {key!r} is a {type(value).__name__}, not a tensor; "
+                                 "load a checkpoint of this optimizer")
+            try:
+                converted_value = converted(param, key, value, fmt)
+            except ValueError as err:
+                raise ValueError(f"{label}: {err}") from err
+            if converted_value is not None:
+                new[key] = converted_value
+        if new:
+            pending[param] = new
+            entry = {k: v for k, v in entry.items() if k not in new}
         plain[idx] = entry
     opt.__dict__[_PENDING] = pending
     return {**state_dict, "state": plain}
 
 
-def reinsert_packed(opt: torch.optim.Optimizer) -> None:
-    """``load_state_dict`` post hook: put the packed states back under their parameters (matched by
-    position, as the stock loader matches), for :func:`converted` to turn into states."""
-    pending = opt.__dict__.pop(_PENDING, {})
-    params = [p for group in opt.param_groups for p in group["params"]]
-    for position, entries in pending.items():
-        opt.state[params[position]].update(entries)
+def finish_load(opt: torch.optim.Optimizer) -> None:
+    """``load_state_dict`` post hook: put the states :func:`prepare_load` converted in place."""
+    for param, states in opt.__dict__.pop(_PENDING, {}).items():
+        opt.state[param].update(states)
+
+
+def _label(group: int, index: int, param: torch.Tensor, name: str | None) -> str:
+    named = f" {name!r}" if name else ""
+    return f"parameter{named} (param_groups[{group}]['params'][{index}], shape {tuple(param.shape)})"
 
 
 def converted(param: torch.Tensor, key: str, value: object, fmt: StateFormat) -> torch.Tensor | None:
@@ -140,10 +229,12 @@ def converted(param: torch.Tensor, key: str, value: object, fmt: StateFormat) ->
     ``None`` where nothing changes (it already is, or it is not a per-element state).
 
     Takes what a loader may leave in ``optimizer.state``: packed states (of any format, block size
-    or sharding), stock dense tensors, and quantized states of another format.
+    or sharding, their bytes cast to another dtype included), stock dense tensors, and quantized
+    states of another format.
     """
     packed = is_packed(value)
     if packed:
+        guard_stock_steps()
         value = unpack(value, param, key)
     elif not isinstance(value, torch.Tensor):
         return None
@@ -158,6 +249,8 @@ def converted(param: torch.Tensor, key: str, value: object, fmt: StateFormat) ->
             f"state {key!r} is {kinds[0]} but its parameter is {kinds[1]}; load the optimizer state "
             "of a sharded model through torch.distributed.checkpoint's set_state_dict"
         )
+    elif not (value.is_floating_point() or isinstance(sharding.local(value), QuantizedState)):
+        raise ValueError(f"state {key!r} is a {value.dtype} tensor; per-element states are floating point")
     held = sharding.local(value)
     if (held.fmt == fmt) if isinstance(held, QuantizedState) else fmt.passthrough:
         return value if packed else None
@@ -165,11 +258,10 @@ def converted(param: torch.Tensor, key: str, value: object, fmt: StateFormat) ->
 
 
 def conform(param: torch.Tensor, state: dict, formats: dict[str, StateFormat]) -> None:
-    """Bring ``param``'s per-element states to ``formats`` in place (see :func:`converted`)."""
-    for key, fmt in formats.items():
-        new = converted(param, key, state.get(key), fmt)
-        if new is not None:
-            state[key] = new
+    """Bring ``param``'s per-element states to ``formats`` in place (see :func:`converted`);
+    every new state is built before any is stored."""
+    updates = {key: converted(param, key, state.get(key), fmt) for key, fmt in formats.items()}
+    state.update({k: v for k, v in updates.items() if v is not None})
 
 
 def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state") -> torch.Tensor:
@@ -178,17 +270,23 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state") -> t
     The blocks of the shard are the saved blocks (bit for bit) wherever a saved block has the same
     first element and length; the other blocks are re-quantized from the saved values.
     """
-    fmt, _, dtype, splits = _read_header(packed, param, key)
+    header = _read_header(packed, param, key)
+    fmt, _, dtype, splits = header
     rows, width = _rows(param.shape)
     start, stop = sharding.local_rows(param)
     shard = sharding.local(param)
-    codes = _codes(packed, fmt, start, stop, rows).to(shard.device)
-    if not fmt.blockwise:
-        empty = blockquant.empty(0, fmt, shard.device)
-        return sharding.like(QuantizedState(blockquant.Quantized(codes, *empty[1:]), fmt, shard.shape, dtype), param)
-    saved = _saved_blocks(packed, fmt, splits, start, stop, width)
+    try:
+        codes = _codes(packed, fmt, start, stop, rows, width).to(shard.device)
+        if not fmt.blockwise:
+            empty = blockquant.empty(0, fmt, shard.device)
+            qs = QuantizedState(blockquant.Quantized(codes, *empty[1:]), fmt, shard.shape, dtype)
+            return sharding.like(qs, param)
+        saved = _saved_blocks(packed, header, start, stop, width)
+    except ValueError as err:
+        raise ValueError(f"state {key!r}: {err}") from err
+    saved = _Blocks(*(t.to(shard.device) for t in saved))
     n, b = codes.numel(), fmt.block_size
-    first = start * width + torch.arange(blockquant.n_blocks(n, fmt)) * b
+    first = start * width + torch.arange(blockquant.n_blocks(n, fmt), device=shard.device) * b
     length = torch.clamp(start * width + n - first, max=b)
     at = torch.searchsorted(saved.first, first).clamp(max=max(saved.first.numel() - 1, 0))
     same = (saved.first[at] == first) & (saved.length[at] == length) if saved.first.numel() else first < 0
@@ -201,7 +299,7 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state") -> t
     qs.patch_values[hit] = saved.patch_values[keep]
     qs.patch_index[hit] = saved.patch_index[keep]
     exact = same.repeat_interleave(length)
-    _bits(qs.codes)[exact] = _bits(codes)[exact]
+    bits_of(qs.codes)[exact] = bits_of(codes)[exact]
     return sharding.like(qs, param)
 
 
@@ -215,16 +313,26 @@ class _Header(NamedTuple):
 
 
 def _header(packed: dict[str, Any]) -> _Header:
+    """The text fields of a packed state, parsed."""
     text = {name: _text(packed[name]) for name in _TEXT}
     fmt = StateFormat.from_tag(text["lowbit_format"])
     dtype = getattr(torch, text["dtype"], None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {text['dtype']!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unknown or non-floating-point dtype {text['dtype']!r}")
     missing = {"codes", *(_TABLES if fmt.blockwise else ())} - packed.keys()
     if missing:
         raise ValueError(f"it lacks {sorted(missing)}")
     shape = torch.Size(int(n) for n in text["shape"].split(",") if n)
     return _Header(fmt, shape, dtype, [int(n) for n in text["row_splits"].split(",")])
+
+
+def _checked_header(packed: dict[str, Any]) -> _Header:
+    """The header, after checking that the row splits split the rows and every table has the shape
+    its layout gives it (so a truncated or mismatched tensor fails here, before any is read)."""
+    header = _header(packed)
+    _check_splits(header)
+    _check_table_shapes(packed, header)
+    return header
 
 
 def _check_splits(header: _Header) -> None:
@@ -233,11 +341,34 @@ def _check_splits(header: _Header) -> None:
         raise ValueError(f"row_splits {splits} do not split the {rows} rows of the parameter")
 
 
+def _record_widths(fmt: StateFormat) -> tuple[int, int, int]:
+    """Bytes per block of each table: the fp32 scale, the bf16 patch values, the int16 offsets."""
+    return 4, 2 * fmt.patches, 2 * fmt.patches
+
+
+def _check_table_shapes(packed: dict[str, Any], header: _Header) -> None:
+    fmt, shape = header.fmt, header.shape
+    rows, width = _rows(shape)
+    expected = {"codes": (rows, width * fmt.code_dtype.itemsize)}
+    if fmt.blockwise:
+        by_rows = packed["block_scales"].dim() == 3
+        lead = (rows, _slots(width, fmt.block_size)) if by_rows else (_n_saved_blocks(header, width),)
+        expected.update({name: (*lead, w) for name, w in zip(_TABLES, _record_widths(fmt))})
+    for name, want in expected.items():
+        t = packed[name]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"its {name!r} is a {type(t).__name__}, not a tensor")
+        if tuple(t.shape) != want:
+            raise ValueError(f"its {name!r} has shape {tuple(t.shape)}, not {want} (the {fmt.tag()} state of a "
+                             f"{tuple(shape)} parameter): the checkpoint is truncated or corrupt")
+
+
 def _read_header(packed: dict[str, Any], param: torch.Tensor, key: str) -> _Header:
     """The header of a packed state, after checking it can be read and belongs to ``param``."""
+    unreadable = (ValueError, TypeError, AttributeError, KeyError, UnicodeDecodeError, OverflowError)
     try:
         header = _header(packed)
-    except (ValueError, TypeError, AttributeError, KeyError, UnicodeDecodeError) as err:
+    except unreadable as err:
         raise ValueError(
             f"state {key!r} of a parameter of shape {tuple(param.shape)} is not a lowbit_compile state "
             f"this version can read ({type(err).__name__}: {err})"
@@ -248,10 +379,9 @@ def _read_header(packed: dict[str, Any], param: torch.Tensor, key: str) -> _Head
             f"{tuple(param.shape)}; the optimizer state does not belong to these parameters"
         )
     try:
-        _check_splits(header)
-    except ValueError as err:
+        return _checked_header(packed)
+    except unreadable as err:
         raise ValueError(f"state {key!r} of a parameter of shape {tuple(param.shape)}: {err}") from err
-    return header
 
 
 class _Blocks(NamedTuple):
@@ -264,39 +394,93 @@ class _Blocks(NamedTuple):
     patch_index: torch.Tensor
 
 
-def _codes(packed: dict[str, Any], fmt: StateFormat, start: int, stop: int, rows: int) -> torch.Tensor:
+def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A saved table as ``uint8`` bytes; a stock loader may have cast them to a float dtype, which
+    keeps every byte value exactly."""
+    if t.dtype == torch.uint8:
+        return t
+    if t.is_floating_point() and t.numel() and not bool(((t == t.round()) & (t >= 0) & (t <= 255)).all()):
+        raise ValueError(f"its {name!r} holds values that are not bytes (dtype {t.dtype}): it is corrupt")
+    if not t.is_floating_point():
+        raise ValueError(f"its {name!r} has dtype {t.dtype}, not uint8 bytes: it is corrupt")
+    return t.to(torch.uint8)
+
+
+def _codes(packed: dict[str, Any], fmt: StateFormat, start: int, stop: int, rows: int, width: int) -> torch.Tensor:
     """The flat codes of rows ``[start, stop)``, in the format's code dtype."""
-    return _rows_of(packed["codes"], start, stop, rows).contiguous().view(fmt.code_dtype).reshape(-1)
+    codes = _as_bytes(_rows_of(packed["codes"], start, stop, rows), "codes").contiguous()
+    return codes.view(fmt.code_dtype).reshape(-1)
 
 
-def _saved_blocks(packed: dict, fmt: StateFormat, row_splits: list[int], start: int, stop: int,
-                  width: int) -> _Blocks:
+def _n_saved_blocks(header: _Header, width: int) -> int:
+    b, splits = header.fmt.block_size, header.row_splits
+    return sum(-(-(hi - lo) * width // b) for lo, hi in zip(splits, splits[1:]))
+
+
+def _records(tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scale, patch values and patch offsets from their saved bytes (selected rows, last dim bytes)."""
+    scales, values, index = (_from_bytes(_as_bytes(t, name), dtype)
+                             for t, name, dtype in zip(tables, _TABLES, _RECORD_DTYPES))
+    return scales.squeeze(-1), values, index
+
+
+def _from_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes (last dim) viewed as ``dtype``; an empty last dim (no patches) stays empty."""
+    if t.shape[-1] == 0:
+        return torch.empty(*t.shape, dtype=dtype, device=t.device)
+    return t.contiguous().view(dtype)
+
+
+def _saved_blocks(packed: dict, header: _Header, start: int, stop: int, width: int) -> _Blocks:
     """Every saved block that holds an element of rows ``[start, stop)``."""
-    b, rows, splits = fmt.block_size, row_splits[-1], torch.tensor(row_splits)
-    scales, values, index = (_rows_of(packed[name], start, stop, rows) for name in _TABLES)
-    index = index.contiguous().view(blockquant.PATCH_INDEX_DTYPE)
+    if packed["block_scales"].dim() == 3:
+        return _blocks_by_row(packed, header, start, stop, width)
+    return _blocks_listed(packed, header, start, stop, width)
+
+
+def _blocks_listed(packed: dict, header: _Header, start: int, stop: int, width: int) -> _Blocks:
+    """The saved blocks of a by-block table (one record per block, in order)."""
+    b, splits = header.fmt.block_size, torch.tensor(header.row_splits) * width
+    tables = [packed[name] for name in _TABLES]
+    if any(sharding.is_sharded(t) for t in tables):
+        raise ValueError("a by-block table saved as a DTensor; this version saves only unsharded ones so")
+    count = -(-(splits[1:] - splits[:-1]) // b)
+    shard = torch.repeat_interleave(torch.arange(count.numel()), count)
+    within = torch.arange(int(count.sum())) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+    first = splits[shard] + within * b
+    length = torch.minimum(splits[shard + 1] - first, torch.tensor(b))
+    keep = (first < stop * width) & (first + length > start * width)
+    scales, values, index = _records([t[keep] for t in tables])
+    return _Blocks(first[keep], length[keep], scales, values, index)
+
+
+def _blocks_by_row(packed: dict, header: _Header, start: int, stop: int, width: int) -> _Blocks:
+    """The saved blocks of a by-row table (per row, every block that intersects it)."""
+    b, rows, splits = header.fmt.block_size, header.row_splits[-1], torch.tensor(header.row_splits)
+    tables = [_rows_of(packed[name], start, stop, rows) for name in _TABLES]
     row = torch.arange(start, stop)
     shard = torch.searchsorted(splits, row, right=True) - 1
     shard_first, shard_numel = splits[shard] * width, (splits[shard + 1] - splits[shard]) * width
     offset = row * width - shard_first  # the row's first element, counted from its shard's first
-    block = offset[:, None] // b + torch.arange(scales.shape[1])
+    block = offset[:, None] // b + torch.arange(tables[0].shape[1])
     valid = (block <= (offset[:, None] + width - 1) // b) & (block * b < shard_numel[:, None])
     first = shard_first[:, None] + block * b
     length = torch.clamp(shard_numel[:, None] - block * b, max=b)
     first, order = torch.unique(first[valid], return_inverse=True)  # a block spanning rows is in each
     pick = torch.empty(first.numel(), dtype=torch.long).scatter_(0, order, torch.arange(order.numel()))
-    return _Blocks(first, length[valid][pick], scales[valid][pick], values[valid][pick], index[valid][pick])
+    scales, values, index = _records([t.to("cpu")[valid][pick] for t in tables])
+    return _Blocks(first, length[valid][pick], scales, values, index)
 
 
 def _dequantize(codes: torch.Tensor, saved: _Blocks, offset: int, fmt: StateFormat) -> torch.Tensor:
     """fp32 values of elements ``offset, offset + 1, ...`` of the parameter, from codes and blocks."""
     n = codes.numel()
-    element = offset + torch.arange(n)
+    element = offset + torch.arange(n, device=codes.device)
     block = torch.searchsorted(saved.first, element, right=True) - 1
     if n and (bool((block < 0).any()) or bool((element >= saved.first[block] + saved.length[block]).any())):
         raise ValueError("the checkpoint holds no block scale for some elements of this shard; it is "
                          "truncated or was saved for other parameters")
-    values = decode(codes, fmt) * saved.scales[block]
+    values = blockquant.decode_scaled(codes, saved.scales[block], fmt)
     index = saved.patch_index.long()
     position = saved.first[:, None] + index - offset
     inside = (index < saved.length[:, None]) & (position >= 0) & (position < n)
@@ -318,11 +502,6 @@ def _rows_of(t: torch.Tensor, start: int, stop: int, rows: int) -> torch.Tensor:
     if t.shape[0] != rows:
         raise ValueError(f"a checkpoint tensor of shape {tuple(t.shape)} does not have the parameter's {rows} rows")
     return t[start:stop]
-
-
-def _bits(codes: torch.Tensor) -> torch.Tensor:
-    """Codes viewed as integers of their width (masked writes work on those for every code dtype)."""
-    return codes.view({1: torch.uint8, 2: torch.int16}[codes.element_size()])
 
 
 def _rows(shape: torch.Size) -> tuple[int, int]:
@@ -353,18 +532,65 @@ def stock_state_dict(source: torch.optim.Optimizer | dict) -> dict:
 def _dense(packed: dict[str, Any]) -> torch.Tensor:
     """The dense tensor a packed state holds: this rank's rows in a ``DTensor`` if its tensors are
     ``DTensor``s, else the whole state."""
-    header = _header(packed)
-    _check_splits(header)
-    fmt, shape, dtype, splits = header
+    header = _checked_header(packed)
+    fmt, shape, dtype, _ = header
     rows, width = _rows(shape)
     codes = packed["codes"]
     start, stop = sharding.local_rows(codes) if sharding.is_sharded(codes) else (0, rows)
-    local = _codes(packed, fmt, start, stop, rows)
+    local = _codes(packed, fmt, start, stop, rows, width)
     if fmt.blockwise:
-        values = _dequantize(local, _saved_blocks(packed, fmt, splits, start, stop, width), start * width, fmt)
+        values = _dequantize(local, _saved_blocks(packed, header, start, stop, width), start * width, fmt)
     else:
         values = decode(local, fmt)
     values = values.to(dtype)
     if not sharding.is_sharded(codes):
         return values.view(shape)
     return sharding.like(values.view(stop - start, *shape[1:]), codes, shape)
+
+
+# a stock step over packed states ---------------------------------------------------------------------
+_guard_lock = threading.Lock()
+_guard_handle: list = []
+_clean_states: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_HANDLED_ELSEWHERE: list[Callable[[torch.optim.Optimizer], bool]] = []
+
+
+def refuse_packed_states(opt: torch.optim.Optimizer) -> None:
+    """Fail naming the fix if the stock step of ``opt`` is about to run over packed low-bit states
+    (a lowbit_compile checkpoint loaded into an optimizer that is not wrapped), before it changes
+    anything. Checked once per ``opt.state`` object, which every ``load_state_dict`` replaces."""
+    state = opt.__dict__.get("state")
+    if state is None or _clean_states.get(opt) == id(state):
+        return
+    for param, entry in state.items():
+        packed = [k for k, v in entry.items() if is_packed(v)] if isinstance(entry, dict) else []
+        if packed:
+            raise RuntimeError(
+                f"this {type(opt).__name__} is a stock optimizer, but its states {packed} (of a parameter of shape "
+                f"{tuple(param.shape)}) are lowbit_compile low-bit states, loaded from a checkpoint saved with them. "
+                f"Wrap it with lowbit_compile(opt, ...) (or step it inside lowbit_compile.enable()) before loading "
+                "to resume with low-bit states, or load lowbit_compile.checkpoint.stock_state_dict(state_dict) "
+                "to continue with stock fp32 states"
+            )
+    _clean_states[opt] = id(state)
+
+
+def guard_stock_steps() -> None:
+    """Register (once per process) the step pre-hook that runs :func:`refuse_packed_states` before
+    every stock step. Called when lowbit_compile is used (a wrap, an ``enable`` scope, a packed
+    state written or read), never at import."""
+    with _guard_lock:
+        if not _guard_handle:
+            _guard_handle.append(register_optimizer_step_pre_hook(_guard_hook))
+
+
+def defer_to(handles: Callable[[torch.optim.Optimizer], bool]) -> None:
+    """Leave to the caller the optimizers for which ``handles(opt)`` is true (it rewrites them, or
+    their step is not a stock update over their own state)."""
+    _HANDLED_ELSEWHERE.append(handles)
+
+
+def _guard_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if not any(handles(opt) for handles in _HANDLED_ELSEWHERE):
+        refuse_packed_states(opt)
+

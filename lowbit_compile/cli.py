@@ -1,17 +1,19 @@
-"""``python -m lowbit_compile``: ``run`` an unmodified training script with low-bit Adam/AdamW
-states, or ``estimate`` the training memory of a model size with and without them."""
+"""``python -m lowbit_compile``: ``run`` an unmodified training script with low-bit optimizer states,
+or ``estimate`` the training memory of a model size with and without them."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
+import re
 import runpy
 import signal
 import sys
 from collections.abc import Sequence
 
-from .config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_MIN_8BIT_SIZE, DEFAULT_OUTLIERS, FmtSpec
+from .config import BACKENDS, DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_MIN_8BIT_SIZE, DEFAULT_OUTLIERS, FmtSpec
 from .enable import Scope
 from .estimate import PARAM_DTYPES, estimate, parse_count
 
@@ -24,7 +26,7 @@ _RUN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
     (("--outliers",), dict(type=int, default=DEFAULT_OUTLIERS, help="bf16 outlier patches per block")),
     (("--min-8bit-size",), dict(type=int, default=DEFAULT_MIN_8BIT_SIZE,
                                 help="tensors with fewer elements keep stock fp32 states")),
-    (("--backend",), dict(default="auto", help="auto, inductor, triton or reference")),
+    (("--backend",), dict(default="auto", help=f"one of {', '.join(BACKENDS)}")),
     (("--override",), dict(action="append", default=[], metavar="PATTERN=FMT",
                            help="format for parameters whose name matches the glob, e.g. '*embed*=fp32' "
                                 "(repeatable; first match wins; names come from the modules run)")),
@@ -32,15 +34,24 @@ _RUN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
                                   help="switch each optimizer back to stock fp32 states after its N-th step")),
     (("--restore-on-signal",), dict(metavar="SIG", help="switch back to stock fp32 states at the next step "
                                                         "after this signal, e.g. USR2 (kill -USR2 PID)")),
+    (("--monitor",), dict(type=int, metavar="N", help="sample each rewritten optimizer's state health every N "
+                                                       "steps; warn (naming the parameter) when a state is truncated")),
+    (("--log-every",), dict(type=int, default=100, metavar="N",
+                            help="a progress line every N steps: step time, state memory saved (0: none)")),
     (("--no-summary",), dict(action="store_true", help="do not print the summary at exit")),
 )
+# Keyword names in library errors, as the flag a user of the CLI types instead.
+_FLAG_NAMES = {"overrides": "--override", "restore_at_step": "--restore-at-step", "monitor": "--monitor",
+               "log_every": "--log-every", "param_dtype": "--param-dtype", "master_weights": "--master-weights",
+               "zero_stage": "--zero-stage", "block_size": "--block-size", "min_8bit_size": "--min-8bit-size",
+               "outliers": "--outliers", "backend": "--backend", "shards": "--shards", "fmt": "--fmt"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m lowbit_compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a training script with its Adam/AdamW rewritten",
+    run = sub.add_parser("run", help="run a training script with its torch.optim optimizers rewritten",
                          usage="python -m lowbit_compile run [options] (script.py | -m module) [args...]")
     for flags, kwargs in _RUN_OPTIONS:
         run.add_argument(*flags, **kwargs)
@@ -69,8 +80,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                        block_size=args.block_size, outliers=args.outliers, shards=args.shards,
                        zero_stage=args.zero_stage, amsgrad=args.amsgrad))
     except ValueError as err:
-        est.error(str(err))
+        est.error(_as_flags(str(err)))
     return 0
+
+
+def _as_flags(message: str) -> str:
+    """A library error (``block_size must be ...``, ``pass param_dtype='bf16'``) in the CLI's terms."""
+    def flag(match: re.Match) -> str:
+        return _FLAG_NAMES[match.group(1)] + (" " if match.group(2) else "")
+
+    return re.sub(r"(?<![\w-])(" + "|".join(_FLAG_NAMES) + r")\b(=)?", flag, message)
 
 
 def _split_run_argv(argv: list[str]) -> tuple[list[str], tuple[str, str] | None, list[str]]:
@@ -104,12 +123,15 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
         overrides = [tuple(item.rsplit("=", 1)) for item in args.override]
         if any(len(o) != 2 for o in overrides):
             raise ValueError(f"--override takes PATTERN=FMT, got {args.override}")
+        if args.log_every is not None and args.log_every < 0:
+            raise ValueError(f"--log-every must be a non-negative int (0: no progress lines), got {args.log_every}")
         scope = Scope(_parse_fmt(args.fmt), block_size=args.block_size, outliers=args.outliers,
                       min_8bit_size=args.min_8bit_size, backend=args.backend, overrides=overrides or None,
-                      restore_at_step=args.restore_at_step)
+                      restore_at_step=args.restore_at_step, monitor=args.monitor, log_every=args.log_every or None)
         signum = _signal_number(args.restore_on_signal) if args.restore_on_signal else None
+        _check_target(target)
     except (ValueError, TypeError, NotImplementedError) as err:
-        parser.error(str(err))
+        parser.error(_as_flags(str(err)))
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("lowbit-compile: %(message)s"))
     logging.getLogger(__package__).addHandler(handler)
@@ -133,6 +155,23 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
         if not args.no_summary and os.environ.get("RANK", "0") == "0":
             print(scope.summary(), file=sys.stderr)
     return 0
+
+
+def _check_target(target: tuple[str, str]) -> None:
+    """A script that is not there, or a module that cannot be found, is an error before anything runs."""
+    kind, name = target
+    if kind == "script" and not os.path.isfile(name):
+        raise ValueError(f"no such script: {name!r} (give a path to a Python file, or -m module.name)")
+    if kind == "module":
+        first, sys.path[0] = sys.path[0], os.getcwd()  # where _run will look for it
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package that does not exist
+            found = False
+        finally:
+            sys.path[0] = first
+        if not found:
+            raise ValueError(f"no module named {name!r} (with -m, give an importable module, e.g. mypkg.train)")
 
 
 def _signal_number(name: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -9,16 +10,22 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.backends import resolve
+from .kernels import backends
 from .kernels.formats import FORMAT_NAMES, StateFormat
 
-BACKENDS = ("auto", "triton", "inductor", "reference")
+BACKENDS = backends.BACKENDS  # the one list of backends (the API, enable(), the CLI and the README name these)
 
 # Adam's states known never to be negative: what formats_for assumes when not given the states
-# proven non-negative on the traced step (passes/signs.py; the runner always passes those). They get
+# proven non-negative on the traced step (passes/signs.py; the compile path always passes those). They get
 # unsigned codes and a quantizer that never stores a positive value as zero (see StateFormat). A
 # state missing here is treated as signed, which is always correct, only coarser.
 NONNEG_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
+
+# The per-element states of the stock optimizers lowbit_compile rewrites (api.SUPPORTED, every flag):
+# a fmt dict or override may name these for an optimizer that lacks them (one config for several
+# optimizers); any other name must be a per-element state of the optimizer it is applied to.
+STOCK_STATES = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg",
+                          "acc_delta", "sum", "exp_inf", "ax", "prev", "step_size"})
 
 # Chosen from bench/quality.py and bench/zero_point.py (README, "Does it train like fp32?").
 DEFAULT_FMT = "dynamic8"
@@ -68,15 +75,39 @@ class Config:
             raise ValueError(f"outliers must be an int in [0, min(block_size, 64)], got {outliers!r}")
         if not _is_int(min_8bit_size) or min_8bit_size < 0:
             raise ValueError(f"min_8bit_size must be a non-negative int, got {min_8bit_size!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        resolve(backend, "cpu")  # an unavailable backend fails here, before anything is converted
+        backend = backends.canonical(backend)
         return Config(fmt_key, block_size, outliers, min_8bit_size, backend, tuple(override_keys))
 
     @property
     def uses_names(self) -> bool:
         """Whether some override matches on parameter names (so the names must be known)."""
         return any(isinstance(m, (str, re.Pattern)) for m, _ in self.overrides)
+
+    @property
+    def state_names(self) -> frozenset[str]:
+        """Every state name that the fmt dict and the overrides' fmt dicts give a format."""
+        specs = [self.fmt, *(spec for _, spec in self.overrides)]
+        return frozenset(k for spec in specs if not isinstance(spec, str) for k, _ in spec)
+
+    def check_state_names(self, kept: Collection[str], optimizer: str) -> None:
+        """Refuse a state name that neither this optimizer nor any stock one keeps per element."""
+        unknown = sorted(self.state_names - set(kept) - STOCK_STATES)
+        if unknown:
+            close = {n: difflib.get_close_matches(n, sorted(set(kept) | STOCK_STATES), n=1) for n in unknown}
+            hints = "; ".join(f"{n!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for n, c in close.items())
+            raise ValueError(f"fmt names states that {optimizer} does not keep per element: {hints}; its per-element "
+                             f"states are {sorted(kept)}")
+
+    def check_patterns(self, names: Collection[str]) -> None:
+        """Refuse a name pattern that matches no parameter name: overrides exist to keep chosen
+        parameters (embeddings, norms) in another format, and a pattern with a typo would quantize
+        them without a word."""
+        names = list(names)
+        for matcher, _ in self.overrides:
+            if isinstance(matcher, (str, re.Pattern)) and not any(_matches(matcher, n, None) for n in names):
+                shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+                raise ValueError(f"override pattern {getattr(matcher, 'pattern', matcher)!r} matches no parameter "
+                                 f"name ({shown}); fix or remove it")
 
     def format_name(self, state_key: str) -> str:
         return _pick(self.fmt, state_key) or DEFAULT_FMT
@@ -93,6 +124,8 @@ class Config:
         """
         spec = next((s for m, s in self.overrides if _matches(m, name, param)), None)
         small = param.numel() < self.min_8bit_size
+        if param.numel() == 0:  # nothing to store: a stock (empty) state whatever the overrides say
+            spec, small = None, True
         out = []
         for key in per_element:
             fmt_name = _pick(spec, key) if spec is not None else None

@@ -1,7 +1,10 @@
-"""``enable(...)``: a scope (decorator or ``with`` block) in which every Adam/AdamW that steps is
-rewritten by ``lowbit_compile`` on its first step, whoever created it and whoever calls ``step``.
+"""``enable(...)``: a scope (decorator or ``with`` block) in which every supported ``torch.optim``
+optimizer that steps is rewritten by ``lowbit_compile`` on its first step, whoever created it and
+whoever calls ``step``.
 
-It is built on torch's process-wide optimizer step pre-hook, not on patching classes. That hook runs
+It is built on torch's process-wide optimizer step hooks, not on patching classes; they are
+registered when the first scope is entered and removed when the last one is left (importing the
+package registers nothing). The pre-hook runs
 *inside* the stock ``Adam.step`` wrapper, before the per-optimizer pre-hooks and the stock update,
 and may only replace the step's ``(args, kwargs)``. On an optimizer's first step in scope the hook
 converts it (from then on its ``step`` is the rewritten one) and, through
@@ -20,6 +23,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from . import checkpoint
 from .api import SUPPORTED, _check_optimizer, is_wrapped, lowbit_compile, restore, stock_step_runs_rewritten
 from .config import (
     DEFAULT_BLOCK_SIZE,
@@ -40,6 +45,8 @@ from .config import (
     param_names,
 )
 from .memory import memory_report
+from .monitor import Monitor
+from .monitor import monitor as sample_health
 
 _log = logging.getLogger(__name__)
 _active: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar("lowbit_enable_scopes", default=())
@@ -58,12 +65,13 @@ class Rewritten:
     state_bytes: int = 0
     stock_state_bytes: int = 0
     restored_at_step: int | None = None
+    reported_at: tuple[int, float] | None = None  # (steps, time) of the last progress line
 
     def measure(self, opt: torch.optim.Optimizer) -> None:
         """Bytes the optimizer's states hold now, and what stock states of the same dtypes would."""
         self.state_bytes = memory_report(opt).total.bytes
         self.stock_state_bytes = sum(
-            v.numel() * v.element_size()
+            v.numel() * v.dtype.itemsize
             for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
         )
 
@@ -87,15 +95,23 @@ class Scope(contextlib.ContextDecorator):
         model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
         restore_at_step: int | None = None,
         restore_on_exit: bool = False,
+        monitor: int | None = None,
+        log_every: int | None = None,
     ) -> None:
         self.config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides)
         if restore_at_step is not None and (not isinstance(restore_at_step, int) or restore_at_step < 1):
             raise ValueError(f"restore_at_step must be a positive int or None, got {restore_at_step!r}")
+        for name, value in (("monitor", monitor), ("log_every", log_every)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive int (a number of steps) or None, got {value!r}")
         self._options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
                              backend=backend, overrides=overrides)
         self._names = param_names(model) if model is not None else None
         self.restore_at_step = restore_at_step
         self.restore_on_exit = restore_on_exit
+        self.monitor_every = monitor
+        self.log_every = log_every
+        self.monitors: list[Monitor] = []
         self.rewritten: list[Rewritten] = []
         self.skipped: collections.Counter[str] = collections.Counter()
         self._records: weakref.WeakKeyDictionary[torch.optim.Optimizer, Rewritten] = weakref.WeakKeyDictionary()
@@ -107,10 +123,13 @@ class Scope(contextlib.ContextDecorator):
 
     # entering and leaving ---------------------------------------------------------------------
     def __enter__(self) -> Scope:
+        checkpoint.guard_stock_steps()
         _acquire_hooks()
         self._tokens.append(_active.set((*_active.get(), self)))
-        if self.config.uses_names and self._names is None and self._module_hook is None:
-            # Name patterns without model=: learn names from the modules that run forward in scope.
+        wants_names = self.config.uses_names or self.monitor_every is not None
+        if wants_names and self._names is None and self._module_hook is None:
+            # Name patterns (or a monitor's messages) without model=: learn names from the modules
+            # that run forward in scope.
             self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 lambda module, args: self._seen_modules.add(module))
         return self
@@ -121,6 +140,8 @@ class Scope(contextlib.ContextDecorator):
         if self._tokens:
             return
         self._stop_learning_names()
+        while self.monitors:
+            self.monitors.pop().remove()
         if self.restore_on_exit:
             for opt in list(self._records.keys()):
                 if is_wrapped(opt):
@@ -133,26 +154,40 @@ class Scope(contextlib.ContextDecorator):
 
     # the hooks --------------------------------------------------------------------------------
     def _pre_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if opt in self._decided or is_wrapped(opt):
+        if is_wrapped(opt):
             return None
-        self._decided.add(opt)
+        if opt not in self._decided:
+            self._decided.add(opt)
+            if self._rewrites(opt):
+                return self._rewrite(opt, args, kwargs)
+        checkpoint.refuse_packed_states(opt)  # left stock: its stock step cannot take low-bit states
+        return None
+
+    def _rewrites(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether this scope rewrites ``opt`` (counting why not, when not)."""
         if not isinstance(opt, SUPPORTED):
             self.skipped[f"{type(opt).__name__} (not an optimizer lowbit_compile rewrites)"] += 1
-            return None
+            return False
         if self._restore_requested:
             self.skipped[f"{type(opt).__name__} (stepped after a restore request)"] += 1
-            return None
+            return False
         try:
             _check_optimizer(opt)
         except (TypeError, ValueError) as err:
-            warnings.warn(f"lowbit_compile.enable left a {type(opt).__name__} stock: {err}", stacklevel=4)
+            warnings.warn(f"lowbit_compile.enable left a {type(opt).__name__} stock: {err}", stacklevel=5)
             self.skipped[f"{type(opt).__name__} (unsupported: {err})"] += 1
-            return None
+            return False
+        return True
+
+    def _rewrite(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         lowbit_compile(opt, **self._options, model=self._names_of(opt))
         n_params = sum(p.numel() for group in opt.param_groups for p in group["params"])
         record = Rewritten(f"{type(opt).__name__} #{len(self.rewritten) + 1}", n_params)
         self.rewritten.append(record)
         self._records[opt] = record
+        if self.monitor_every is not None:
+            named = self._known_names(opt)
+            self.monitors.append(sample_health(opt, self.monitor_every, model=named))
         self._stop_learning_names()
         _log.info("rewrote %s (%s params) with low-bit states", record.label, f"{n_params:,}")
         return stock_step_runs_rewritten(opt, args, kwargs)
@@ -170,9 +205,24 @@ class Scope(contextlib.ContextDecorator):
         record.steps += 1
         if record.steps == 1:
             record.measure(opt)
+            record.reported_at = (1, time.perf_counter())
+        elif self.log_every is not None and record.steps % self.log_every == 0:
+            self._progress(opt, record)
         if self._restore_requested or (self.restore_at_step is not None and record.steps >= self.restore_at_step):
             self._restore(opt)
         return True
+
+    def _progress(self, opt: torch.optim.Optimizer, record: Rewritten) -> None:
+        """One line: steps so far, the mean time per step since the last line, state memory saved."""
+        record.measure(opt)
+        now = time.perf_counter()
+        last_steps, last_time = record.reported_at or (record.steps, now)
+        per_step = (now - last_time) / max(1, record.steps - last_steps)
+        record.reported_at = (record.steps, now)
+        saved = record.stock_state_bytes - record.state_bytes
+        pct = 100.0 * saved / record.stock_state_bytes if record.stock_state_bytes else 0.0
+        _log.info("%s: step %s, %.1f ms/step, states %s held, %s saved (%.1f%%)", record.label, f"{record.steps:,}",
+                  1e3 * per_step, _mib(record.state_bytes), _mib(saved), pct)
 
     def _restore(self, opt: torch.optim.Optimizer) -> None:
         record = self._records[opt]
@@ -194,7 +244,13 @@ class Scope(contextlib.ContextDecorator):
                 "have no known name, so the name-pattern overrides cannot be applied to them; run the "
                 "model's forward inside the scope before the first step, or pass model= to enable()"
             )
-        return [(names[p], p) for p in params]
+        # every known name, not only this optimizer's: patterns are checked against the whole model
+        return [(name, p) for p, name in names.items()]
+
+    def _known_names(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+        """The names of ``opt``'s parameters known so far (``model=``, or modules run in scope)."""
+        names = self._names if self._names is not None else _outermost_names(self._seen_modules)
+        return [(names[p], p) for group in opt.param_groups for p in group["params"] if p in names]
 
     def _stop_learning_names(self) -> None:
         if self._module_hook is not None:
@@ -232,14 +288,17 @@ class Scope(contextlib.ContextDecorator):
 
 
 def enable(fmt: str | Mapping[str, str] | Callable = DEFAULT_FMT, **options: Any) -> Any:
-    """Rewrite every ``torch.optim.Adam``/``AdamW`` stepped inside the scope with low-bit states.
+    """Rewrite every supported ``torch.optim`` optimizer (``api.SUPPORTED``: Adam, AdamW, SGD,
+    RMSprop, ...) stepped inside the scope with low-bit states; others are left stock and counted.
 
     Use as ``@enable(fmt="int8")``, bare ``@enable``, or ``with enable(...):``. Options are those of
     ``lowbit_compile`` (``block_size``, ``outliers``, ``min_8bit_size``, ``backend``, ``overrides``,
     ``model``) plus ``restore_at_step`` (switch each rewritten optimizer back to stock fp32 states
-    after that many steps) and ``restore_on_exit``. Name-pattern overrides without ``model=`` take
-    the names from the modules whose forward runs in scope (the outermost module names them).
-    Optimizers already wrapped by ``lowbit_compile`` keep their own configuration.
+    after that many steps), ``restore_on_exit``, ``monitor=N`` (sample each rewritten optimizer's
+    health every N steps while in scope, see ``lowbit_compile.monitor``) and ``log_every=N`` (log a
+    progress line every N steps). Name-pattern overrides without ``model=`` take the names from the
+    modules whose forward runs in scope (the outermost module names them). Optimizers already
+    wrapped by ``lowbit_compile`` keep their own configuration.
     """
     if callable(fmt) and not options:
         return Scope()(fmt)
@@ -250,6 +309,10 @@ def _summary_row(label: str, params: int, steps: int, stock: int, held: int) -> 
     saved = stock - held
     pct = 100.0 * saved / stock if stock else 0.0
     return f"  {label:<12}{params:>15,}{steps:>8,}{stock:>16,}{held:>16,}{saved:>16,}{pct:>6.1f}%"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def _outermost_names(modules: Iterable[torch.nn.Module]) -> dict[torch.Tensor, str]:
@@ -291,3 +354,7 @@ def _release_hooks() -> None:
         if _hook_users == 0:
             while _hook_handles:
                 _hook_handles.pop().remove()
+
+
+# an optimizer stepped in scope is rewritten (or refused) by Scope._pre_step, not by the stock-step guard
+checkpoint.defer_to(lambda opt: bool(_active.get()))

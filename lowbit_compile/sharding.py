@@ -12,20 +12,19 @@ world size makes the same choice.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .kernels.formats import StateFormat
 from .state import QuantizedState
 
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-else:  # a torch build without distributed support has no sharded parameters
-    DTensor = Replicate = Shard = None
-
 
 def is_sharded(t: object) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # No DTensor exists before torch.distributed.tensor is imported, so importing lowbit_compile never
+    # pays for that import (seconds) itself.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -43,6 +42,8 @@ def like(local_value: torch.Tensor, template: torch.Tensor, shape: tuple[int, ..
     else:
         shape = torch.Size(shape)
         stride = torch.empty(shape, device="meta").stride()
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(local_value, template.device_mesh, template.placements, run_check=False,
                               shape=shape, stride=stride)
 
@@ -74,6 +75,8 @@ def row_splits(param: torch.Tensor) -> list[int]:
     rows = param.shape[0] if param.dim() else 1
     if not is_sharded(param):
         return [0, rows]
+    from torch.distributed.tensor import Replicate, Shard
+
     ranges = [(0, rows)]
     for dim, placement in enumerate(param.placements):
         if isinstance(placement, Replicate):
@@ -98,5 +101,7 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
     rows = param.shape[0] if param.dim() else 1
     if not is_sharded(param):
         return 0, rows
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return (offset[0], offset[0] + shape[0]) if param.dim() else (0, rows)

@@ -15,8 +15,8 @@ import torch
 from .kernels import blockquant
 from .kernels.formats import StateFormat
 from .passes.trace import shell_optimizer, unhooked_step
-from .runner import trace_group
 from .state import QuantizedState
+from .trace_cache import trace_group
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class StateStats:
     state whose largest outlier patch is at least twice the absmax of the rest of the block (there
     the patches at least halve the step of the code grid); None for formats without patches.
     ``update_ratio``: ``||p_next - p|| / ||p||`` of that next step. The three measured on the
-    next step are None when the parameter has no gradient.
+    next step are None when the parameter has no gradient. ``sampled``: the share of the
+    parameter's elements they were measured on (1.0 unless ``stats(..., max_blocks=)`` sampled).
     """
 
     param: str
@@ -41,6 +42,7 @@ class StateStats:
     zero_flush: float | None
     patched_blocks: float | None
     update_ratio: float | None
+    sampled: float = 1.0
 
 
 class Stats(list):
@@ -60,13 +62,19 @@ class Stats(list):
 
 
 def stats(opt: torch.optim.Optimizer,
-          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None) -> Stats:
+          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+          max_blocks: int | None = None, offset: int = 0) -> Stats:
     """Per quantized state of ``opt``: relative quantization error, fraction of non-zero values
     flushed to zero, outlier-patch use and the update/param ratio (see ``StateStats``).
 
     ``named_parameters`` (e.g. ``model.named_parameters()``) labels the rows; without it a row is
-    labelled ``group<i>.<j>``.
+    labelled ``group<i>.<j>``. ``max_blocks`` measures the next step on at most that many
+    quantization blocks per parameter, evenly spaced from ``offset`` (the step is elementwise and
+    blocks quantize independently, so the figures are those of the blocks measured, exactly);
+    ``None`` measures every block.
     """
+    if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 1):
+        raise ValueError(f"max_blocks must be a positive int or None, got {max_blocks!r}")
     names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
     out = Stats()
     for gi, group in enumerate(opt.param_groups):
@@ -75,25 +83,67 @@ def stats(opt: torch.optim.Optimizer,
             quantized = {k: v for k, v in state.items() if isinstance(v, QuantizedState)}
             if not quantized:
                 continue
-            nxt, ratio = _next_step(opt, group, param, state) if param.grad is not None else ({}, None)
+            index = _sample(param.numel(), quantized.values(), max_blocks, offset)
+            nxt, ratio = _next_step(opt, group, param, state, index) if param.grad is not None else ({}, None)
+            share = 1.0 if index is None else index.numel() / max(param.numel(), 1)
             for key, value in quantized.items():
                 err, flush = _round_trip(nxt[key], value.fmt) if key in nxt else (None, None)
                 out.append(StateStats(names.get(id(param), f"group{gi}.{pi}"), key, value.fmt.tag(),
-                                      param.numel(), err, flush, _patched_blocks(value), ratio))
+                                      param.numel(), err, flush, _patched_blocks(value), ratio, share))
     return out
 
 
+def _sample(numel: int, quantized: Iterable[QuantizedState], max_blocks: int | None,
+            offset: int) -> torch.Tensor | None:
+    """The flat indices of ``max_blocks`` evenly spaced whole blocks (of the largest block size among
+    the states; the smaller ones divide it), or None to measure every element."""
+    block = max((v.fmt.block_size for v in quantized if v.fmt.blockwise), default=0)
+    nb = -(-numel // block) if block else 0
+    if max_blocks is None or nb <= max_blocks:
+        return None
+    stride = nb // max_blocks
+    blocks = offset % stride + torch.arange(max_blocks) * stride
+    index = (blocks[:, None] * block + torch.arange(block)).reshape(-1)
+    return index[index < numel]
+
+
+def _sampled_state(value: QuantizedState, index: torch.Tensor) -> torch.Tensor:
+    """The values of ``value`` at ``index`` (whole blocks of it), decoding only those blocks."""
+    fmt = value.fmt
+    if not fmt.blockwise:
+        return blockquant.dequantize(blockquant.Quantized(value.codes[index], *value.storage_parts[1:]), fmt,
+                                     value.dtype)
+    blocks = torch.unique_consecutive(index // fmt.block_size)
+    part = blockquant.Quantized(value.codes[index], value.scales[blocks], value.patch_values[blocks],
+                                value.patch_index[blocks])
+    return blockquant.dequantize(part, fmt, value.dtype)
+
+
 @torch.no_grad()
-def _next_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor,
-               state: dict) -> tuple[dict, float]:
-    """The stock fp32 step of ``param`` on copies: the new per-element states and ||dp|| / ||p||."""
-    probe = param.detach().clone()
-    probe.grad = param.grad.detach().clone()
-    copies = {k: (v.dequantize() if isinstance(v, QuantizedState) else v.clone() if isinstance(v, torch.Tensor)
-                  else v) for k, v in state.items()}
+def _next_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
+               index: torch.Tensor | None) -> tuple[dict, float]:
+    """The stock fp32 step of ``param`` (of its elements at ``index``) on copies: the new
+    per-element states and ||dp|| / ||p||."""
+    def part(t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if index is None else t.detach().reshape(-1)[index]
+
+    start = part(param).clone()
+    probe = start.clone()
+    probe.grad = part(param.grad).clone()
+    grad_scale = getattr(opt, "grad_scale", None)  # a fused optimizer under GradScaler unscales in its step
+    if grad_scale is not None:
+        probe.grad.div_(grad_scale)
+    copies = {}
+    for k, v in state.items():
+        if isinstance(v, QuantizedState):
+            copies[k] = v.dequantize() if index is None else _sampled_state(v, index)
+        elif isinstance(v, torch.Tensor):
+            copies[k] = part(v).clone() if v.shape == param.shape and v.dim() > 0 else v.clone()
+        else:
+            copies[k] = v
     unhooked_step(type(opt))(shell_optimizer(opt, trace_group(group), probe, copies))
-    norm = param.detach().float().norm().item()
-    ratio = (probe.float() - param.detach().float()).norm().item() / norm if norm > 0 else float("inf")
+    norm = start.float().norm().item()
+    ratio = (probe.float() - start.float()).norm().item() / norm if norm > 0 else float("inf")
     return copies, ratio
 
 
@@ -113,5 +163,5 @@ def _patched_blocks(value: QuantizedState) -> float | None:
     if not fmt.patches or value.scales.numel() == 0:
         return None
     largest = value.patch_values.float().abs().amax(dim=1)
-    rest = value.scales.float() * fmt.qmax
+    rest = value.scales.float().abs() * fmt.qmax  # a flagged block's scale is negative
     return (largest >= 2 * rest).logical_and(largest > 0).float().mean().item()

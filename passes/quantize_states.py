@@ -14,10 +14,16 @@ from collections.abc import Mapping
 import torch
 from torch.fx import GraphModule, Node
 
-from ..kernels import ops  # noqa: F401  (registers torch.ops.lowbit)
+from ..kernels.contract import (
+    Role,
+    add_dequantize,
+    add_quantize,
+    input_of,
+    role_of,
+    set_per_element,
+    state_part_inputs,
+)
 from ..kernels.formats import StateFormat
-
-STATE_PARTS = ("codes", "scales", "patch_values", "patch_index")
 
 
 def quantize_states(gm: GraphModule, formats: Mapping[str, StateFormat]) -> GraphModule:
@@ -25,37 +31,23 @@ def quantize_states(gm: GraphModule, formats: Mapping[str, StateFormat]) -> Grap
     gm = copy.deepcopy(gm)
     graph = gm.graph
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
-    states = [
-        n
-        for n in graph.nodes
-        if n.op == "placeholder"
-        and n.meta.get("role") == "per_element_state"
-        and not formats[n.meta["lowbit_input"][1]].passthrough
-    ]
+    states = [n for n in graph.nodes if n.op == "placeholder" and role_of(n) is Role.PER_ELEMENT_STATE
+              and not formats[input_of(n).key].passthrough]
     for ph in states:
-        key = ph.meta["lowbit_input"][1]
+        key = input_of(ph).key
         fmt = formats[key]
-        parts = []
-        anchor = ph
-        for part in STATE_PARTS:
-            with graph.inserting_after(anchor):
-                node = graph.placeholder(f"{key}_{part}")
-            node.meta.update(lowbit_input=("state_part", key, part), role="state_part", per_element=True)
-            parts.append(node)
-            anchor = node
+        parts = state_part_inputs(graph, key, after=ph)
         dq = None
         if any(not _is_write_back(user, ph) for user in ph.users):  # not a state the step only creates
             with graph.inserting_before(first_op):
-                dq = graph.call_function(
-                    torch.ops.lowbit.dequantize.default,
-                    (*parts, fmt.tag(), ops.dtype_name(ph.meta["val"].dtype)),
-                )
-            dq.meta.update(val=ph.meta["val"], per_element=True)
+                dq = add_dequantize(graph, parts, fmt, ph.meta["val"].dtype)
+            dq.meta.update(val=ph.meta["val"])
+            set_per_element(dq, True)
         for user in list(ph.users):
             if _is_write_back(user, ph):
                 with graph.inserting_before(user):
-                    q = graph.call_function(torch.ops.lowbit.quantize_.default, (user.args[1], *parts, fmt.tag()))
-                q.meta.update(per_element=True)
+                    q = add_quantize(graph, user.args[1], parts, fmt)
+                set_per_element(q, True)
                 graph.erase_node(user)
             else:
                 user.replace_input_with(ph, dq)

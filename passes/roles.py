@@ -1,9 +1,10 @@
 """Label each input of a traced step with its role and refuse steps that are not elementwise.
 
-Roles: ``param``, ``grad``, ``per_element_state`` (shaped like the param), ``scalar_state`` (e.g. the
-step count), ``hyperparameter``. Every node that computes from a per-element value must be a
-pointwise aten op (or a copy back into a per-element input): a reduction or reshape over the
-parameter cannot be run one block at a time, so it is refused with the op's name.
+The trace labels each state entry ``Role.STATE``; this pass tells ``PER_ELEMENT_STATE`` (shaped like
+the param) from ``SCALAR_STATE`` (e.g. the step count) and marks which nodes compute per element.
+Every node that computes from a per-element value must be a pointwise aten op (or a copy back into a
+per-element input): a reduction or reshape over the parameter cannot be run one block at a time, so
+it is refused with the op's name.
 """
 
 from __future__ import annotations
@@ -14,9 +15,19 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_flatten
 
+from ..kernels.contract import (
+    PER_ELEMENT_ROLES,
+    GraphInput,
+    Role,
+    input_of,
+    is_per_element,
+    role_of,
+    set_input,
+    set_per_element,
+)
+
 aten = torch.ops.aten
 
-PER_ELEMENT_ROLES = frozenset({"param", "grad", "per_element_state", "state_part"})
 _ALLOWED_NON_POINTWISE = frozenset({aten.copy_.default, aten.copy.default, aten.clone.default, aten.alias.default})
 
 
@@ -28,32 +39,25 @@ def _val(node: Node):
     return node.meta.get("val")
 
 
-def input_role(node: Node, param_shape: torch.Size) -> str:
-    kind = node.meta["lowbit_input"][0]
-    if kind == "state":
-        val = _val(node)
-        return "per_element_state" if tuple(val.shape) == tuple(param_shape) else "scalar_state"
-    return {"param": "param", "grad": "grad", "hyper": "hyperparameter", "state_part": "state_part"}[kind]
-
-
-def is_per_element(node: Node) -> bool:
-    return node.meta.get("per_element", False)
-
-
 def label_roles(gm: GraphModule) -> GraphModule:
-    """Return a copy of ``gm`` whose placeholders carry ``meta['role']`` and whose nodes carry
-    ``meta['per_element']``; raise :class:`NotElementwiseError` on a non-elementwise step."""
+    """Return a copy of ``gm`` whose state inputs are labelled per-element or scalar and whose nodes
+    are marked per element or not (``kernels.contract``); raise :class:`NotElementwiseError` on a
+    non-elementwise step."""
     gm = copy.deepcopy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    param_shape = next(_val(n).shape for n in placeholders if n.meta["lowbit_input"][0] == "param")
+    param_shape = next(_val(n).shape for n in placeholders if role_of(n) is Role.PARAM)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            node.meta["role"] = input_role(node, param_shape)
-            node.meta["per_element"] = node.meta["role"] in PER_ELEMENT_ROLES
+            desc = input_of(node)
+            if desc.role is Role.STATE:
+                shaped = tuple(_val(node).shape) == tuple(param_shape)
+                desc = GraphInput(Role.PER_ELEMENT_STATE if shaped else Role.SCALAR_STATE, desc.key)
+                set_input(node, desc)
+            set_per_element(node, desc.role in PER_ELEMENT_ROLES)
         elif node.op == "call_function":
             args, _ = tree_flatten((node.args, node.kwargs))
             touches = any(isinstance(a, Node) and is_per_element(a) for a in args)
-            node.meta["per_element"] = touches
+            set_per_element(node, touches)
             if touches:
                 _check_elementwise(node, param_shape)
     return gm

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
+from ..kernels.contract import Role, input_of, role_of
+
 aten = torch.ops.aten
 INF = math.inf
 
@@ -107,9 +109,8 @@ def _fragile_roots(gm: GraphModule, env: dict[Node, Interval]) -> tuple[tuple[st
     out = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            kind = node.meta["lowbit_input"]
-            per_element = kind[0] == "state" and node.meta.get("role") == "per_element_state"
-            states[node] = frozenset({kind[1]}) if per_element else frozenset()
+            desc = input_of(node)
+            states[node] = frozenset({desc.key}) if desc.role is Role.PER_ELEMENT_STATE else frozenset()
             continue
         states[node] = frozenset().union(*(states.get(a, frozenset()) for a in node.all_input_nodes))
         root = node.target in (aten.sqrt.default, aten.rsqrt.default)
@@ -124,8 +125,8 @@ def _written_states(gm: GraphModule) -> dict[str, Node]:
     for node in gm.graph.nodes:
         if node.target is aten.copy_.default:
             dst = node.args[0]
-            if dst.op == "placeholder" and dst.meta.get("role") == "per_element_state":
-                out[dst.meta["lowbit_input"][1]] = node.args[1]
+            if dst.op == "placeholder" and role_of(dst) is Role.PER_ELEMENT_STATE:
+                out[input_of(dst).key] = node.args[1]
     return out
 
 
@@ -153,12 +154,12 @@ def _ranges(gm: GraphModule, assumed: set[str], ranges: Mapping[str, Interval],
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            kind = node.meta["lowbit_input"]
-            if kind[0] == "state" and node.meta.get("role") == "per_element_state" and kind[1] in assumed:
+            desc = input_of(node)
+            if desc.role is Role.PER_ELEMENT_STATE and desc.key in assumed:
                 env[node] = NONNEG
-            elif kind[0] == "hyper":
-                env[node] = ranges.get(kind[1].name, ANY)
-            elif node.meta.get("role") == "scalar_state":
+            elif desc.role is Role.HYPERPARAMETER:
+                env[node] = ranges.get(desc.key.name, ANY)
+            elif desc.role is Role.SCALAR_STATE:
                 env[node] = scalar_states
             else:
                 env[node] = ANY

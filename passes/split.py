@@ -14,7 +14,7 @@ import operator
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .roles import is_per_element
+from ..kernels.contract import is_per_element, set_per_element
 
 
 def split_prologue(gm: GraphModule) -> GraphModule:
@@ -68,7 +68,8 @@ def _keep_old_scalar_states(graph: Graph) -> None:
             continue
         with graph.inserting_before(first_op):
             old = graph.call_function(torch.ops.aten.clone.default, (state,))
-        old.meta.update(val=state.meta.get("val"), per_element=False)
+        old.meta.update(val=state.meta.get("val"))
+        set_per_element(old, False)
         for reader in readers:
             reader.replace_input_with(state, old)
 

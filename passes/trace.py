@@ -23,20 +23,23 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import sympy
 import torch
-from torch._dynamo.source import ConstantSource
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx
-from torch.fx.experimental.symbolic_shapes import DimDynamic, GuardOnDataDependentSymNode, ShapeEnv
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..kernels.contract import GraphInput, Role, set_input
 from .canonicalize import elementwise_forms
+
+if TYPE_CHECKING:
+    import sympy
+
+# The tracing machinery (make_fx, ShapeEnv, sympy, dynamo's sources) is imported when a step is first
+# traced, not with lowbit_compile: together they cost seconds and pull in inductor and triton.
 
 TRACE_ELEMENTS = 16  # size of the fake 1-D parameter; the traced body is elementwise, any size runs it
 _HINT_ELEMENTS = 2  # size of the real parameter whose step gives the read-back values their hints
@@ -168,7 +171,7 @@ class _BackedReadBacks(TorchDispatchMode):
     """During the fake trace, makes the k-th read-back a symbol backed by the k-th real value, so a
     branch on it is a guard (recorded by :class:`_StepShapeEnv`) instead of a data-dependent error."""
 
-    def __init__(self, shape_env: _StepShapeEnv, hints: Sequence[float | int]) -> None:
+    def __init__(self, shape_env: Any, hints: Sequence[float | int]) -> None:
         super().__init__()
         self.shape_env = shape_env
         self.hints = hints
@@ -191,6 +194,9 @@ class _BackedReadBacks(TorchDispatchMode):
         if isinstance(hint, bool) or not isinstance(hint, (int, float)):
             raise NotImplementedError(f"the optimizer's step reads back a {type(hint).__name__} "
                                       "(a tensor of bools?); lowbit-compile traces float and int read-backs")
+        from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic
+
         source = ConstantSource(f"read_back_{k}")
         sym = self.shape_env.create_unspecified_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
         self.shape_env.read_backs.add(sym)
@@ -211,29 +217,38 @@ class _SymbolicScalarTensors(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _StepShapeEnv(ShapeEnv):
-    """A ShapeEnv that turns every decision the step takes on a read-back value into a
-    ``check_branch(value, as_traced)`` node, inserted right where the step decides (before anything
-    that depends on the decision, which may fail on the other side: ASGD's ``1 / (step - t0)``)."""
+@functools.cache
+def _step_shape_env() -> type:
+    """The ShapeEnv subclass :func:`_trace` uses (defined on first use: ShapeEnv's module is heavy)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.read_backs: set[sympy.Symbol] = set()
-        self.branch_guards: set[int] = set()  # indices into self.guards that a branch node checks
-        self._checked: set[sympy.Basic] = set()
+    class _StepShapeEnv(ShapeEnv):
+        """A ShapeEnv that turns every decision the step takes on a read-back value into a
+        ``check_branch(value, as_traced)`` node, inserted right where the step decides (before anything
+        that depends on the decision, which may fail on the other side: ASGD's ``1 / (step - t0)``)."""
 
-    def evaluate_sym_node(self, sym_node, size_oblivious=False, fallback_value=None):
-        before, expr = len(self.guards), sym_node.expr  # (the decision may simplify the expression)
-        result = super().evaluate_sym_node(sym_node, size_oblivious, fallback_value)
-        if expr.free_symbols & self.read_backs:
-            self.branch_guards.update(range(before, len(self.guards)))
-            if expr not in self._checked:  # a decision taken twice (inside ``x ** y``) is checked once
-                self._checked.add(expr)
-                _insert_branch_check(sym_node, result)
-        return result
+        def __init__(self) -> None:
+            super().__init__()
+            self.read_backs: set[sympy.Symbol] = set()
+            self.branch_guards: set[int] = set()  # indices into self.guards that a branch node checks
+            self._checked: set[sympy.Basic] = set()
+
+        def evaluate_sym_node(self, sym_node, size_oblivious=False, fallback_value=None):
+            before, expr = len(self.guards), sym_node.expr  # (the decision may simplify the expression)
+            result = super().evaluate_sym_node(sym_node, size_oblivious, fallback_value)
+            if expr.free_symbols & self.read_backs:
+                self.branch_guards.update(range(before, len(self.guards)))
+                if expr not in self._checked:  # a decision taken twice (inside ``x ** y``) is checked once
+                    self._checked.add(expr)
+                    _insert_branch_check(sym_node, result)
+            return result
+
+    return _StepShapeEnv
 
 
 def _insert_branch_check(sym_node: Any, result: Any) -> None:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
     mode = get_proxy_mode()
     if sym_node.is_bool():
         value, expected = torch.SymBool(sym_node), bool(result)
@@ -287,6 +302,8 @@ def trace_step(
     Read-back values are first left unknown (most steps only compute with them); a step that
     branches on one is traced again with them backed by their current values.
     """
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
     try:
         return _trace(opt, group, param_dtype, device, state, per_element, None)
     except GuardOnDataDependentSymNode:
@@ -298,8 +315,13 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
            state: dict[str, torch.Tensor | Any], per_element: Sequence[str],
            hints: Sequence[float | int] | None) -> TracedStep:
     global _trace_count
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
     slots = hyper_slots(group)
-    shape_env = _StepShapeEnv()
+    shape_env = _step_shape_env()()
     fake_mode = FakeTensorMode(shape_env=shape_env)
     symbols: list[sympy.Symbol] = []
 
@@ -369,11 +391,12 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
 
     state_keys = tensor_keys + fresh_keys
     names = ["param", "grad", *(f"state_{k}" for k in state_keys), *(f"hp_{s.name}" for s in slots)]
-    inputs = [("param",), ("grad",), *(("state", k) for k in state_keys), *(("hyper", s) for s in slots)]
+    inputs = [GraphInput(Role.PARAM), GraphInput(Role.GRAD), *(GraphInput(Role.STATE, k) for k in state_keys),
+              *(GraphInput(Role.HYPERPARAMETER, s) for s in slots)]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name, desc in zip(placeholders, names, inputs):
         node.name = node.target = name
-        node.meta["lowbit_input"] = desc
+        set_input(node, desc)
     gm.recompile()
     gm = elementwise_forms(gm)
 
@@ -412,7 +435,7 @@ def _check_rest_of_state(st: dict, tensor_keys: Sequence[str], fresh_keys: Seque
 
 
 def _compile_guards(
-    shape_env: _StepShapeEnv, symbols: list[sympy.Symbol], slots: tuple[HyperSlot, ...]
+    shape_env: Any, symbols: list[sympy.Symbol], slots: tuple[HyperSlot, ...]
 ) -> tuple[Callable, str]:
     """One predicate over the hyperparameter values: the branches the traced step took on them.
     Branches on read-back values are ``check_branch`` nodes in the graph instead."""
@@ -430,6 +453,8 @@ def _compile_guards(
         exprs.append(expr)
     if not exprs:
         return (lambda values: True), "True"
+    import sympy
+
     condition = sympy.And(*exprs)
     fn = sympy.lambdify(symbols, condition, modules="math")
 

@@ -1,26 +1,35 @@
-"""Build the graphs of each pass for one param of a stock optimizer (for snapshot tests)."""
+"""Build the graphs of each pass for one param of a stock optimizer (for snapshot tests), at the
+default state layout unless told otherwise."""
 
 from __future__ import annotations
 
 import torch
 
-from lowbit_compile.config import Config
+from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS, Config
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.split import split_prologue
-from lowbit_compile.runner import init_state, probe_schema, trace_for
+from lowbit_compile.state_schema import init_state, probe_schema
+from lowbit_compile.trace_cache import trace_for
 
 
-def pass_graphs(opt: torch.optim.Optimizer, fmt: str = "int8") -> dict[str, torch.fx.GraphModule]:
+def pass_graphs(opt: torch.optim.Optimizer, fmt: str | dict = DEFAULT_FMT, block_size: int = DEFAULT_BLOCK_SIZE,
+                outliers: int = DEFAULT_OUTLIERS) -> dict[str, torch.fx.GraphModule]:
     group = opt.param_groups[0]
     param = group["params"][0]
     schema = probe_schema(opt, group, param)
-    formats = dict(Config.make(fmt, 2048, 2, 0, "reference").formats_for(param, schema.per_element))
+    formats = dict(Config.make(fmt, block_size, outliers, 0, "reference").formats_for(param, schema.per_element,
+                                                                                       nonneg=schema.nonneg))
     state = init_state(param, schema, formats)
-    traced = trace_for(opt, group, param, state, schema).graph
+    traced = trace_for(opt, group, param, state, schema.per_element).graph
     roles = label_roles(traced)
     quantized = quantize_states(roles, formats)
     return {"traced": traced, "roles": roles, "quantized": quantized, "split": split_prologue(quantized)}
+
+
+def body(opt: torch.optim.Optimizer, fmt: str | dict = DEFAULT_FMT, **layout) -> torch.fx.GraphModule:
+    """The elementwise body a backend lowers."""
+    return pass_graphs(opt, fmt, **layout)["split"].body
 
 
 def code(gm: torch.fx.GraphModule) -> str:

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from lowbit_compile import QuantizedState, lowbit_compile, memory_report, restore, trace_count
+from lowbit_compile import QuantizedState, lowbit_compile, memory_report, optim, restore, trace_count
 from lowbit_compile.config import DEFAULT_FMT
 
 
@@ -33,7 +33,9 @@ def test_returns_the_same_optimizer_with_quantized_states():
     opt = torch.optim.AdamW(params, lr=1e-3)
     groups = opt.param_groups
     out = lowbit_compile(opt)
-    assert out is opt and type(out) is torch.optim.AdamW and out.param_groups is groups
+    # the same object, its class now the low-bit subclass of AdamW (isinstance checks still hold)
+    assert out is opt and type(out) is optim.AdamW and isinstance(out, torch.optim.AdamW)
+    assert out.param_groups is groups
     _step(opt, params)
     for p in params:
         state = opt.state[p]
@@ -67,7 +69,7 @@ def test_restore_returns_stock_fp32_states_and_class_step():
     opt = lowbit_compile(torch.optim.AdamW(params))
     _step(opt, params, 3)
     quantized = {id(p): opt.state[p]["exp_avg"].dequantize() for p in params if p.numel() >= 4096}
-    assert restore(opt) is opt
+    assert restore(opt) is opt and type(opt) is torch.optim.AdamW
     assert "step" not in opt.__dict__ and not hasattr(opt, "_lowbit")
     for p in params:
         for value in opt.state[p].values():

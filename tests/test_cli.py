@@ -128,15 +128,53 @@ def test_only_rank_zero_prints_the_summary(runner):
 
 
 @pytest.mark.parametrize("args,error", [
-    (["--fmt", "int4", "train.py"], "fmt must be one of"),
+    (["--fmt", "int4", "train.py"], "--fmt must be one of"),
+    (["--block-size", "1000", "train.py"], "--block-size must be a positive power of two"),
+    (["--min-8bit-size", "-1", "train.py"], "--min-8bit-size must be a non-negative int"),
+    (["--backend", "gpu", "train.py"], "--backend must be one of"),
     (["--override", "embed", "train.py"], "PATTERN=FMT"),
+    (["--override", "*embed*=q", "train.py"], "--override['*embed*'] must be one of"),
     (["--restore-on-signal", "NOPE", "train.py"], "unknown signal"),
-    (["--restore-at-step", "0", "train.py"], "positive int"),
+    (["--restore-at-step", "0", "train.py"], "--restore-at-step must be a positive int"),
+    (["--monitor", "0", "train.py"], "--monitor must be a positive int"),
+    (["--log-every", "-1", "train.py"], "--log-every must be a non-negative int"),
     (["--fmt", "int8"], "give the script to run"),
+    (["missing.py"], "no such script: 'missing.py'"),
+    (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
+    (["-m", "no_such_package.train"], "no module named 'no_such_package.train'"),
 ])
 def test_bad_options_fail_before_the_script_runs(runner, args, error):
+    """A clean error in the terms the user typed (flags, not keyword names), exit code 2, no traceback."""
     code, out, err = runner(*args)
-    assert code == 2 and error in err and "argv" not in out
+    assert code == 2 and error in err and "argv" not in out and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("python -m lowbit_compile run: error: ")
+
+
+def test_a_missing_script_fails_cleanly_in_a_fresh_interpreter(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "lowbit_compile", "run", "missing.py"], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "no such script" in done.stderr
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--params", "7B", "--master-weights"], "pass --param-dtype 'bf16' or 'fp16'"),
+    (["--params", "7B", "--shards", "0"], "--shards must be a positive int"),
+])
+def test_estimate_errors_name_the_flags(capsys, args, error):
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and error in err and "param_dtype" not in err
+
+
+def test_progress_lines_and_the_monitor(runner):
+    code, out, err = runner("--min-8bit-size", "0", "--log-every", "2", "--monitor", "2", "train.py", "4")
+    assert code == 0, err
+    progress = [line for line in err.splitlines() if "ms/step" in line]
+    assert [line.split(",")[0] for line in progress] == ["lowbit-compile: AdamW #1: step 2",
+                                                         "lowbit-compile: AdamW #1: step 4"]
+    assert "states" in progress[0] and "MiB held" in progress[0] and "saved (" in progress[0]
+    assert sum("worst zero flush" in line for line in err.splitlines()) == 2  # the monitor's samples at 2 and 4
 
 
 @pytest.mark.parametrize("argv,split", [

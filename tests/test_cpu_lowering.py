@@ -1,4 +1,4 @@
-"""The CPU lowering (backend="inductor") against the eager reference: formats code by code, whole steps
+"""The CPU lowering (backend="cpu") against the eager reference: formats code by code, whole steps
 for every format, flag and dtype, partial blocks, thread counts and the 16-lane (AVX-512) code path."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import ctypes
 import pytest
 import torch
 
-from lowbit_compile import QuantizedState, lowbit_compile, runner
-from lowbit_compile.kernels import cpu, cpu_build, cpu_emit
+from lowbit_compile import QuantizedState, compile, lowbit_compile
+from lowbit_compile.kernels import cpp_printer, cpu, cpu_build
 from lowbit_compile.kernels.backends import resolve
 from lowbit_compile.kernels.formats import StateFormat, decode, dynamic_map, dynamic_midpoints, encode
 
@@ -48,7 +48,7 @@ extern "C" void convert(int fmt, int nonneg, int dir, void* codes, float* x, int
 
 def _harness(lanes: int | None):
     tables = (dynamic_map(False), dynamic_midpoints(False), dynamic_map(True), dynamic_midpoints(True))
-    source = cpu_emit.PRELUDE + _HARNESS % tuple(", ".join(f"{v.hex()}f" for v in t.tolist()) for t in tables)
+    source = cpp_printer.PRELUDE + _HARNESS % tuple(", ".join(f"{v.hex()}f" for v in t.tolist()) for t in tables)
     return cpu_build.load(source, () if lanes is None else (f"-DLB_W={lanes}",))
 
 
@@ -97,7 +97,7 @@ def _twins(fmt, cls, kwargs, dtype, sizes, steps=3, block_size=64, outliers=2, t
     """The same training run under the reference and the CPU lowering; grads carry 1% outliers so
     every block has patches to take."""
     results = []
-    for backend in ("reference", "inductor"):
+    for backend in ("reference", "cpu"):
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in sizes]
         kw = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
@@ -107,7 +107,7 @@ def _twins(fmt, cls, kwargs, dtype, sizes, steps=3, block_size=64, outliers=2, t
             for p in params:
                 g = torch.randn(p.shape, generator=gen) * (1 + 30 * (torch.rand(p.shape, generator=gen) < 0.01))
                 p.grad = g.to(dtype)
-            if threads is not None and backend == "inductor":
+            if threads is not None and backend == "cpu":
                 before = torch.get_num_threads()
                 torch.set_num_threads(threads)
                 try:
@@ -200,22 +200,21 @@ def test_sixteen_lane_kernel_matches(monkeypatch, tmp_path):
     """The whole step compiled with 16 lanes (the AVX-512 width, here through the generic path)."""
     monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-DLB_W=16"))
-    monkeypatch.setattr(runner, "_compiled", {})  # lower again, with these flags
+    monkeypatch.setattr(compile, "_compiled", {})  # lower again, with these flags
     ref, ours = _twins("fp8_e4m3", *ADAM_FLAGS, torch.float32, SIZES)
     _assert_same_states(ref, ours)
 
 
 def test_auto_picks_the_cpu_kernel():
-    assert resolve("auto", "cpu") == "inductor"
+    assert resolve("auto", "cpu") == "cpu"
 
 
-def test_unsupported_dtype_falls_back_to_the_reference_with_a_warning():
-    p = torch.nn.Parameter(torch.randn(100, dtype=torch.float16))
-    opt = lowbit_compile(torch.optim.AdamW([p]), "int8", min_8bit_size=0, backend="inductor")
-    p.grad = torch.randn_like(p)
-    with pytest.warns(UserWarning, match="does not cover this step"):
-        opt.step()
-    assert opt.state[p]["exp_avg"].codes.abs().sum() > 0
+def test_fp16_params_match_reference_bit_for_bit():
+    """fp16 params and states: every op rounds to fp16 as aten's does (the same rules as bf16)."""
+    ref, ours = _twins("dynamic8", *ADAMW, torch.float16, BF16_SIZES)
+    _assert_same_states(ref, ours)
+    for a, b in zip(ref[0], ours[0]):
+        assert torch.equal(a, b)
 
 
 def _step_all(opt, params, gen):
@@ -263,8 +262,8 @@ def test_many_small_tensors_take_one_launch_and_stay_stock(monkeypatch):
     opt = lowbit_compile(torch.optim.AdamW(ours, weight_decay=0.1), "int8")
     stock = torch.optim.AdamW(twin, weight_decay=0.1, foreach=False)
     launches = []
-    launch = cpu.CpuStep._launch
-    monkeypatch.setattr(cpu.CpuStep, "_launch", lambda self, rows: (launches.append(len(rows)), launch(self, rows)))
+    run = cpu.CpuLaunch.run
+    monkeypatch.setattr(cpu.CpuLaunch, "run", lambda self: (launches.extend(len(m) for m, _ in self.calls), run(self)))
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         for p, q in zip(ours, twin):
@@ -307,3 +306,38 @@ def test_a_reused_preparation_follows_every_change():
         stock.step()
         for p, q in zip(ours, twin):
             assert torch.equal(p, q), step
+
+
+def test_a_steady_step_reuses_its_launches_and_sees_every_change():
+    """Steps after the first reuse the prepared launches (no new preparation) while only grads and
+    hyperparameters change; a strided grad, a replaced state entry, an lr change and a step count
+    reset from outside each still step like the stock twin."""
+    shapes = [(300,), (40, 20), (64,), (5000,)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = lowbit_compile(torch.optim.Adam(ours, weight_decay=0.01), "fp32")
+    stock = torch.optim.Adam(twin, weight_decay=0.01, foreach=False)
+    gen = torch.Generator().manual_seed(5)
+    plans = []
+    for step in range(9):
+        for p, q in zip(ours, twin):
+            g = torch.randn(p.shape, generator=gen)
+            if step == 3 and p.dim() == 2:
+                g = torch.randn(tuple(reversed(p.shape)), generator=gen).t()  # a strided grad
+            p.grad, q.grad = g, g.clone()
+        if step == 4:
+            for o in (opt, stock):
+                o.param_groups[0]["lr"] = 3e-3
+        if step == 5:
+            for o, p in ((opt, ours[0]), (stock, twin[0])):
+                o.state[p]["exp_avg"] = o.state[p]["exp_avg"].clone()
+        if step == 6:
+            for o, p in ((opt, ours[2]), (stock, twin[2])):
+                o.state[p]["step"].fill_(1.0)
+        opt.step()
+        stock.step()
+        plans.append(opt._lowbit.plan)
+        for p, q in zip(ours, twin):
+            assert torch.equal(p, q), step
+    assert plans[1] is plans[2] is plans[3] is plans[4]  # new grads (one strided) and a new lr: same plan
+    assert plans[5] is not plans[4]  # a replaced state entry: prepared again

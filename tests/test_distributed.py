@@ -1,5 +1,5 @@
 """Distributed training on CPU with gloo: FSDP2 (uneven shards), torch.distributed.checkpoint at the
-same and at another world size, DDP and ZeroRedundancyOptimizer.
+same and at another world size, DDP and ZeroRedundancyOptimizer, FSDP1's flat parameters.
 
 Each test launches the ranks of one scenario of ``tests/dist_worker.py`` as processes that meet
 through a file rendezvous (no TCP listener; gloo on the loopback interface), and fails with the
@@ -70,3 +70,7 @@ def test_checkpoints_move_between_world_sizes(workdir):
 
 def test_ddp_and_zero_redundancy_optimizer_train_like_one_process(workdir):
     print(launch("ddp_and_zero", 2, workdir))
+
+
+def test_fsdp1_flat_parameters_checkpoint_compactly_and_resume_exactly(workdir):
+    print(launch("fsdp1_flat", 2, workdir))

@@ -279,3 +279,98 @@ def test_name_patterns_with_model_given():
 def test_bad_options_are_refused_when_the_scope_is_made(options, error):
     with pytest.raises(ValueError, match=error):
         enable(**options)
+
+
+# -- process-wide hooks: only while a scope is entered ---------------------------------------------
+def global_step_hooks() -> tuple[int, int]:
+    from torch.optim import optimizer
+
+    return len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks)
+
+
+def test_importing_the_package_registers_nothing_global():
+    """A fresh interpreter: torch's process-wide optimizer and module hooks are the same before and
+    after ``import lowbit_compile`` (and after wrapping an optimizer explicitly)."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from torch.nn.modules import module
+from torch.optim import optimizer
+
+def hooks():
+    return (len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks),
+            len(module._global_forward_pre_hooks), len(module._global_forward_hooks),
+            len(module._global_backward_hooks), len(module._global_module_registration_hooks))
+
+before = hooks()
+import lowbit_compile
+import lowbit_compile.optim
+after_import = hooks()
+opt = lowbit_compile.lowbit_compile(torch.optim.AdamW([torch.nn.Parameter(torch.randn(8))]))
+print(before, after_import, hooks())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    before, after_import, after_wrap = out.stdout.strip().split(") (")
+    assert before + ")" == "(" + after_import + ")" == "(" + after_wrap, out.stdout
+
+
+def test_a_scope_registers_its_hooks_on_entry_and_removes_them_on_exit():
+    base = global_step_hooks()
+    outer, inner = enable(), enable(fmt="int8")
+    with outer:
+        assert global_step_hooks() == (base[0] + 1, base[1] + 1)
+        with inner:
+            assert global_step_hooks() == (base[0] + 1, base[1] + 1)  # shared, counted
+        assert global_step_hooks() == (base[0] + 1, base[1] + 1)  # the outer scope still needs them
+        params, opt = make()
+        step(opt, params)
+        assert is_wrapped(opt)
+    assert global_step_hooks() == base
+    with outer:  # a scope entered again registers them again
+        assert global_step_hooks() == (base[0] + 1, base[1] + 1)
+    assert global_step_hooks() == base
+
+
+def test_concurrent_scopes_in_threads_share_the_hooks_and_each_rewrites_its_own():
+    base = global_step_hooks()
+    barrier = threading.Barrier(2)
+    results: dict[str, object] = {}
+
+    def worker(fmt: str) -> None:
+        params, opt = make()
+        with enable(fmt=fmt):
+            barrier.wait()  # both scopes entered
+            results[f"hooks {fmt}"] = global_step_hooks()
+            step(opt, params)
+            barrier.wait()  # both stepped before either leaves
+        results[fmt] = opt.state[params[0]]["exp_avg"].fmt.name
+
+    threads = [threading.Thread(target=worker, args=(f,)) for f in ("int8", "bf16")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["int8"] == "int8" and results["bf16"] == "bf16"  # each thread's scope decided its own
+    assert results["hooks int8"] == results["hooks bf16"] == (base[0] + 1, base[1] + 1)
+    assert global_step_hooks() == base
+
+
+def test_a_scope_that_raises_still_removes_its_hooks():
+    base = global_step_hooks()
+    with pytest.raises(KeyError), enable():
+        raise KeyError("boom")
+    assert global_step_hooks() == base
+
+
+def test_progress_lines_and_the_monitor_of_a_scope(caplog):
+    import logging
+
+    params, opt = make()
+    with caplog.at_level(logging.INFO, logger="lowbit_compile"), enable(monitor=2, log_every=2) as scope:
+        step(opt, params, n=4)
+        assert len(scope.monitors) == 1 and [h["step"] for h in scope.monitors[0].history] == [2, 4]
+    assert not scope.monitors
+    lines = [r.getMessage() for r in caplog.records if "ms/step" in r.getMessage()]
+    assert len(lines) == 2 and lines[0].startswith("AdamW #1: step 2, ") and "saved" in lines[0]

@@ -116,3 +116,42 @@ def test_wrapped_group_keeps_its_fused_flag():
     p.grad = torch.ones_like(p)
     opt.step()
     assert opt.param_groups[0]["fused"] is True
+
+
+BRANCHING = [
+    pytest.param(torch.optim.RAdam, {}, id="RAdam (rectification at step 6)"),
+    pytest.param(torch.optim.RAdam, {"decoupled_weight_decay": True, "weight_decay": 0.1}, id="RAdam-decoupled"),
+    pytest.param(torch.optim.ASGD, {"t0": 4.0}, id="ASGD (averaging from step 4)"),
+    pytest.param(torch.optim.Rprop, {}, id="Rprop"),
+    pytest.param(torch.optim.NAdam, {}, id="NAdam"),
+    pytest.param(torch.optim.Adam, {"amsgrad": True}, id="Adam-amsgrad"),
+]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize(("cls", "kwargs"), BRANCHING)
+def test_fp32_is_bitwise_stock_when_params_skip_steps(cls, kwargs, backend):
+    """Params whose grads are None on some steps have their own step counts, so a branch on the step
+    count (RAdam's rho_t > 5, ASGD's averaging) goes different ways for params of one group in the
+    same step: each param takes its own branch, and none is stepped twice."""
+    ours, stock = _model_params(), None
+    stock = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for p, q in zip(ours, stock):
+        if not p.is_contiguous():
+            q.data = p.detach().t().clone().t()
+    opt = lowbit_compile(cls(ours, **kwargs), "fp32", min_8bit_size=0, backend=backend)
+    ref = cls(stock, **kwargs, foreach=False)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(STEPS):
+        for i, (p, q) in enumerate(zip(ours, stock)):
+            if (step + i) % (i + 2) == 0:  # param i skips every (i + 2)-th step, each with its own phase
+                p.grad = q.grad = None
+                continue
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        for p, q in zip(ours, stock):
+            assert torch.equal(p, q), (step, tuple(p.shape))
+    counts = {opt.state[p]["step"].item() for p in ours}
+    assert len(counts) > 3  # the params did go through different numbers of steps

@@ -10,7 +10,6 @@ shows up exactly.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import pathlib
 import runpy
 import warnings
@@ -210,7 +209,6 @@ def test_a_step_method_captured_before_wrapping_still_runs_the_rewritten_update(
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference_steps(3)))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate not installed")
 def test_accelerate_optimizer_with_grad_scaler_under_enable():
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
@@ -342,14 +340,11 @@ def test_restore_mid_training_continues_without_a_jump():
     assert all(b < a for a, b in zip(switched[switch:], switched[switch + 1:]))
 
 
-# -- frameworks (optional: installed with the `examples` extra) ------------------------------------
+# -- frameworks (installed with the `test` extra) --------------------------------------------------
 def run_example(name: str, *args: str) -> dict:
     return runpy.run_path(str(EXAMPLES / name))["main"](["--no-progress", *args])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None
-                    or importlib.util.find_spec("accelerate") is None,
-                    reason="transformers/accelerate not installed (pip install -e '.[examples]')")
 def test_hugging_face_trainer_example():
     out = run_example("hf_trainer.py", "--steps", "4", "--fmt", "int8")
     opt, model = out["optimizer"], out["model"]
@@ -365,8 +360,6 @@ def test_hugging_face_trainer_example():
     assert all(torch.isfinite(torch.tensor(out["losses"]))) and out["losses"][-1] < out["losses"][0]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
-                    reason="lightning not installed (pip install -e '.[examples]')")
 @pytest.mark.parametrize("fmt", ["int8", "none"])
 def test_lightning_example(fmt):
     out = run_example("lightning_fit.py", "--steps", "6", "--fmt", fmt)

@@ -18,6 +18,8 @@ def test_dry_run_checks_times_and_writes_json(tmp_path):
     report = gpu_check.main(["--device", "cpu", "--dry-run", "--formats", "int8", "--cases", "adam-bf16-params-wd",
                              "--skip-peers", "--out", str(out)])
     assert report["correct"], report["correctness"]
+    # the case's fp8 states ran on both FP8 paths: the interpreter runs the float8 one too
+    assert {c["check"] for c in report["correctness"]} >= {"adam-bf16-params-wd", "adam-bf16-params-wd_int-fp8"}
     assert json.loads(out.read_text())["correct"]
     timed = {(r["method"], r["param_dtype"]) for r in report["timing"]}
     assert timed == {(m, d) for m in ("torch_adamw_fused", "lowbit_int8") for d in ("float32", "bfloat16")}

@@ -18,7 +18,7 @@ import torch
 from bench.other_optimizers import OPTIMIZERS as OTHER_OPTIMIZERS
 from bench.other_optimizers import run as run_other
 from examples.lion import Lion
-from lowbit_compile import QuantizedState, lowbit_compile, restore, runner, trace_count
+from lowbit_compile import QuantizedState, compile, lowbit_compile, restore, state_schema, trace_cache, trace_count
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.passes.roles import NotElementwiseError
 
@@ -50,8 +50,8 @@ def _twins(cls, kwargs):
 
 def _reset_caches(monkeypatch):
     """Forget every schema, trace and compiled step of this process for the test's duration."""
-    for cache in ("_traces", "_compiled", "_schemas"):
-        monkeypatch.setattr(runner, cache, type(getattr(runner, cache))())
+    for module, cache in ((trace_cache, "_traces"), (compile, "_compiled"), (state_schema, "_schemas")):
+        monkeypatch.setattr(module, cache, type(getattr(module, cache))())
 
 
 def _assert_same(a, b, opt_a, opt_b):

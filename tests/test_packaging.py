@@ -20,6 +20,7 @@ def test_wheel_has_one_top_level_name_and_imports(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"lowbit_compile"}
     assert "lowbit_compile/passes/trace.py" in names and "lowbit_compile/kernels/formats.py" in names
+    assert "lowbit_compile/py.typed" in names  # PEP 561: type checkers read the package's hints
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
@@ -43,3 +44,14 @@ def test_editable_install_maps_passes_and_kernels_into_the_package():
 
     assert Path(trace.__file__).resolve() == ROOT / "passes" / "trace.py"
     assert Path(formats.__file__).resolve() == ROOT / "kernels" / "formats.py"
+
+
+def test_importing_loads_neither_triton_nor_inductor_nor_dynamo():
+    """``import lowbit_compile`` adds a few dozen modules to ``import torch``; the tracing machinery,
+    inductor's toolchain and triton load when a step is first traced and its kernel built."""
+    code = ("import sys, torch; before = set(sys.modules); import lowbit_compile;"
+            "heavy = [m for m in ('triton', 'torch._inductor', 'torch._dynamo', 'sympy', 'torch.distributed.tensor')"
+            " if m in sys.modules]; print(len(set(sys.modules) - before), heavy)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+    count, heavy = out.stdout.split(" ", 1)
+    assert heavy.strip() == "[]" and int(count) < 100, out.stdout

@@ -13,7 +13,7 @@ from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.signs import Interval, prove_nonneg
 from lowbit_compile.passes.split import split_prologue
 from lowbit_compile.passes.trace import hyper_slots, trace_step
-from lowbit_compile.runner import trace_group
+from lowbit_compile.trace_cache import trace_group
 
 from .graphs import code, pass_graphs
 
@@ -151,7 +151,7 @@ def forward(self, param, grad, momentum_buffer_codes, momentum_buffer_scales, mo
     neg = -hp_lr;  hp_lr = None
     add = torch.ops.aten.add.Tensor(param, clone, alpha = neg);  neg = None
     copy_ = torch.ops.aten.copy_.default(param, add);  param = add = copy_ = None
-    quantize__default = torch.ops.lowbit.quantize_.default(clone, momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, 'int8:2048:2:s');  clone = momentum_buffer_codes = momentum_buffer_scales = momentum_buffer_patch_values = momentum_buffer_patch_index = quantize__default = None
+    quantize__default = torch.ops.lowbit.quantize_.default(clone, momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, 'int8:512:0:s');  clone = momentum_buffer_codes = momentum_buffer_scales = momentum_buffer_patch_values = momentum_buffer_patch_index = quantize__default = None
     return None""")
 
     def test_radam_checks_its_rectification_branch(self):

@@ -129,3 +129,42 @@ def test_stepping_never_calls_stats(monkeypatch):
     _grads(params, torch.Generator().manual_seed(0))
     opt.step()
     assert all(set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in params)
+
+
+@pytest.mark.parametrize("fmt,outliers", [("int8", 2), ("dynamic8", 0)])
+def test_sampled_stats_are_exact_on_the_blocks_they_measure(fmt, outliers):
+    """``max_blocks``: the next step on a few whole blocks, quantized as the real step would quantize
+    those blocks (blocks are independent), so the figures are the full computation's on them."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(20, 250))  # 5000 elements: 19 blocks of 256 and a partial one
+    opt = lowbit_compile(torch.optim.AdamW([p], lr=1e-2), fmt, block_size=256, outliers=outliers, min_8bit_size=0,
+                         backend=BACKEND)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        _grads([p], gen)
+        opt.step()
+    _grads([p], gen)
+    twin_p = torch.nn.Parameter(p.detach().clone())
+    twin_p.grad = p.grad.clone()
+    twin = torch.optim.AdamW([twin_p], lr=1e-2)
+    twin.state[twin_p] = {k: (v.dequantize() if isinstance(v, lc.QuantizedState) else v.clone())
+                          for k, v in opt.state[p].items()}
+    twin.step()
+    # 20 blocks: 3 at a time are 6 apart, 4 at a time 5 apart (the last, partial block included)
+    for max_blocks, offset, blocks in ((3, 1, [1, 7, 13]), (3, 5, [5, 11, 17]), (3, 6, [0, 6, 12]),
+                                       (4, 4, [4, 9, 14, 19])):
+        rows = stats(opt, max_blocks=max_blocks, offset=offset)
+        index = torch.cat([torch.arange(b * 256, min(b * 256 + 256, 5000)) for b in blocks])
+        for row in rows:
+            fmt_ = opt.state[p][row.state].fmt
+            x = twin.state[twin_p][row.state].reshape(-1)[index]
+            back = lc.kernels.blockquant.dequantize(lc.kernels.blockquant.quantize(x, fmt_), fmt_)
+            assert row.sampled == index.numel() / 5000
+            assert row.rel_error == pytest.approx(((back - x).norm() / x.norm()).item(), rel=1e-5)
+            assert row.zero_flush == ((x != 0) & (back == 0)).sum().item() / (x != 0).sum().item()
+            start = p.detach().reshape(-1)[index]
+            moved = twin_p.detach().reshape(-1)[index]
+            assert row.update_ratio == pytest.approx(((moved - start).norm() / start.norm()).item(), rel=1e-5)
+    # enough blocks allowed: the full computation
+    full, capped = stats(opt), stats(opt, max_blocks=20)
+    assert [(r.rel_error, r.zero_flush, r.sampled) for r in full] == [(r.rel_error, r.zero_flush, 1.0) for r in capped]

@@ -56,7 +56,7 @@ def test_a_launch_op_is_captured_in_a_full_graph():
     expected = blockquant.quantize(x, fmt)
     triton_backend.quantize_into(x, blockquant.empty(300, fmt), fmt)  # builds the kernel
     key = triton_backend.kernel_for(triton_backend.emit_kernel(
-        triton_backend.quantize_graph(fmt, torch.float32), "lowbit_quantize", "cpu")).key
+        triton_backend.quantize_graph(fmt, torch.float32), "lowbit_quantize", triton_backend.target_of(x.device))).key
 
     def quantize_and_count(x, codes, scales, patch_values, patch_index):
         torch.ops.lowbit.quantize_triton(key, [codes, scales, patch_values, patch_index], [x], [])
@@ -77,18 +77,20 @@ def test_the_profiler_shows_each_launch_by_name():
     assert names.count("lowbit::fused_step") == len(list(model.parameters()))
 
 
-def test_cpu_tensors_without_the_interpreter_are_a_clear_error():
+def test_triton_on_cpu_tensors_without_the_interpreter_fails_at_wrap_time():
+    """backend='triton' on CPU tensors is refused by lowbit_compile itself, naming the group and the fix,
+    before anything is converted (not at the first step)."""
     code = textwrap.dedent("""
         import torch
-        from lowbit_compile import lowbit_compile
+        from lowbit_compile import is_wrapped, lowbit_compile
         p = torch.nn.Parameter(torch.randn(300))
-        opt = lowbit_compile(torch.optim.Adam([p]), min_8bit_size=0, backend="triton")
-        p.grad = torch.randn(300)
+        opt = torch.optim.Adam([p])
         try:
-            opt.step()
-        except RuntimeError as e:
-            print(e)
+            lowbit_compile(opt, min_8bit_size=0, backend="triton")
+        except ValueError as e:
+            print(e, is_wrapped(opt))
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert "runs cpu tensors only under TRITON_INTERPRET=1" in done.stdout, done.stderr[-2000:]
+    assert "param_groups[0] holds a cpu parameter" in done.stdout, done.stderr[-2000:]
+    assert "backend='auto' or 'cpu'" in done.stdout and done.stdout.strip().endswith("False")

@@ -73,7 +73,8 @@ FORMATS = [(name, nonneg) for name in FORMAT_NAMES if name != "fp32" for nonneg 
 def test_quantize_and_dequantize_kernels_match_reference_bit_for_bit(name, nonneg, dtype):
     fmt = StateFormat.make(name, BLOCK, 2, nonneg)
     x = corner_values(fmt, dtype)
-    if fmt.blockwise:  # the tie block really is at inverse scale 1
+    exact = torch.tensor(fmt.qmax).to(dtype).item() == fmt.qmax  # signed dynamic8's 0.99297 is no bf16
+    if fmt.blockwise and exact:  # the tie block really is at inverse scale 1
         assert blockquant.quantize(x[3 * BLOCK: 4 * BLOCK], fmt).scales.item() * fmt.qmax == fmt.qmax
     ref = blockquant.quantize(x, fmt)
     ours = blockquant.empty(N, fmt)

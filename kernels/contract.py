@@ -1,0 +1,148 @@
+"""The contract between the graph passes and the lowerings, typed: what each input of a step graph is,
+which nodes compute per element, and the state nodes ``lowbit::dequantize`` / ``lowbit::quantize_``.
+
+The passes write it into ``node.meta`` with the setters here; the passes after them, the runner and
+every backend read it with the accessors here (never by string keys of their own), and
+:func:`state_access` is the one parser of the state nodes' arguments.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+
+from . import ops
+from .formats import StateFormat
+
+lowbit = torch.ops.lowbit
+
+
+class Role(enum.Enum):
+    """What one input of a step graph holds."""
+
+    PARAM = "param"
+    GRAD = "grad"
+    STATE = "state"  # an entry of ``optimizer.state[p]``, until ``roles`` tells which of the two below
+    PER_ELEMENT_STATE = "per_element_state"  # shaped like the param (exp_avg, ...)
+    SCALAR_STATE = "scalar_state"  # anything else (the step count)
+    HYPERPARAMETER = "hyperparameter"  # a float or tensor of the param group (lr, betas, ...)
+    STATE_PART = "state_part"  # one storage tensor of a quantized per-element state
+
+
+class Part(enum.Enum):
+    """The storage tensors of one quantized state, in the order the state ops take them."""
+
+    CODES = "codes"
+    SCALES = "scales"
+    PATCH_VALUES = "patch_values"
+    PATCH_INDEX = "patch_index"
+
+
+PARTS = tuple(Part)
+PER_ELEMENT_ROLES = frozenset({Role.PARAM, Role.GRAD, Role.PER_ELEMENT_STATE, Role.STATE_PART})
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One placeholder of a step graph: its role, the state key (or the hyperparameter's slot in the
+    param group) and, for a storage tensor, which part of its state it is."""
+
+    role: Role
+    key: Any = None
+    part: Part | None = None
+
+
+_INPUT = "lowbit_input"
+_PER_ELEMENT = "lowbit_per_element"
+
+
+def set_input(node: Node, value: GraphInput) -> None:
+    node.meta[_INPUT] = value
+
+
+def input_of(node: Node) -> GraphInput | None:
+    """The input description of a placeholder (None for other nodes)."""
+    return node.meta.get(_INPUT)
+
+
+def role_of(node: Node) -> Role | None:
+    value = input_of(node)
+    return value.role if value is not None else None
+
+
+def set_per_element(node: Node, value: bool) -> None:
+    node.meta[_PER_ELEMENT] = value
+
+
+def is_per_element(node: Node) -> bool:
+    """Whether ``node`` holds (or computes from) a value per element of the param."""
+    return bool(node.meta.get(_PER_ELEMENT, False))
+
+
+@dataclass(frozen=True)
+class StateAccess:
+    """A ``lowbit::dequantize`` (``value`` None) or ``lowbit::quantize_`` node, parsed: the state's key,
+    format and storage inputs (in :data:`PARTS` order); the stock dtype the state is read as; the new
+    value a quantize stores."""
+
+    node: Node
+    key: str
+    fmt: StateFormat
+    parts: tuple[Node, Node, Node, Node]
+    dtype: torch.dtype
+    value: Node | None = None
+
+    @property
+    def reads(self) -> bool:
+        return self.value is None
+
+
+def state_access(node: Node) -> StateAccess | None:
+    """The parsed state node, or None for any other node."""
+    if node.target is lowbit.dequantize.default:
+        *parts, tag, dtype_name = node.args
+        return StateAccess(node, _key(parts), StateFormat.from_tag(tag), tuple(parts), ops.DTYPES[dtype_name])
+    if node.target is lowbit.quantize_.default:
+        value, *parts, tag = node.args
+        dtype = value.meta["val"].dtype if isinstance(value, Node) else torch.float32
+        return StateAccess(node, _key(parts), StateFormat.from_tag(tag), tuple(parts), dtype, value)
+    return None
+
+
+def _key(parts: list) -> str:
+    inputs = {input_of(p) for p in parts}
+    keys = {i.key for i in inputs if i is not None}
+    if len(keys) != 1 or any(i is None or i.role is not Role.STATE_PART for i in inputs):
+        raise ValueError(f"a state node's storage inputs must be the parts of one state, got {parts}")
+    return keys.pop()
+
+
+def add_dequantize(graph: Graph, parts: tuple[Node, ...], fmt: StateFormat, dtype: torch.dtype) -> Node:
+    """Insert (at the graph's insertion point) the node that decodes one state as ``dtype``."""
+    return graph.call_function(lowbit.dequantize.default, (*parts, fmt.tag(), ops.dtype_name(dtype)))
+
+
+def add_quantize(graph: Graph, value: Node, parts: tuple[Node, ...], fmt: StateFormat) -> Node:
+    """Insert the node that encodes ``value`` into one state's storage."""
+    return graph.call_function(lowbit.quantize_.default, (value, *parts, fmt.tag()))
+
+
+def state_part_inputs(graph: Graph, key: str, after: Node | None = None) -> tuple[Node, ...]:
+    """New placeholders for the storage of state ``key``, in :data:`PARTS` order right after ``after``
+    (appended to the graph when None)."""
+    parts = []
+    for part in PARTS:
+        if after is None:
+            node = graph.placeholder(f"{key}_{part.value}")
+        else:
+            with graph.inserting_after(after):
+                node = graph.placeholder(f"{key}_{part.value}")
+            after = node
+        set_input(node, GraphInput(Role.STATE_PART, key, part))
+        set_per_element(node, True)
+        parts.append(node)
+    return tuple(parts)

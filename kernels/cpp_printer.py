@@ -1,0 +1,525 @@
+"""The C++ printer: one fused CPU kernel from the body of a split, rewritten step graph.
+
+The kernel walks each parameter block by block (``block_size`` elements, the quantization block).
+Per block it runs the body's ops, as ``lowering.py`` lowers them, lane by lane on SIMD vectors,
+decoding each quantized state as it goes (codes times the block's scale, the block's patches put in
+their lanes), writes the param, and writes each new state value into an L1-resident block buffer
+while gathering each lane's largest magnitudes; it then re-quantizes each buffer into codes, scale
+and patches (``cpu_prelude.h``). Every byte of p, g and the codes is read once and written once; no
+state ever exists in fp32 outside the per-thread block buffers. Values uniform over the kernel
+(hyperparameters, bias corrections, lerp's weight tests) are computed once per block, before the
+lane loop.
+
+One kernel serves every parameter of its signature, any size, and any number of parameters per
+call: the exported function takes a table with one row per tensor (its element count and the data
+pointers of its inputs) and the step's scalar inputs, and splits all blocks of all rows over threads.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .contract import PARTS, Part, Role, StateAccess, input_of, state_access
+from .formats import FORMAT_IDS, FORMAT_NAMES, StateFormat, dynamic_map, dynamic_midpoints
+from .lowering import LoweringError, Target, lower_body
+from .primitives import Kind, Value
+
+ENTRY = "lowbit_step"
+DEFAULT_CHUNK = 2048  # block length when no state is blockwise (only the unit of work)
+
+_ENUM = {"int8": "LB_INT8", "dynamic8": "LB_DYNAMIC8", "fp8_e4m3": "LB_E4M3", "fp8_e5m2": "LB_E5M2",
+         "bf16": "LB_BF16_CODES"}
+_CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t", torch.float16: "uint16_t", torch.uint8: "uint8_t",
+           torch.int16: "int16_t"}
+_LOAD = {torch.float32: "lb_ld", torch.bfloat16: "lb_ld_bf16", torch.float16: "lb_ld_f16"}
+_STORE = {torch.float32: "lb_st", torch.bfloat16: "lb_st_bf16", torch.float16: "lb_st_f16"}
+_ROUND = {torch.bfloat16: "lb_round_bf16", torch.float16: "lb_round_f16"}
+_LANE_NAME = re.compile(r"\bv_\w+")
+
+
+def _cfloat(x: float) -> str:
+    if math.isnan(x):
+        return "NAN"
+    if math.isinf(x):
+        return "INFINITY" if x > 0 else "-INFINITY"
+    return f"(float){float(x).hex()}"
+
+
+def format_constants() -> str:
+    """The prelude's format enum and per-format constants, from ``formats.py``."""
+    lines = ["enum { " + ", ".join(f"{_ENUM[n]} = {FORMAT_IDS[n]}" for n in FORMAT_NAMES if n in _ENUM) + " };",
+             "template <int F, bool U> struct lb_format {};  // qmax, min_positive (and fp8's mantissa, min_exponent)"]
+    for name in FORMAT_NAMES:
+        if name not in _ENUM:
+            continue
+        for nonneg in (False, True):
+            fmt = StateFormat(name, nonneg=nonneg)
+            fields = f"static constexpr float qmax = {_cfloat(fmt.qmax)}, min_positive = {_cfloat(fmt.min_positive)};"
+            if name.startswith("fp8"):
+                fields += f" static constexpr int mantissa = {fmt.mantissa_bits}, min_exponent = {fmt.min_exponent};"
+            sign = "true" if nonneg else "false"
+            lines.append(f"template <> struct lb_format<{_ENUM[name]}, {sign}> {{ {fields} }};")
+    return "\n".join(lines)
+
+
+PRELUDE = (Path(__file__).parent / "cpu_prelude.h").read_text().replace("// @formats@", format_constants())
+
+
+@dataclass(frozen=True)
+class PointerInput:
+    """One per-element input of the body as the kernel sees it: a contiguous buffer."""
+
+    index: int  # position among the body's inputs
+    name: str
+    dtype: torch.dtype
+    length: str  # "n" (one per element), "blocks" (one per block), "patches" (K per block) or "empty"
+    written: bool
+
+
+@dataclass(frozen=True)
+class EmittedStep:
+    """The C++ of one signature's fused step and how to call it."""
+
+    source: str  # the generated part; ``full_source`` prepends the prelude
+    pointers: tuple[PointerInput, ...]
+    scalars: tuple[int, ...]  # positions among the body's inputs, passed as doubles in this order
+    block: int
+    patches: int
+    mkl_sqrt: bool  # calls the square root set by lowbit_set_vsqrt
+
+    @property
+    def full_source(self) -> str:
+        return PRELUDE + "\n// ---- generated from the rewritten step body ----\n" + self.source
+
+
+def emit_step(body: GraphModule, target: Target) -> EmittedStep:
+    """The kernel for ``body`` (the ``body`` child of a split, rewritten step), reproducing eager
+    CPU arithmetic; ``target.torch_sqrt`` takes fp32 square roots through MKL's vsSqrt (set with
+    ``lowbit_set_vsqrt``) in one more pass over the block, as torch does."""
+    if target.device != "cpu":
+        raise ValueError(f"the C++ printer builds CPU kernels, not {target.device} ones")
+    printer = CppPrinter(body, target)
+    lower_body(body, printer, target)
+    return printer.emitted()
+
+
+def _operand(v: Value) -> str:
+    return v.text if v.atomic else f"({v.text})"
+
+
+def _kind(*values: Value) -> Kind:
+    return Kind.ELEMENT if any(v.kind is Kind.ELEMENT for v in values) else Kind.SCALAR
+
+
+@dataclass
+class _State:
+    """A quantized state of the body: its storage inputs and format."""
+
+    key: str
+    fmt: StateFormat
+    parts: dict[Part, Node]
+    reads: bool = False
+    writes: bool = False
+
+    def ptr(self, part: Part) -> str:
+        return f"p_{self.parts[part].name}"
+
+
+class CppPrinter:
+    """The primitives of ``primitives.py`` as C++ on GCC vector extensions; collects the kernel's
+    statements (per block, per lane, after the lane loop) while ``lowering.lower_body`` walks."""
+
+    def __init__(self, body: GraphModule, target: Target) -> None:
+        self.target = target
+        self.graph = body.graph
+        self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self.states: dict[str, _State] = {}
+        for access in map(state_access, self.graph.nodes):
+            if access is None:
+                continue
+            state = self.states.setdefault(access.key, _State(access.key, access.fmt, dict(zip(PARTS, access.parts))))
+            state.reads |= access.reads
+            state.writes |= not access.reads
+        self.pointers, self.scalars = self._classify_inputs()
+        self.ptr_of = {self.placeholders[p.index]: p for p in self.pointers}
+        self.scalar_of = {self.placeholders[i]: j for j, i in enumerate(self.scalars)}
+        self.block, self.patches = self._block_and_patches()
+        self.pre: list[str] = []  # once per block, before the lane loop
+        self.lane: list[tuple[str | None, str]] = []  # (the lane value it defines, statement), in order
+        self.stores: list[str] = []  # write-backs at the end of each lane iteration
+        self.staged: list[tuple[str, str]] = []  # (buffer, the lane value whose sqrt it takes)
+        self.names: set[str] = set()
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    def _classify_inputs(self) -> tuple[tuple[PointerInput, ...], tuple[int, ...]]:
+        written = {n.args[0] for n in self.graph.nodes if n.target is torch.ops.aten.copy_.default}
+        part_spec: dict[Node, tuple[torch.dtype, str, bool]] = {}
+        for state in self.states.values():
+            codes_dtype = torch.bfloat16 if state.fmt.name == "bf16" else torch.uint8
+            lengths = ("n", "blocks", "patches", "patches") if state.fmt.blockwise else ("n", "empty", "empty", "empty")
+            for part, dtype, length in zip(PARTS, (codes_dtype, torch.float32, torch.bfloat16, torch.int16), lengths):
+                part_spec[state.parts[part]] = (dtype, length, state.writes)
+        pointers, scalars = [], []
+        for index, node in enumerate(self.placeholders):
+            desc = input_of(node)
+            if node in part_spec:
+                dtype, length, is_written = part_spec[node]
+                pointers.append(PointerInput(index, node.name, dtype, length, is_written))
+            elif desc is not None and desc.role in (Role.PARAM, Role.GRAD, Role.PER_ELEMENT_STATE):
+                dtype = node.meta["val"].dtype
+                if dtype not in _LOAD:
+                    raise LoweringError(f"per-element input {node.name!r} has dtype {dtype}; the CPU kernel "
+                                        "handles float32, bfloat16 and float16 tensors")
+                pointers.append(PointerInput(index, node.name, dtype, "n", node in written))
+            else:
+                scalars.append(index)
+        return tuple(pointers), tuple(scalars)
+
+    def _block_and_patches(self) -> tuple[int, int]:
+        blockwise = {(s.fmt.block_size, s.fmt.patches) for s in self.states.values() if s.fmt.blockwise}
+        if len(blockwise) > 1:
+            raise LoweringError(f"states with different block sizes or patch counts in one step: {sorted(blockwise)}; "
+                                "give every state of a parameter the same block_size and outliers")
+        return next(iter(blockwise)) if blockwise else (DEFAULT_CHUNK, 0)
+
+    def _name(self, prefix: str, name: str) -> str:
+        ident = f"{prefix}_{name}"
+        while ident in self.names:
+            ident += "_"
+        self.names.add(ident)
+        return ident
+
+    def _lane(self, name: str | None, statement: str) -> None:
+        self.lane.append((name, statement))
+
+    def _vec(self, v: Value) -> str:
+        """``v`` as a vector operand: a scalar is splat across the lanes (computed once per block first)."""
+        if v.kind is Kind.ELEMENT:
+            return _operand(v)
+        if not v.atomic:
+            v = self.bind(v, f"t{len(self.pre)}")
+        return f"lb_mask({v.text})" if v.dtype == torch.bool else f"lb_splat({v.text})"
+
+    # ---- inputs, outputs, state -----------------------------------------------------------------------
+    def load(self, node: Node, dtype: torch.dtype) -> Value:
+        name = self._name("v", node.name)
+        p = f"p_{node.name} + i"
+        self._lane(name, f"const vf {name} = full ? {_LOAD[dtype]}({p}) : {_LOAD[dtype]}_n({p}, r);")
+        return Value(name, dtype, Kind.ELEMENT)
+
+    def scalar_input(self, node: Node, dtype: torch.dtype | None) -> Value:
+        name = self._name("c", node.name)
+        j = self.scalar_of[node]
+        if dtype == torch.bool:
+            self.pre.append(f"const bool {name} = s[{j}] != 0.0f;")
+            return Value(name, torch.bool, Kind.SCALAR, host=True)
+        self.pre.append(f"const float {name} = s[{j}];")
+        return Value(name, dtype or torch.float32, Kind.SCALAR, host=True)
+
+    def constant(self, value: float, dtype: torch.dtype = torch.float32) -> Value:
+        if dtype == torch.bool:
+            return Value("true" if value else "false", dtype, Kind.SCALAR, host=True, literal=value)
+        return Value(_cfloat(value), dtype, Kind.SCALAR, host=True, literal=value)
+
+    def store(self, node: Node, value: Value) -> None:
+        dtype = self.ptr_of[node].dtype
+        p, v = f"p_{node.name} + i", self._vec(value)
+        self.stores.append(f"if (full) {_STORE[dtype]}({p}, {v}); else {_STORE[dtype]}_n({p}, {v}, r);")
+
+    def dequantize(self, access: StateAccess) -> Value:
+        """Codes times the block's scale, with the block's patches (sorted by offset before the loop)
+        put in the lanes they fall on."""
+        state = self.states[access.key]
+        name = self._name("v", f"{access.node.name}_decoded")
+        k, codes = state.key, state.ptr(Part.CODES)
+        if state.fmt.name == "bf16":
+            self._lane(name, f"vf {name} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);")
+            return Value(name, torch.float32, Kind.ELEMENT)
+        code = [f"vf {name} = lb_decode<{self._template(state)}>(full ? lb_ld_codes({codes} + i) : "
+                f"lb_ld_codes_n({codes} + i, r), {self._map(state, 'map')}) * SC_{k};"]
+        if state.fmt.patches:
+            code += [f"while (PN_{k} < i + LB_W) {{  // a patch falls in this vector",
+                     f"  {name}[PN_{k} - i] = PV_{k}[PA_{k}];",
+                     f"  PN_{k} = ++PA_{k} < PC_{k} ? PI_{k}[PA_{k}] : LB_NO_PATCH;",
+                     "}"]
+        self._lane(name, "\n".join(code))
+        return Value(name, torch.float32, Kind.ELEMENT)
+
+    def quantize(self, access: StateAccess, value: Value) -> None:
+        state = self.states[access.key]
+        x = self._vec(value)
+        if state.fmt.name == "bf16":
+            u = "true" if state.fmt.nonneg else "false"
+            v, codes = f"lb_bf16_state_clamp<{u}>({x})", state.ptr(Part.CODES)
+            self.stores.append(f"if (full) lb_st_bf16({codes} + i, {v}); else lb_st_bf16_n({codes} + i, {v}, r);")
+            return
+        self.stores += [f"if (full) lb_st(buf_{state.key} + i, {x}); else lb_st_n(buf_{state.key} + i, {x}, r);",
+                        f"acc_{state.key} = lb_vmax(acc_{state.key}, lb_key_masked({x}, r));"]
+
+    def bind(self, value: Value, name: str) -> Value:
+        if value.atomic and (value.literal is not None or re.fullmatch(r"[A-Za-z_]\w*", value.text)):
+            return value
+        ctype = ("bool" if value.kind is Kind.SCALAR else "vi") if value.dtype == torch.bool else (
+            "float" if value.kind is Kind.SCALAR else "vf")
+        if value.kind is Kind.SCALAR:
+            ident = self._name("c", name)
+            self.pre.append(f"const {ctype} {ident} = {value.text};")
+        else:
+            ident = self._name("v", name)
+            self._lane(ident, f"const {ctype} {ident} = {value.text};")
+        return Value(ident, value.dtype, value.kind, value.host)
+
+    # ---- arithmetic -----------------------------------------------------------------------------
+    def _binary(self, a: Value, b: Value, op: str, dtype: torch.dtype = torch.float32) -> Value:
+        kind = _kind(a, b)
+        if kind is Kind.SCALAR:
+            return Value(f"{_operand(a)} {op} {_operand(b)}", dtype, kind, atomic=False)
+        return Value(f"{self._vec(a)} {op} {self._vec(b)}", dtype, kind, atomic=False)
+
+    def _call(self, vector: str, scalar: str, *args: Value, dtype: torch.dtype = torch.float32) -> Value:
+        kind = _kind(*args)
+        if kind is Kind.SCALAR:
+            return Value(f"{scalar}({', '.join(a.text for a in args)})", dtype, kind)
+        return Value(f"{vector}({', '.join(self._vec(a) for a in args)})", dtype, kind)
+
+    def add(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, "+")
+
+    def sub(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, "-")
+
+    def mul(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, "*")
+
+    def div(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, "/")
+
+    def fma(self, a: Value, b: Value, c: Value) -> Value:
+        return self._call("lb_fma", "__builtin_fmaf", a, b, c)
+
+    def sqrt(self, a: Value) -> Value:
+        if not (self.target.torch_sqrt and a.kind is Kind.ELEMENT and a.dtype == torch.float32):
+            return self._call("lb_sqrt", "__builtin_sqrtf", a)
+        # torch's float32 sqrt is MKL's vsSqrt (not correctly rounded): a first pass writes every sqrt
+        # input of the block to a buffer, MKL takes the square roots in place, and the second pass
+        # runs the whole update reading them back.
+        arg = self.bind(a, f"sqrt_in{len(self.staged)}")
+        buffer = f"sq{len(self.staged)}"
+        self.staged.append((buffer, arg.text))
+        name = self._name("v", f"sqrt{len(self.staged) - 1}")
+        self._lane(name, f"const vf {name} = full ? lb_ld({buffer} + i) : lb_ld_n({buffer} + i, r);")
+        return Value(name, torch.float32, Kind.ELEMENT)
+
+    def neg(self, a: Value) -> Value:
+        if a.literal is not None:
+            return self.constant(-a.literal, a.dtype)
+        return Value(f"-{_operand(a)}", a.dtype, a.kind, atomic=False)
+
+    def abs(self, a: Value) -> Value:
+        return self._call("lb_abs", "fabsf", a, dtype=a.dtype)
+
+    def maximum(self, a: Value, b: Value) -> Value:
+        return self._call("lb_maximum", "lb_maximum_s", a, b, dtype=a.dtype if a.dtype == b.dtype else torch.float32)
+
+    def minimum(self, a: Value, b: Value) -> Value:
+        return self._call("lb_minimum", "lb_minimum_s", a, b, dtype=a.dtype if a.dtype == b.dtype else torch.float32)
+
+    def round_to(self, a: Value, dtype: torch.dtype) -> Value:
+        return self._call(_ROUND[dtype], f"{_ROUND[dtype]}_s", a, dtype=dtype)
+
+    # ---- comparisons and selection ----------------------------------------------------------------------
+    def lt(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, "<", torch.bool)
+
+    def le(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, "<=", torch.bool)
+
+    def gt(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, ">", torch.bool)
+
+    def ge(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, ">=", torch.bool)
+
+    def eq(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, "==", torch.bool)
+
+    def ne(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, "!=", torch.bool)
+
+    def logical_and(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, "&&" if _kind(a, b) is Kind.SCALAR else "&", torch.bool)
+
+    def logical_or(self, a: Value, b: Value) -> Value:
+        return self._binary(a, b, "||" if _kind(a, b) is Kind.SCALAR else "|", torch.bool)
+
+    def logical_not(self, a: Value) -> Value:
+        return Value(f"{'!' if a.kind is Kind.SCALAR else '~'}{_operand(a)}", torch.bool, a.kind, atomic=False)
+
+    def where(self, cond: Value, a: Value, b: Value) -> Value:
+        dtype = a.dtype if a.dtype == b.dtype else torch.float32
+        if _kind(cond, a, b) is Kind.SCALAR:
+            return Value(f"{_operand(cond)} ? {_operand(a)} : {_operand(b)}", dtype, Kind.SCALAR, atomic=False)
+        # a scalar condition selects whole vectors; a lane mask selects lane by lane
+        return Value(f"{_operand(cond)} ? {self._vec(a)} : {self._vec(b)}", dtype, Kind.ELEMENT, atomic=False)
+
+    def to_float(self, cond: Value) -> Value:
+        return self.where(cond, self.constant(1.0), self.constant(0.0))
+
+    # ---- the kernel ---------------------------------------------------------------------------------------
+    def emitted(self) -> EmittedStep:
+        passes = []
+        if self.staged:
+            if self.states:
+                raise LoweringError("torch's own square root is for steps without quantized states")
+            needed = self._closure({arg for _, arg in self.staged})
+            if any(name in needed for name, _ in self.lane if name and name.startswith("v_sqrt")):
+                raise LoweringError("a square root of a square root, with torch's own square roots")
+            first = [stmt for name, stmt in self.lane if name in needed]
+            first += [f"if (full) lb_st({buf} + i, {arg}); else lb_st_n({buf} + i, {arg}, r);"
+                      for buf, arg in self.staged]
+            passes.append(first)
+        passes.append([stmt for _, stmt in self.lane] + self.stores)
+        return EmittedStep(self._render(passes), self.pointers, self.scalars, self.block, self.patches,
+                           bool(self.staged))
+
+    def _closure(self, names: set[str]) -> set[str]:
+        """The lane values ``names`` are computed from (themselves included)."""
+        defs = {name: stmt for name, stmt in self.lane if name}
+        seen: set[str] = set()
+        todo = list(names)
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in defs:
+                continue
+            seen.add(name)
+            todo += [m for m in _LANE_NAME.findall(defs[name].split("=", 1)[-1]) if m != name]
+        return seen
+
+    def _render(self, passes: list[list[str]]) -> str:
+        blockwise = [s for s in self.states.values() if s.fmt.blockwise]
+        out: list[str] = []
+        for nonneg in sorted({s.fmt.nonneg for s in blockwise if s.fmt.name == "dynamic8"}):
+            sign = "u" if nonneg else "s"
+            self._table(out, f"lb_dyn_map_{sign}", dynamic_map(nonneg).tolist())
+            self._table(out, f"lb_dyn_mids_{sign}", dynamic_midpoints(nonneg).tolist())
+            out.append(f"static const lb_dyn_keys lb_dyn_keys_{sign} = lb_dyn_build(lb_dyn_mids_{sign});")
+        row = len(self.pointers) + 1
+        out += [
+            f"static const int64_t LB_BLOCK = {self.block};",
+            f"static const int64_t LB_ROW = {row};  // element count, then one pointer per input",
+            f"static const int LB_N_SCALARS = {len(self.scalars)};",
+            f"static const int LB_N_BUFS = {len(blockwise) + len(self.staged)};",
+            "",
+            "static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int64_t len, int64_t blk,",
+            "                          float* scratch) {",
+        ]
+        ind = "  "
+        for j, p in enumerate(self.pointers):
+            const = "" if p.written else "const "
+            offset = {"n": "start", "blocks": "blk", "empty": "0", "patches": f"blk * {self.patches}"}[p.length]
+            out.append(f"{ind}{const}{_CTYPES[p.dtype]}* __restrict p_{p.name} = ({const}{_CTYPES[p.dtype]}*)ptr[{j}]"
+                       f" + {offset};")
+        out += [f"{ind}{line}" for line in self.pre]
+        for b, s in enumerate(blockwise):
+            out.append(f"{ind}float* __restrict buf_{s.key} = scratch + {b} * LB_BLOCK;")
+            if s.reads:
+                k = s.key
+                out.append(f"{ind}const vf SC_{k} = lb_splat(*{s.ptr(Part.SCALES)});")
+                if s.fmt.patches:
+                    out.append(f"{ind}int64_t PI_{k}[{s.fmt.patches}];")
+                    out.append(f"{ind}float PV_{k}[{s.fmt.patches}];")
+                    out.append(f"{ind}const int PC_{k} = lb_sorted_patches<{s.fmt.patches}>({s.ptr(Part.PATCH_INDEX)}, "
+                               f"{s.ptr(Part.PATCH_VALUES)}, len, PI_{k}, PV_{k});")
+                    out.append(f"{ind}int PA_{k} = 0;")
+                    out.append(f"{ind}int64_t PN_{k} = PC_{k} ? PI_{k}[0] : LB_NO_PATCH;")
+            if s.writes:
+                out.append(f"{ind}vi acc_{s.key} = lb_splat_i(-1);")
+        for b, (buf, _) in enumerate(self.staged):
+            out.append(f"{ind}float* __restrict {buf} = scratch + {len(blockwise) + b} * LB_BLOCK;")
+        for k, lane_body in enumerate(passes):
+            # The lane body appears twice, for whole vectors and for the tail, with no closure: values
+            # that live across iterations (scalars, top-K accumulators) stay in registers.
+            out.append(f"{ind}{{")
+            out.append(f"{ind}  int64_t i = 0;")
+            out.append(f"{ind}  for (; i + LB_W <= len; i += LB_W) {{")
+            out.append(f"{ind}    const bool full = true;")
+            out.append(f"{ind}    const int64_t r = LB_W;")
+            body = [f"{ind}    {line}" for statement in lane_body for line in statement.split("\n")]
+            out += body
+            out.append(f"{ind}  }}")
+            out.append(f"{ind}  if (i < len) {{")
+            out.append(f"{ind}    const bool full = false;")
+            out.append(f"{ind}    const int64_t r = len - i;")
+            out += body
+            out.append(f"{ind}  }}")
+            out.append(f"{ind}}}")
+            if k == 0 and len(passes) > 1:
+                out += [f"{ind}lb_vsqrt(len, {buf});" for buf, _ in self.staged]
+        for s in blockwise:
+            if s.writes:
+                parts = ", ".join(s.ptr(part) for part in PARTS)
+                out.append(f"{ind}lb_quantize_block<{self._template(s)}, {s.fmt.patches}>(acc_{s.key}, buf_{s.key}, "
+                           f"len, LB_BLOCK, {_cfloat(s.fmt.qmax)}, {parts}, {self._map(s, 'keys')});")
+        out.append("}")
+        out.append(_ENTRY_FN)
+        return "\n".join(out) + "\n"
+
+    @staticmethod
+    def _template(s: _State) -> str:
+        return f"{_ENUM[s.fmt.name]}, {'true' if s.fmt.nonneg else 'false'}"
+
+    @staticmethod
+    def _map(s: _State, which: str) -> str:
+        if s.fmt.name != "dynamic8":
+            return "nullptr"
+        return f"lb_dyn_{which}_{'u' if s.fmt.nonneg else 's'}" + (".e" if which == "keys" else "")
+
+    @staticmethod
+    def _table(out: list[str], name: str, values: list[float]) -> None:
+        body = ", ".join(f"{float(v).hex()}f" for v in values)
+        out.append(f"static const float {name}[{len(values)}] = {{{body}}};")
+
+
+_ENTRY_FN = """
+// table: one row of LB_ROW int64 per tensor (element count, then its input pointers);
+// scalars: the step's scalar inputs (rounded to float, as aten rounds a Python scalar).
+extern "C" int lowbit_step(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {
+  float s[LB_N_SCALARS > 0 ? LB_N_SCALARS : 1];
+  for (int k = 0; k < LB_N_SCALARS; ++k) s[k] = (float)scalars[k];
+  if (lb_dyn_bad) return 3;
+  int64_t* first = (int64_t*)malloc((n_tensors + 1) * sizeof(int64_t));
+  if (!first) return 1;
+  first[0] = 0;
+  for (int64_t t = 0; t < n_tensors; ++t) first[t + 1] = first[t] + (table[t * LB_ROW] + LB_BLOCK - 1) / LB_BLOCK;
+  const int64_t total = first[n_tensors];
+  int64_t nt = n_threads < 1 ? 1 : n_threads;
+  if (nt > total) nt = total > 0 ? total : 1;
+  int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t lo = total * tid / nth, hi = total * (tid + 1) / nth;
+    float* scratch = lb_scratch(LB_N_BUFS * LB_BLOCK + 1);
+    if (!scratch) {
+#pragma omp atomic write
+      failed = 1;
+    } else {
+      int64_t t = 0;
+      for (int64_t g = lo; g < hi; ++g) {
+        while (first[t + 1] <= g) ++t;
+        const int64_t* row = table + t * LB_ROW;
+        const int64_t blk = g - first[t], start = blk * LB_BLOCK;
+        const int64_t len = row[0] - start < LB_BLOCK ? row[0] - start : LB_BLOCK;
+        lb_step_block(row + 1, s, start, len, blk, scratch);
+      }
+    }
+  }
+  free(first);
+  return failed ? 2 : 0;
+}"""

@@ -1,0 +1,407 @@
+"""The Triton printer: one fused Triton kernel from the body of a split, rewritten step graph.
+
+One program instance handles ``ROWS`` quantization blocks, one per row of a ``[ROWS, BLOCK]`` tile:
+it loads the param, the grad and each state's codes, decodes them (``triton_lib.dequantize``: scale
+and 16-bit patches included), runs the body's ops as ``lowering.py`` lowers them, printed here as
+Triton expressions on fp32 tiles, re-encodes the new states (``triton_lib.quantize``) and stores
+everything. No fp32 copy of a state ever reaches memory.
+
+The standalone quantize and dequantize kernels are printed from one-op graphs through the same code
+(:func:`quantize_graph`, :func:`dequantize_graph`).
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from .blockquant import PATCH_INDEX_DTYPE, PATCH_VALUE_DTYPE
+from .contract import (
+    GraphInput,
+    Role,
+    StateAccess,
+    add_dequantize,
+    add_quantize,
+    input_of,
+    set_input,
+    state_access,
+    state_part_inputs,
+)
+from .formats import StateFormat
+from .lowering import LoweringError, Target, lower_body
+from .primitives import Kind, Value
+
+aten = torch.ops.aten
+
+DEFAULT_TILE = 2048  # elements per program instance when blocks are smaller (and when no state has blocks)
+
+_DTYPE_IDS = {torch.float32: "lb.F32", torch.bfloat16: "lb.BF16", torch.float16: "lb.F16"}
+_RESERVED = frozenset({"pid", "rows", "cols", "offsets", "mask", "row_mask", "n_elements", "first_block",
+                       "BLOCK", "ROWS", "lb", "tl", "triton"})
+
+
+@dataclass(frozen=True)
+class KernelParam:
+    """One runtime argument of an emitted kernel, in order.
+
+    ``kind`` is ``"input"`` (the body input at ``index``: a pointer when ``tensor``, else a number)
+    or ``"table"`` (the launcher supplies ``formats.dynamic_map`` / ``dynamic_midpoints``).
+    ``dtype`` is what a pointer points to (None for a number).
+    """
+
+    name: str
+    kind: str
+    index: int = -1
+    tensor: bool = False
+    table: str = ""
+    nonneg: bool = False
+    dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class EmittedKernel:
+    """Generated Triton source and how to call it: ``params`` then ``n_elements, first_block`` and the
+    constexprs ``BLOCK`` (elements per row: the quantization block) and ``ROWS`` (rows per program).
+    ``numel_input`` is the body input whose numel is the element count; ``written`` the body inputs
+    the kernel stores into."""
+
+    name: str
+    source: str
+    params: tuple[KernelParam, ...]
+    numel_input: int
+    written: frozenset[int]
+    block: int
+    rows: int
+
+
+def emit_kernel(body: GraphModule, name: str, target: Target) -> EmittedKernel:
+    """Triton source for the elementwise ``body`` of a split, quantize-rewritten step, reproducing
+    the eager arithmetic of ``target``'s device."""
+    printer = TritonPrinter(body.graph, name, target)
+    lower_body(body, printer, target)
+    return printer.kernel()
+
+
+def quantize_graph(fmt: StateFormat, dtype: torch.dtype) -> GraphModule:
+    """The one-op graph ``quantize_(x, codes, scales, patch_values, patch_index)`` of a ``dtype`` x."""
+    graph = Graph()
+    x = graph.placeholder("x")
+    x.meta.update(val=torch.empty(1, dtype=dtype, device="meta"))
+    set_input(x, GraphInput(Role.PER_ELEMENT_STATE, "x"))
+    add_quantize(graph, x, state_part_inputs(graph, "x"), fmt)
+    graph.output(None)
+    return GraphModule(torch.nn.Module(), graph, "QuantizeState")
+
+
+def dequantize_graph(fmt: StateFormat, dtype: torch.dtype) -> GraphModule:
+    """The graph ``out.copy_(dequantize(codes, scales, patch_values, patch_index))`` into a ``dtype`` out."""
+    graph = Graph()
+    parts = state_part_inputs(graph, "state")
+    out = graph.placeholder("out")
+    out.meta.update(val=torch.empty(1, dtype=dtype, device="meta"))
+    set_input(out, GraphInput(Role.PER_ELEMENT_STATE, "out"))
+    dq = add_dequantize(graph, parts, fmt, dtype)
+    dq.meta.update(val=out.meta["val"])
+    copy = graph.call_function(aten.copy_.default, (out, dq))
+    copy.meta.update(val=out.meta["val"])
+    graph.output(None)
+    return GraphModule(torch.nn.Module(), graph, "DequantizeState")
+
+
+def _infix(a: Value, op: str, b: Value, dtype: torch.dtype = torch.float32) -> Value:
+    return Value(f"{_operand(a)} {op} {_operand(b)}", dtype, _kind(a, b), atomic=False)
+
+
+def _operand(v: Value) -> str:
+    return v.text if v.atomic else f"({v.text})"
+
+
+def _kind(*values: Value) -> Kind:
+    return Kind.ELEMENT if any(v.kind is Kind.ELEMENT for v in values) else Kind.SCALAR
+
+
+def _call(fn: str, *args: Value, dtype: torch.dtype = torch.float32) -> Value:
+    return Value(f"{fn}({', '.join(a.text for a in args)})", dtype, _kind(*args))
+
+
+class TritonPrinter:
+    """The primitives of ``primitives.py`` as Triton expressions; collects the kernel's lines and
+    parameters while ``lowering.lower_body`` walks the graph."""
+
+    def __init__(self, graph: Graph, name: str, target: Target) -> None:
+        self.graph = graph
+        self.name = name
+        self.target = target
+        self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        self.index = {n: i for i, n in enumerate(self.placeholders)}
+        self.names: dict[str, str] = {}
+        self.lines: list[str] = []
+        self.used_inputs: dict[Node, torch.dtype | None] = {}
+        self.written: set[Node] = set()
+        self.tables: list[KernelParam] = []
+        self.block, self.rows = self._tiling()
+
+    # layout ------------------------------------------------------------------------------------
+    def _tiling(self) -> tuple[int, int]:
+        accesses = [a for a in map(state_access, self.graph.nodes) if a is not None]
+        sizes = {a.fmt.block_size for a in accesses if a.fmt.blockwise}
+        if len(sizes) > 1:
+            raise LoweringError(
+                f"states of one parameter use different block sizes {sorted(sizes)}; the fused kernel "
+                "tiles by one quantization block, so give every state of a parameter the same block_size"
+            )
+        block = sizes.pop() if sizes else DEFAULT_TILE
+        return block, max(1, DEFAULT_TILE // block)
+
+    def kernel(self) -> EmittedKernel:
+        params = tuple([KernelParam(self._param_name(n), "input", index=self.index[n], tensor=_is_tensor_input(n),
+                                    dtype=self.used_inputs[n])
+                        for n in self.placeholders if n in self.used_inputs] + self.tables)
+        numel_input = next((i for i, n in enumerate(self.placeholders) if _is_tile(n)), None)
+        if numel_input is None:
+            raise LoweringError("the step graph has no per-element tensor input to size the kernel by")
+        written = frozenset(self.index[n] for n in self.written)
+        return EmittedKernel(self.name, self._source(params), params, numel_input, written, self.block, self.rows)
+
+    def _source(self, params: tuple[KernelParam, ...]) -> str:
+        signature = [p.name for p in params] + ["n_elements", "first_block", "BLOCK: tl.constexpr",
+                                                "ROWS: tl.constexpr"]
+        head = [
+            "import triton",
+            "import triton.language as tl",
+            "",
+            "from lowbit_compile.kernels import triton_lib as lb",
+            "",
+            "",
+            "@triton.jit",
+            f"def {self.name}(",
+            *_wrap(signature, "    "),
+            "):",
+            "    rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)",
+            "    cols = tl.arange(0, BLOCK)",
+            "    offsets = rows[:, None] * BLOCK + cols[None, :]",
+            "    mask = offsets < n_elements",
+            "    row_mask = rows * BLOCK < n_elements",
+        ]
+        return "\n".join(head + ["    " + line for line in self.lines]) + "\n"
+
+    def _ident(self, name: str) -> str:
+        if name not in self.names:
+            ident = f"v_{name}" if name in _RESERVED or keyword.iskeyword(name) else name
+            self.names[name] = ident
+        return self.names[name]
+
+    def _param_name(self, node: Node) -> str:
+        return f"{self._ident(node.name)}_ptr" if _is_tensor_input(node) else self._ident(node.name)
+
+    def param(self, node: Node, dtype: torch.dtype | None = None) -> str:
+        """The kernel parameter of input ``node`` (pointing to ``dtype``, or to its value's dtype)."""
+        val = node.meta.get("val")
+        self.used_inputs[node] = dtype or (val.dtype if isinstance(val, torch.Tensor) else None)
+        return self._param_name(node)
+
+    # inputs, outputs, state -------------------------------------------------------------------------
+    def load(self, node: Node, dtype: torch.dtype) -> Value:
+        name = self._ident(node.name)
+        self.lines.append(f"{name} = lb.load_elements({self.param(node)}, offsets, mask, {_DTYPE_IDS[dtype]})")
+        return Value(name, dtype, Kind.ELEMENT)
+
+    def scalar_input(self, node: Node, dtype: torch.dtype | None) -> Value:
+        name = self._ident(node.name)
+        if dtype is None:  # an fp32 scalar, also under the interpreter (which passes Python floats as they are)
+            self.lines.append(f"{name} = tl.cast({self.param(node)}, tl.float32)")
+            return Value(name, torch.float32, Kind.SCALAR, host=True)
+        if dtype == torch.bool:
+            self.lines.append(f"{name} = tl.load({self.param(node)}) != 0")
+        else:
+            self.lines.append(f"{name} = lb.load_scalar({self.param(node)}, {_DTYPE_IDS[dtype]})")
+        return Value(name, dtype, Kind.SCALAR, host=node.meta["val"].device.type == "cpu")
+
+    def constant(self, value: float, dtype: torch.dtype = torch.float32) -> Value:
+        if dtype == torch.bool:
+            return Value("True" if value else "False", dtype, Kind.SCALAR, host=True, literal=value)
+        text = repr(float(value)) if math.isfinite(value) else f"float('{value}')"
+        return Value(text, dtype, Kind.SCALAR, host=True, atomic=math.isfinite(value) and value >= 0, literal=value)
+
+    def store(self, node: Node, value: Value) -> None:
+        dtype = node.meta["val"].dtype
+        self.written.add(node)
+        self.lines.append(f"lb.store_elements({self.param(node)}, offsets, {value.text}, mask, {_DTYPE_IDS[dtype]})")
+
+    def _state_args(self, access: StateAccess) -> list[str]:
+        codes, scales, patch_values, patch_index = access.parts
+        fmt = access.fmt
+        if not fmt.blockwise:
+            return [self.param(codes, fmt.code_dtype), "None", "None", "None"]
+        codes_dtype = torch.uint8 if _is_fp8(fmt) and not self.target.fp8_native else fmt.code_dtype  # a uint8 view
+        pointers = [self.param(codes, codes_dtype), self.param(scales, torch.float32)]
+        if not fmt.patches:
+            return pointers + ["None", "None"]
+        return pointers + [self.param(patch_values, PATCH_VALUE_DTYPE), self.param(patch_index, PATCH_INDEX_DTYPE)]
+
+    def dequantize(self, state: StateAccess) -> Value:
+        fmt = state.fmt
+        table = self._table("map", fmt) if fmt.name == "dynamic8" else "None"
+        name = self._ident(state.node.name)
+        self.lines.append(f"# {fmt.tag()}")
+        self.lines += _call_lines(f"{name} = lb.dequantize", self._state_args(state) + [
+            table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_format_id(fmt)}", f"K={fmt.patches}",
+            *self._fp8_path(fmt)])
+        return Value(name, torch.float32, Kind.ELEMENT)
+
+    def quantize(self, state: StateAccess, value: Value) -> None:
+        fmt = state.fmt
+        self.written.update(state.parts)
+        table = self._table("bounds", fmt) if fmt.name == "dynamic8" else "None"
+        inv_qmax = _fp32_reciprocal(fmt.qmax) if self.target.cuda else 0.0
+        self.lines.append(f"# {fmt.tag()}")
+        self.lines += _call_lines("lb.quantize", [value.text] + self._state_args(state) + [
+            table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_format_id(fmt)}",
+            f"NONNEG={fmt.nonneg}", f"K={fmt.patches}", f"QMAX={fmt.qmax!r}", f"MIN_POSITIVE={fmt.min_positive!r}",
+            f"INV_QMAX={inv_qmax!r}", *self._fp8_path(fmt)])
+
+    def _fp8_path(self, fmt: StateFormat) -> list[str]:
+        """The FP8 path of an fp8 state's calls (named only where it is the integer one)."""
+        return ["FP8_NATIVE=False"] if _is_fp8(fmt) and not self.target.fp8_native else []
+
+    def _table(self, kind: str, fmt: StateFormat) -> str:
+        name = f"dynamic8_{'unsigned' if fmt.nonneg else 'signed'}_{kind}_ptr"
+        if all(t.name != name for t in self.tables):
+            self.tables.append(KernelParam(name, "table", table=kind, nonneg=fmt.nonneg, dtype=torch.float32))
+        return name
+
+    def bind(self, value: Value, name: str) -> Value:
+        if value.atomic and (value.literal is not None or value.text.isidentifier()):
+            return value
+        ident = self._ident(name)
+        self.lines.append(f"{ident} = {value.text}")
+        return Value(ident, value.dtype, value.kind, value.host)
+
+    # arithmetic -----------------------------------------------------------------------------------
+    def add(self, a: Value, b: Value) -> Value:
+        return _infix(a, "+", b)
+
+    def sub(self, a: Value, b: Value) -> Value:
+        return _infix(a, "-", b)
+
+    def mul(self, a: Value, b: Value) -> Value:
+        return _infix(a, "*", b)
+
+    def div(self, a: Value, b: Value) -> Value:
+        return _call("tl.math.div_rn", a, b)
+
+    def fma(self, a: Value, b: Value, c: Value) -> Value:
+        return _call("tl.fma", a, b, c)
+
+    def sqrt(self, a: Value) -> Value:
+        return _call("tl.sqrt_rn", a)
+
+    def neg(self, a: Value) -> Value:
+        if a.literal is not None:
+            return self.constant(-a.literal, a.dtype)
+        return Value(f"-{_operand(a)}", a.dtype, a.kind, a.host, atomic=False)
+
+    def abs(self, a: Value) -> Value:
+        return _call("tl.abs", a, dtype=a.dtype)
+
+    def maximum(self, a: Value, b: Value) -> Value:
+        return Value(f"tl.maximum({a.text}, {b.text}, propagate_nan=tl.PropagateNan.ALL)", torch.float32,
+                     _kind(a, b))
+
+    def minimum(self, a: Value, b: Value) -> Value:
+        return Value(f"tl.minimum({a.text}, {b.text}, propagate_nan=tl.PropagateNan.ALL)", torch.float32,
+                     _kind(a, b))
+
+    def round_to(self, a: Value, dtype: torch.dtype) -> Value:
+        return Value(f"lb.round_to({a.text}, {_DTYPE_IDS[dtype]})", dtype, a.kind)
+
+    # comparisons and selection ---------------------------------------------------------------------------
+    def lt(self, a: Value, b: Value) -> Value:
+        return _infix(a, "<", b, torch.bool)
+
+    def le(self, a: Value, b: Value) -> Value:
+        return _infix(a, "<=", b, torch.bool)
+
+    def gt(self, a: Value, b: Value) -> Value:
+        return _infix(a, ">", b, torch.bool)
+
+    def ge(self, a: Value, b: Value) -> Value:
+        return _infix(a, ">=", b, torch.bool)
+
+    def eq(self, a: Value, b: Value) -> Value:
+        return _infix(a, "==", b, torch.bool)
+
+    def ne(self, a: Value, b: Value) -> Value:
+        return _infix(a, "!=", b, torch.bool)
+
+    def logical_and(self, a: Value, b: Value) -> Value:
+        return _infix(a, "&", b, torch.bool)
+
+    def logical_or(self, a: Value, b: Value) -> Value:
+        return _infix(a, "|", b, torch.bool)
+
+    def logical_not(self, a: Value) -> Value:
+        return _infix(a, "==", self.constant(False, torch.bool), torch.bool)
+
+    def where(self, cond: Value, a: Value, b: Value) -> Value:
+        dtype = a.dtype if a.dtype == b.dtype else torch.float32
+        return Value(f"tl.where({cond.text}, {a.text}, {b.text})", dtype, _kind(cond, a, b))
+
+    def to_float(self, cond: Value) -> Value:
+        return Value(f"tl.where({cond.text}, 1.0, 0.0)", torch.float32, cond.kind)
+
+
+# helpers ----------------------------------------------------------------------------------------------
+_FORMAT_NAMES = {"int8": "lb.INT8", "dynamic8": "lb.DYNAMIC8", "fp8_e4m3": "lb.FP8_E4M3", "fp8_e5m2": "lb.FP8_E5M2",
+                 "bf16": "lb.BF16_CODES"}
+
+
+def _is_fp8(fmt: StateFormat) -> bool:
+    return fmt.name in ("fp8_e4m3", "fp8_e5m2")
+
+
+def _format_id(fmt: StateFormat) -> str:
+    """The triton_lib constant of a format (each is ``formats.FORMAT_IDS[name]``)."""
+    return _FORMAT_NAMES[fmt.name]
+
+
+def _is_tensor_input(node: Node) -> bool:
+    desc = input_of(node)
+    return (desc is not None and desc.role is Role.STATE_PART) or isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _is_tile(node: Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() > 0
+
+
+def _fp32_reciprocal(x: float) -> float:
+    one = torch.tensor(1.0, dtype=torch.float32)
+    return float(one / torch.tensor(x, dtype=torch.float32))
+
+
+def _call_lines(callee: str, args: list[str]) -> list[str]:
+    """``callee(args...)`` as source lines of the kernel body, wrapped under the opening parenthesis."""
+    one = f"{callee}({', '.join(args)})"
+    if len(one) <= 112:
+        return [one]
+    lines = _wrap(args, " " * (len(callee) + 1), width=112)
+    lines[0] = callee + "(" + lines[0].lstrip()
+    lines[-1] = lines[-1].rstrip(",") + ")"
+    return lines
+
+
+def _wrap(items: list[str], indent: str, width: int = 116) -> list[str]:
+    lines, line = [], indent
+    for item in items:
+        piece = item + ","
+        if len(line) + len(piece) + 1 > width and line.strip():
+            lines.append(line.rstrip())
+            line = indent
+        line += piece + " "
+    lines.append(line.rstrip())
+    return lines

@@ -1,0 +1,217 @@
+"""Trace, rewrite and lower one signature's step into a kernel, cached per process.
+
+A signature is everything a trace depends on (optimizer class, the group's static flags, which
+hyperparameters are tensors, param dtype and device type, the state schema) plus the state formats
+and the backend. The whole trace-rewrite-build of a signature holds the trace lock, so first steps
+taken in several threads at once build each kernel once and never trace concurrently.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import Config
+from .kernels.backends import lower
+from .kernels.contract import Role, input_of
+from .kernels.formats import StateFormat
+from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
+from .passes.quantize_states import quantize_states
+from .passes.roles import label_roles
+from .passes.signs import NonnegProof, prove_nonneg
+from .passes.split import split_prologue
+from .passes.trace import BranchFlipped, HyperSlot, TracedStep, check_branch, hyper_slots
+from .state_schema import StateSchema, example_state
+from .trace_cache import TRACE_LOCK, skeleton, trace_example, trace_group, trace_key, traced
+
+
+@dataclass
+class CompiledStep:
+    """One signature's rewritten step, lowered: the kernel and how to bind a parameter to its inputs.
+
+    ``inputs`` says where each top-level input of ``graph`` comes from (see :func:`binding`);
+    ``fresh`` lists the per-element states the step creates, with their format and dtype: the runner
+    allocates them (unwritten) before the first run, which writes them."""
+
+    kernel: StepKernel
+    inputs: tuple[tuple[Role, Any], ...]
+    guard: Callable
+    graph: torch.fx.GraphModule
+    fresh: tuple[tuple[str, StateFormat, torch.dtype], ...] = ()
+
+
+_compiled: dict[tuple, list[CompiledStep]] = {}
+
+
+def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
+                 schema: StateSchema, formats: dict[str, StateFormat], config: Config) -> CompiledStep:
+    """The lowered step for this parameter's signature (built now if no step of it was), from its
+    state as it is or, when empty, as its first step will create it. Changes nothing of ``opt``."""
+    tgroup = trace_group(group)
+    slots = hyper_slots(tgroup)
+    example = trace_example(example_state(state, schema, param.device))
+    key = (trace_key(opt, tgroup, slots, param.dtype, param.device, example, schema.per_element),
+           tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend)
+    values = [s.get(tgroup) for s in slots]
+    with TRACE_LOCK:
+        candidates = _compiled.setdefault(key, [])
+        for compiled in candidates:
+            if compiled.guard(values):
+                return compiled
+        builder = _Builder(skeleton(opt), tgroup, slots, param.dtype, param.device, example, schema, formats,
+                           config.backend)
+        compiled = builder.compile(values)
+        candidates.append(compiled)
+        return compiled
+
+
+@dataclass
+class _Builder:
+    """Rewrites and lowers traces of one signature; a branching step keeps it to trace and lower the
+    other way a branch goes, from the inputs of the step that went that way."""
+
+    opt: torch.optim.Optimizer
+    tgroup: dict
+    slots: tuple[HyperSlot, ...]
+    dtype: torch.dtype
+    device: torch.device
+    example: dict
+    schema: StateSchema
+    formats: dict[str, StateFormat]
+    backend: str
+
+    def compile(self, values: list) -> CompiledStep:
+        trace = traced(self.opt, self.tgroup, self.dtype, self.device, self.example, self.schema.per_element)
+        compiled = self.lower(trace, values)
+        if any(n.target is check_branch for n in trace.graph.graph.nodes):
+            compiled.kernel = _BranchingRun(self, compiled, trace)
+        return compiled
+
+    def lower(self, trace: TracedStep, values: list) -> CompiledStep:
+        roles = label_roles(trace.graph)
+        guard = trace.guard
+        quantized = {k for k, f in self.formats.items() if not f.passthrough}
+        if quantized:
+            named = {s.name: v for s, v in zip(self.slots, values)}
+            proof = prove_nonneg(roles, named)
+            unsigned = {k for k in quantized if self.formats[k].nonneg}
+            if unsigned - proof.states:
+                raise RuntimeError(
+                    f"lowbit-compile stores {sorted(unsigned - proof.states)} unsigned (it proved them never "
+                    f"negative on the first steps), but this step of {type(self.opt).__name__} with "
+                    f"{named} can make them negative; restore() the optimizer and wrap it again")
+            if unsigned:
+                guard = _and(trace.guard, self.slots, proof)
+            for _, states in proof.fragile_roots:
+                if quantized & set(states):
+                    warnings.warn(
+                        f"lowbit-compile: the step of {type(self.opt).__name__} takes a square root of a value "
+                        f"computed from {list(states)} that the fp32 step keeps >= 0 only by cancellation; "
+                        "the rounding of quantized states can make it negative and the step NaN. Keep these "
+                        f"states fp32 (fmt={{..., {', '.join(f'{k!r}: {chr(39)}fp32{chr(39)}' for k in states)}}})",
+                        stacklevel=2)
+        graph = split_prologue(quantize_states(roles, self.formats))
+        inputs = tuple(binding(n) for n in graph.graph.nodes if n.op == "placeholder")
+        dtypes = {k: rest[-1] for k, (kind, *rest) in self.schema.init if kind in ("fill", "computed")}
+        fresh = tuple((k, self.formats[k], dtypes[k]) for k in trace.fresh)
+        return CompiledStep(lower(graph, self.backend, self.device), inputs, guard, graph, fresh)
+
+    def relower(self, args: Sequence[Any], inputs: tuple, exclude: frozenset[int]) -> tuple[TracedStep, CompiledStep]:
+        """Trace (or reuse a trace of) the branches the step takes for these inputs, and lower it."""
+        tgroup = dict(self.tgroup)
+        example = dict(self.example)
+        values = []
+        for (role, key), value in zip(inputs, args):
+            if role is Role.HYPERPARAMETER:
+                values.append(value)
+                if key.index is None:
+                    tgroup[key.key] = value
+                else:
+                    seq = list(tgroup[key.key])
+                    seq[key.index] = value
+                    tgroup[key.key] = type(self.tgroup[key.key])(seq)
+            elif role is Role.SCALAR_STATE:
+                example[key] = value
+        with TRACE_LOCK:
+            trace = traced(self.opt, tgroup, self.dtype, self.device, example, self.schema.per_element, exclude)
+            return trace, self.lower(trace, values)
+
+
+def _and(guard: Callable, slots: tuple[HyperSlot, ...], proof: NonnegProof) -> Callable:
+    """``guard`` and the hyperparameter ranges a non-negativity proof assumed."""
+    if not proof.assumptions:
+        return guard
+    names = [s.name for s in slots]
+    return lambda values: guard(values) and proof.holds(dict(zip(names, values)))
+
+
+class _BranchingRun:
+    """The kernel of a step whose graph checks branches on values it computes (RAdam's ``rho_t > 5``):
+    one lowering per way the branches have gone, the one that ran last tried first.
+
+    Branches depend only on scalar states (the step count) and hyperparameters, so parameters are
+    stepped in groups of equal scalar states: a group's first prologue decides the branch for all of
+    it, and a lowering whose branch goes the other way raises ``BranchFlipped`` before it writes
+    anything of that group. When no lowering fits, the builder traces the branches these inputs take.
+    """
+
+    def __init__(self, builder: _Builder, first: CompiledStep, trace: TracedStep) -> None:
+        self.builder = builder
+        self.inputs = first.inputs
+        self.hyper_index = [i for i, (role, _) in enumerate(first.inputs) if role is Role.HYPERPARAMETER]
+        self.scalar_states = [i for i, (role, _) in enumerate(first.inputs) if role is Role.SCALAR_STATE]
+        self.variants: list[tuple[Callable, StepKernel]] = [(first.guard, first.kernel)]
+        self.traced = {id(trace)}
+        self.backend = first.kernel.backend
+
+    def launch(self, rows: Sequence[list]) -> RowLaunch:
+        return RowLaunch(self._run_groups, rows)
+
+    def _run_groups(self, rows: Sequence[list]) -> None:
+        for group in same_scalar_states(rows, self.scalar_states):
+            self._run([rows[r] for r in group])
+
+    def _run(self, rows: list) -> None:
+        values = [rows[0][i] for i in self.hyper_index]
+        for i, (guard, kernel) in enumerate(self.variants):
+            if not guard(values):
+                continue
+            try:
+                kernel.launch(rows).run()
+            except BranchFlipped:
+                continue
+            if i:
+                self.variants.insert(0, self.variants.pop(i))
+            return
+        trace, compiled = self.builder.relower(rows[0], self.inputs, frozenset(self.traced))
+        self.traced.add(id(trace))
+        kernel = _Reordered(compiled.kernel, compiled.inputs, self.inputs)
+        self.variants.insert(0, (compiled.guard, kernel))
+        kernel.launch(rows).run()
+
+
+class _Reordered:
+    """A kernel taking its inputs in another order (another trace may list the states differently)."""
+
+    def __init__(self, kernel: StepKernel, inputs: tuple, order: tuple) -> None:
+        self.kernel = kernel
+        self.backend = kernel.backend
+        self.index = None if inputs == order else [order.index(b) for b in inputs]
+
+    def launch(self, rows: Sequence[list]) -> Launch:
+        if self.index is None:
+            return self.kernel.launch(rows)
+        return RowLaunch(lambda rows: self.kernel.launch([[row[i] for i in self.index] for row in rows]).run(), rows)
+
+
+def binding(node: torch.fx.Node) -> tuple[Role, Any]:
+    """How the runner finds the value of one top-level input of a compiled step: its role and key (the
+    state's name; ``(name, part)`` for a storage tensor; the param-group slot of a hyperparameter)."""
+    desc = input_of(node)
+    if desc.role is Role.STATE_PART:
+        return desc.role, (desc.key, desc.part.value)
+    return desc.role, desc.key

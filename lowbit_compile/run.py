@@ -1,0 +1,214 @@
+"""Run a step: bind each parameter's tensors to its compiled step's inputs (once, refreshing only
+the grad and hyperparameters on later steps) and launch every parameter of a group that shares a
+kernel in one call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import sharding
+from .compile import CompiledStep
+from .config import Config
+from .kernels.contract import Role
+from .kernels.kernel import Launch
+from .passes.trace import hyper_slots, static_group_items, tensor_meta
+from .state_schema import filled
+from .trace_cache import trace_group
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A 1-D view of ``t`` in logical order, or a contiguous copy (then it must be written back)."""
+    if t.is_contiguous():
+        return t.view(-1), False
+    return t.reshape(-1).clone(), True
+
+
+def bind_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: torch.Tensor,
+               state: dict) -> tuple[list, list]:
+    """The compiled step's inputs for ``param``, and the (tensor, flat copy) pairs to write back after
+    the run. A sharded (``DTensor``) parameter steps its local shard: the update is elementwise, so
+    shards step independently."""
+    for key, fmt, dtype in compiled.fresh:  # states the step creates: allocated here, written by the run
+        if not isinstance(state.get(key), torch.Tensor):
+            state[key] = filled(param, 0.0, fmt, dtype)
+    param, grad = sharding.local(param), sharding.local(grad)
+    state = {k: sharding.local(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    write_back = []
+    args = []
+    for role, key in compiled.inputs:
+        if role in (Role.PARAM, Role.PER_ELEMENT_STATE):
+            tensor = param if role is Role.PARAM else state[key]
+            flat, copied = _flat(tensor)
+            if copied:
+                write_back.append((tensor, flat))
+            args.append(flat)
+        elif role is Role.GRAD:
+            args.append(grad.reshape(-1))
+        elif role is Role.SCALAR_STATE:
+            args.append(state[key])
+        elif role is Role.STATE_PART:
+            args.append(getattr(state[key[0]], key[1]))
+        else:
+            args.append(key.get(group))
+    return args, write_back
+
+
+def group_signature(group: dict) -> tuple[tuple, list]:
+    """What of a param group a prepared step depends on (its flags, which hyperparameters are
+    tensors), and the hyperparameter values its guards are checked on. Computed once per group and
+    step."""
+    tgroup = trace_group(group)
+    slots = hyper_slots(tgroup)
+    meta = tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots)
+    sig = (static_group_items(tgroup), meta)
+    return _signatures.setdefault(sig, sig), [s.get(tgroup) for s in slots]
+
+
+_signatures: dict[tuple, tuple] = {}  # one object per distinct group signature: compared by identity
+
+
+@dataclass
+class Prepared:
+    """One parameter's compiled step and state as the last full preparation found them, reused while
+    the config, the group's signature, the guard, the param's storage and every state entry are
+    still the same objects."""
+
+    compiled: CompiledStep
+    state: dict
+    entries: tuple
+    param_meta: tuple
+    config: Config
+    group_sig: tuple
+
+    @staticmethod
+    def make(compiled: CompiledStep, state: dict, param: torch.Tensor, config: Config,
+             group_sig: tuple) -> Prepared:
+        return Prepared(compiled, state, tuple(state.items()), _param_meta(param), config, group_sig)
+
+    def still_valid(self, state: dict, param: torch.Tensor, config: Config, group_sig: tuple,
+                    guards: dict[int, bool], values: list) -> bool:
+        if state is not self.state or config is not self.config or group_sig is not self.group_sig:
+            return False
+        if len(state) != len(self.entries) or any(state.get(k) is not v for k, v in self.entries):
+            return False
+        if _param_meta(param) != self.param_meta:
+            return False
+        ok = guards.get(id(self.compiled))
+        if ok is None:
+            ok = guards[id(self.compiled)] = bool(self.compiled.guard(values))
+        return ok
+
+
+def _param_meta(param: torch.Tensor) -> tuple:
+    return (param.dtype, param.shape, param.device, sharding.local(param).data_ptr(), type(param))
+
+
+@dataclass
+class _Bucket:
+    """The parameters of one group that share a compiled step: one launch over their rows."""
+
+    compiled: CompiledStep
+    group: dict
+    rows: list[list] = field(default_factory=list)
+    launch: Launch | None = None
+    grad_index: int = -1
+    hypers: tuple = ()  # (row index, param-group slot) of each hyperparameter input
+
+
+@dataclass
+class _Member:
+    """One parameter of the plan: where its row is, and what must still hold for the row to be right."""
+
+    param: torch.Tensor
+    state: dict
+    entries: tuple  # the ids of the state's values
+    shape: torch.Size
+    ptr: int  # the param's data pointer (of its local shard: a DTensor's is its local tensor's)
+    sharded: bool
+    bucket: _Bucket
+    row: int
+    grad: torch.Tensor
+
+
+class StepPlan:
+    """One optimizer's step as its last full preparation bound it: every parameter's row, and one
+    prepared launch per group and compiled step. A later step that finds the same groups, params,
+    storage, states, config and guards (:meth:`refresh`) only re-points the grads that are new
+    tensors and reads the hyperparameters' current values, then runs (:meth:`run`): a few attribute
+    checks per parameter instead of a preparation."""
+
+    def __init__(self, opt: torch.optim.Optimizer, config: Config,
+                 items: list[tuple[Prepared, dict, torch.Tensor, torch.Tensor, dict]]) -> None:
+        self.config = config
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        members: dict[int, _Member] = {}
+        for prepared, group, param, grad, state in items:
+            compiled = prepared.compiled
+            bucket = self.buckets.get((id(compiled), id(group)))
+            if bucket is None:
+                roles = compiled.inputs
+                bucket = self.buckets[id(compiled), id(group)] = _Bucket(
+                    compiled, group, grad_index=next(i for i, (role, _) in enumerate(roles) if role is Role.GRAD),
+                    hypers=tuple((i, key) for i, (role, key) in enumerate(roles) if role is Role.HYPERPARAMETER))
+            args, write_back = bind_param(compiled, group, param, grad, state)
+            self.write_back += write_back
+            members[id(param)] = _Member(param, state, tuple(map(id, state.values())), param.shape,
+                                         sharding.local(param).data_ptr(), sharding.is_sharded(param), bucket,
+                                         len(bucket.rows), grad)
+            bucket.rows.append(args)
+        for bucket in self.buckets.values():
+            bucket.launch = bucket.compiled.kernel.launch(bucket.rows)
+        # the params of each group in order, with their member (None: stepped without a grad)
+        self.groups = [(group, group["params"], len(group["params"]), group_signature(group)[0],
+                        [members.get(id(p)) for p in group["params"]]) for group in opt.param_groups]
+        self.reusable = not self.write_back  # strided params and states are bound through copies
+
+    def refresh(self, opt: torch.optim.Optimizer, config: Config) -> bool:
+        """Whether this plan still binds ``opt``'s step; if so, its rows now hold the current grads."""
+        if config is not self.config or len(opt.param_groups) != len(self.groups):
+            return False
+        state_of = opt.state
+        for group, (planned, params, count, sig, members) in zip(opt.param_groups, self.groups):
+            if group is not planned or group["params"] is not params or len(params) != count:
+                return False
+            group_sig, values = group_signature(group)
+            if group_sig is not sig:
+                return False
+            for p, m in zip(params, members):
+                grad = p.grad
+                if m is None:
+                    if grad is not None:
+                        return False
+                    continue
+                storage = p._local_tensor if m.sharded else p
+                if (grad is None or state_of.get(p) is not m.state or storage.data_ptr() != m.ptr
+                        or tuple(map(id, m.state.values())) != m.entries):  # a state entry replaced
+                    return False
+                if grad is not m.grad:
+                    if grad.layout is not torch.strided or grad.shape != m.shape:
+                        return False
+                    m.grad = grad
+                    m.bucket.rows[m.row][m.bucket.grad_index] = grad._local_tensor if m.sharded else grad
+                    m.bucket.launch.changed(m.row, m.bucket.grad_index)
+            for bucket in self.buckets.values():
+                if bucket.group is group:
+                    if not bucket.compiled.guard(values):
+                        return False
+                    for i, slot in bucket.hypers:
+                        value = slot.get(group)
+                        for row in bucket.rows:
+                            row[i] = value
+        return True
+
+    def grads(self) -> list[torch.Tensor]:
+        return [m.grad for *_, members in self.groups for m in members if m is not None]
+
+    def run(self) -> None:
+        for bucket in self.buckets.values():
+            bucket.launch.run()
+        for dst, flat in self.write_back:
+            dst.copy_(flat.view(dst.shape))
+

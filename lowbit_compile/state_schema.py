@@ -1,0 +1,238 @@
+"""What a stock optimizer keeps per parameter, learned by stepping small probe parameters, and the
+initial state built from it (per-element states created directly in their low-bit format)."""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import sharding
+from .kernels.formats import StateFormat
+from .passes.roles import NotElementwiseError, label_roles
+from .passes.signs import prove_nonneg
+from .passes.trace import hyper_slots, shell_optimizer, static_group_items, tensor_meta, unhooked_step
+from .state import QuantizedState
+from .trace_cache import TRACE_LOCK, trace_group, traced
+
+
+@dataclass(frozen=True)
+class StateSchema:
+    """What the stock optimizer keeps per parameter, learned by stepping tiny probe parameters.
+
+    ``init`` maps each state key to how the stock step creates it: ``("fill", value, dtype)`` for
+    a per-element state that starts from a constant, ``("computed", dtype)`` for one the first step
+    computes (SGD's ``momentum_buffer = grad.clone()``), ``("tensor", example)`` for a scalar state,
+    ``("value", obj)`` otherwise. ``nonneg``: the per-element states proven never negative.
+    """
+
+    per_element: tuple[str, ...]
+    init: tuple[tuple[str, tuple], ...]
+    nonneg: frozenset[str] = frozenset()
+
+
+class _RecordingState(dict):
+    """A state dict that remembers the first value stored under each key (the stock initial state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.initial: dict[str, Any] = {}
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self.initial:
+            self.initial[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        super().__setitem__(key, value)
+
+
+_schemas: collections.OrderedDict[tuple, StateSchema] = collections.OrderedDict()
+_SCHEMA_CACHE = 256  # schemas depend on hyperparameter values (ASGD's eta starts at lr): keep the recent ones
+
+
+def probe_schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> StateSchema:
+    """Learn the state layout of ``param`` in ``group`` by running the stock step on small probes.
+
+    Each probe runs two stock steps on a few elements. A state entry shaped like the probe is
+    per-element; it starts from a constant (``"fill"``) when that constant is the same for two
+    probes with different values, otherwise the first traced step computes it (``"computed"``).
+    A probe shaped like ``param`` (2-D, 4-D...) must step exactly like the same values laid out
+    flat, or the step is not elementwise (a factored second moment, an orthogonalized update).
+    Which per-element states are never negative is proven on the traced step (``passes.signs``).
+    """
+    tgroup = trace_group(group)
+    slots = hyper_slots(tgroup)
+    key = (type(opt), unhooked_step(type(opt)), static_group_items(tgroup), param.dtype, param.device.type,
+           param.dim(), tuple(_value_key(s.get(tgroup)) for s in slots))
+    with TRACE_LOCK:
+        cached = _schemas.get(key)
+        if cached is not None:
+            _schemas.move_to_end(key)
+            return cached
+        schema = _probe_schema(opt, tgroup, param)
+        _schemas[key] = schema
+        if len(_schemas) > _SCHEMA_CACHE:
+            _schemas.popitem(last=False)
+        return schema
+
+
+def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor) -> StateSchema:
+    n = math.prod(_probe_shape(param.dim()))
+    flat = _probe(opt, tgroup, param, (n,), offset=0.0)
+    other = _probe(opt, tgroup, param, (n,), offset=0.625)
+    if param.dim() != 1:
+        _check_same_as_flat(opt, _probe(opt, tgroup, param, _probe_shape(param.dim()), offset=0.0), flat, n)
+    per_element, init = [], []
+    for name, value in flat.initial.items():
+        again = other.initial.get(name)
+        if isinstance(value, torch.Tensor) and value.shape == (n,):
+            per_element.append(name)
+            if torch.all(value == value[0]) and _same(value, again):
+                init.append((name, ("fill", value[0].item(), value.dtype)))
+            else:
+                init.append((name, ("computed", value.dtype)))
+        elif not _same(value, again):
+            raise NotElementwiseError(
+                f"{type(opt).__name__} starts its state {name!r} from the parameter's or the gradient's "
+                "values as a whole; lowbit-compile only rewrites steps that are elementwise over each parameter")
+        else:
+            init.append((name, ("tensor", value) if isinstance(value, torch.Tensor) else ("value", value)))
+    nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first)
+    return StateSchema(tuple(per_element), tuple(init), nonneg)
+
+
+def _value_key(value: object) -> object:
+    """A hyperparameter value as a cache key: a tensor by identity and version (no device sync)."""
+    if isinstance(value, torch.Tensor):
+        return (id(value), value._version, tensor_meta(value))
+    return value
+
+
+def _probe_shape(ndim: int) -> tuple[int, ...]:
+    return ((3, 2) + (2,) * (ndim - 2))[:ndim] if ndim != 1 else (3,)
+
+
+@dataclass
+class _ProbeRun:
+    initial: dict[str, Any]  # the first value stored under each state key
+    after_first: dict[str, Any]  # the state after one step
+    after_second: dict[str, Any]  # the state after two steps
+    param: torch.Tensor  # the param after two steps
+
+
+def _probe(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor, shape: tuple[int, ...],
+           offset: float) -> _ProbeRun:
+    """Two stock steps of a small parameter of ``shape`` (values shifted by ``offset``)."""
+    n = math.prod(shape)
+
+    def values(scale: float, shift: float) -> torch.Tensor:
+        x = (torch.arange(n, dtype=torch.float64) * scale + shift + offset) * (-1) ** torch.arange(n)
+        return x.to(param.dtype).to(param.device).reshape(shape)
+
+    probe = values(0.75, 1.5)
+    shell = shell_optimizer(opt, tgroup, probe, {})
+    shell.state = collections.defaultdict(_RecordingState)
+    snapshots = []
+    with torch.no_grad():
+        for grad in (values(0.125, 0.25), values(-0.375, 0.5)):
+            probe.grad = grad
+            unhooked_step(type(opt))(shell)
+            state = shell.state[probe]
+            snapshots.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    return _ProbeRun(shell.state[probe].initial, snapshots[0], snapshots[1], probe)
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal values (NaN equal to NaN), for tensors of equal shape and dtype too."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.all((a == b) | (a.isnan() & b.isnan()))))
+    return a == b or (a != a and b != b)
+
+
+def _check_same_as_flat(opt: torch.optim.Optimizer, shaped: _ProbeRun, flat: _ProbeRun, n: int) -> None:
+    """Refuse a step that treats a parameter of this many dimensions other than its flat values."""
+    why = None
+    if shaped.after_second.keys() != flat.after_second.keys():
+        why = f"keeps states {sorted(shaped.after_second)} instead of {sorted(flat.after_second)}"
+    elif not _same(shaped.param.reshape(-1), flat.param):
+        why = "updates it differently"
+    for key, value in shaped.after_second.items() if why is None else ():
+        ref = flat.after_second[key]
+        if isinstance(value, torch.Tensor) and isinstance(ref, torch.Tensor) and ref.shape == (n,):
+            value = value.reshape(-1) if value.numel() == n else value
+        if not _same(value, ref):
+            why = f"keeps its state {key!r} differently (shape {tuple(getattr(value, 'shape', ()))})"
+            break
+    if why is not None:
+        raise NotElementwiseError(
+            f"{type(opt).__name__} steps a {shaped.param.dim()}-D parameter differently from the same values "
+            f"laid out flat: it {why}; lowbit-compile only rewrites steps that are elementwise over each "
+            "parameter (no factored or orthogonalized updates)")
+
+
+def _infer_nonneg(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor, per_element: tuple[str, ...],
+                  init: list, after_first: dict[str, Any]) -> frozenset[str]:
+    """The per-element states that every traced step keeps >= 0 (and that start >= 0): the first
+    step's graph and, when the first step creates states, the graph of the steps after it."""
+    first = {}
+    for name, (kind, *rest) in init:
+        if kind == "fill":
+            first[name] = torch.empty(0, dtype=rest[1], device=param.device)
+        elif kind == "tensor":
+            first[name] = rest[0]
+        elif kind == "value":
+            first[name] = rest[0]
+    examples = [first]
+    if any(kind == "computed" for _, (kind, *_) in init):
+        examples.append({k: (torch.empty(0, dtype=v.dtype, device=param.device) if k in per_element else v)
+                         for k, v in after_first.items()})
+    values = {s.name: s.get(tgroup) for s in hyper_slots(tgroup)}
+    proven = {k for k, (kind, *rest) in init if k in per_element and (kind != "fill" or rest[0] >= 0)}
+    for example in examples:
+        trace = traced(opt, tgroup, param.dtype, param.device, example, per_element)
+        proven &= prove_nonneg(label_roles(trace.graph), values).states
+    return frozenset(proven)
+
+
+def init_state(param: torch.Tensor, schema: StateSchema, formats: dict[str, StateFormat]) -> dict:
+    """The stock initial state of ``param`` with per-element states created directly quantized
+    (of the local shard, inside a ``DTensor`` like the parameter, for a sharded parameter)."""
+    state: dict[str, Any] = {}
+    for name, (kind, *rest) in schema.init:
+        if kind == "fill":
+            value, dtype = rest
+            state[name] = filled(param, value, formats[name], dtype)
+        elif kind == "tensor":
+            state[name] = rest[0].clone()
+        elif kind == "value":
+            state[name] = rest[0]
+    return state
+
+
+def filled(param: torch.Tensor, value: float, fmt: StateFormat, dtype: torch.dtype) -> torch.Tensor:
+    """A per-element state of ``param`` full of ``value``, in ``fmt``."""
+    if fmt.passthrough:
+        return torch.full_like(param, value, dtype=dtype, memory_format=torch.preserve_format)
+    shard = sharding.local(param)
+    return sharding.like(QuantizedState.full(shard.shape, value, fmt, dtype, shard.device), param)
+
+
+
+
+def example_state(state: dict, schema: StateSchema, device: torch.device) -> dict:
+    """The state a parameter will have when its next step runs, as the trace needs it, without
+    creating or converting any: per-element states as empty tensors of their stock dtype (whatever
+    holds them now: a quantized state, a packed one a loader left, a stock tensor), the other entries
+    as they are; for an empty state, the schema's initial one."""
+    dtypes = {name: rest[-1] for name, (kind, *rest) in schema.init if kind in ("fill", "computed")}
+    if state:
+        return {k: torch.empty(0, dtype=dtypes[k], device=device) if k in dtypes else v for k, v in state.items()}
+    example: dict[str, Any] = {}
+    for name, (kind, *rest) in schema.init:
+        if kind == "fill":
+            example[name] = torch.empty(0, dtype=rest[1], device=device)
+        elif kind in ("tensor", "value"):
+            example[name] = rest[0]
+    return example

@@ -1,0 +1,78 @@
+"""Traces of optimizer steps, cached per process: one per signature (class, static flags, dtypes,
+device type, state example), shared by every state format, and one lock that serializes tracing.
+
+Tracing runs ``make_fx`` over torch's process-wide tracing state, so two threads must never trace
+at once; every trace (and every probe of a stock step) here runs under :data:`TRACE_LOCK`, which
+the compile path holds for the whole of a signature's trace-rewrite-build.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from .passes.trace import HyperSlot, TracedStep, hyper_slots, static_group_items, tensor_meta, trace_step, unhooked_step
+from .state import QuantizedState
+
+# Group flags that select the foreach/fused implementations: the trace always takes the
+# single-tensor path, whatever the group asks for.
+_IMPL_FLAGS = {"foreach": False, "fused": False}
+
+TRACE_LOCK = threading.RLock()
+_traces: dict[tuple, list[TracedStep]] = {}
+
+
+def trace_group(group: dict) -> dict:
+    """The group as the trace sees it: the single-tensor implementation."""
+    return {**group, **{k: v for k, v in _IMPL_FLAGS.items() if k in group}}
+
+
+def trace_example(state: dict) -> dict:
+    """What of a parameter's state a trace depends on: quantized states stand for empty tensors of
+    their stock dtype (the traced graph is the stock one, whatever the formats)."""
+    return {k: (torch.empty(0, dtype=v.dtype, device=v.device) if isinstance(v, QuantizedState) else v)
+            for k, v in state.items()}
+
+
+def trace_key(opt: torch.optim.Optimizer, tgroup: dict, slots: tuple[HyperSlot, ...], dtype: torch.dtype,
+              device: torch.device, example: dict, per_element: tuple[str, ...]) -> tuple:
+    return (
+        type(opt), unhooked_step(type(opt)), static_group_items(tgroup),
+        tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots),
+        dtype, device.type,
+        # per-element states by dtype only: the trace is 1-D and elementwise, so one serves every shape
+        tuple((k, (v.dtype, v.device.type) if k in per_element else tensor_meta(v))
+              if isinstance(v, torch.Tensor) else (k, type(v)) for k, v in sorted(example.items())),
+    )
+
+
+def traced(opt: torch.optim.Optimizer, tgroup: dict, dtype: torch.dtype, device: torch.device, example: dict,
+           per_element: tuple[str, ...], exclude: frozenset[int] = frozenset()) -> TracedStep:
+    """A trace of the step for this example state whose guard holds (not one of ``exclude``, by id),
+    shared by every state format; traced now if there is none."""
+    slots = hyper_slots(tgroup)
+    values = [s.get(tgroup) for s in slots]
+    with TRACE_LOCK:
+        traces = _traces.setdefault(trace_key(opt, tgroup, slots, dtype, device, example, per_element), [])
+        for trace in traces:
+            if id(trace) not in exclude and trace.guard(values):
+                return trace
+        trace = trace_step(opt, tgroup, dtype, device, example, per_element)
+        traces.append(trace)
+        return trace
+
+
+def trace_for(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
+              per_element: tuple[str, ...]) -> TracedStep:
+    """The traced stock step of ``param`` in ``group`` with this state (cached)."""
+    return traced(opt, trace_group(group), param.dtype, param.device, trace_example(state), per_element)
+
+
+def skeleton(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt`` without its parameters, states and wrapper: what a later retrace needs of it."""
+    shell: Any = object.__new__(type(opt))
+    shell.__dict__.update({k: v for k, v in opt.__dict__.items()
+                           if k not in ("param_groups", "state", "step", "_lowbit")})
+    return shell

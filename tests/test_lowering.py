@@ -1,0 +1,137 @@
+"""The one lowering table and its printers: every primitive is printed by every printer; every op of
+every stock elementwise optimizer's traced body (every optim_db flag combination that runs on CPU
+float32) and of examples/lion.py lowers on both backends for every state format and param dtype; an
+op no printer covers falls back (``auto``) with one warning naming it, or fails (a backend asked for
+by name) before the step changes anything."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.testing._internal.common_optimizers import optim_db
+
+from examples.lion import Lion
+from lowbit_compile import lowbit_compile
+from lowbit_compile.api import SUPPORTED
+from lowbit_compile.kernels import cpp_printer, triton_printer
+from lowbit_compile.kernels.formats import FORMAT_NAMES
+from lowbit_compile.kernels.lowering import LOWERINGS, LoweringError, Target, unsupported
+from lowbit_compile.kernels.primitives import PRIMITIVES, Primitives
+
+from .graphs import body
+
+TARGETS = (Target("cuda"), Target("cpu"), Target("cpu", reciprocal_divisor=True))
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("printer", [triton_printer.TritonPrinter, cpp_printer.CppPrinter])
+def test_every_primitive_is_printed_by_every_printer(printer):
+    missing = [name for name in PRIMITIVES if getattr(printer, name, None) in (None, getattr(Primitives, name))]
+    assert PRIMITIVES and not missing, missing
+
+
+def _stock_cases():
+    """optim_db's CPU float32 inputs for every supported stock class (not capturable/differentiable)."""
+    cases = []
+    for info in optim_db:
+        if info.optim_cls not in SUPPORTED:
+            continue
+        for inp in info.optim_inputs_func(device="cpu", dtype=torch.float32):
+            kwargs = dict(inp.kwargs)
+            if kwargs.get("capturable") or kwargs.get("differentiable"):
+                continue
+            cases.append((info.optim_cls, kwargs, f"{info.optim_cls.__name__}-{inp.desc}"))
+    return cases
+
+
+STOCK = _stock_cases()
+ALL = [pytest.param(cls, kwargs, id=name) for cls, kwargs, name in STOCK] + [
+    pytest.param(Lion, {"weight_decay": 0.1}, id="Lion (examples/lion.py)")]
+
+
+def test_the_coverage_cases_hold_every_stock_optimizer():
+    assert {cls for cls, _, _ in STOCK} == set(SUPPORTED)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), ALL)
+def test_every_op_lowers_on_both_backends_for_every_format_and_dtype(cls, kwargs):
+    for dtype in DTYPES:
+        opt = cls([torch.nn.Parameter(torch.randn(64, dtype=dtype))],
+                  **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()})
+        for fmt in FORMAT_NAMES:
+            graph = body(opt, fmt)
+            for target in TARGETS:
+                assert unsupported(graph, target) == [], (dtype, fmt, target)
+                compile(triton_printer.emit_kernel(graph, "step", target).source, "<printed>", "exec")
+                if target.device == "cpu":
+                    cpp_printer.emit_step(graph, target)
+
+
+@pytest.mark.parametrize("cls", [*SUPPORTED, Lion], ids=lambda c: c.__name__)
+def test_every_stock_optimizer_runs_the_fused_cpu_kernel(cls):
+    """The C++ of each class's default-format step compiles and runs; nothing falls back."""
+    params = [torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(300))]
+    opt = lowbit_compile(cls(params, lr=1e-3), min_8bit_size=1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+    backends = {prepared.compiled.kernel.backend for prepared in opt._lowbit.prepared.values()}
+    assert backends == {"cpu"}
+
+
+class Exp(torch.optim.Optimizer):
+    """An optimizer of one's own whose step uses an op no printer covers (``exp``)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["acc"] = torch.zeros_like(p)
+                state["step"] += 1
+                state["acc"].mul_(0.9).add_(p.grad.exp())
+                p.sub_(state["acc"], alpha=group["lr"])
+
+
+def test_an_uncovered_op_of_ones_own_optimizer_falls_back_with_one_warning_naming_it():
+    assert torch.ops.aten.exp.default not in LOWERINGS
+    p = torch.nn.Parameter(torch.randn(5000))
+    twin = torch.nn.Parameter(p.detach().clone())
+    opt = lowbit_compile(Exp([p]), "int8")
+    ref = lowbit_compile(Exp([twin]), "int8", backend="reference")
+    with pytest.warns(UserWarning, match=r"cpu kernel cannot run this step \(no lowering for aten\.exp\.default") as w:
+        for _ in range(3):
+            p.grad = torch.randn_like(p)
+            twin.grad = p.grad.clone()
+            opt.step()
+            ref.step()
+    assert sum("aten.exp" in str(x.message) for x in w) == 1
+    assert torch.equal(p, twin)
+    assert {prepared.compiled.kernel.backend for prepared in opt._lowbit.prepared.values()} == {"reference"}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_a_backend_asked_for_by_name_fails_before_the_step_changes_anything(backend):
+    """Both backends emit (and the CPU one compiles) before the prologue runs: the step counter, the
+    states and the param are exactly as before the failed step, which can be retried elsewhere."""
+    p = torch.nn.Parameter(torch.randn(5000))
+    before = p.detach().clone()
+    opt = lowbit_compile(Exp([p]), "int8", backend=backend)
+    p.grad = torch.randn_like(p)
+    with pytest.raises(LoweringError, match=rf"backend='{backend}' cannot run this step: no lowering for aten\.exp"):
+        opt.step()
+    assert torch.equal(p, before)
+    assert len(opt.state) == 0
+    lowbit_compile(opt, "int8", backend="reference")
+    opt.step()
+    assert opt.state[p]["step"].item() == 1.0

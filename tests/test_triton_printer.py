@@ -1,0 +1,192 @@
+"""The Triton source printed from the rewritten step graphs of Adam and AdamW (snapshots, default
+layout), where the CUDA and CPU targets differ, and the errors for what the lowering does not cover."""
+
+from __future__ import annotations
+
+import difflib
+import operator
+
+import pytest
+import torch
+from expecttest import TestCase
+
+from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.kernels.lowering import LoweringError, Target
+
+from .graphs import body
+
+printer = pytest.importorskip("lowbit_compile.kernels.triton_printer")
+CUDA, CPU = Target("cuda"), Target("cpu")
+
+
+def one_param(dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(64, dtype=dtype))]
+
+
+class TestEmittedSource(TestCase):
+    def test_adam(self):
+        kernel = printer.emit_kernel(body(torch.optim.Adam(one_param())), "adam_step", CUDA)
+        self.assertExpectedInline(kernel.source, """\
+import triton
+import triton.language as tl
+
+from lowbit_compile.kernels import triton_lib as lb
+
+
+@triton.jit
+def adam_step(
+    param_ptr, grad_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, sub,
+    hp_betas_1, sub_1, pow_3, hp_eps, neg, dynamic8_signed_map_ptr, dynamic8_unsigned_map_ptr,
+    dynamic8_signed_bounds_ptr, dynamic8_unsigned_bounds_ptr, n_elements, first_block, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    offsets = rows[:, None] * BLOCK + cols[None, :]
+    mask = offsets < n_elements
+    row_mask = rows * BLOCK < n_elements
+    param = lb.load_elements(param_ptr, offsets, mask, lb.F32)
+    grad = lb.load_elements(grad_ptr, offsets, mask, lb.F32)
+    sub = tl.cast(sub, tl.float32)
+    hp_betas_1 = tl.cast(hp_betas_1, tl.float32)
+    sub_1 = tl.cast(sub_1, tl.float32)
+    pow_3 = tl.cast(pow_3, tl.float32)
+    hp_eps = tl.cast(hp_eps, tl.float32)
+    neg = tl.cast(neg, tl.float32)
+    # dynamic8:512:0:s
+    dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_map_ptr,
+                                       rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, K=0)
+    # dynamic8:512:0:u
+    dequantize_default_1 = lb.dequantize(exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None,
+                                         dynamic8_unsigned_map_ptr, rows, cols, offsets, mask, row_mask,
+                                         FMT=lb.DYNAMIC8, K=0)
+    lerp_small = tl.abs(sub) < 0.5
+    lerp_diff = grad - dequantize_default
+    lerp = tl.fma(tl.where(lerp_small, sub, sub - 1.0), lerp_diff, tl.where(lerp_small, dequantize_default, grad))
+    mul = dequantize_default_1 * hp_betas_1
+    addcmul = tl.where(sub_1 == 1.0, tl.fma(grad, grad, mul), tl.fma(sub_1, grad * grad, mul))
+    sqrt = tl.sqrt_rn(addcmul)
+    div = sqrt * tl.math.div_rn(1.0, pow_3)
+    add_1 = div + hp_eps
+    addcdiv_q = tl.math.div_rn(lerp, add_1)
+    addcdiv = tl.where(neg == 1.0, param + addcdiv_q, tl.fma(neg, addcdiv_q, param))
+    lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
+    # dynamic8:512:0:s
+    lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_bounds_ptr, rows, cols,
+                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
+                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0)
+    # dynamic8:512:0:u
+    lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_bounds_ptr,
+                rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
+                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0)
+""")
+
+    def test_adamw(self):
+        kernel = printer.emit_kernel(body(torch.optim.AdamW(one_param())), "adamw_step", CUDA)
+        self.assertExpectedInline(kernel.source, """\
+import triton
+import triton.language as tl
+
+from lowbit_compile.kernels import triton_lib as lb
+
+
+@triton.jit
+def adamw_step(
+    param_ptr, grad_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, sub,
+    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, dynamic8_signed_map_ptr, dynamic8_unsigned_map_ptr,
+    dynamic8_signed_bounds_ptr, dynamic8_unsigned_bounds_ptr, n_elements, first_block, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    offsets = rows[:, None] * BLOCK + cols[None, :]
+    mask = offsets < n_elements
+    row_mask = rows * BLOCK < n_elements
+    param = lb.load_elements(param_ptr, offsets, mask, lb.F32)
+    grad = lb.load_elements(grad_ptr, offsets, mask, lb.F32)
+    sub = tl.cast(sub, tl.float32)
+    sub_1 = tl.cast(sub_1, tl.float32)
+    hp_betas_1 = tl.cast(hp_betas_1, tl.float32)
+    sub_2 = tl.cast(sub_2, tl.float32)
+    pow_3 = tl.cast(pow_3, tl.float32)
+    hp_eps = tl.cast(hp_eps, tl.float32)
+    neg = tl.cast(neg, tl.float32)
+    # dynamic8:512:0:s
+    dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_map_ptr,
+                                       rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, K=0)
+    # dynamic8:512:0:u
+    dequantize_default_1 = lb.dequantize(exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None,
+                                         dynamic8_unsigned_map_ptr, rows, cols, offsets, mask, row_mask,
+                                         FMT=lb.DYNAMIC8, K=0)
+    mul_1 = param * sub
+    lerp_small = tl.abs(sub_1) < 0.5
+    lerp_diff = grad - dequantize_default
+    lerp = tl.fma(tl.where(lerp_small, sub_1, sub_1 - 1.0), lerp_diff, tl.where(lerp_small, dequantize_default, grad))
+    mul_2 = dequantize_default_1 * hp_betas_1
+    addcmul = tl.where(sub_2 == 1.0, tl.fma(grad, grad, mul_2), tl.fma(sub_2, grad * grad, mul_2))
+    sqrt = tl.sqrt_rn(addcmul)
+    div = sqrt * tl.math.div_rn(1.0, pow_3)
+    add_1 = div + hp_eps
+    addcdiv_q = tl.math.div_rn(lerp, add_1)
+    addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
+    lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
+    # dynamic8:512:0:s
+    lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_bounds_ptr, rows, cols,
+                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
+                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0)
+    # dynamic8:512:0:u
+    lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_bounds_ptr,
+                rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
+                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0)
+""")
+
+    def test_cpu_flavor_differs_only_where_eager_cpu_rounds_differently(self):
+        graph = body(torch.optim.AdamW(one_param()))
+        cuda, cpu = (printer.emit_kernel(graph, "adamw_step", t).source.splitlines() for t in (CUDA, CPU))
+        diff = [line for line in difflib.unified_diff(cuda, cpu, "cuda", "cpu", n=0, lineterm="")
+                if not line.startswith("@@")]
+        self.assertExpectedInline("\n".join(diff), """\
+--- cuda
++++ cpu
+-    addcmul = tl.where(sub_2 == 1.0, tl.fma(grad, grad, mul_2), tl.fma(sub_2, grad * grad, mul_2))
++    addcmul = tl.fma(sub_2 * grad, grad, mul_2)
+-    div = sqrt * tl.math.div_rn(1.0, pow_3)
++    div = tl.math.div_rn(sqrt, pow_3)
+-    addcdiv_q = tl.math.div_rn(lerp, add_1)
+-    addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
++    addcdiv = mul_1 + tl.math.div_rn(neg * lerp, add_1)
+-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0)
++                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=0.0)
+-                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0)
++                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=0.0)""")
+
+
+def test_an_op_without_a_lowering_is_an_error_naming_it():
+    graph = body(torch.optim.Adam(one_param()))
+    sqrt = next(n for n in graph.graph.nodes if n.target is torch.ops.aten.sqrt.default)
+    sqrt.target = torch.ops.aten.exp.default
+    with pytest.raises(LoweringError, match=r"no lowering for aten\.exp\.default \(node 'sqrt'\)"):
+        printer.emit_kernel(graph, "step", CUDA)
+
+
+def test_a_python_function_node_is_an_error_naming_it():
+    graph = body(torch.optim.Adam(one_param()))
+    sqrt = next(n for n in graph.graph.nodes if n.target is torch.ops.aten.sqrt.default)
+    sqrt.target = operator.neg
+    with pytest.raises(LoweringError, match="no lowering for <built-in function neg>"):
+        printer.emit_kernel(graph, "step", CPU)
+
+
+def test_float64_params_are_refused():
+    with pytest.raises(LoweringError, match="torch.float64"):
+        printer.emit_kernel(body(torch.optim.Adam(one_param(torch.float64))), "step", CUDA)
+
+
+def test_states_of_one_param_must_share_a_block_size():
+    graph = body(torch.optim.Adam(one_param()))
+    quantize = [n for n in graph.graph.nodes if n.target is torch.ops.lowbit.quantize_.default][-1]
+    fmt = StateFormat.from_tag(quantize.args[-1])
+    quantize.args = (*quantize.args[:-1], StateFormat(fmt.name, 256, fmt.outliers, fmt.nonneg).tag())
+    with pytest.raises(LoweringError, match=r"different block sizes \[256, 512\]"):
+        printer.emit_kernel(graph, "step", CUDA)
+
