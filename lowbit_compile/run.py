@@ -164,7 +164,9 @@ class StepPlan:
         # the params of each group in order, with their member (None: stepped without a grad)
         self.groups = [(group, group["params"], len(group["params"]), group_signature(group)[0],
                         [members.get(id(p)) for p in group["params"]]) for group in opt.param_groups]
-        self.reusable = not self.write_back  # strided params and states are bound through copies
+        # strided params and states are bound through copies; a step that creates states (SGD's
+        # first, momentum_buffer = grad) is followed by another trace, so neither is replayed
+        self.reusable = not self.write_back and not any(b.compiled.fresh for b in self.buckets.values())
 
     def refresh(self, opt: torch.optim.Optimizer, config: Config) -> bool:
         """Whether this plan still binds ``opt``'s step; if so, its rows now hold the current grads."""

@@ -100,7 +100,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       acc_exp_avg_sq = lb_vmax(acc_exp_avg_sq, lb_key_masked(v_addcmul, r));
     }
   }
-  lb_quantize_block<LB_DYNAMIC8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, (float)0x1.0000000000000p+0, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, lb_dyn_keys_s.e);
+  lb_quantize_block<LB_DYNAMIC8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, (float)0x1.fc66660000000p-1, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, lb_dyn_keys_s.e);
   lb_quantize_block<LB_DYNAMIC8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, (float)0x1.0000000000000p+0, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, lb_dyn_keys_u.e);
 }""")
 
@@ -349,7 +349,7 @@ enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3, LB_BF16_CODES = 4
 template <int F, bool U> struct lb_format {};  // qmax, min_positive (and fp8's mantissa, min_exponent)
 template <> struct lb_format<LB_INT8, false> { static constexpr float qmax = (float)0x1.fc00000000000p+6, min_positive = (float)0x1.0000000000000p+0; };
 template <> struct lb_format<LB_INT8, true> { static constexpr float qmax = (float)0x1.fe00000000000p+7, min_positive = (float)0x1.0000000000000p+0; };
-template <> struct lb_format<LB_DYNAMIC8, false> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.27476c0000000p-21; };
+template <> struct lb_format<LB_DYNAMIC8, false> { static constexpr float qmax = (float)0x1.fc66660000000p-1, min_positive = (float)0x1.27476c0000000p-21; };
 template <> struct lb_format<LB_DYNAMIC8, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.5cf7520000000p-22; };
 template <> struct lb_format<LB_E4M3, false> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr int mantissa = 3, min_exponent = -6; };
 template <> struct lb_format<LB_E4M3, true> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr int mantissa = 3, min_exponent = -6; };

@@ -341,3 +341,26 @@ def test_a_steady_step_reuses_its_launches_and_sees_every_change():
             assert torch.equal(p, q), step
     assert plans[1] is plans[2] is plans[3] is plans[4]  # new grads (one strided) and a new lr: same plan
     assert plans[5] is not plans[4]  # a replaced state entry: prepared again
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_the_step_after_one_that_creates_states_is_prepared_again(fmt):
+    """SGD's first step creates momentum_buffer (= grad); the next steps are another trace, so the
+    first step's launches are not replayed: the buffer keeps accumulating like stock's (int8: within
+    a few quantization steps of the block's absmax after 4 steps)."""
+    ours = torch.nn.Parameter(torch.randn(4096))
+    twin = torch.nn.Parameter(ours.detach().clone())
+    opt = lowbit_compile(torch.optim.SGD([ours], lr=0.1, momentum=0.9), fmt, min_8bit_size=0)
+    stock = torch.optim.SGD([twin], lr=0.1, momentum=0.9, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        g = torch.randn(4096, generator=gen)
+        ours.grad, twin.grad = g, g.clone()
+        opt.step()
+        stock.step()
+    buf, want = opt.state[ours]["momentum_buffer"], stock.state[twin]["momentum_buffer"]
+    if fmt == "fp32":
+        assert torch.equal(buf, want) and torch.equal(ours, twin)
+    else:
+        err = (buf.dequantize() - want).abs().max()
+        assert err <= 4 * want.abs().max() / 127

@@ -73,8 +73,8 @@ def adam_step(
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
     # dynamic8:512:0:s
     lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_bounds_ptr, rows, cols,
-                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0)
+                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=0.992968738079071,
+                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0070810317993164)
     # dynamic8:512:0:u
     lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_bounds_ptr,
                 rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
@@ -132,8 +132,8 @@ def adamw_step(
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
     # dynamic8:512:0:s
     lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_bounds_ptr, rows, cols,
-                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0)
+                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=0.992968738079071,
+                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0070810317993164)
     # dynamic8:512:0:u
     lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_bounds_ptr,
                 rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
@@ -155,7 +155,7 @@ def adamw_step(
 -    addcdiv_q = tl.math.div_rn(lerp, add_1)
 -    addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
 +    addcdiv = mul_1 + tl.math.div_rn(neg * lerp, add_1)
--                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0)
+-                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=1.0070810317993164)
 +                MIN_POSITIVE=5.499999815583578e-07, INV_QMAX=0.0)
 -                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=1.0)
 +                MIN_POSITIVE=3.250000020216248e-07, INV_QMAX=0.0)""")
