@@ -454,6 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="1/10 of the steps, one seed, a few optimizers")
     ap.add_argument("--variants", nargs="+", help="optimizer names (default: the grid)")
     ap.add_argument("--seeds", nargs="+", type=int)
+    ap.add_argument("--step-scale", type=float, help="multiply the steps (and warmup, eval cadence); default 1")
     ap.add_argument("--no-grad-only", action="store_true", help="skip the gradient-record runs of other tasks")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
@@ -467,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     for v in variants:
         check_name(v)  # a bad name fails now, not an hour in
     seeds = args.seeds or (SEEDS[:1] if args.quick else SEEDS)
-    scale = 0.1 if args.quick else 1.0
+    scale = args.step_scale or (0.1 if args.quick else 1.0)
     name = "diffusion_quick" if args.quick else "diffusion"
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"{name}.json"

@@ -22,6 +22,7 @@ import multiprocessing
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -340,12 +341,21 @@ def load_runs(path: Path) -> tuple[list[dict], dict]:
     return data["runs"], data["meta"]
 
 
+def git_commits() -> dict:
+    """The commit the bench runs at and the commit of main it contains (the library's code under test)."""
+    def rev(*args: str) -> str | None:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True)
+        return out.stdout.strip()[:7] if out.returncode == 0 and out.stdout.strip() else None
+
+    return {"commit": rev("rev-parse", "HEAD"), "main_commit": rev("merge-base", "HEAD", "main")}
+
+
 def run_meta(jobs: int, threads: int, compile_peers: bool, **extra) -> dict:
     """What a results file records about how it was measured."""
     return {"argv": sys.argv, "torch": torch.__version__, "torchao_compiled": compile_peers,
             "python": platform.python_version(), "machine": platform.machine(),
             "cpus": multiprocessing.cpu_count(), "jobs": jobs, "threads": threads,
-            "date": time.strftime("%Y-%m-%d %H:%M"), **extra}
+            "date": time.strftime("%Y-%m-%d %H:%M"), **git_commits(), **extra}
 
 
 def run_pool(run: Callable[[tuple], dict], jobs: list[tuple], n_jobs: int, runs: list[dict], meta: dict,
@@ -359,7 +369,8 @@ def run_pool(run: Callable[[tuple], dict], jobs: list[tuple], n_jobs: int, runs:
     start = time.perf_counter()
     with ctx.Pool(n_jobs) as pool, tqdm(total=len(jobs), desc="runs", unit="run") as bar:
         for record in pool.imap_unordered(run, jobs):
-            record.update(tags, command=" ".join(sys.argv))
+            record.update(tags, command=" ".join(sys.argv), commit=meta.get("commit"),
+                          main_commit=meta.get("main_commit"))
             runs.append(record)
             bar.set_postfix_str(f"{record['task']} {record['variant']} s{record['seed']}: "
                                 f"{record['val'][-1]['loss']:.4f}")
@@ -373,7 +384,9 @@ def results_header(meta: dict, runs: list[dict] = ()) -> str:
     """The line above a results table: when, with what, by which command(s) (a resumed grid's runs name
     the command that ran each)."""
     commands = list(dict.fromkeys(r["command"] for r in runs if "command" in r)) or [" ".join(meta["argv"])]
-    return (f"Measured {meta['date']}, torch {meta['torch']}, {meta['jobs']} runs in parallel with "
+    mains = list(dict.fromkeys(r.get("main_commit") or "unrecorded" for r in runs)) or [meta.get("main_commit")]
+    return (f"Measured {meta['date']} at main {', '.join(map(str, mains))}, torch {meta['torch']}, "
+            f"{meta['jobs']} runs in parallel with "
             f"{meta['threads']} thread(s) each on {meta['cpus']} CPUs; torchao "
             f"{'compiled' if meta['torchao_compiled'] else 'run eagerly'}; "
             f"command{'s' if len(commands) > 1 else ''}: {'; '.join(f'`{c}`' for c in commands)}\n\n")
