@@ -103,10 +103,11 @@ def decades(xs: list[float]) -> float:
 
 def swing_decades(xs: list[float], window: int = 51) -> float:
     """How far a per-step series swings from step to step, its trend taken out: the 95th minus the 5th
-    percentile of log10(value) less its mean over the ``window`` steps around it."""
+    percentile of log10(value) less its mean over the ``window`` steps around it; nan for a series
+    shorter than the window."""
     logs = torch.tensor(xs, dtype=torch.float64).clamp(min=1e-30).log10()
     if logs.numel() < window:
-        return 0.0
+        return math.nan
     trend = logs.unfold(0, window, 1).mean(dim=1)
     dev = logs[window // 2: window // 2 + trend.numel()] - trend
     return (dev.quantile(0.95) - dev.quantile(0.05)).item()
@@ -257,9 +258,11 @@ def grad_summary(runs: list[dict]) -> dict:
     for task in sorted({r["task"] for r in runs if "grads" in r}):
         rs = [r for r in runs if r["task"] == task and "grads" in r]
         warm = make_task(task, rs[0].get("step_scale", 1.0)).hyper.warmup
-        swings = [swing_decades(r["grads"]["per_step"][n][warm:]) for r in rs for n in r["grads"]["names"]]
+        swings = [x for r in rs for n in r["grads"]["names"]
+                  if math.isfinite(x := swing_decades(r["grads"]["per_step"][n][warm:]))]
         entry = {"seeds": sorted(r["seed"] for r in rs), "tensors": len(rs[0]["grads"]["names"]),
-                 "per_step_swing_decades": {"median": statistics.median(swings), "max": max(swings)}}
+                 "per_step_swing_decades": {"median": statistics.median(swings) if swings else math.nan,
+                                            "max": max(swings, default=math.nan)}}
         if rs[0]["grads"]["sweeps"]:
             entry["sweep_decades"] = {}
             for step in rs[0]["grads"]["sweeps"]:
@@ -320,7 +323,8 @@ def markdown(summary: dict, grads: dict, meta: dict) -> str:
             sweep = "; ".join(f"step {s}: {v['median']:.2f} / {v['max']:.2f} ({v['max_tensor']})"
                               for s, v in g.get("sweep_decades", {}).items()) or "–"
             p = g["per_step_swing_decades"]
-            lines.append(f"| {task} | {g['seeds']} | {g['tensors']} | {p['median']:.2f} / {p['max']:.2f} | {sweep} |")
+            swing = f"{p['median']:.2f} / {p['max']:.2f}" if math.isfinite(p["max"]) else "– (run under 51 steps)"
+            lines.append(f"| {task} | {g['seeds']} | {g['tensors']} | {swing} | {sweep} |")
         end = next((g["end_sweep_rms_median_over_tensors"] for g in grads.values()
                     if "end_sweep_rms_median_over_tensors" in g), None)
         lines += ["", "Step-to-step swing: log10 of the 95th over the 5th percentile, over the steps after warmup, "
@@ -392,7 +396,8 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
     ax = axes[1][1]
     if fp32_0:
         g = fp32_0["grads"]
-        n = max(g["names"], key=lambda n: swing_decades(g["per_step"][n]))  # the tensor that swings most
+        swing = {n: swing_decades(g["per_step"][n]) for n in g["names"]}
+        n = max(g["names"], key=lambda n: swing[n] if math.isfinite(swing[n]) else -1.0)  # swings most
         sc = ax.scatter(range(len(g["per_step"][n])), g["per_step"][n], c=g["timesteps"], s=3, cmap="viridis")
         fig.colorbar(sc, ax=ax, label="timestep of the step's batch")
         ax.set(title=f"gradient RMS of every step: {n}", xlabel="step", ylabel="gradient RMS", yscale="log")
