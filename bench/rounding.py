@@ -217,14 +217,14 @@ def markdown(lion: dict, others: dict[str, dict]) -> str:
     prototype and the stochastic prototype (and the library's stochastic rounding where it ran)."""
     lines = []
     for task, summary in {"lion_digits": lion, **others}.items():
-        if not summary:
+        bases = list(dict.fromkeys(split_name(v)[0] for v in summary if v != "fp32" and "+" in v))
+        if not bases:  # no rounding runs of this task
             continue
         fp32 = summary.get("fp32", {})
         lines += [f"### {task}: fp32 val loss {fp32.get('loss_mean', math.nan):.4f} (seed spread "
                   f"±{fp32.get('fp32_noise_pct', math.nan):.2f}%)", "",
                   "| format | library, nearest | prototype, nearest | prototype, stochastic | library, stochastic |",
                   "|---|---:|---:|---:|---:|"]
-        bases = list(dict.fromkeys(split_name(v)[0] for v in summary if v != "fp32" and "+" in v))
         for base in bases:
             cells = []
             for suffix in ("", "+nearest-proto", "+sr-proto", "+sr"):
