@@ -235,7 +235,8 @@ def markdown(lion: dict, others: dict[str, dict]) -> str:
         lines.append("")
     lines.append("Mean ± std over seeds of the paired gap of the final validation loss to stock fp32; ✗ where "
                  "the mean is farther than the fp32 seed spread or 0.5%. Prototype: the plain-torch emulation "
-                 "of this file (not the library); its nearest column checks it against the library's.")
+                 "of this file (not the library); its nearest column checks it against the library's. The library's "
+                 "stochastic column stays empty until lowbit_compile has a rounding= option (not implemented yet).")
     return "\n".join(lines)
 
 
