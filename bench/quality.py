@@ -22,8 +22,10 @@ import multiprocessing
 import platform
 import signal
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +42,7 @@ FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2")
 # 256 without patches (0.031, over) is the layout of bitsandbytes and torchao.
 LAYOUTS = ((2048, 2), (2048, 0), (1024, 0), (512, 0), (256, 0))
 SEEDS = (0, 1, 2)
+OWN_BENCH = ("dit_digits",)  # tasks with a bench of their own, run here only when named
 
 
 def full_grid(task: str | None = None) -> list[str]:
@@ -73,16 +76,19 @@ QUICK_GRID = ["fp32", "int8-b2048-k2", "int8-b2048-k0", "dynamic8-b2048-k2", "fp
 _tasks: dict[tuple[str, float], Task] = {}
 
 
+def scale_steps(task: Task, step_scale: float) -> Task:
+    """``task`` with its steps, warmup and evaluation cadence multiplied by ``step_scale`` (in place)."""
+    if step_scale != 1.0:
+        h = task.hyper
+        task.hyper = replace(h, steps=max(10, int(h.steps * step_scale)), warmup=max(1, int(h.warmup * step_scale)),
+                             eval_every=max(1, int(h.eval_every * step_scale)))
+    return task
+
+
 def _task(name: str, step_scale: float) -> Task:
     key = (name, step_scale)
     if key not in _tasks:
-        task = TASKS[name]()
-        if step_scale != 1.0:
-            h = task.hyper
-            steps = max(10, int(h.steps * step_scale))
-            task.hyper = replace(h, steps=steps, warmup=max(1, int(h.warmup * step_scale)),
-                                 eval_every=max(1, int(h.eval_every * step_scale)))
-        _tasks[key] = task
+        _tasks[key] = scale_steps(TASKS[name](), step_scale)
     return _tasks[key]
 
 
@@ -127,14 +133,15 @@ def run_one(job: tuple[str, str, int, float, int, bool]) -> dict:
 
 
 # summary -------------------------------------------------------------------------------------------
-def _mean_std(xs: list[float]) -> tuple[float, float]:
+def mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def summarize(runs: list[dict]) -> dict:
+def summarize(runs: list[dict], key: str = "loss") -> dict:
     """Per task and optimizer: final validation loss (and metric) over seeds, and the gap to fp32.
 
-    ``paired_gap_pct`` is the mean and std over seeds of (loss / fp32 loss of the same seed - 1).
+    ``paired_gap_pct`` is the mean and std over seeds of (loss / fp32 loss of the same seed - 1);
+    ``key`` names the validation loss it is computed on (a task may report several).
     ``matches_fp32`` holds when that mean is within one fp32 seed standard deviation (the spread a
     rerun of fp32 itself shows, in % of its mean) and within 0.5%."""
     out: dict = {}
@@ -144,15 +151,15 @@ def summarize(runs: list[dict]) -> dict:
         for r in rows:
             by_variant.setdefault(r["variant"], {})[r["seed"]] = r
         base = by_variant.get("fp32", {})
-        base_mean, base_std = _mean_std([r["val"][-1]["loss"] for r in base.values()]) if base else (math.nan, 0)
+        base_mean, base_std = mean_std([r["val"][-1][key] for r in base.values()]) if base else (math.nan, 0)
         noise_pct = base_std / base_mean * 100
         out[task] = {}
         for variant, seeds in by_variant.items():
-            losses = [r["val"][-1]["loss"] for r in seeds.values()]
-            mean, std = _mean_std(losses)
-            paired = [(seeds[s]["val"][-1]["loss"] - base[s]["val"][-1]["loss"]) / base[s]["val"][-1]["loss"] * 100
+            losses = [r["val"][-1][key] for r in seeds.values()]
+            mean, std = mean_std(losses)
+            paired = [(seeds[s]["val"][-1][key] - base[s]["val"][-1][key]) / base[s]["val"][-1][key] * 100
                       for s in seeds if s in base]
-            gap = _mean_std(paired) if paired else (math.nan, math.nan)
+            gap = mean_std(paired) if paired else (math.nan, math.nan)
             entry = {
                 "seeds": sorted(seeds), "loss_mean": mean, "loss_std": std,
                 "paired_gap_pct": gap, "fp32_noise_pct": noise_pct,
@@ -160,9 +167,9 @@ def summarize(runs: list[dict]) -> dict:
                 "seconds": statistics.fmean(r["seconds"] for r in seeds.values()),
                 "state_bytes_per_param": statistics.fmean(r["state_bytes_per_param"] for r in seeds.values()),
             }
-            metric = [k for k in next(iter(seeds.values()))["val"][-1] if k != "loss"]
+            metric = [k for k in next(iter(seeds.values()))["val"][-1] if k != key]
             for m in metric:
-                entry[f"{m}_mean"], entry[f"{m}_std"] = _mean_std([r["val"][-1][m] for r in seeds.values()])
+                entry[f"{m}_mean"], entry[f"{m}_std"] = mean_std([r["val"][-1][m] for r in seeds.values()])
             out[task][variant] = entry
     return out
 
@@ -181,7 +188,7 @@ def markdown(summary: dict, tasks: dict[str, Task]) -> str:
         lines += [f"### {task}: {n_params:,} params, {hyper.steps} steps, lr {hyper.lr}, weight decay "
                   f"{hyper.weight_decay}, seeds {any_row['seeds']}; fp32 seed spread "
                   f"±{any_row['fp32_noise_pct']:.2f}%", ""]
-        metric = next((k[:-5] for k in any_row if k.endswith("_mean") and k != "loss_mean"), None)
+        metric = tasks[task].metric  # a task may report more (the diffusion task: a loss per noise band)
         head = "| optimizer | state B/param | val loss | gap to fp32 | ≈ fp32 |"
         sep = "|---|---:|---:|---:|:-:|"
         if metric:
@@ -302,7 +309,8 @@ def plot(runs: list[dict], summary: dict, task: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1/5 of the steps, 2 seeds, a few optimizers")
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--tasks", nargs="+", default=[t for t in TASKS if t not in OWN_BENCH], choices=list(TASKS),
+                    help="default: all but the diffusion task (bench/diffusion.py runs its grid)")
     ap.add_argument("--variants", nargs="+", help="optimizer names or globs (default: the full grid)")
     ap.add_argument("--seeds", nargs="+", type=int)
     ap.add_argument("--step-scale", type=float, help="multiply every task's steps (and warmup, eval cadence)")
@@ -317,7 +325,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="let torchao torch.compile its step (minutes of compiling per shape on a small CPU)")
     args = ap.parse_args(argv)
 
-    from tqdm import tqdm
 
     if args.master and args.tasks == list(TASKS):
         args.tasks = list(MASTER_TASKS)
@@ -342,31 +349,64 @@ def main(argv: list[str] | None = None) -> None:
 
     runs: list[dict] = []
     if args.report:
-        data = json.loads(json_path.read_text())
-        runs, meta = data["runs"], data["meta"]
+        runs, meta = load_runs(json_path)
         report(runs, meta, args.out, name)
         return
     if args.resume and json_path.exists():
-        runs = [r for r in json.loads(json_path.read_text())["runs"] if r.get("step_scale", 1.0) == scale]
+        runs = [r for r in load_runs(json_path)[0] if r.get("step_scale", 1.0) == scale]
     done = {(r["task"], r["variant"], r["seed"]) for r in runs}
     jobs = [(t, v, s, scale, args.threads, args.compile_peers) for t in args.tasks for v in variants(t) for s in seeds
             if (t, v, s) not in done]
     # the most expensive task first, so the parallel tail is short
     jobs.sort(key=lambda j: -1 if j[0].startswith("char_gpt") else list(TASKS).index(j[0]))
-    meta = {"argv": sys.argv, "torch": torch.__version__, "torchao_compiled": args.compile_peers,
-            "python": platform.python_version(), "machine": platform.machine(),
-            "cpus": multiprocessing.cpu_count(), "jobs": args.jobs,
-            "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M")}
+    meta = run_meta(args.jobs, args.threads, args.compile_peers)
 
     def save() -> None:
         json_path.write_text(json.dumps({"meta": meta, "summary": summarize(runs), "runs": runs}))
 
+    run_pool(run_one, jobs, args.jobs, runs, meta, save, step_scale=scale)
+    report(runs, meta, args.out, name)
+
+
+def load_runs(path: Path) -> tuple[list[dict], dict]:
+    """The runs and the meta of a results JSON; each run names the command that ran it (runs saved
+    before runs named it get the file's command)."""
+    data = json.loads(path.read_text())
+    for r in data["runs"]:
+        r.setdefault("command", " ".join(data["meta"]["argv"]))
+    return data["runs"], data["meta"]
+
+
+def git_commits() -> dict:
+    """The commit the bench runs at and the commit of main it contains (the library's code under test)."""
+    def rev(*args: str) -> str | None:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True)
+        return out.stdout.strip()[:7] if out.returncode == 0 and out.stdout.strip() else None
+
+    return {"commit": rev("rev-parse", "HEAD"), "main_commit": rev("merge-base", "HEAD", "main")}
+
+
+def run_meta(jobs: int, threads: int, compile_peers: bool, **extra) -> dict:
+    """What a results file records about how it was measured."""
+    return {"argv": sys.argv, "torch": torch.__version__, "torchao_compiled": compile_peers,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": multiprocessing.cpu_count(), "jobs": jobs, "threads": threads,
+            "date": time.strftime("%Y-%m-%d %H:%M"), **git_commits(), **extra}
+
+
+def run_pool(run: Callable[[tuple], dict], jobs: list[tuple], n_jobs: int, runs: list[dict], meta: dict,
+             save: Callable[[], None], **tags) -> None:
+    """Run every job in a pool of ``n_jobs`` fresh processes, appending each record (with ``tags``) to
+    ``runs`` and saving after each, so a stopped grid resumes where it was; records the wall time."""
+    from tqdm import tqdm
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the pool below takes its workers down
     ctx = multiprocessing.get_context("spawn")
     start = time.perf_counter()
-    with ctx.Pool(args.jobs) as pool, tqdm(total=len(jobs), desc="runs", unit="run") as bar:
-        for record in pool.imap_unordered(run_one, jobs):
-            record["step_scale"] = scale
+    with ctx.Pool(n_jobs) as pool, tqdm(total=len(jobs), desc="runs", unit="run") as bar:
+        for record in pool.imap_unordered(run, jobs):
+            record.update(tags, command=" ".join(sys.argv), commit=meta.get("commit"),
+                          main_commit=meta.get("main_commit"))
             runs.append(record)
             bar.set_postfix_str(f"{record['task']} {record['variant']} s{record['seed']}: "
                                 f"{record['val'][-1]['loss']:.4f}")
@@ -374,7 +414,18 @@ def main(argv: list[str] | None = None) -> None:
             save()
     meta["wall_seconds"] = time.perf_counter() - start
     save()
-    report(runs, meta, args.out, name)
+
+
+def results_header(meta: dict, runs: list[dict] = ()) -> str:
+    """The line above a results table: when, with what, by which command(s) (a resumed grid's runs name
+    the command that ran each)."""
+    commands = list(dict.fromkeys(r["command"] for r in runs if "command" in r)) or [" ".join(meta["argv"])]
+    mains = list(dict.fromkeys(r.get("main_commit") or "unrecorded" for r in runs)) or [meta.get("main_commit")]
+    return (f"Measured {meta['date']} at main {', '.join(map(str, mains))}, torch {meta['torch']}, "
+            f"{meta['jobs']} runs in parallel with "
+            f"{meta['threads']} thread(s) each on {meta['cpus']} CPUs; torchao "
+            f"{'compiled' if meta['torchao_compiled'] else 'run eagerly'}; "
+            f"command{'s' if len(commands) > 1 else ''}: {'; '.join(f'`{c}`' for c in commands)}\n\n")
 
 
 def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
@@ -382,9 +433,7 @@ def report(runs: list[dict], meta: dict, out: Path, name: str) -> None:
     summary = summarize(runs)
     tasks = {t: _task(t, runs[[r["task"] for r in runs].index(t)].get("step_scale", 1.0)) for t in summary}
     text = markdown(summary, tasks) + master_report(runs)
-    head = (f"Measured {meta['date']}, torch {meta['torch']}, {meta['jobs']} runs in parallel with "
-            f"{meta['threads']} thread(s) each on {meta['cpus']} CPUs; torchao "
-            f"{'compiled' if meta['torchao_compiled'] else 'run eagerly'}; command: {' '.join(meta['argv'])}\n\n")
+    head = results_header(meta, runs)
     (out / f"{name}.md").write_text(head + text + "\n")
     for task in summary:
         plot(runs, summary, task, out / f"{name}_{task}.png")

@@ -250,8 +250,168 @@ def char_gpt_2m() -> CharGPT:
     return task
 
 
+# DiT-style diffusion on digits --------------------------------------------------------------------
+def timestep_features(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal features of integer timesteps (DDPM / DiT), ``dim`` of them per timestep."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10_000.0) * torch.arange(half, dtype=torch.float32) / half)
+    angles = t.float()[:, None] * freqs
+    return torch.cat([angles.cos(), angles.sin()], dim=1)
+
+
+class AdaLNBlock(nn.Module):
+    """A DiT block (Peebles & Xie 2023, adaLN-Zero): attention and MLP, each behind a LayerNorm whose
+    shift, scale and output gate are regressed from the conditioning; the gates start at 0, so every
+    block starts as the identity."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.norm2 = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.ada = nn.Linear(d, 6 * d)
+        nn.init.zeros_(self.ada.weight)
+        nn.init.zeros_(self.ada.bias)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(c))[:, None].chunk(6, dim=2)
+        b, t, d = x.shape
+        h = self.norm1(x) * (1 + scale1) + shift1
+        q, k, v = self.qkv(h).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v)
+        x = x + gate1 * self.proj(y.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x) * (1 + scale2) + shift2
+        return x + gate2 * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+
+
+class DiT(nn.Module):
+    """A class-conditional diffusion transformer: the image cut into ``patch`` x ``patch`` patches (one
+    token each, learned positions), conditioning = an MLP of the timestep's sinusoidal features plus
+    a label embedding, adaLN-Zero blocks, and a zero-initialized linear read-out of each patch's noise."""
+
+    def __init__(self, image: int = 8, patch: int = 2, d: int = 64, layers: int = 4, heads: int = 4,
+                 classes: int = 10) -> None:
+        super().__init__()
+        self.image, self.patch, self.d = image, patch, d
+        tokens = (image // patch) ** 2
+        self.embed = nn.Linear(patch * patch, d)
+        self.pos = nn.Parameter(0.02 * torch.randn(tokens, d))
+        self.t_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
+        self.label = nn.Embedding(classes, d)
+        self.blocks = nn.ModuleList(AdaLNBlock(d, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.final_ada, self.out = nn.Linear(d, 2 * d), nn.Linear(d, patch * patch)
+        for layer in (self.final_ada, self.out):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        b, p, g = x.shape[0], self.patch, self.image // self.patch
+        patches = x.view(b, g, p, g, p).permute(0, 1, 3, 2, 4).reshape(b, g * g, p * p)
+        h = self.embed(patches) + self.pos
+        c = self.t_mlp(timestep_features(t, self.d)) + self.label(y)
+        for block in self.blocks:
+            h = block(h, c)
+        shift, scale = self.final_ada(F.silu(c))[:, None].chunk(2, dim=2)
+        out = self.out(self.norm(h) * (1 + scale) + shift)
+        return out.view(b, g, g, p, p).permute(0, 1, 3, 2, 4).reshape(b, self.image, self.image)
+
+
+class DiffusionDigits(Task):
+    """DDPM (Ho et al. 2020: 1000 steps, linear betas 1e-4..0.02, epsilon objective) with a small DiT
+    on scikit-learn's 8x8 digits scaled to [-1, 1], 30% held out.
+
+    ``timesteps_per_batch`` noise levels are drawn per step, each shared by an equal slice of the
+    batch. The default, 1, is the regime of the reports of 8-bit states failing on diffusion models
+    (batch-size-1 fine-tuning): every step's gradient comes from one noise level, so its size swings
+    with the timestep. ``timesteps_per_batch=batch`` is DDPM's per-image draw, which averages it out.
+    Validation is the denoising loss over a fixed set of held-out images, timesteps and noises:
+    overall and per third of the timesteps (``loss_low``: t < 333, little noise; ``loss_high``: t >= 666).
+    """
+
+    T = 1000
+    BANDS = {"loss_low": (0, 333), "loss_mid": (333, 666), "loss_high": (666, 1000)}
+
+    def __init__(self, d: int = 64, layers: int = 4, heads: int = 4, batch: int = 16, timesteps_per_batch: int = 1,
+                 hyper: Hyper | None = None, val_images: int = 128, val_timesteps: int = 4) -> None:
+        from sklearn.datasets import load_digits
+
+        if batch % timesteps_per_batch:
+            raise ValueError(f"timesteps_per_batch={timesteps_per_batch} must divide batch={batch}")
+        data = load_digits()
+        x = torch.tensor(data.images, dtype=torch.float32) / 8.0 - 1.0  # pixels 0..16 -> [-1, 1]
+        y = torch.tensor(data.target, dtype=torch.long)
+        perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))  # the split of ``Digits``
+        n_val = int(0.3 * len(y))
+        self.val_images, self.val_labels = x[perm[:n_val]], y[perm[:n_val]]
+        self.train_x, self.train_y = x[perm[n_val:]], y[perm[n_val:]]
+        self.d, self.layers, self.heads = d, layers, heads
+        self.batch_size, self.timesteps_per_batch = batch, timesteps_per_batch
+        self.hyper = hyper or Hyper(steps=2000, lr=3e-3, weight_decay=0.0, warmup=100, eval_every=100)
+        betas = torch.linspace(1e-4, 0.02, self.T, dtype=torch.float64)
+        self.alpha_bar = torch.cumprod(1 - betas, 0).float()
+        # the fixed validation set: val_timesteps evenly spaced timesteps in each band, for every image
+        gen = torch.Generator().manual_seed(4321)
+        ts = [lo + (hi - lo) * (i + 0.5) / val_timesteps
+              for lo, hi in self.BANDS.values() for i in range(val_timesteps)]
+        n = min(val_images, n_val)
+        self.val_t = torch.tensor(ts).long().repeat_interleave(n)
+        self.val_x0 = self.val_images[:n].repeat(len(ts), 1, 1)
+        self.val_y = self.val_labels[:n].repeat(len(ts))
+        self.val_noise = torch.randn(self.val_x0.shape, generator=gen)
+
+    def model(self, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return DiT(d=self.d, layers=self.layers, heads=self.heads)
+
+    def batch(self, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """Images, labels, timesteps and noise."""
+        idx = torch.randint(0, len(self.train_y), (self.batch_size,), generator=gen)
+        t = torch.randint(0, self.T, (self.timesteps_per_batch,), generator=gen)
+        t = t.repeat_interleave(self.batch_size // self.timesteps_per_batch)
+        noise = torch.randn((self.batch_size, 8, 8), generator=gen)
+        return self.train_x[idx], self.train_y[idx], t, noise
+
+    def noisy(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """x_t = sqrt(alpha_bar_t) x_0 + sqrt(1 - alpha_bar_t) noise."""
+        ab = self.alpha_bar[t][:, None, None]
+        return ab.sqrt() * x0 + (1 - ab).sqrt() * noise
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x0, y, t, noise = batch
+        return F.mse_loss(model(self.noisy(x0, t, noise), t, y), noise)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        per_image = []
+        for x0, y, t, noise in zip(*(v.split(512) for v in (self.val_x0, self.val_y, self.val_t, self.val_noise))):
+            per_image.append((model(self.noisy(x0, t, noise), t, y) - noise).pow(2).mean((1, 2)))
+        errors = torch.cat(per_image)
+        out = {"loss": errors.mean().item()}
+        for band, (lo, hi) in self.BANDS.items():
+            out[band] = errors[(self.val_t >= lo) & (self.val_t < hi)].mean().item()
+        return out
+
+    @torch.no_grad()
+    def sample(self, model: nn.Module, labels: torch.Tensor, gen: torch.Generator, steps: int = 50) -> torch.Tensor:
+        """Images of the given labels by DDIM (eta = 0, ``steps`` evenly spaced timesteps) from noise
+        drawn with ``gen``, clamped to [-1, 1]."""
+        x = torch.randn((len(labels), 8, 8), generator=gen)
+        ts = torch.linspace(self.T - 1, 0, steps).round().long()
+        for i, t in enumerate(ts):
+            ab = self.alpha_bar[t]
+            ab_next = self.alpha_bar[ts[i + 1]] if i + 1 < steps else torch.tensor(1.0)
+            eps = model(x, t.repeat(len(labels)), labels)
+            x0 = ((x - (1 - ab).sqrt() * eps) / ab.sqrt()).clamp(-1, 1)
+            eps = (x - ab.sqrt() * x0) / (1 - ab).sqrt()  # the noise consistent with the clamped x_0
+            x = ab_next.sqrt() * x0 + (1 - ab_next).sqrt() * eps
+        return x.clamp(-1, 1)
+
+
 TASKS: dict[str, Callable[[], Task]] = {"char_gpt": CharGPT, "char_gpt_2m": char_gpt_2m, "digits": Digits,
-                                        "zipf": ZipfEmbedding}
+                                        "zipf": ZipfEmbedding, "dit_digits": DiffusionDigits}
 
 
 # the shared training loop --------------------------------------------------------------------------

@@ -15,3 +15,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops on a busy 2-core machine run many times faster on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

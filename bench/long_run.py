@@ -1,0 +1,182 @@
+"""Long run: drift that 150-300 steps cannot show. The 1.8M-param character GPT of ``examples/tasks.py``
+(``char_gpt_2m``) trained for 2,000 steps instead of 250 (same lr, warmup 100, cosine to 10%), with stock
+fp32 AdamW, our default (dynamic8), linear INT8 and FP8 E4M3 at the default layout, over several
+seeds with the same weights and batches per seed; the paired gap to fp32 at 250, 1,000 and 2,000 steps.
+
+    python bench/long_run.py                         # 4 optimizers x 3 seeds: ~20 minutes a run on a busy core
+    python bench/long_run.py --steps 60 --seeds 0 --out /tmp/long   # a smoke run
+    python bench/long_run.py --variants dynamic8+sr-proto --seeds 0 --resume   # a rounding prototype
+
+Writes ``bench/results/long_run.{json,md,png}``; names of optimizers as in ``bench/rounding.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find examples/ and bench/
+
+import torch
+
+from bench.quality import load_runs, results_header, run_meta, run_pool, state_bytes, summarize
+from bench.rounding import check_name, make_optimizer
+from examples.tasks import CharGPT, char_gpt_2m, train
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TASK = "char_gpt_2m_long"
+GRID = ["fp32", "dynamic8", "int8", "fp8_e4m3"]
+SEEDS = (0, 1, 2)
+CHECKPOINTS = (250, 1000, 2000)
+
+
+def long_task(steps: int) -> CharGPT:
+    task = char_gpt_2m()
+    task.name = TASK
+    task.hyper = replace(task.hyper, steps=steps, warmup=min(100, steps // 10), eval_every=125 if steps >= 500 else 10)
+    return task
+
+
+def run_one(job: tuple[str, int, int, int]) -> dict:
+    variant, seed, steps, threads = job
+    torch.set_num_threads(threads)
+    task = long_task(steps)
+    make = make_optimizer(variant, seed=seed)
+    built: list[torch.optim.Optimizer] = []
+
+    def build(params, hyper):
+        built.append(make(params, hyper))
+        return built[-1]
+
+    hist = train(task, build, seed)
+    n_params = sum(p.numel() for g in built[0].param_groups for p in g["params"])
+    return {"task": TASK, "variant": variant, "seed": seed, "steps": steps, "train_loss": hist.train_loss,
+            "val_steps": hist.val_steps, "val": hist.val, "seconds": hist.seconds,
+            "state_bytes_per_param": state_bytes(built[0]) / n_params}
+
+
+def summary_at(runs: list[dict], step: int) -> dict:
+    """``bench/quality.summarize`` of the runs' validation loss at ``step`` (the runs cut there)."""
+    cut = [{**r, "val": r["val"][: r["val_steps"].index(step) + 1]} for r in runs if step in r["val_steps"]]
+    return summarize(cut)[TASK] if cut else {}
+
+
+def _order(variant: str) -> tuple:
+    return (GRID.index(variant) if variant in GRID else len(GRID), variant)
+
+
+def markdown(runs: list[dict]) -> str:
+    steps = max(r["steps"] for r in runs)
+    checkpoints = [c for c in CHECKPOINTS if c <= steps] or [steps]
+    at = {c: summary_at(runs, c) for c in checkpoints}
+    last = at[checkpoints[-1]]
+    fp32 = last.get("fp32", {})
+    n_params = sum(p.numel() for p in long_task(steps).model(0).parameters())
+    lines = [f"### {TASK}: {n_params:,} params, {steps} steps of 16 x 128 characters, seeds {fp32.get('seeds')}", "",
+             "| optimizer | state B/param | " + " | ".join(f"gap to fp32 at {c}" for c in checkpoints)
+             + f" | val loss at {checkpoints[-1]} | ≈ fp32 at {checkpoints[-1]} | s/run |",
+             "|---|---:|" + "---:|" * len(checkpoints) + "---:|:-:|---:|"]
+    for variant in sorted(last, key=_order):
+        e = last[variant]
+        gaps = " | ".join(f"{at[c][variant]['paired_gap_pct'][0]:+.2f} ± {at[c][variant]['paired_gap_pct'][1]:.2f}%"
+                          if variant in at[c] else "–" for c in checkpoints)
+        lines.append(f"| {variant} | {e['state_bytes_per_param']:.3f} | {gaps} | {e['loss_mean']:.4f} ± "
+                     f"{e['loss_std']:.4f} | {'yes' if e['matches_fp32'] else '**no**'} | {e['seconds']:.0f} |")
+    spread = " | ".join(f"{at[c]['fp32']['fp32_noise_pct']:.2f}%" if "fp32" in at[c] else "–" for c in checkpoints)
+    lines += [f"| (fp32 seed spread) | | {spread} | | | |", "",
+              "Gap: mean ± std over seeds of the paired gap of the validation loss (loss / fp32 loss of the same "
+              "seed - 1) at that step of the 2,000-step schedule; ≈ fp32 as in `quality.md`."]
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """Validation loss per optimizer; its paired gap to fp32 along training; the paired gap of the
+    training loss, averaged over windows of 100 steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = sorted({r["variant"] for r in runs}, key=_order)
+    base = {r["seed"]: r for r in runs if r["variant"] == "fp32"}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5.5))
+    for i, variant in enumerate(variants):
+        rs = [r for r in runs if r["variant"] == variant]
+        steps = rs[0]["val_steps"]
+        mean = [statistics.fmean(r["val"][j]["loss"] for r in rs) for j in range(len(steps))]
+        style = dict(color="black" if variant == "fp32" else colors[i % len(colors)], label=variant,
+                     ls=":" if "+" in variant else "-")
+        axes[0].plot(steps, mean, **style)
+        paired = [r for r in rs if r["seed"] in base]
+        if variant == "fp32" or not paired:
+            continue
+        gap = [statistics.fmean((r["val"][j]["loss"] / base[r["seed"]]["val"][j]["loss"] - 1) * 100 for r in paired)
+               for j in range(len(steps))]
+        axes[1].plot(steps, gap, **style)
+        window = 100
+        train_gap = [statistics.fmean((statistics.fmean(r["train_loss"][k:k + window])
+                                       / statistics.fmean(base[r["seed"]]["train_loss"][k:k + window]) - 1) * 100
+                                      for r in paired) for k in range(0, len(rs[0]["train_loss"]) - window + 1, window)]
+        axes[2].plot([k + window for k in range(0, len(rs[0]["train_loss"]) - window + 1, window)], train_gap, **style)
+    if len(base) > 1:
+        steps = next(iter(base.values()))["val_steps"]
+        spread = [statistics.stdev(r["val"][j]["loss"] for r in base.values())
+                  / statistics.fmean(r["val"][j]["loss"] for r in base.values()) * 100 for j in range(len(steps))]
+        axes[1].fill_between(steps, [-s for s in spread], spread, color="0.88", label="fp32 seed std")
+    axes[0].set(title=f"{TASK}: validation loss (mean over seeds)", xlabel="step", ylabel="val loss", yscale="log")
+    axes[1].set(title="validation loss gap to fp32 (paired, mean over seeds)", xlabel="step", ylabel="%")
+    axes[2].set(title="training loss gap to fp32 (paired, 100-step windows)", xlabel="step", ylabel="%")
+    for ax in axes[1:]:
+        ax.axhline(0, color="black", lw=0.8)
+        for c in CHECKPOINTS:
+            if c <= max(r["steps"] for r in runs):
+                ax.axvline(c, color="0.6", lw=0.6, ls="--")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", nargs="+", default=GRID)
+    ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel, one process each")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--resume", action="store_true", help="reuse runs already in OUT/long_run.json")
+    ap.add_argument("--report", action="store_true", help="only rebuild the table and plot from the JSON")
+    args = ap.parse_args(argv)
+    json_path = args.out / "long_run.json"
+    runs: list[dict] = []
+    meta = run_meta(args.jobs, args.threads, False)
+    if (args.resume or args.report) and json_path.exists():
+        runs, saved_meta = load_runs(json_path)
+        runs = [r for r in runs if r["steps"] == args.steps]
+        meta = saved_meta if args.report else meta
+    if not args.report:
+        for v in args.variants:
+            check_name(v)
+        done = {(r["variant"], r["seed"]) for r in runs}
+        jobs = [(v, s, args.steps, args.threads) for s in args.seeds for v in args.variants if (v, s) not in done]
+        args.out.mkdir(parents=True, exist_ok=True)
+
+        def save() -> None:
+            json_path.write_text(json.dumps({"meta": meta, "runs": runs}))
+
+        run_pool(run_one, jobs, args.jobs, runs, meta, save)
+    text = results_header(meta, runs) + markdown(runs)
+    (args.out / "long_run.md").write_text(text + "\n")
+    plot(runs, args.out / "long_run.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
