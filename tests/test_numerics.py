@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from lowbit_compile import QuantizedState, checkpoint, lowbit_compile
 from lowbit_compile.kernels import blockquant, cpp_printer, cpu_build
-from lowbit_compile.kernels.formats import FORMAT_IDS, StateFormat, dynamic_map, dynamic_midpoints
+from lowbit_compile.kernels.formats import FORMAT_IDS, StateFormat, dynamic_map
 
 BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"]
 FORMATS = [pytest.param(name, nonneg, id=f"{name}-{'u' if nonneg else 's'}")
@@ -245,11 +245,6 @@ def test_one_inf_leaves_the_rest_of_its_block_as_it_was():
 # The prelude's lb_quantize_block and lb_decode_scaled over whole blocks, as the step kernel calls them
 # (a block buffer with its lane maxima; codes times the scale's magnitude, the patches put over them).
 _CPU_BLOCKS = r"""
-static const float map_s[256] = {%s};
-static const float mids_s[255] = {%s};
-static const float map_u[256] = {%s};
-static const float mids_u[255] = {%s};
-static const lb_dyn_keys keys_s = lb_dyn_build(mids_s), keys_u = lb_dyn_build(mids_u);
 template <int F, bool U, int K>
 static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* scales, uint16_t* pv, int16_t* pi) {
   float* buf = lb_scratch(block + LB_W);
@@ -263,7 +258,7 @@ static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* 
       acc = lb_vmax(acc, lb_key_masked(v, r));
     }
     lb_quantize_block<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K,
-                               F == LB_DYNAMIC8 ? (U ? keys_u.e : keys_s.e) : nullptr);
+                               nullptr);
   }
 }
 template <int F, bool U, int K>
@@ -275,7 +270,7 @@ static void dequantize(float* out, int64_t n, int64_t block, uint8_t* codes, flo
     for (int64_t i = 0; i < len; i += LB_W) {
       const int64_t r = len - i < LB_W ? len - i : LB_W;
       const vi c = r == LB_W ? lb_ld_codes(codes + start + i) : lb_ld_codes_n(codes + start + i, r);
-      const vf v = lb_decode_scaled<F, U>(c, F == LB_DYNAMIC8 ? (U ? map_u : map_s) : nullptr, scale, flagged);
+      const vf v = lb_decode_scaled<F, U>(c, nullptr, scale, flagged);
       if (r == LB_W) lb_st(out + start + i, v); else lb_st_n(out + start + i, v, r);
     }
     for (int k = 0; k < K; ++k)
@@ -293,9 +288,7 @@ extern "C" void blocks(int fmt, int nonneg, int k, int q, float* x, int64_t n, i
 
 @functools.cache
 def _cpu_blocks():
-    tables = (dynamic_map(False), dynamic_midpoints(False), dynamic_map(True), dynamic_midpoints(True))
-    return cpu_build.load(cpp_printer.PRELUDE + _CPU_BLOCKS % tuple(", ".join(f"{v.hex()}f" for v in t.tolist())
-                                                                   for t in tables), ())
+    return cpu_build.load(cpp_printer.PRELUDE + _CPU_BLOCKS, ())
 
 
 def _cpu_call(values: torch.Tensor, q: blockquant.Quantized, fmt: StateFormat, quantize: bool) -> None:
