@@ -107,9 +107,9 @@ def code_values(fmt: StateFormat) -> torch.Tensor:
     """Every value a code of ``fmt`` decodes to (relative to the block scale), sorted, finite, within qmax."""
     if fmt.name == "int8":
         return torch.arange(0 if fmt.nonneg else -127, 256 if fmt.nonneg else 128, dtype=torch.float32)
-    if fmt.name == "dynamic8":  # the signed map's +1 is past qmax (-min of the map): no block reaches it
+    if fmt.name == "dynamic8":  # the signed map's spare code 255 decodes to 1 as code 254 does
         values = dynamic_map(fmt.nonneg)
-        return values[values.abs() <= fmt.qmax]
+        return values[values.abs() <= fmt.qmax].unique()
     values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.code_dtype).float()
     values = values[torch.isfinite(values) & (values.abs() <= fmt.qmax)].unique()
     return values[values >= 0] if fmt.nonneg else values
