@@ -27,12 +27,14 @@ Every float survives (``StateFormat`` names the formats; bounds: README, "Numeri
   scale is 0 or at least ``MIN_SCALE``, and the smallest positive code times the scale is still
   positive (the zero-point rule holds for every block). At the top binade a scale whose largest
   code would decode to inf (``qmax * scale`` rounding past the largest float) is lowered by one ulp;
-  where qmax < 1 (signed dynamic8's negative side: 0.993, flagged dynamic8: 0.979 and 0.982) the
+  where qmax < 1 (flagged dynamic8 blocks: 0.986 signed, 0.979 unsigned) the
   scale stops at the largest float, and a value past its sign's largest usable map value times that
   saturates there.
-* *The extreme element keeps its code, whatever its sign.* The signed dynamic map holds +1 but its
-  bottom is -0.99297 (``StateFormat.neg_qmax``): its scale is the larger of the block's largest
-  positive value over 1 and its most negative magnitude over 0.99297 (two reductions, only there).
+* *The extreme element keeps its code, whatever its sign.* A format whose most negative code is
+  smaller in magnitude than its largest (``StateFormat.neg_qmax`` < ``qmax``) takes the larger of
+  the block's largest positive value over ``qmax`` and its most negative magnitude over
+  ``neg_qmax``. Since map version 2 every format is symmetric (``neg_qmax == qmax``), so this is
+  the plain ``absmax / qmax``.
 * Patches are encoded like a ``bf16`` state of the same sign: a finite value saturates at bf16's
   largest instead of rounding to inf, and a positive value of a non-negative state never becomes 0.
 """

@@ -272,7 +272,7 @@ class CppPrinter:
             self._lane(name, f"vf {name} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);")
             return Value(name, torch.float32, Kind.ELEMENT)
         code = [f"vf {name} = lb_decode_scaled<{self._template(state)}>(full ? lb_ld_codes({codes} + i) : "
-                f"lb_ld_codes_n({codes} + i, r), {self._map(state, 'map')}, SC_{k}, FL_{k});"]
+                f"lb_ld_codes_n({codes} + i, r), SC_{k}, FL_{k});"]
         if state.fmt.patches:
             code += [f"while (PN_{k} < i + LB_W) {{  // a patch falls in this vector",
                      f"  {name}[PN_{k} - i] = PV_{k}[PA_{k}];",
@@ -530,7 +530,7 @@ class CppPrinter:
             if s.writes:
                 parts = ", ".join(s.ptr(part) for part in PARTS)
                 out.append(f"{ind}lb_quantize_block<{self._template(s)}, {s.fmt.patches}>(acc_{s.key}, buf_{s.key}, "
-                           f"len, LB_BLOCK, {parts}, {self._map(s, 'keys')});")
+                           f"len, LB_BLOCK, {parts});")
         out.append("}")
         out.append(_ENTRY_FN)
         return "\n".join(out) + "\n"
@@ -538,12 +538,6 @@ class CppPrinter:
     @staticmethod
     def _template(s: _State) -> str:
         return f"{_ENUM[s.fmt.name]}, {'true' if s.fmt.nonneg else 'false'}"
-
-    @staticmethod
-    def _map(s: _State, which: str) -> str:
-        """The table argument of lb_decode / lb_quantize_block: no format reads one any more (the
-        dynamic map is arithmetic); the parameter goes with the next edit of the block code."""
-        return "nullptr"
 
 
 _ENTRY_FN = """

@@ -335,7 +335,7 @@ LB_INLINE vi lb_encode_dynamic8(vf y) {
 
 // Codes (one byte per lane) -> values relative to the block scale.
 template <int F, bool U>
-LB_INLINE vf lb_decode(vi u, const float* map) {
+LB_INLINE vf lb_decode(vi u) {
   if constexpr (F == LB_INT8) return U ? __builtin_convertvector(u, vf) : __builtin_convertvector((u << 24) >> 24, vf);
   else if constexpr (F == LB_E4M3 || F == LB_E5M2) return lb_decode_fp8<lb_format<F, U>::mantissa>(u);
   else return lb_decode_dynamic8<U>(u);
@@ -344,7 +344,7 @@ LB_INLINE vf lb_decode(vi u, const float* map) {
 // Values already multiplied by qmax/absmax -> codes; a positive value of a non-negative state never
 // becomes code 0 (formats.encode).
 template <int F, bool U>
-LB_INLINE vi lb_encode(vf y, const int32_t* keys) {
+LB_INLINE vi lb_encode(vf y) {
   if constexpr (F == LB_INT8) {
     vf q = lb_clamp(lb_rint(y), U ? 0.0f : -lb_format<F, U>::qmax, lb_format<F, U>::qmax);
     if (U) q = (y > 0) & (q == 0) ? lb_splat(1.0f) : q;
@@ -390,8 +390,8 @@ __attribute__((noinline)) static vf lb_decode_flagged(vi u, vf d, vf scale) {
   return u == f::nan_code ? lb_nan() : v;
 }
 template <int F, bool U>
-LB_INLINE vf lb_decode_scaled(vi u, const float* map, vf scale, bool flagged) {
-  const vf d = lb_decode<F, U>(u, map);
+LB_INLINE vf lb_decode_scaled(vi u, vf scale, bool flagged) {
+  const vf d = lb_decode<F, U>(u);
   if (__builtin_expect(!flagged, 1)) return d * scale;
   return lb_decode_flagged<F, U>(u, d, scale);
 }
@@ -494,35 +494,35 @@ static inline void lb_block_scale(const float* buf, int64_t len, float absmax, f
 // code; in a flagged block finite values stay within flagged_qmax and +inf, -inf and NaN take the
 // format's special codes.
 template <int F, bool U, bool FLAGGED, bool LIFT>
-LB_INLINE vi lb_encode_scaled(vf x, vf inverse, const int32_t* keys) {
+LB_INLINE vi lb_encode_scaled(vf x, vf inverse) {
   typedef lb_format<F, U> f;
   vf y = x * inverse;
   if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
-  if (!FLAGGED) return lb_encode<F, U>(y, keys);
-  const vi code = lb_encode<F, U>(lb_clamp(y, -f::flagged_qmax, f::flagged_qmax), keys);
+  if (!FLAGGED) return lb_encode<F, U>(y);
+  const vi code = lb_encode<F, U>(lb_clamp(y, -f::flagged_qmax, f::flagged_qmax));
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
   return lb_key(x) < 0x7F800000 ? code : special;
 }
 template <int F, bool U, bool FLAGGED, bool LIFT>
-static inline void lb_encode_loop(const float* buf, int64_t len, float inverse, uint8_t* codes, const int32_t* keys) {
+static inline void lb_encode_loop(const float* buf, int64_t len, float inverse, uint8_t* codes) {
   const vf vinv = lb_splat(inverse);
   int64_t i = 0;
   for (; i + 4 * LB_W <= len; i += 4 * LB_W)
-    lb_st_u8x4(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i), vinv, keys),
-               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + LB_W), vinv, keys),
-               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + 2 * LB_W), vinv, keys),
-               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + 3 * LB_W), vinv, keys));
+    lb_st_u8x4(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i), vinv),
+               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + LB_W), vinv),
+               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + 2 * LB_W), vinv),
+               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + 3 * LB_W), vinv));
   for (; i + LB_W <= len; i += LB_W)
-    lb_st_codes(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i), vinv, keys));
+    lb_st_codes(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i), vinv));
   if (i < len)
-    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld_n(buf + i, len - i), vinv, keys), len - i);
+    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld_n(buf + i, len - i), vinv), len - i);
 }
 // A multiplier >= 1 keeps every positive value positive (the product is at least the value), so the
 // usual block of a non-negative state skips the underflow test.
 template <int F, bool U, bool FLAGGED>
-static inline void lb_encode_block(const float* buf, int64_t len, float inverse, uint8_t* codes, const int32_t* keys) {
-  if (U && !(inverse >= 1.0f)) lb_encode_loop<F, U, FLAGGED, U>(buf, len, inverse, codes, keys);
-  else lb_encode_loop<F, U, FLAGGED, false>(buf, len, inverse, codes, keys);
+static inline void lb_encode_block(const float* buf, int64_t len, float inverse, uint8_t* codes) {
+  if (U && !(inverse >= 1.0f)) lb_encode_loop<F, U, FLAGGED, U>(buf, len, inverse, codes);
+  else lb_encode_loop<F, U, FLAGGED, false>(buf, len, inverse, codes);
 }
 
 // A block holding inf or NaN (rare: off the hot path, scalar): patches are the K largest finite
@@ -531,8 +531,7 @@ static inline void lb_encode_block(const float* buf, int64_t len, float inverse,
 // flagged_qmax, stored with its sign bit set, non-finite values as special codes.
 template <int F, bool U, int K>
 __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t len, int64_t block, uint8_t* codes,
-                                                           float* scale, uint16_t* patch_values, int16_t* patch_index,
-                                                           const int32_t* keys) {
+                                                           float* scale, uint16_t* patch_values, int16_t* patch_index) {
   if (K > 0) {
     lb_best<K> best;  // keys shifted by one: finite values 1.., non-finite 0
     for (int64_t i = 0; i < len; ++i) {
@@ -563,11 +562,11 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t 
   if (flagged) {
     lb_scale_and_inverse(absmax, lb_format<F, U>::flagged_qmax, &s, &inv);
     *scale = -s;  // the sign bit flags the block (-0.0 included)
-    lb_encode_block<F, U, true>(buf, len, inv, codes, keys);
+    lb_encode_block<F, U, true>(buf, len, inv, codes);
   } else {
     lb_block_scale<F, U>(buf, len, absmax, &s, &inv);
     *scale = s;
-    lb_encode_block<F, U, false>(buf, len, inv, codes, keys);
+    lb_encode_block<F, U, false>(buf, len, inv, codes);
   }
 }
 
@@ -578,7 +577,7 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t 
 // from the rest (lb_block_scale).
 template <int F, bool U, int K>
 static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
-                              uint16_t* patch_values, int16_t* patch_index, const int32_t* keys) {
+                              uint16_t* patch_values, int16_t* patch_index) {
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
   // the K+1 largest elements all reach it, and one pass collects them exactly.
   int32_t lm[LB_W];
@@ -591,7 +590,7 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
         lm[l] = t;
       }
   if (__builtin_expect(lm[0] >= 0x7F800000, 0)) {
-    lb_quantize_nonfinite<F, U, K>(buf, len, block, codes, scale, patch_values, patch_index, keys);
+    lb_quantize_nonfinite<F, U, K>(buf, len, block, codes, scale, patch_values, patch_index);
     return;
   }
   int32_t rest = lm[0] > 0 ? lm[0] : 0;  // no patches: the absmax is the largest lane maximum
@@ -619,7 +618,7 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
   float absmax, inv;
   memcpy(&absmax, &rest, 4);
   lb_block_scale<F, U>(buf, len, absmax, scale, &inv);
-  lb_encode_block<F, U, false>(buf, len, inv, codes, keys);
+  lb_encode_block<F, U, false>(buf, len, inv, codes);
 }
 
 // The patches of one block that fall inside its len elements, sorted by offset (the update loop

@@ -84,8 +84,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const int64_t r = LB_W;
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
       const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
       const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
@@ -102,8 +102,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       acc_exp_avg_sq = lb_vmax(acc_exp_avg_sq, lb_key_masked(v_addcmul, r));
     }
   }
-  lb_quantize_block<LB_DYNAMIC8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, nullptr);
-  lb_quantize_block<LB_DYNAMIC8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, nullptr);
+  lb_quantize_block<LB_DYNAMIC8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index);
+  lb_quantize_block<LB_DYNAMIC8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index);
 }""")
 
     def test_fp32_states_take_torch_sqrt(self):
@@ -203,20 +203,20 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
             out.append(f"== {fmt} {layout}\n" + _diff(_vector_loop(default), _vector_loop(kernel)))
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 == fp8_e4m3 {}
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E4M3, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E4M3, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 == fp8_e5m2 {}
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E5M2, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E5M2, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 == bf16 {}
 -  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start;
 -  float* __restrict p_exp_avg_scales = (float*)ptr[3] + blk;
@@ -242,8 +242,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const vf SC_exp_avg_sq = lb_splat(fabsf(*p_exp_avg_sq_scales));
 -  const bool FL_exp_avg_sq = signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = full ? lb_ld_bf16(p_exp_avg_codes + i) : lb_ld_bf16_n(p_exp_avg_codes + i, r);
 +      vf v_dequantize_default_1_decoded = full ? lb_ld_bf16(p_exp_avg_sq_codes + i) : lb_ld_bf16_n(p_exp_avg_sq_codes + i, r);
 -      if (full) lb_st(buf_exp_avg + i, v_lerp); else lb_st_n(buf_exp_avg + i, v_lerp, r);
@@ -271,14 +271,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  const int PC_exp_avg_sq = lb_sorted_patches<2>(p_exp_avg_sq_patch_index, p_exp_avg_sq_patch_values, len, PI_exp_avg_sq, PV_exp_avg_sq);
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), nullptr, SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      while (PN_exp_avg < i + LB_W) {  // a patch falls in this vector
 +        v_dequantize_default_decoded[PN_exp_avg - i] = PV_exp_avg[PA_exp_avg];
 +        PN_exp_avg = ++PA_exp_avg < PC_exp_avg ? PI_exp_avg[PA_exp_avg] : LB_NO_PATCH;
 +      }
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), nullptr, SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      while (PN_exp_avg_sq < i + LB_W) {  // a patch falls in this vector
 +        v_dequantize_default_1_decoded[PN_exp_avg_sq - i] = PV_exp_avg_sq[PA_exp_avg_sq];
 +        PN_exp_avg_sq = ++PA_exp_avg_sq < PC_exp_avg_sq ? PI_exp_avg_sq[PA_exp_avg_sq] : LB_NO_PATCH;

@@ -257,8 +257,7 @@ static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* 
       if (r == LB_W) lb_st(buf + i, v); else lb_st_n(buf + i, v, r);
       acc = lb_vmax(acc, lb_key_masked(v, r));
     }
-    lb_quantize_block<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K,
-                               nullptr);
+    lb_quantize_block<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K);
   }
 }
 template <int F, bool U, int K>
@@ -270,7 +269,7 @@ static void dequantize(float* out, int64_t n, int64_t block, uint8_t* codes, flo
     for (int64_t i = 0; i < len; i += LB_W) {
       const int64_t r = len - i < LB_W ? len - i : LB_W;
       const vi c = r == LB_W ? lb_ld_codes(codes + start + i) : lb_ld_codes_n(codes + start + i, r);
-      const vf v = lb_decode_scaled<F, U>(c, nullptr, scale, flagged);
+      const vf v = lb_decode_scaled<F, U>(c, scale, flagged);
       if (r == LB_W) lb_st(out + start + i, v); else lb_st_n(out + start + i, v, r);
     }
     for (int k = 0; k < K; ++k)
