@@ -448,8 +448,9 @@ def test_kernel_steps_store_what_the_reference_stores(backend, fmt, dtype, data,
     """From the same param, grad and states (inf and NaN anywhere), one AdamW step of the kernel stores
     every state exactly as the reference does (NaN payloads aside), so its non-finite elements are
     stock's and every other one is within the reference's bound; the param has the reference's inf and
-    NaN elements, and its finite ones are within one rounding of the reference's update (the kernel
-    takes the SIMD square root, torch MKL's: ``test_cpu_lowering.py``), 4 ulps here."""
+    NaN elements, and its finite ones are within a few roundings of the reference's update (the kernel
+    takes the SIMD square root, torch MKL's: ``test_cpu_lowering.py``; the Triton kernel CUDA's
+    reciprocal of a host scalar), 4 ulps of the subtraction's operands here."""
     params, opts = _kernel_rig(fmt, backend, dtype)
     param = data.draw(block_values(RIG_BLOCK, False))
     grad = data.draw(block_values(RIG_BLOCK, False))
@@ -475,7 +476,12 @@ def test_kernel_steps_store_what_the_reference_stores(backend, fmt, dtype, data,
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(ours), finite) and same_values(ours[~finite], ref[~finite])
     ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
-    torch.testing.assert_close(ours[finite].float(), ref[finite].float(), rtol=4 * ulp, atol=4e-9)
+    # The new param is ``param * (1 - lr * wd) - update``: a rounding of either term is relative to
+    # that term, so where the two cancel (a 1e24 param and a 1e24 step) the result's own ulp is no bound.
+    before = param[finite].double()
+    operands = before.abs() + (ref[finite].double() - before).abs()
+    error = (ours[finite].double() - ref[finite].double()).abs()
+    assert bool((error <= 4 * ulp * operands + 4e-9).all()), (error - 4 * ulp * operands).max()
     for key, value in ref_state.items():
         if isinstance(value, QuantizedState):
             assert_same_storage(state[key].storage_parts, value.storage_parts, key)
