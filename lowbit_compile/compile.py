@@ -21,8 +21,8 @@ from .kernels.contract import Role, input_of
 from .kernels.formats import StateFormat
 from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
 from .kernels.residual import KEYS as MASTER_KEYS
-from .kernels.rounding import SEED as ROUNDING_SEED
 from .kernels.residual import MasterFormat
+from .kernels.rounding import SEED as ROUNDING_SEED
 from .passes.master_weights import master_weights
 from .passes.opmath import LOW_PRECISION, compute_in_fp32
 from .passes.quantize_states import quantize_states
