@@ -234,10 +234,22 @@ class TestPrintedStochasticKernels(TestCase):
 
     def test_the_triton_kernel_passes_the_counter_and_the_stream(self):
         printer = pytest.importorskip("lowbit_compile.kernels.triton_printer")
-        for target in (Target("cuda"), Target("cuda", fp8_native=False)):
+        out = []
+        for label, target in (("float8", Target("cuda")), ("integer fp8", Target("cuda", fp8_native=False))):
             nearest = printer.emit_kernel(body(_adamw(), "fp8_e4m3"), "step", target).source
             stochastic = printer.emit_kernel(body(_adamw(), "fp8_e4m3", rounding="stochastic"), "step", target).source
-            self.assertExpectedInline(_diff(nearest, stochastic), """\
+            out += [f"== {label}", _diff(nearest, stochastic)]
+        self.assertExpectedInline("\n".join(out), """\
+== float8
+-    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
++    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, clone_default_ptr, n_elements, first_block, BLOCK: tl.constexpr,
++    ROWS: tl.constexpr,
++    clone_default = lb.load_scalar(clone_default_ptr, lb.F32)
+-                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127)
++                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127, seed=clone_default, STREAM=1)
+-                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127)
++                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127, seed=clone_default, STREAM=2)
+== integer fp8
 -    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 +    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, clone_default_ptr, n_elements, first_block, BLOCK: tl.constexpr,
 +    ROWS: tl.constexpr,
