@@ -9,7 +9,7 @@ moves 1% a step), the diffusion task (``bench/diffusion.py``) and the long GPT r
 
 Optimizer names (here and in the two benches above): ``fp32``; one of ours as in ``examples/tasks.py``
 (``dynamic8``, ``int8-b2048-k0``, ...: the library, rounding to nearest); ``<ours>+sr``: the library with
-``rounding="stochastic"`` (refused until ``lowbit_compile`` has that option); a peer.
+``rounding="stochastic"``; a peer.
 
 PROTOTYPE, not the library feature: ``<ours>+nearest-proto`` and ``<ours>+sr-proto`` emulate 8-bit states
 in plain torch. The stock optimizer keeps fp32 states, and after every step each per-element state of
@@ -235,8 +235,8 @@ def markdown(lion: dict, others: dict[str, dict]) -> str:
         lines.append("")
     lines.append("Mean ± std over seeds of the paired gap of the final validation loss to stock fp32; ✗ where "
                  "the mean is farther than the fp32 seed spread or 0.5%. Prototype: the plain-torch emulation "
-                 "of this file (not the library); its nearest column checks it against the library's. The library's "
-                 "stochastic column stays empty until lowbit_compile has a rounding= option (not implemented yet).")
+                 "of this file (not the library); its nearest column checks it against the library's. Library, "
+                 "stochastic: lowbit_compile(..., rounding=\"stochastic\") (`<format>+sr`); – where not run.")
     return "\n".join(lines)
 
 

@@ -18,9 +18,10 @@ from torch.fx import Graph, Node
 
 from . import ops
 from .formats import StateFormat
-from .residual import MasterFormat
+from .residual import SEED_PERIOD, MasterFormat
 
 lowbit = torch.ops.lowbit
+aten = torch.ops.aten
 
 
 class Role(enum.Enum):
@@ -88,9 +89,10 @@ def is_per_element(node: Node) -> bool:
 
 @dataclass(frozen=True)
 class StateAccess:
-    """A ``lowbit::dequantize`` (``value`` None) or ``lowbit::quantize_`` node, parsed: the state's key,
-    format and storage inputs (in :data:`PARTS` order); the stock dtype the state is read as; the new
-    value a quantize stores."""
+    """A ``lowbit::dequantize`` (``value`` None), ``lowbit::quantize_`` or ``lowbit::quantize_stochastic_``
+    node, parsed: the state's key, format and storage inputs (in :data:`PARTS` order); the stock dtype
+    the state is read as; the new value a quantize stores; for stochastic rounding, the step counter
+    input and the state's stream (``rounding.py``)."""
 
     node: Node
     key: str
@@ -98,6 +100,8 @@ class StateAccess:
     parts: tuple[Node, Node, Node, Node]
     dtype: torch.dtype
     value: Node | None = None
+    seed: Node | None = None
+    stream: int = 0
 
     @property
     def reads(self) -> bool:
@@ -113,6 +117,10 @@ def state_access(node: Node) -> StateAccess | None:
         value, *parts, tag = node.args
         dtype = value.meta["val"].dtype if isinstance(value, Node) else torch.float32
         return StateAccess(node, _key(parts), StateFormat.from_tag(tag), tuple(parts), dtype, value)
+    if node.target is lowbit.quantize_stochastic_.default:
+        value, *parts, seed, stream, tag = node.args
+        dtype = value.meta["val"].dtype if isinstance(value, Node) else torch.float32
+        return StateAccess(node, _key(parts), StateFormat.from_tag(tag), tuple(parts), dtype, value, seed, stream)
     return None
 
 
@@ -129,9 +137,13 @@ def add_dequantize(graph: Graph, parts: tuple[Node, ...], fmt: StateFormat, dtyp
     return graph.call_function(lowbit.dequantize.default, (*parts, fmt.tag(), ops.dtype_name(dtype)))
 
 
-def add_quantize(graph: Graph, value: Node, parts: tuple[Node, ...], fmt: StateFormat) -> Node:
-    """Insert the node that encodes ``value`` into one state's storage."""
-    return graph.call_function(lowbit.quantize_.default, (value, *parts, fmt.tag()))
+def add_quantize(graph: Graph, value: Node, parts: tuple[Node, ...], fmt: StateFormat,
+                 seed: Node | None = None, stream: int = 0) -> Node:
+    """Insert the node that encodes ``value`` into one state's storage: to nearest, or with a step counter
+    ``seed`` stochastically, drawing the bits of ``stream``."""
+    if seed is None:
+        return graph.call_function(lowbit.quantize_.default, (value, *parts, fmt.tag()))
+    return graph.call_function(lowbit.quantize_stochastic_.default, (value, *parts, seed, stream, fmt.tag()))
 
 
 def state_part_inputs(graph: Graph, key: str, after: Node | None = None) -> tuple[Node, ...]:
@@ -190,3 +202,24 @@ def add_master_write(graph: Graph, value: Node, param: Node, residual: Node, tie
                      seed: Node | None, fmt: MasterFormat) -> Node:
     """Insert the node that splits the new fp32 master ``value`` into the param and its residual."""
     return graph.call_function(lowbit.master_write_.default, (value, param, residual, ties, seed, fmt.tag()))
+
+
+def add_step_counter(graph: Graph, key: str, after: Node, before: Node) -> Node:
+    """A step counter for stochastic rounding (the lossy master residual, stochastically rounded states):
+    a new 0-d fp32 scalar-state input ``key`` right after ``after``, which each step advances by one,
+    modulo ``SEED_PERIOD`` (so it stays an exact integer), just before ``before``; its readers read the
+    value from before the step."""
+    with graph.inserting_after(after):
+        seed = graph.placeholder(f"state_{key}")
+    seed.meta["val"] = torch.empty((), dtype=torch.float32)
+    set_input(seed, GraphInput(Role.SCALAR_STATE, key))
+    with graph.inserting_before(before):
+        nxt = graph.call_function(aten.add.Tensor, (seed, 1.0))
+        wrapped = graph.call_function(aten.remainder.Scalar, (nxt, float(SEED_PERIOD)))
+        graph.call_function(aten.copy_.default, (seed, wrapped))
+    for node in (seed, nxt, wrapped):
+        node.meta.setdefault("val", torch.empty((), dtype=torch.float32))
+        set_per_element(node, False)
+    for node in seed.users:
+        set_per_element(node, False)
+    return seed

@@ -149,6 +149,7 @@ class _State:
     parts: dict[Part, Node]
     reads: bool = False
     writes: bool = False
+    rand: str | None = None  # the name of its random-bits key when it rounds stochastically
 
     def ptr(self, part: Part) -> str:
         return f"p_{self.parts[part].name}"
@@ -281,12 +282,21 @@ class CppPrinter:
         self._lane(name, "\n".join(code))
         return Value(name, torch.float32, Kind.ELEMENT)
 
-    def quantize(self, access: StateAccess, value: Value) -> None:
+    def quantize(self, access: StateAccess, value: Value, seed: Value | None) -> None:
         state = self.states[access.key]
         x = self._vec(value)
+        if seed is not None:
+            state.rand = self._name("h", f"{state.key}_rand")
+            self.pre.append(f"const lb_rand {state.rand} = {{lb_hash32_s((uint32_t){_operand(seed)} ^ "
+                            f"({access.stream}u << 24)), start}};")
         if state.fmt.name == "bf16":
             u = "true" if state.fmt.nonneg else "false"
             v, codes = f"lb_bf16_state_clamp<{u}>({x})", state.ptr(Part.CODES)
+            if seed is not None:
+                bits = f"lb_bf16_bits_stochastic({v}, lb_bits_at<true>({state.rand}, i))"
+                self.stores.append(f"if (full) lb_st_u16({codes} + i, {bits}); "
+                                   f"else lb_st_u16_n({codes} + i, {bits}, r);")
+                return
             self.stores.append(f"if (full) lb_st_bf16({codes} + i, {v}); else lb_st_bf16_n({codes} + i, {v}, r);")
             return
         self.stores += [f"if (full) lb_st(buf_{state.key} + i, {x}); else lb_st_n(buf_{state.key} + i, {x}, r);",
@@ -529,8 +539,9 @@ class CppPrinter:
         for s in blockwise:
             if s.writes:
                 parts = ", ".join(s.ptr(part) for part in PARTS)
-                out.append(f"{ind}lb_quantize_block<{self._template(s)}, {s.fmt.patches}>(acc_{s.key}, buf_{s.key}, "
-                           f"len, LB_BLOCK, {parts});")
+                sr = (", true", f", {s.rand}") if s.rand else ("", "")
+                out.append(f"{ind}lb_quantize_block<{self._template(s)}, {s.fmt.patches}{sr[0]}>(acc_{s.key}, "
+                           f"buf_{s.key}, len, LB_BLOCK, {parts}{sr[1]});")
         out.append("}")
         out.append(_ENTRY_FN)
         return "\n".join(out) + "\n"

@@ -244,6 +244,29 @@ LB_INLINE void lb_st_f16_n(uint16_t* p, vf v, int64_t r) {
   memcpy(p, t, r * sizeof(uint16_t));
 }
 
+// Random bits of stochastic rounding (the lossy residual, stochastically rounded states):
+// hash32(index ^ hash32(seed)), with Chris Wellons' lowbias32 hash and the element's index in the
+// tensor (residual.random_bits; a state's seed carries its stream in the top 8 bits, rounding.py).
+static inline uint32_t lb_hash32_s(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+LB_INLINE vu lb_hash32(vu x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+LB_INLINE vu lb_random_bits(uint32_t seed_hash, int64_t first) {
+  vu idx;
+  for (int l = 0; l < LB_W; ++l) idx[l] = (uint32_t)(first + l);
+  return lb_hash32(idx ^ seed_hash);
+}
+
 // ---- element formats (kernels/formats.py) -----------------------------------------------------
 // @formats@
 
@@ -359,6 +382,42 @@ LB_INLINE vi lb_encode(vf y) {
   }
 }
 
+// Stochastic rounding (formats.round_stochastic): from the nearest code, the adjacent code on x's side
+// (code +- 1 in byte arithmetic: the map is monotone in the code, or for fp8 in its magnitude bits)
+// replaces it where u * |w - v| < |x - v|, u the top 24 random bits over 2^24; x first clamped into the
+// format's range, a non-finite x keeps its code, a positive value of a non-negative state never code 0.
+template <int F, bool U>
+LB_INLINE vi lb_round_stochastic(vf x, vi code, vu bits) {
+  typedef lb_format<F, U> f;
+  constexpr bool fp8 = F == LB_E4M3 || F == LB_E5M2;
+  const vf y = lb_clamp(x, U && !fp8 ? 0.0f : -f::qmax, f::qmax);
+  const vf v = lb_decode<F, U>(code);
+  const vi away = fp8 ? (vi)(lb_abs(y) > lb_abs(v)) : (vi)(y > v);
+  const vi other = y == v ? code : (code + (away ? lb_splat_i(1) : lb_splat_i(-1))) & 0xFF;
+  const vf w = lb_decode<F, U>(other);
+  const vf u = __builtin_convertvector((vi)(bits >> 8), vf) * 0x1p-24f;
+  vi out = (u * lb_abs(w - v) < lb_abs(y - v)) & (lb_key(x) < 0x7F800000) ? other : code;
+  if (U) out = (x > 0) & (out == 0) ? lb_splat_i(1) : out;
+  return out;
+}
+// bf16 bits of x (already clamped as the nearest encode clamps it) rounded stochastically: the low 16
+// random bits added to the fp32 pattern, truncated; NaN rounds to nearest.
+LB_INLINE vi lb_bf16_bits_stochastic(vf x, vu bits) {
+  const vi up = (vi)(((vu)lb_bits_i(x) + (bits & 0xFFFFu)) >> 16);
+  return x != x ? lb_f32_to_bf16_bits(x) : up;
+}
+// What a block's encode draws its random bits from: the state's key (hash32 of its seed) and the index
+// of the block's first element; SR false rounds to nearest and draws nothing.
+struct lb_rand {
+  uint32_t key;
+  int64_t first;
+};
+template <bool SR>
+LB_INLINE vu lb_bits_at(lb_rand rnd, int64_t i) {
+  if constexpr (SR) return lb_random_bits(rnd.key, rnd.first + i);
+  else return (vu){};
+}
+
 // bf16 storage (states and patches; formats.encode, round_bf16): a finite value saturates at bf16's
 // largest instead of rounding to inf, and a positive value of a non-negative state stays positive.
 static const float LB_BF16_TOP = 0x1.fep+127f;
@@ -370,11 +429,12 @@ LB_INLINE vf lb_bf16_state_clamp(vf x) {
                                                                 lb_bits_i(lb_splat(LB_BF16_TOP))) : x;
   return U ? ((x > 0) & (x < min_positive) ? lb_splat(min_positive) : x) : x;
 }
-template <bool U>
-static inline uint16_t lb_patch_bits(float x) {  // one patch value, as lb_bf16_state_clamp then round
+template <bool U, bool SR>
+static inline uint16_t lb_patch_bits(float x, lb_rand rnd, int64_t index) {  // as lb_bf16_state_clamp then round
   const float a = fabsf(x);
   if (a > LB_BF16_TOP && a < INFINITY) x = copysignf(LB_BF16_TOP, x);
   if (U && x > 0 && x < lb_format<LB_BF16_CODES, U>::min_positive) x = lb_format<LB_BF16_CODES, U>::min_positive;
+  if constexpr (SR) return (uint16_t)lb_bf16_bits_stochastic(lb_splat(x), lb_bits_at<SR>(rnd, index))[0];
   return lb_bf16_bits(x);
 }
 
@@ -493,45 +553,51 @@ static inline void lb_block_scale(const float* buf, int64_t len, float absmax, f
 // state whose multiplier is below 1) a positive value whose product underflowed still gets a positive
 // code; in a flagged block finite values stay within flagged_qmax and +inf, -inf and NaN take the
 // format's special codes.
-template <int F, bool U, bool FLAGGED, bool LIFT>
-LB_INLINE vi lb_encode_scaled(vf x, vf inverse) {
+template <int F, bool U, bool FLAGGED, bool LIFT, bool SR>
+LB_INLINE vi lb_encode_scaled(vf x, vf inverse, vu bits) {
   typedef lb_format<F, U> f;
   vf y = x * inverse;
   if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
-  if (!FLAGGED) return lb_encode<F, U>(y);
-  const vi code = lb_encode<F, U>(lb_clamp(y, -f::flagged_qmax, f::flagged_qmax));
+  if (FLAGGED) y = lb_clamp(y, -f::flagged_qmax, f::flagged_qmax);
+  vi code = lb_encode<F, U>(y);
+  if (SR) code = lb_round_stochastic<F, U>(y, code, bits);
+  if (!FLAGGED) return code;
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
   return lb_key(x) < 0x7F800000 ? code : special;
 }
-template <int F, bool U, bool FLAGGED, bool LIFT>
-static inline void lb_encode_loop(const float* buf, int64_t len, float inverse, uint8_t* codes) {
+template <int F, bool U, bool FLAGGED, bool LIFT, bool SR>
+static inline void lb_encode_loop(const float* buf, int64_t len, float inverse, uint8_t* codes, lb_rand rnd) {
   const vf vinv = lb_splat(inverse);
   int64_t i = 0;
   for (; i + 4 * LB_W <= len; i += 4 * LB_W)
-    lb_st_u8x4(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i), vinv),
-               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + LB_W), vinv),
-               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + 2 * LB_W), vinv),
-               lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i + 3 * LB_W), vinv));
+    lb_st_u8x4(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i), vinv, lb_bits_at<SR>(rnd, i)),
+               lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + LB_W), vinv, lb_bits_at<SR>(rnd, i + LB_W)),
+               lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + 2 * LB_W), vinv,
+                                                         lb_bits_at<SR>(rnd, i + 2 * LB_W)),
+               lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + 3 * LB_W), vinv,
+                                                         lb_bits_at<SR>(rnd, i + 3 * LB_W)));
   for (; i + LB_W <= len; i += LB_W)
-    lb_st_codes(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld(buf + i), vinv));
+    lb_st_codes(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i), vinv, lb_bits_at<SR>(rnd, i)));
   if (i < len)
-    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT>(lb_ld_n(buf + i, len - i), vinv), len - i);
+    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld_n(buf + i, len - i), vinv,
+                                                                       lb_bits_at<SR>(rnd, i)), len - i);
 }
 // A multiplier >= 1 keeps every positive value positive (the product is at least the value), so the
 // usual block of a non-negative state skips the underflow test.
-template <int F, bool U, bool FLAGGED>
-static inline void lb_encode_block(const float* buf, int64_t len, float inverse, uint8_t* codes) {
-  if (U && !(inverse >= 1.0f)) lb_encode_loop<F, U, FLAGGED, U>(buf, len, inverse, codes);
-  else lb_encode_loop<F, U, FLAGGED, false>(buf, len, inverse, codes);
+template <int F, bool U, bool FLAGGED, bool SR>
+static inline void lb_encode_block(const float* buf, int64_t len, float inverse, uint8_t* codes, lb_rand rnd) {
+  if (U && !(inverse >= 1.0f)) lb_encode_loop<F, U, FLAGGED, U, SR>(buf, len, inverse, codes, rnd);
+  else lb_encode_loop<F, U, FLAGGED, false, SR>(buf, len, inverse, codes, rnd);
 }
 
 // A block holding inf or NaN (rare: off the hot path, scalar): patches are the K largest finite
 // magnitudes (a non-finite value ranks below every finite one, so it is patched only where fewer than K
 // are finite), and if a non-finite value remains the block is flagged: scale from the finite rest over
 // flagged_qmax, stored with its sign bit set, non-finite values as special codes.
-template <int F, bool U, int K>
+template <int F, bool U, int K, bool SR>
 __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t len, int64_t block, uint8_t* codes,
-                                                           float* scale, uint16_t* patch_values, int16_t* patch_index) {
+                                                           float* scale, uint16_t* patch_values, int16_t* patch_index,
+                                                           lb_rand rnd) {
   if (K > 0) {
     lb_best<K> best;  // keys shifted by one: finite values 1.., non-finite 0
     for (int64_t i = 0; i < len; ++i) {
@@ -543,7 +609,7 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t 
     }
     for (int64_t pad = len; pad < block && best.floor() < 1; ++pad) best.add(1, (int32_t)pad, 0.0f);  // padding zeros
     for (int k = 0; k < K; ++k) {
-      patch_values[k] = lb_patch_bits<U>(best.e[k].value);
+      patch_values[k] = lb_patch_bits<U, SR>(best.e[k].value, rnd, best.e[k].index);
       patch_index[k] = (int16_t)best.e[k].index;
       if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
     }
@@ -562,11 +628,11 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t 
   if (flagged) {
     lb_scale_and_inverse(absmax, lb_format<F, U>::flagged_qmax, &s, &inv);
     *scale = -s;  // the sign bit flags the block (-0.0 included)
-    lb_encode_block<F, U, true>(buf, len, inv, codes);
+    lb_encode_block<F, U, true, SR>(buf, len, inv, codes, rnd);
   } else {
     lb_block_scale<F, U>(buf, len, absmax, &s, &inv);
     *scale = s;
-    lb_encode_block<F, U, false>(buf, len, inv, codes);
+    lb_encode_block<F, U, false, SR>(buf, len, inv, codes, rnd);
   }
 }
 
@@ -574,10 +640,10 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t 
 // its codes, scale and K patches. `lane_max` holds each lane's largest key in buf: its maximum says
 // whether the block holds inf or NaN (then lb_quantize_nonfinite). The K patches are the K largest
 // |x| (ties: lowest offset) in the order the reference's repeated argmax finds them; the scale comes
-// from the rest (lb_block_scale).
-template <int F, bool U, int K>
+// from the rest (lb_block_scale). With SR the codes and patches round stochastically, drawing from rnd.
+template <int F, bool U, int K, bool SR = false>
 static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
-                              uint16_t* patch_values, int16_t* patch_index) {
+                              uint16_t* patch_values, int16_t* patch_index, lb_rand rnd = {}) {
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
   // the K+1 largest elements all reach it, and one pass collects them exactly.
   int32_t lm[LB_W];
@@ -590,7 +656,7 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
         lm[l] = t;
       }
   if (__builtin_expect(lm[0] >= 0x7F800000, 0)) {
-    lb_quantize_nonfinite<F, U, K>(buf, len, block, codes, scale, patch_values, patch_index);
+    lb_quantize_nonfinite<F, U, K, SR>(buf, len, block, codes, scale, patch_values, patch_index, rnd);
     return;
   }
   int32_t rest = lm[0] > 0 ? lm[0] : 0;  // no patches: the absmax is the largest lane maximum
@@ -610,7 +676,7 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
     for (int64_t pad = len; pad < block && best.n <= K; ++pad) best.add(0, (int32_t)pad, 0.0f);  // the padding's zeros
     rest = best.n > K && best.e[K].key > 0 ? best.e[K].key : 0;
     for (int k = 0; k < K; ++k) {
-      patch_values[k] = lb_patch_bits<U>(best.e[k].value);
+      patch_values[k] = lb_patch_bits<U, SR>(best.e[k].value, rnd, best.e[k].index);
       patch_index[k] = (int16_t)best.e[k].index;
       if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
     }
@@ -618,7 +684,7 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
   float absmax, inv;
   memcpy(&absmax, &rest, 4);
   lb_block_scale<F, U>(buf, len, absmax, scale, &inv);
-  lb_encode_block<F, U, false>(buf, len, inv, codes);
+  lb_encode_block<F, U, false, SR>(buf, len, inv, codes, rnd);
 }
 
 // The patches of one block that fall inside its len elements, sorted by offset (the update loop
@@ -700,28 +766,6 @@ LB_INLINE void lb_st_i8_n(int8_t* p, vi c, int64_t r) {
   int8_t t[LB_W];
   lb_st_i8(t, c);
   memcpy(p, t, r);
-}
-
-// Random bits of the lossy residual's stochastic rounding: hash32(index ^ hash32(seed)), with
-// Chris Wellons' lowbias32 hash and the element's index in the tensor (residual.random_bits).
-static inline uint32_t lb_hash32_s(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  return x ^ (x >> 16);
-}
-LB_INLINE vu lb_hash32(vu x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  return x ^ (x >> 16);
-}
-LB_INLINE vu lb_random_bits(uint32_t seed_hash, int64_t first) {
-  vu idx;
-  for (int l = 0; l < LB_W; ++l) idx[l] = (uint32_t)(first + l);
-  return lb_hash32(idx ^ seed_hash);
 }
 
 // bf16: the residual d = |x| - |p| in fp32 bit patterns. A master is the param's bits plus d, kept

@@ -265,20 +265,24 @@ def upgrade_dynamic8_codes(codes: torch.Tensor, nonneg: bool, flagged: torch.Ten
     return torch.where(flagged, inside.to(codes.device)[byte], plain.to(codes.device)[byte])
 
 
-def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = None) -> torch.Tensor:
+def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = None,
+           bits: torch.Tensor | None = None) -> torch.Tensor:
     """Encode values already divided by their block scale (|x| <= qmax) into codes.
 
-    Rounding is to nearest, ties to even; for a non-negative state a positive value never becomes
-    code 0. Where ``flagged`` (a bool tensor broadcasting against ``x``: the element's block is
+    Rounding is to nearest, ties to even, or with ``bits`` (32 random bits per element, int64 shaped
+    like ``x``) stochastic (:func:`round_stochastic`); for a non-negative state a positive value never
+    becomes code 0. Where ``flagged`` (a bool tensor broadcasting against ``x``: the element's block is
     flagged) finite values are clamped to ``flagged_qmax`` and +inf, -inf and NaN get their
     special codes; elsewhere a non-finite value saturates like any value out of range.
     """
     if flagged is not None and fmt.blockwise:
         inner = torch.where(flagged, x.clamp(-fmt.flagged_qmax, fmt.flagged_qmax), x)
-        codes = encode(inner, fmt).view(torch.uint8)
+        codes = encode(inner, fmt, bits=bits).view(torch.uint8)
         pos_inf, neg_inf, nan = special_codes(fmt)
         special = torch.where(torch.isnan(x), nan, torch.where(x > 0, pos_inf, neg_inf)).to(torch.uint8)
         return torch.where(flagged & ~torch.isfinite(x), special, codes).view(fmt.code_dtype)
+    if bits is not None:
+        return round_stochastic(x, encode(x, fmt), fmt, bits)
     name = fmt.name
     if name == "int8":
         lo = 0.0 if fmt.nonneg else -fmt.qmax
@@ -302,6 +306,45 @@ def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = Non
     if name == "fp32":
         return x.float()
     raise AssertionError(name)
+
+
+def round_stochastic(x: torch.Tensor, codes: torch.Tensor, fmt: StateFormat, bits: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding, from the nearest ``codes`` of ``x``: the code adjacent to the nearest one on
+    ``x``'s side replaces it with probability ``|x - v| / |v' - v|`` (``v``, ``v'`` their values), so the
+    expected value is ``x`` (unbiased), except where the rules of :func:`encode` act: ``x`` is first
+    clamped into the format's range (the top code never rounds up), a non-finite ``x`` keeps its
+    nearest code, and a positive value of a non-negative state never becomes code 0 (values below the
+    smallest positive code all round up to it, a bias of at most that code's value).
+
+    The draw is exact in fp32 on every backend: ``u * |v' - v| < |x - v|`` with ``u`` the top 24 bits
+    over 2**24. bf16 adds the low 16 of ``bits`` to the fp32 bit pattern and truncates to 16 bits."""
+    if fmt.name == "bf16":
+        top = torch.finfo(torch.bfloat16).max
+        y = torch.where(torch.isfinite(x), x.clamp(-top, top), x)
+        if fmt.nonneg:
+            y = torch.where(y > 0, y.clamp(min=fmt.min_positive), y)
+        pattern = y.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        up = ((pattern + (bits & 0xFFFF)) >> 16) & 0xFFFF
+        up = torch.where(up >= 2**15, up - 2**16, up).to(torch.int16).view(torch.bfloat16)
+        return torch.where(torch.isnan(x), codes, up)
+    signed_int = fmt.name == "int8" and not fmt.nonneg
+    fp8 = fmt.name.startswith("fp8")
+    lo = 0.0 if fmt.nonneg and not fp8 else -fmt.qmax
+    y = x.clamp(lo, fmt.qmax)
+    v = decode(codes, fmt)
+    q = codes.to(torch.int32) if signed_int else codes.view(torch.uint8).to(torch.int32)
+    # the adjacent code on x's side: the map is monotone in the code (int8, dynamic8) or in its
+    # magnitude bits (fp8, sign and magnitude)
+    away = (y.abs() > v.abs()) if fp8 else (y > v)
+    other = torch.where(y == v, q, q + torch.where(away, 1, -1))
+    other_codes = other.to(torch.int8) if signed_int else other.to(torch.uint8).view(fmt.code_dtype)
+    w = decode(other_codes, fmt)
+    u = (bits >> 8).to(torch.float32) * 2.0**-24
+    take = (u * (w - v).abs() < (y - v).abs()) & torch.isfinite(x)
+    out = torch.where(take, other, q)
+    if fmt.nonneg:
+        out = torch.where((x > 0) & (out == 0), 1, out)
+    return out.to(torch.int8) if signed_int else out.to(torch.uint8).view(fmt.code_dtype)
 
 
 def decode(codes: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = None) -> torch.Tensor:

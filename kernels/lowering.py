@@ -474,10 +474,11 @@ def _dequantize(L: Lowerer, node: Node) -> Value:
     return L.result(node, L.p.dequantize(access))
 
 
-@lowers(lowbit.quantize_.default, checker=_state_checker)
+@lowers(lowbit.quantize_.default, lowbit.quantize_stochastic_.default, checker=_state_checker)
 def _quantize(L: Lowerer, node: Node) -> None:
     access = state_access(node)
-    L.p.quantize(access, _elementwise(L, L.cast(L.value(access.value), access.dtype)))
+    seed = L.value(access.seed) if access.seed is not None else None
+    L.p.quantize(access, _elementwise(L, L.cast(L.value(access.value), access.dtype)), seed)
 
 
 @lowers(lowbit.master_read.default)

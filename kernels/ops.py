@@ -1,4 +1,5 @@
-"""The graph-level ops of the rewrite passes: ``lowbit::dequantize`` and ``lowbit::quantize_`` (quantize-states),
+"""The graph-level ops of the rewrite passes: ``lowbit::dequantize``, ``lowbit::quantize_`` and
+``lowbit::quantize_stochastic_`` (quantize-states),
 ``lowbit::master_read`` and ``lowbit::master_write_`` (master weights).
 
 They are registered with ``torch.library`` (with fake implementations), so a rewritten graph runs
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import blockquant
+from . import blockquant, rounding
 from . import residual as residual_ref
 from .formats import StateFormat
 
@@ -55,6 +56,31 @@ def quantize_(
 
 @quantize_.register_fake
 def _(x, codes, scales, patch_values, patch_index, fmt):
+    return None
+
+
+@torch.library.custom_op(
+    "lowbit::quantize_stochastic_", mutates_args=("codes", "scales", "patch_values", "patch_index")
+)
+def quantize_stochastic_(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    patch_values: torch.Tensor,
+    patch_index: torch.Tensor,
+    seed: torch.Tensor,
+    stream: int,
+    fmt: str,
+) -> None:
+    """``quantize_`` rounding stochastically, with the bits of counter ``seed`` in ``stream`` (``rounding.py``)."""
+    bits = rounding.state_bits(float(seed), stream, x.numel(), x.device)
+    blockquant.quantize_into(
+        x, blockquant.Quantized(codes, scales, patch_values, patch_index), StateFormat.from_tag(fmt), bits
+    )
+
+
+@quantize_stochastic_.register_fake
+def _(x, codes, scales, patch_values, patch_index, seed, stream, fmt):
     return None
 
 

@@ -218,16 +218,80 @@ def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.cons
 
 
 @triton.jit
-def bf16_code(x, NONNEG: tl.constexpr):
-    """``formats.encode`` of a bf16 state (and of a patch), as int16 bits: to nearest even, a finite value
-    saturating at bf16's largest (3.3895e38) instead of rounding to inf, and for a non-negative state a
-    positive value never below the smallest positive bf16 (2^-133)."""
+def bf16_clamp(x, NONNEG: tl.constexpr):
+    """What a bf16 state (or patch) clamps before rounding: a finite value saturates at bf16's largest
+    (3.3895e38) instead of rounding to inf, and for a non-negative state a positive value is never
+    below the smallest positive bf16 (2^-133)."""
     magnitude = tl.abs(x)
     x = tl.where((magnitude > 3.3895313892515355e38) & (magnitude < float("inf")),
                  tl.where(x > 0, 3.3895313892515355e38, -3.3895313892515355e38), x)
     if NONNEG:
         x = tl.where((x > 0) & (x < 2.0**-133), 2.0**-133, x)
-    return f32_to_bf16_bits(x)
+    return x
+
+
+@triton.jit
+def bf16_code(x, NONNEG: tl.constexpr):
+    """``formats.encode`` of a bf16 state (and of a patch), as int16 bits: :func:`bf16_clamp`, then to
+    nearest even."""
+    return f32_to_bf16_bits(bf16_clamp(x, NONNEG))
+
+
+@triton.jit
+def bf16_code_stochastic(x, bits, NONNEG: tl.constexpr):
+    """``formats.round_stochastic`` of a bf16 state (and of a patch), as int16 bits: :func:`bf16_clamp`,
+    the low 16 random ``bits`` added to the fp32 pattern and truncated; NaN to nearest."""
+    y = bf16_clamp(x, NONNEG)
+    up = ((y.to(tl.uint32, bitcast=True) + (bits & 0xFFFF)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+    return tl.where(y != y, f32_to_bf16_bits(y), up)
+
+
+@triton.jit
+def code_value(bits, levels_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
+    """The value (relative to the block scale) of 8-bit codes held as their uint8 bits."""
+    if FMT == INT8:
+        if NONNEG:
+            return bits.to(tl.float32)
+        else:
+            return bits.to(tl.int8, bitcast=True).to(tl.float32)
+    elif FMT == DYNAMIC8:
+        return dynamic8_value(bits, levels_ptr)
+    elif FMT == FP8_E4M3:
+        return fp8_value(bits, 3, -6)
+    else:
+        return fp8_value(bits, 2, -14)
+
+
+@triton.jit
+def round_stochastic(x, code, bits, levels_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr):
+    """``formats.round_stochastic`` of 8-bit codes (uint8 bits) from the nearest ``code`` of ``x``: the
+    adjacent code on x's side (code +- 1 in byte arithmetic) replaces it where ``u * |w - v| < |x - v|``,
+    ``u`` the top 24 random ``bits`` over 2^24 (``cpu_prelude.h``'s ``lb_round_stochastic``)."""
+    if NONNEG and FMT != FP8_E4M3 and FMT != FP8_E5M2:
+        y = tl.minimum(tl.maximum(x, 0.0), QMAX)
+    else:
+        y = tl.minimum(tl.maximum(x, -QMAX), QMAX)
+    y = tl.where(x != x, x, y)
+    v = code_value(code, levels_ptr, FMT, NONNEG)
+    if FMT == FP8_E4M3 or FMT == FP8_E5M2:
+        away = tl.abs(y) > tl.abs(v)
+    else:
+        away = y > v
+    q = code.to(tl.int32)
+    other = tl.where(y == v, q, (q + tl.where(away, 1, -1)) & 0xFF)
+    w = code_value(other.to(tl.uint8), levels_ptr, FMT, NONNEG)
+    u = (bits >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+    out = tl.where((u * tl.abs(w - v) < tl.abs(y - v)) & (tl.abs(x) < float("inf")), other, q)
+    if NONNEG:
+        out = tl.where((x > 0) & (out == 0), 1, out)
+    return out.to(tl.uint8)
+
+
+@triton.jit
+def state_bits(seed, offsets, STREAM: tl.constexpr):
+    """``rounding.state_bits``: ``hash32(index ^ hash32(counter ^ STREAM << 24))`` per element."""
+    key = hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24))
+    return hash32(offsets.to(tl.uint32) ^ key)
 
 
 @triton.jit
@@ -313,7 +377,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
              MIN_POSITIVE: tl.constexpr, INV_QMAX: tl.constexpr, FP8_NATIVE: tl.constexpr = True,
              NEG_QMAX: tl.constexpr = 0.0, INV_NEG_QMAX: tl.constexpr = 0.0, FLAGGED_QMAX: tl.constexpr = 0.0,
              INV_FLAGGED_QMAX: tl.constexpr = 0.0, POS_INF_CODE: tl.constexpr = 0, NEG_INF_CODE: tl.constexpr = 0,
-             NAN_CODE: tl.constexpr = 0):
+             NAN_CODE: tl.constexpr = 0, seed=0.0, STREAM: tl.constexpr = 0):
     """``blockquant.quantize_into`` of one tile: per row (block) the K largest finite magnitudes become
     bf16 patches (ties to the lowest offset; a non-finite value only where fewer than K are finite), the
     finite rest sets the scale (``scale_and_inverse``: the absmax over ``QMAX``, or where a ``NEG_QMAX``
@@ -321,11 +385,19 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
     ``NEG_QMAX``), and the rest is encoded. A row whose rest holds inf or NaN is flagged: its scale comes
     from its finite values over ``FLAGGED_QMAX`` and is stored negated, its finite codes stay within
     ``FLAGGED_QMAX`` and its inf and NaN take the special codes. The ``INV_*`` are the fp32 reciprocals
-    of the divisors on CUDA, 0.0 on the CPU (``scale_and_inverse``).
+    of the divisors on CUDA, 0.0 on the CPU (``scale_and_inverse``). A nonzero ``STREAM`` rounds codes and
+    patches stochastically with the bits of counter ``seed`` in that stream (:func:`state_bits`).
     """
     x = tl.where(mask, x, 0.0)  # the reference pads a partial last block with zeros
+    if STREAM != 0:
+        bits = state_bits(seed, offsets, STREAM)
     if FMT == BF16_CODES:
-        tl.store(codes_ptr + offsets, encode(x, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE), mask=mask)
+        if STREAM != 0:
+            tl.store(codes_ptr + offsets, bf16_code_stochastic(x, bits, NONNEG).to(tl.bfloat16, bitcast=True),
+                     mask=mask)
+        else:
+            tl.store(codes_ptr + offsets, encode(x, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE),
+                     mask=mask)
     else:
         # a non-finite value ranks below every finite magnitude, a patched one below those
         magnitude = tl.where(tl.abs(x) < float("inf"), tl.abs(x), -1.0)
@@ -333,9 +405,13 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
             index = tl.argmax(magnitude, axis=1, tie_break_left=True)
             hit = cols[None, :] == index[:, None]
             value = tl.sum(tl.where(hit, x.to(tl.int32, bitcast=True), 0), axis=1).to(tl.int32)  # its exact bits
-            tl.store(patch_values_ptr + rows * K + k,
-                     bf16_code(value.to(tl.float32, bitcast=True), NONNEG).to(tl.bfloat16, bitcast=True),
-                     mask=row_mask)
+            if STREAM != 0:
+                patch = bf16_code_stochastic(value.to(tl.float32, bitcast=True),
+                                             state_bits(seed, tl.sum(tl.where(hit, offsets, 0), axis=1), STREAM),
+                                             NONNEG)
+            else:
+                patch = bf16_code(value.to(tl.float32, bitcast=True), NONNEG)
+            tl.store(patch_values_ptr + rows * K + k, patch.to(tl.bfloat16, bitcast=True), mask=row_mask)
             tl.store(patch_index_ptr + rows * K + k, index.to(tl.int16), mask=row_mask)
             magnitude = tl.where(hit, -2.0, magnitude)
             x = tl.where(hit, 0.0, x)
@@ -361,9 +437,12 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
         flagged = flagged[:, None]
         y = tl.where(flagged & finite, tl.minimum(tl.maximum(y, -FLAGGED_QMAX), FLAGGED_QMAX), y)
         codes = encode(y, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
+        code = code_bits(codes, FMT, FP8_NATIVE)
+        if STREAM != 0:
+            code = round_stochastic(y, code, bits, bounds_ptr, FMT, NONNEG, QMAX)
         special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
-        bits = tl.where(flagged & ~finite, special, code_bits(codes, FMT, FP8_NATIVE))
-        tl.store(codes_ptr + offsets, bits.to(codes.dtype, bitcast=True), mask=mask)
+        code = tl.where(flagged & ~finite, special, code)
+        tl.store(codes_ptr + offsets, code.to(codes.dtype, bitcast=True), mask=mask)
 
 
 # fp32 master weights: a 16-bit param and its residual (the reference is residual.py) ---------------------

@@ -254,7 +254,7 @@ class TritonPrinter:
             *self._fp8_path(fmt), *_special_codes(fmt)])
         return Value(name, torch.float32, Kind.ELEMENT)
 
-    def quantize(self, state: StateAccess, value: Value) -> None:
+    def quantize(self, state: StateAccess, value: Value, seed: Value | None) -> None:
         fmt = state.fmt
         self.written.update(state.parts)
         table = self._table("levels", fmt) if fmt.name == "dynamic8" else "None"
@@ -271,7 +271,8 @@ class TritonPrinter:
         self.lines += _call_lines("lb.quantize", [value.text] + self._state_args(state) + [
             table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_format_id(fmt)}",
             f"NONNEG={fmt.nonneg}", f"K={fmt.patches}", f"QMAX={fmt.qmax!r}", f"MIN_POSITIVE={fmt.min_positive!r}",
-            f"INV_QMAX={inv(fmt.qmax)!r}", *self._fp8_path(fmt), *flags])
+            f"INV_QMAX={inv(fmt.qmax)!r}", *self._fp8_path(fmt), *flags,
+            *([f"seed={seed.text}", f"STREAM={state.stream}"] if seed is not None else [])])
 
     def _fp8_path(self, fmt: StateFormat) -> list[str]:
         """The FP8 path of an fp8 state's calls (named only where it is the integer one)."""

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from . import checkpoint, master, sharding
-from .compile import compile_step
+from . import rounding as counter
+from .compile import COUNTER_KEYS, compile_step
 from .config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -24,10 +25,12 @@ from .config import (
     DEFAULT_OUTLIERS,
     Config,
     Overrides,
+    RoundingSpec,
     param_names,
 )
 from .kernels.backends import BackendError, resolve
 from .kernels.formats import StateFormat
+from .kernels.rounding import SEED as ROUNDING_SEED
 from .passes.trace import unhooked_step
 from .run import Prepared, StepPlan, group_signature
 from .state_schema import StateSchema, init_state, probe_schema
@@ -78,6 +81,7 @@ def lowbit_compile(
     overrides: Overrides | None = None,
     model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
     master_weights: str | None = None,
+    rounding: RoundingSpec = "nearest",
 ) -> torch.optim.Optimizer:
     """Keep every per-element state of ``opt`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
     block-quantized, and run its step through the traced, rewritten update.
@@ -112,6 +116,11 @@ def lowbit_compile(
             B/param), ``"8bit"`` keeps the master to 1/256 of the param's spacing, unbiased (1 B/param).
             The stock states are then those of the fp32 step (then in ``fmt``). fp32 parameters are their
             own master and stay as they are. See ``lowbit_compile.master``.
+        rounding: ``"nearest"`` or ``"stochastic"``, or a dict from state name to one of those: how a
+            quantized state's new values round to codes. Stochastic rounding picks one of the two
+            adjacent codes with probability proportional to proximity (unbiased), with random bits of
+            a per-parameter step counter (``rounding_seed``, saved with the state, so a resumed run is
+            bit for bit the uninterrupted one). See README, "Numerics".
 
     Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
     subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures; it
@@ -119,7 +128,7 @@ def lowbit_compile(
     """
     from .optim import lowbit_class  # optim builds its classes from this module
 
-    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights)
+    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights, rounding)
     _check_optimizer(opt)
     check_backend(opt, config)
     known = param_names(model) if model is not None else None  # model may be a one-shot iterator
@@ -129,7 +138,7 @@ def lowbit_compile(
     names = _names_for(opt, config, known)
     master.warn_if_no_effect(opt, config)
     options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
-                   backend=backend, overrides=overrides, master_weights=master_weights)
+                   backend=backend, overrides=overrides, master_weights=master_weights, rounding=rounding)
     wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
     if names is None:
         names = wrapped.names if wrapped is not None else {}
@@ -143,6 +152,7 @@ def lowbit_compile(
         hooks = [
             opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
             opt.register_state_dict_post_hook(master.pack_state_dict),
+            opt.register_state_dict_post_hook(counter.pack_state_dict),
             opt.register_load_state_dict_pre_hook(_before_load),
             opt.register_load_state_dict_post_hook(checkpoint.finish_load),
             opt.register_step_pre_hook(_redirect_stock_step),
@@ -176,6 +186,7 @@ def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
             if sharding.is_quantized(value):
                 state[key] = sharding.dequantize(value)
         master.release(param, state)
+        state.pop(ROUNDING_SEED, None)
     for hook in wrapped.hooks:
         hook.remove()
     del opt.step
@@ -385,11 +396,12 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
     # Then create or convert the states of the parameters stepped for the first time, and run.
     for compiled, schema, formats, mformat, group, group_sig, param, grad in todo:
         state = opt.state[param]
-        if not state.keys() - set(master.KEYS):
+        if not state.keys() - set(COUNTER_KEYS):
             state.update(init_state(param, schema, formats))
         # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
         checkpoint.conform(param, state, formats)
         _apply(state, master.conformed(param, state, mformat, schema))
+        _apply(state, counter.conformed(state, bool(config.stochastic(formats))))
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
     return StepPlan(opt, config, ready), on_meta
@@ -432,11 +444,13 @@ def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[
             mformat = master.format_for(param, config)
             schema = _schema(opt, group, param, mformat)
             changes = {}
-            for key, fmt in config.formats_for(param, schema.per_element, names.get(param), schema.nonneg):
+            formats = dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
+            for key, fmt in formats.items():
                 new = checkpoint.converted(param, key, state.get(key), fmt)
                 if new is not None:
                     changes[key] = new
             changes.update(master.conformed(param, {**state, **changes}, mformat, schema))
+            changes.update(counter.conformed(state, bool(config.stochastic(formats))))
             updates.extend((state, key, new) for key, new in changes.items())
     return updates
 

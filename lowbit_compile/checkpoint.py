@@ -49,6 +49,7 @@ from . import sharding
 from .kernels import blockquant
 from .kernels.formats import DYNAMIC_MAP_VERSION, StateFormat, decode, upgrade_dynamic8_codes
 from .kernels.residual import KEYS as MASTER_KEYS
+from .kernels.rounding import SEED as ROUNDING_SEED
 from .state import QuantizedState, bits_of
 
 _PENDING = "_lowbit_pending"
@@ -567,7 +568,8 @@ def stock_state_dict(source: torch.optim.Optimizer | dict) -> dict:
     is the checkpoint of the fp32 master recipe.
     """
     state_dict = source.state_dict() if isinstance(source, torch.optim.Optimizer) else source
-    state = {idx: {k: (_dense(v) if is_packed(v) else v) for k, v in entry.items() if k not in MASTER_KEYS}
+    state = {idx: {k: (_dense(v) if is_packed(v) else v) for k, v in entry.items()
+                   if k not in MASTER_KEYS and k != ROUNDING_SEED}
              for idx, entry in state_dict["state"].items()}
     return {**state_dict, "state": state}
 

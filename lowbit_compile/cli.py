@@ -33,6 +33,8 @@ _RUN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
     (("--master-weights",), dict(choices=("exact", "8bit"), help="keep the fp32 master of bf16/fp16 params as a "
                                                                  "residual state: exact (2.125 B/param, bit for bit "
                                                                  "an fp32 master copy) or 8bit (1 B/param)")),
+    (("--rounding",), dict(default="nearest", help="how quantized states round: nearest or stochastic, or per "
+                                                    "state: exp_avg=stochastic,exp_avg_sq=nearest")),
     (("--restore-at-step",), dict(type=int, metavar="N",
                                   help="switch each optimizer back to stock fp32 states after its N-th step")),
     (("--restore-on-signal",), dict(metavar="SIG", help="switch back to stock fp32 states at the next step "
@@ -47,7 +49,8 @@ _RUN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
 _FLAG_NAMES = {"overrides": "--override", "restore_at_step": "--restore-at-step", "monitor": "--monitor",
                "log_every": "--log-every", "param_dtype": "--param-dtype", "master_weights": "--master-weights",
                "zero_stage": "--zero-stage", "block_size": "--block-size", "min_8bit_size": "--min-8bit-size",
-               "outliers": "--outliers", "backend": "--backend", "shards": "--shards", "fmt": "--fmt"}
+               "outliers": "--outliers", "backend": "--backend", "shards": "--shards", "fmt": "--fmt",
+               "rounding": "--rounding"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,13 +115,13 @@ def _split_run_argv(argv: list[str]) -> tuple[list[str], tuple[str, str] | None,
     return argv[:i], ("script", argv[i]), argv[i + 1:]
 
 
-def _parse_fmt(text: str) -> FmtSpec:
-    """``int8`` or ``exp_avg=int8,exp_avg_sq=dynamic8``."""
+def _parse_fmt(text: str, flag: str = "--fmt") -> FmtSpec:
+    """``int8`` or ``exp_avg=int8,exp_avg_sq=dynamic8`` (``--rounding``: ``stochastic`` or such pairs)."""
     if "=" not in text:
         return text
     pairs = [item.split("=", 1) for item in text.split(",") if item]
     if any(len(p) != 2 for p in pairs):
-        raise ValueError(f"--fmt {text!r}: expected a format or state=format pairs separated by commas")
+        raise ValueError(f"{flag} {text!r}: expected a value or state=value pairs separated by commas")
     return {k.strip(): v.strip() for k, v in pairs}
 
 
@@ -133,7 +136,8 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
         scope = Scope(_parse_fmt(args.fmt), block_size=args.block_size, outliers=args.outliers,
                       min_8bit_size=args.min_8bit_size, backend=args.backend, overrides=overrides or None,
                       restore_at_step=args.restore_at_step, master_weights=args.master_weights,
-                      monitor=args.monitor, log_every=args.log_every or None)
+                      rounding=_parse_fmt(args.rounding, "--rounding"), monitor=args.monitor,
+                      log_every=args.log_every or None)
         signum = _signal_number(args.restore_on_signal) if args.restore_on_signal else None
         _check_target(target)
     except (ValueError, TypeError, NotImplementedError) as err:

@@ -22,6 +22,7 @@ from .kernels.formats import StateFormat
 from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
 from .kernels.residual import KEYS as MASTER_KEYS
 from .kernels.residual import MasterFormat
+from .kernels.rounding import SEED as ROUNDING_SEED
 from .passes.master_weights import master_weights
 from .passes.opmath import LOW_PRECISION, compute_in_fp32
 from .passes.quantize_states import quantize_states
@@ -49,6 +50,7 @@ class CompiledStep:
 
 
 _compiled: dict[tuple, list[CompiledStep]] = {}
+COUNTER_KEYS = (*MASTER_KEYS, ROUNDING_SEED)  # states of ours, not the stock step's: never traced
 
 
 def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
@@ -62,12 +64,13 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
     dtype = torch.float32 if master is not None else param.dtype
-    state = {k: v for k, v in state.items() if k not in MASTER_KEYS}
+    state = {k: v for k, v in state.items() if k not in COUNTER_KEYS}
     example = trace_example(example_state(state, schema, param.device))
     opmath = fp32_opmath(group, dtype, formats)  # a master's step is traced in fp32 already
+    stochastic = config.stochastic(formats)
     key = (trace_key(opt, tgroup, slots, dtype, param.device, example, schema.per_element),
            tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
-           master.tag() if master is not None else None, opmath)
+           master.tag() if master is not None else None, opmath, tuple(sorted(stochastic)))
     values = [s.get(tgroup) for s in slots]
     with TRACE_LOCK:
         candidates = _compiled.setdefault(key, [])
@@ -75,7 +78,7 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
             if compiled.guard(values):
                 return compiled
         builder = _Builder(skeleton(opt), tgroup, slots, dtype, param.device, example, schema, formats,
-                           config.backend, master, opmath)
+                           config.backend, master, opmath, stochastic)
         compiled = builder.compile(values)
         candidates.append(compiled)
         return compiled
@@ -105,6 +108,7 @@ class _Builder:
     backend: str
     master: MasterFormat | None = None
     opmath: bool = False
+    stochastic: frozenset[str] = frozenset()  # the states that round stochastically
 
     def compile(self, values: list) -> CompiledStep:
         trace = traced(self.opt, self.tgroup, self.dtype, self.device, self.example, self.schema.per_element)
@@ -136,7 +140,7 @@ class _Builder:
                         "the rounding of quantized states can make it negative and the step NaN. Keep these "
                         f"states fp32 (fmt={{..., {', '.join(f'{k!r}: {chr(39)}fp32{chr(39)}' for k in states)}}})",
                         stacklevel=2)
-        rewritten = quantize_states(roles, self.formats)
+        rewritten = quantize_states(roles, self.formats, self.stochastic)
         if self.opmath:
             rewritten = compute_in_fp32(rewritten)
         if self.master is not None:
@@ -161,7 +165,7 @@ class _Builder:
                     seq = list(tgroup[key.key])
                     seq[key.index] = value
                     tgroup[key.key] = type(self.tgroup[key.key])(seq)
-            elif role is Role.SCALAR_STATE and key not in MASTER_KEYS:
+            elif role is Role.SCALAR_STATE and key not in COUNTER_KEYS:
                 example[key] = value
         with TRACE_LOCK:
             trace = traced(self.opt, tgroup, self.dtype, self.device, example, self.schema.per_element, exclude)

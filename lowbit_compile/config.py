@@ -13,6 +13,7 @@ import torch
 from .kernels import backends
 from .kernels.formats import FORMAT_NAMES, StateFormat
 from .kernels.residual import MODES as MASTER_MODES
+from .kernels.rounding import ROUNDINGS
 
 BACKENDS = backends.BACKENDS  # the one list of backends (the API, enable(), the CLI and the README name these)
 
@@ -35,6 +36,7 @@ DEFAULT_OUTLIERS = 0
 DEFAULT_MIN_8BIT_SIZE = 4096
 
 FmtSpec = str | Mapping[str, str]
+RoundingSpec = str | Mapping[str, str]  # "nearest" | "stochastic", or per state
 # Which parameters an override applies to: a glob on the qualified parameter name
 # ("*embed*", "blocks.*.norm.weight"), a compiled regex (``re.search`` on the name), or a predicate
 # ``(name, param) -> bool`` (``name`` is None when the parameter's name is unknown).
@@ -53,12 +55,15 @@ class Config:
     backend: str
     overrides: tuple[tuple[Matcher, str | tuple[tuple[str, str], ...]], ...] = ()
     master_weights: str | None = None  # "exact", "8bit" or None: how 16-bit params keep their fp32 master
+    rounding: str | tuple[tuple[str, str], ...] = "nearest"  # how quantized states round, or per state
 
     @staticmethod
     def make(fmt: FmtSpec, block_size: int, outliers: int, min_8bit_size: int,
-             backend: str, overrides: Overrides | None = None, master_weights: str | None = None) -> Config:
+             backend: str, overrides: Overrides | None = None, master_weights: str | None = None,
+             rounding: RoundingSpec = "nearest") -> Config:
         """Validate every option up front, naming the bad one and the fix."""
         fmt_key = _fmt_key(fmt, "fmt")
+        rounding_key = _spec_key(rounding, "rounding", ROUNDINGS)
         pairs = overrides.items() if isinstance(overrides, Mapping) else (overrides or ())
         override_keys = []
         for i, pair in enumerate(pairs):
@@ -80,7 +85,8 @@ class Config:
         if master_weights is not None and master_weights not in MASTER_MODES:
             raise ValueError(f"master_weights must be one of {MASTER_MODES} or None, got {master_weights!r}")
         backend = backends.canonical(backend)
-        return Config(fmt_key, block_size, outliers, min_8bit_size, backend, tuple(override_keys), master_weights)
+        return Config(fmt_key, block_size, outliers, min_8bit_size, backend, tuple(override_keys), master_weights,
+                      rounding_key)
 
     @property
     def uses_names(self) -> bool:
@@ -90,7 +96,7 @@ class Config:
     @property
     def state_names(self) -> frozenset[str]:
         """Every state name that the fmt dict and the overrides' fmt dicts give a format."""
-        specs = [self.fmt, *(spec for _, spec in self.overrides)]
+        specs = [self.fmt, self.rounding, *(spec for _, spec in self.overrides)]
         return frozenset(k for spec in specs if not isinstance(spec, str) for k, _ in spec)
 
     def check_state_names(self, kept: Collection[str], optimizer: str) -> None:
@@ -99,7 +105,8 @@ class Config:
         if unknown:
             close = {n: difflib.get_close_matches(n, sorted(set(kept) | STOCK_STATES), n=1) for n in unknown}
             hints = "; ".join(f"{n!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for n, c in close.items())
-            raise ValueError(f"fmt names states that {optimizer} does not keep per element: {hints}; its per-element "
+            raise ValueError(f"fmt or rounding names states that {optimizer} does not keep per element: {hints}; "
+                             f"its per-element "
                              f"states are {sorted(kept)}")
 
     def check_patterns(self, names: Collection[str]) -> None:
@@ -112,6 +119,11 @@ class Config:
                 shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
                 raise ValueError(f"override pattern {getattr(matcher, 'pattern', matcher)!r} matches no parameter "
                                  f"name ({shown}); fix or remove it")
+
+    def stochastic(self, formats: Mapping[str, StateFormat]) -> frozenset[str]:
+        """The quantized states of ``formats`` that round stochastically (fp32 states never round)."""
+        return frozenset(k for k, f in formats.items() if not f.passthrough
+                         and (_pick(self.rounding, k) or "nearest") == "stochastic")
 
     def format_name(self, state_key: str) -> str:
         return _pick(self.fmt, state_key) or DEFAULT_FMT
@@ -165,17 +177,24 @@ def _pick(spec: str | tuple[tuple[str, str], ...] | None, state_key: str) -> str
 
 def _fmt_key(fmt: object, what: str) -> str | tuple[tuple[str, str], ...]:
     """A validated, hashable form of a fmt argument: a name, or sorted (state, name) pairs."""
-    if isinstance(fmt, Mapping):
-        for key, value in fmt.items():
-            _check_fmt(value, f"{what}[{key!r}]")
-        return tuple(sorted(fmt.items()))
-    _check_fmt(fmt, what)
-    return fmt
+    return _spec_key(fmt, what, FORMAT_NAMES)
 
 
-def _check_fmt(value: object, what: str) -> None:
-    if value not in FORMAT_NAMES:
-        raise ValueError(f"{what} must be one of {FORMAT_NAMES}, got {value!r}")
+def _spec_key(spec: object, what: str, choices: tuple[str, ...]) -> str | tuple[tuple[str, str], ...]:
+    """A validated, hashable form of an option given as one of ``choices`` or a dict from state name to one."""
+    if isinstance(spec, Mapping):
+        for key, value in spec.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{what} keys must be state names (str), got {key!r}")
+            _check_choice(value, f"{what}[{key!r}]", choices)
+        return tuple(sorted(spec.items()))
+    _check_choice(spec, what, choices)
+    return spec
+
+
+def _check_choice(value: object, what: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {choices}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:

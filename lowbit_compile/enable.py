@@ -42,6 +42,7 @@ from .config import (
     DEFAULT_OUTLIERS,
     Config,
     Overrides,
+    RoundingSpec,
     param_names,
 )
 from .memory import memory_report
@@ -96,17 +97,19 @@ class Scope(contextlib.ContextDecorator):
         restore_at_step: int | None = None,
         restore_on_exit: bool = False,
         master_weights: str | None = None,
+        rounding: RoundingSpec = "nearest",
         monitor: int | None = None,
         log_every: int | None = None,
     ) -> None:
-        self.config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights)
+        self.config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights,
+                                  rounding)
         if restore_at_step is not None and (not isinstance(restore_at_step, int) or restore_at_step < 1):
             raise ValueError(f"restore_at_step must be a positive int or None, got {restore_at_step!r}")
         for name, value in (("monitor", monitor), ("log_every", log_every)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int (a number of steps) or None, got {value!r}")
         self._options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
-                             backend=backend, overrides=overrides, master_weights=master_weights)
+                             backend=backend, overrides=overrides, master_weights=master_weights, rounding=rounding)
         self._names = param_names(model) if model is not None else None
         self.restore_at_step = restore_at_step
         self.restore_on_exit = restore_on_exit
@@ -294,7 +297,7 @@ def enable(fmt: str | Mapping[str, str] | Callable = DEFAULT_FMT, **options: Any
 
     Use as ``@enable(fmt="int8")``, bare ``@enable``, or ``with enable(...):``. Options are those of
     ``lowbit_compile`` (``block_size``, ``outliers``, ``min_8bit_size``, ``backend``, ``overrides``,
-    ``model``, ``master_weights``) plus ``restore_at_step`` (switch each rewritten optimizer back to stock
+    ``model``, ``master_weights``, ``rounding``) plus ``restore_at_step`` (switch each rewritten optimizer back to stock
     fp32 states after that many steps), ``restore_on_exit``, ``monitor=N`` (sample each rewritten optimizer's
     health every N steps while in scope, see ``lowbit_compile.monitor``) and ``log_every=N`` (log a
     progress line every N steps). Name-pattern overrides without ``model=`` take the names from the

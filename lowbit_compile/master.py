@@ -202,7 +202,7 @@ def pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         if isinstance(entry.get(TIES), torch.Tensor):
             packed[TIES] = _pack_ties(entry[TIES], params[idx])
         if isinstance(entry.get(SEED), torch.Tensor):
-            packed[SEED] = {_PACKED_SEED: 1, "bytes": entry[SEED].detach().reshape(1).view(torch.uint8)}
+            packed[SEED] = pack_counter(entry[SEED])
         if packed:
             state_dict["state"][idx] = {**entry, **packed}
     return state_dict
@@ -225,12 +225,26 @@ def _unpacked(param: torch.Tensor, state: dict) -> dict[str, torch.Tensor]:
         out[RESIDUAL] = _unpack_residual(state[RESIDUAL], param)
     if is_packed_ties(state.get(TIES)):
         out[TIES] = _unpack_ties(state[TIES], param)
-    if _is_packed(state.get(SEED), _PACKED_SEED):
-        raw = state[SEED].get("bytes")
-        if not isinstance(raw, torch.Tensor) or raw.numel() != 4:
-            raise ValueError(f"saved {SEED!r} are not the four bytes of one number; the checkpoint is corrupt")
-        out[SEED] = checkpoint._as_bytes(raw.reshape(4), SEED).to("cpu").view(torch.float32).reshape(())
+    if is_packed_counter(state.get(SEED)):
+        out[SEED] = unpack_counter(state[SEED], SEED)
     return out
+
+
+def pack_counter(value: torch.Tensor) -> dict[str, Any]:
+    """A step counter of stochastic rounding (fp32, 0-d) as its four bytes, which a stock loader's cast keeps."""
+    return {_PACKED_SEED: 1, "bytes": value.detach().reshape(1).view(torch.uint8)}
+
+
+def is_packed_counter(value: object) -> bool:
+    return _is_packed(value, _PACKED_SEED)
+
+
+def unpack_counter(packed: dict[str, Any], key: str) -> torch.Tensor:
+    """The counter (fp32, 0-d, on the CPU) that :func:`pack_counter` saved as state ``key``."""
+    raw = packed.get("bytes")
+    if not isinstance(raw, torch.Tensor) or raw.numel() != 4:
+        raise ValueError(f"saved {key!r} are not the four bytes of one number; the checkpoint is corrupt")
+    return checkpoint._as_bytes(raw.reshape(4), key).to("cpu").view(torch.float32).reshape(())
 
 
 def _unpack_residual(packed: dict[str, Any], param: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ from .memory import memory_report
 from .state import QuantizedState
 
 # The keyword arguments of ``lowbit_compile`` the constructors take besides the stock ones.
-OPTIONS = ("fmt", "block_size", "outliers", "min_8bit_size", "backend", "overrides", "master_weights", "model")
+OPTIONS = ("fmt", "block_size", "outliers", "min_8bit_size", "backend", "overrides", "master_weights", "rounding",
+           "model")
 _STATE_KEY = "_lowbit_options"  # where __getstate__ keeps the options a copy is wrapped with
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -50,7 +51,8 @@ def describe(opt: torch.optim.Optimizer) -> str:
     wrapped = getattr(opt, api._ATTR, None)
     if wrapped is None:
         return f"{type(opt).__name__} (lowbit-compile, not wrapped: stock states)"
-    options = {k: v for k, v in wrapped.options.items() if k not in ("overrides", "master_weights") or v}
+    options = {k: v for k, v in wrapped.options.items()
+               if k not in ("overrides", "master_weights", "rounding") or (v and v != "nearest")}
     head = "lowbit-compile: " + ", ".join(f"{k}={v!r}" for k, v in options.items())
     per_state: dict[str, dict[str, int]] = {}
     stock_bytes = 0

@@ -22,8 +22,17 @@ import copy
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..kernels.contract import GraphInput, Role, add_master_read, add_master_write, role_of, set_input, set_per_element
-from ..kernels.residual import RESIDUAL, SEED, SEED_PERIOD, TIES, MasterFormat, tie_words
+from ..kernels.contract import (
+    GraphInput,
+    Role,
+    add_master_read,
+    add_master_write,
+    add_step_counter,
+    role_of,
+    set_input,
+    set_per_element,
+)
+from ..kernels.residual import RESIDUAL, SEED, TIES, MasterFormat, tie_words
 
 aten = torch.ops.aten
 
@@ -62,7 +71,7 @@ def master_weights(gm: GraphModule, fmt: MasterFormat) -> GraphModule:
     param.replace_all_uses_with(master, delete_user_cb=lambda user: user is not master and user not in writes)
 
     for write in writes:
-        seed = _step_counter(graph, ties or residual, write) if fmt.seeded else None
+        seed = add_step_counter(graph, SEED, ties or residual, write) if fmt.seeded else None
         with graph.inserting_before(write):
             node = add_master_write(graph, write.args[1], param, residual, ties, seed, fmt)
         set_per_element(node, True)
@@ -84,23 +93,3 @@ def _input(graph: Graph, after: Node, key: str, val: torch.Tensor) -> Node:
     set_input(node, GraphInput(Role.MASTER_PART, key))
     set_per_element(node, True)
     return node
-
-
-def _step_counter(graph: Graph, after: Node, before: Node) -> Node:
-    """The counter the lossy residual's random bits hash: a 0-d fp32 scalar state that each step
-    advances by one, modulo ``SEED_PERIOD`` (so it stays an exact integer); the write reads its value
-    from before the step."""
-    with graph.inserting_after(after):
-        seed = graph.placeholder(f"state_{SEED}")
-    seed.meta["val"] = torch.empty((), dtype=torch.float32)
-    set_input(seed, GraphInput(Role.SCALAR_STATE, SEED))
-    with graph.inserting_before(before):
-        nxt = graph.call_function(aten.add.Tensor, (seed, 1.0))
-        wrapped = graph.call_function(aten.remainder.Scalar, (nxt, float(SEED_PERIOD)))
-        graph.call_function(aten.copy_.default, (seed, wrapped))
-    for node in (seed, nxt, wrapped):
-        node.meta.setdefault("val", torch.empty((), dtype=torch.float32))
-        set_per_element(node, False)
-    for node in seed.users:
-        set_per_element(node, False)
-    return seed

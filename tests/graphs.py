@@ -14,16 +14,16 @@ from lowbit_compile.trace_cache import trace_for
 
 
 def pass_graphs(opt: torch.optim.Optimizer, fmt: str | dict = DEFAULT_FMT, block_size: int = DEFAULT_BLOCK_SIZE,
-                outliers: int = DEFAULT_OUTLIERS) -> dict[str, torch.fx.GraphModule]:
+                outliers: int = DEFAULT_OUTLIERS, rounding: str | dict = "nearest") -> dict[str, torch.fx.GraphModule]:
     group = opt.param_groups[0]
     param = group["params"][0]
     schema = probe_schema(opt, group, param)
-    formats = dict(Config.make(fmt, block_size, outliers, 0, "reference").formats_for(param, schema.per_element,
-                                                                                       nonneg=schema.nonneg))
+    config = Config.make(fmt, block_size, outliers, 0, "reference", rounding=rounding)
+    formats = dict(config.formats_for(param, schema.per_element, nonneg=schema.nonneg))
     state = init_state(param, schema, formats)
     traced = trace_for(opt, group, param, state, schema.per_element).graph
     roles = label_roles(traced)
-    quantized = quantize_states(roles, formats)
+    quantized = quantize_states(roles, formats, config.stochastic(formats))
     return {"traced": traced, "roles": roles, "quantized": quantized, "split": split_prologue(quantized)}
 
 

@@ -4,8 +4,8 @@ Every (architecture, state format, param dtype) cell is compiled at least once, 
 of that architecture takes (integer bit operations before sm_89, float8 conversions from sm_89), and
 the fp8 cells of sm_89/sm_90 on the integer path too (what ``bench/gpu_check.py`` forces there). Per
 architecture and dtype one fused step (Adam with amsgrad, AdamW or NAdam, rotating, with rotating
-flags) takes two or three formats as its states, and standalone quantize or dequantize kernels take
-the formats left over, always including an fp8 one; block layouts and signed/unsigned states rotate
+flags, every other one rounding its states stochastically) takes two or three formats as its states,
+and standalone quantize or dequantize kernels take the formats left over, always including an fp8 one; block layouts and signed/unsigned states rotate
 over the state kernels. So each kernel kind meets every architecture while each compile covers as
 many cells as it can: compile time is what limits this test. ``python -m tests.target_matrix``
 (TRITON_INTERPRET unset) compiles the plan and prints one JSON line per kernel.
@@ -74,11 +74,13 @@ class Kernel:
     layout: tuple[int, int]
     nonneg: bool = False  # state kernels
     flags: dict = field(default_factory=dict, compare=False)  # steps
+    rounding: str = "nearest"  # steps: every other one rounds its states stochastically
 
     def __str__(self) -> str:
         states = "/".join(self.formats) + (":u" if self.nonneg else "")
         kind = self.kind if self.kind in STATE_KERNELS else f"{self.kind}({','.join(sorted(self.flags))})"
-        return f"{self.target} {kind} {states} {str(self.dtype)[6:]} block {self.layout[0]} k{self.layout[1]}"
+        sr = " sr" if self.rounding == "stochastic" else ""
+        return f"{self.target} {kind}{sr} {states} {str(self.dtype)[6:]} block {self.layout[0]} k{self.layout[1]}"
 
     def cells(self) -> set[tuple[Target, str, torch.dtype]]:
         return {(self.target, f, self.dtype) for f in self.formats}
@@ -95,7 +97,7 @@ class Kernel:
             return (quantize_graph if self.kind == "quantize" else dequantize_graph)(fmt, self.dtype)
         cls, states, _ = STEPS[self.kind]
         opt = cls([torch.nn.Parameter(torch.randn(64, dtype=self.dtype))], **self.flags)
-        return pass_graphs(opt, dict(zip(states, self.formats)), block, outliers)["split"].body
+        return pass_graphs(opt, dict(zip(states, self.formats)), block, outliers, self.rounding)["split"].body
 
 
 def _rotated(items: tuple, by: int) -> tuple:
@@ -123,7 +125,8 @@ def plan() -> list[Kernel]:
             if not set(left) & set(FP8):
                 left.append(fp8)
             kernels.append(Kernel(target, name, dtype, tuple(slots), STEP_LAYOUT,
-                                  flags=flag_sets[i % len(flag_sets)]))
+                                  flags=flag_sets[i % len(flag_sets)],
+                                  rounding=("nearest", "stochastic")[(i + j) % 2]))
             for k, fmt in enumerate(left):
                 seen = sum(kernel.formats == (fmt,) for kernel in kernels)  # each format: q, dq, q unsigned, ...
                 kernels.append(Kernel(target, STATE_KERNELS[seen % 2], dtype, (fmt,),

@@ -1,0 +1,40 @@
+"""The step counter of stochastically rounded states (``rounding="stochastic"``, ``kernels/rounding.py``):
+one 0-d fp32 ``rounding_seed`` per parameter in the optimizer state, created at 0 when a state of the
+parameter first rounds stochastically, advanced by the step itself, saved as its four bytes (like the
+master residual's counter, so a stock loader's cast to a bf16 param's dtype cannot round it) and read
+back on the next step, so a resumed run draws the bits the uninterrupted one would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import master
+from .kernels.rounding import SEED
+
+
+def conformed(state: dict, stochastic: bool) -> dict[str, Any]:
+    """What changes in ``state`` (None: the entry goes) so that its counter fits: created where a state
+    rounds stochastically and none is held, read back from saved bytes, back to fp32 on the CPU after a
+    cast, dropped where no state rounds stochastically. Reads ``state``, changes nothing."""
+    value = state.get(SEED)
+    if not stochastic:
+        return {SEED: None} if SEED in state else {}
+    if master.is_packed_counter(value):
+        return {SEED: master.unpack_counter(value, SEED)}
+    if value is None:
+        return {SEED: torch.zeros((), dtype=torch.float32)}
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not bool(torch.isfinite(value).all()):
+        raise ValueError(f"state {SEED!r} is not one finite number; the checkpoint is corrupt")
+    if value.dtype != torch.float32 or value.device.type != "cpu" or value.dim():
+        return {SEED: value.detach().to("cpu", torch.float32).reshape(())}
+    return {}
+
+
+def pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``state_dict`` post hook: every parameter's counter saved as its four bytes."""
+    for idx, entry in list(state_dict["state"].items()):
+        if isinstance(entry.get(SEED), torch.Tensor):
+            state_dict["state"][idx] = {**entry, SEED: master.pack_counter(entry[SEED])}
+    return state_dict

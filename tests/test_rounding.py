@@ -1,0 +1,262 @@
+"""Stochastic rounding of quantized states (``rounding="stochastic"``): unbiased on every format,
+reproducible from the counter, the same codes from the reference, the CPU kernel and the Triton kernel,
+resumed bit for bit from a checkpoint, and accepted (or refused early) by every entry point."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import io
+
+import pytest
+import torch
+from expecttest import TestCase
+
+from lowbit_compile import enable, lowbit_compile
+from lowbit_compile.cli import main
+from lowbit_compile.kernels import blockquant, rounding
+from lowbit_compile.kernels.cpp_printer import emit_step
+from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.kernels.lowering import Target
+
+from .graphs import body, pass_graphs
+
+FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16")
+
+
+def _values(fmt: StateFormat, n: int = 96) -> torch.Tensor:
+    """Values between grid points over many decades (one block's largest sets the scale)."""
+    torch.manual_seed(1)
+    x = torch.logspace(-5, 0, n) * (1 + 0.37 * torch.rand(n))
+    if not fmt.nonneg:
+        x = torch.where(torch.arange(n) % 2 == 0, -x, x)
+    return x
+
+
+@pytest.mark.parametrize("nonneg", [False, True])
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_mean_of_stochastic_codes_is_the_value(name, nonneg):
+    """E[decode(encode(x))] = x within 5 standard errors over 400 counters, wherever x is above the
+    smallest positive code of a non-negative state (below it, values round up: README, Numerics)."""
+    fmt = StateFormat.make(name, 32, 1, nonneg)
+    x = _values(fmt)
+    draws = []
+    for seed in range(400):
+        q = blockquant.empty(x.numel(), fmt)
+        blockquant.quantize_into(x, q, fmt, rounding.state_bits(seed, 1, x.numel()))
+        draws.append(blockquant.dequantize(q, fmt).double())
+    draws = torch.stack(draws)
+    mean, stderr = draws.mean(0), draws.std(0) / len(draws) ** 0.5
+    nearest = blockquant.dequantize(blockquant.quantize(x, fmt), fmt).double()
+    assert bool((draws.std(0) > 0).any()), "nothing was rounded stochastically"
+    scale = x.abs().reshape(-1, 32).amax(1).repeat_interleave(32).double() / fmt.qmax
+    floor = fmt.min_positive * scale if fmt.blockwise else torch.full_like(scale, fmt.min_positive)
+    tested = x.double().abs() > 2 * floor
+    err = (mean - x.double()).abs()
+    assert bool((err[tested] <= 5 * stderr[tested] + 1e-7 * x.double().abs()[tested]).all()), (
+        name, nonneg, err[tested].max())
+    assert (mean - x.double()).abs().mean() < (nearest - x.double()).abs().mean()
+
+
+def test_the_bits_come_from_the_counter_and_the_stream():
+    fmt = StateFormat.make("int8", 32, 0, False)
+    x = _values(fmt)
+
+    def codes(seed, stream):
+        q = blockquant.empty(x.numel(), fmt)
+        blockquant.quantize_into(x, q, fmt, rounding.state_bits(seed, stream, x.numel()))
+        return q.codes
+
+    assert torch.equal(codes(7, 1), codes(7, 1))
+    assert not torch.equal(codes(7, 1), codes(8, 1))
+    assert not torch.equal(codes(7, 1), codes(7, 2))
+    assert rounding.stream_seed(2**24 + 3, 1) == 3 | 1 << 24
+    with pytest.raises(ValueError, match="stream"):
+        rounding.stream_seed(0, 256)
+
+
+def _run(backend: str, fmt: str, outliers: int, nonfinite: bool) -> dict:
+    torch.manual_seed(0)
+    n = 600
+    p = torch.nn.Parameter(torch.randn(n) * torch.logspace(-6, 2, n)[torch.randperm(n)])
+    opt = lowbit_compile(torch.optim.AdamW([p], lr=1e-2), fmt, rounding="stochastic", backend=backend,
+                         min_8bit_size=0, block_size=256, outliers=outliers)
+    for k in range(2):
+        g = torch.sin(p.detach() * 3 + k) * torch.logspace(-9, 1, n)
+        if nonfinite and k == 1:
+            g[7] = float("inf")
+        p.grad = g
+        opt.step()
+    return opt.state[p]
+
+
+def _same_states(a: dict, b: dict) -> None:
+    assert a["rounding_seed"] == b["rounding_seed"] == 2
+    for key in ("exp_avg", "exp_avg_sq"):
+        for part, (x, y) in enumerate(zip(a[key].storage_parts, b[key].storage_parts)):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (key, part)
+
+
+@pytest.mark.parametrize("outliers", [0, 2])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_cpu_kernel_rounds_as_the_reference(fmt, outliers):
+    """Bit for bit, signed (m) and non-negative (v) states, patches and a flagged block (an inf)."""
+    nonfinite = fmt != "bf16"  # a bf16 state keeps inf as it is; its NaN's payload is not compared
+    _same_states(_run("reference", fmt, outliers, nonfinite), _run("cpu", fmt, outliers, nonfinite))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_triton_kernel_rounds_as_the_reference(fmt):
+    pytest.importorskip("triton")
+    nonfinite = fmt != "bf16"
+    _same_states(_run("reference", fmt, 2, nonfinite), _run("triton", fmt, 2, nonfinite))
+
+
+def test_a_resumed_run_is_bit_for_bit_the_uninterrupted_one():
+    """The counter is saved (as bytes, so a bf16 param's loader cast keeps it) and restored."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(2000, dtype=torch.bfloat16))
+    opt = lowbit_compile(torch.optim.AdamW([p], lr=1e-2), "int8", rounding="stochastic", backend="reference",
+                         min_8bit_size=0)
+
+    def step(k):
+        p.grad = torch.sin(p.detach().float() * 3 + k).bfloat16()
+        opt.step()
+
+    for k in range(3):
+        step(k)
+    opt.state[p]["rounding_seed"].fill_(301.0)  # past 256, which a counter cast to bf16 would round
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    start = p.detach().clone()
+    for k in range(3):
+        step(k)
+    uninterrupted = p.detach().clone()
+    p.data.copy_(start)
+    buffer.seek(0)
+    opt.load_state_dict(torch.load(buffer, weights_only=False))
+    for k in range(3):
+        step(k)
+    assert torch.equal(p.detach(), uninterrupted)
+    assert float(opt.state[p]["rounding_seed"]) == 304.0
+
+
+def test_rounding_is_validated_naming_the_option_and_the_fix():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(8))])
+    with pytest.raises(ValueError, match=r"rounding must be one of \('nearest', 'stochastic'\), got 'random'"):
+        lowbit_compile(opt, rounding="random")
+    with pytest.raises(ValueError, match=r"rounding\['exp_avg'\] must be one of"):
+        lowbit_compile(opt, rounding={"exp_avg": "up"})
+    with pytest.raises(ValueError, match="did you mean 'exp_avg'"):
+        lowbit_compile(opt, rounding={"exp_avgg": "stochastic"})
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        enable(rounding="sr")
+
+
+def test_per_state_rounding_keeps_the_other_state_to_nearest():
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = lowbit_compile(torch.optim.AdamW([p]), "int8", rounding={"exp_avg": "stochastic"}, backend="reference",
+                         min_8bit_size=0)
+    p.grad = torch.randn(64)
+    opt.step()
+    assert "rounding_seed" in opt.state[p]
+    graph = pass_graphs(torch.optim.AdamW([p]), "int8", rounding={"exp_avg": "stochastic"})["quantized"]
+    targets = {n.args[1].name: n.target for n in graph.graph.nodes if n.target in (
+        torch.ops.lowbit.quantize_.default, torch.ops.lowbit.quantize_stochastic_.default)}
+    assert targets == {"exp_avg_codes": torch.ops.lowbit.quantize_stochastic_.default,
+                       "exp_avg_sq_codes": torch.ops.lowbit.quantize_.default}
+
+
+def test_enable_the_classes_and_the_cli_take_rounding(tmp_path):
+    from lowbit_compile.optim import AdamW
+
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = AdamW([p], fmt="int8", rounding="stochastic", min_8bit_size=0, backend="reference")
+    p.grad = torch.randn(64)
+    opt.step()
+    assert float(opt.state[p]["rounding_seed"]) == 1.0
+    assert "rounding='stochastic'" in repr(opt)
+    twin = copy.deepcopy(opt)
+    assert float(twin.state[twin.param_groups[0]["params"][0]]["rounding_seed"]) == 1.0
+
+    q = torch.nn.Parameter(torch.randn(64))
+    with enable(fmt="int8", rounding="stochastic", min_8bit_size=0, backend="reference"):
+        inner = torch.optim.AdamW([q])
+        q.grad = torch.randn(64)
+        inner.step()
+    assert "rounding_seed" in inner.state[q]
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\np = torch.nn.Parameter(torch.randn(64))\nopt = torch.optim.AdamW([p])\n"
+                      "p.grad = torch.randn(64)\nopt.step()\nassert 'rounding_seed' in opt.state[p]\n")
+    assert main(["run", "--rounding", "stochastic", "--fmt", "int8", "--min-8bit-size", "0", "--backend",
+                 "reference", "--no-summary", str(script)]) == 0
+    with pytest.raises(SystemExit):
+        main(["run", "--rounding", "sometimes", str(script)])
+
+
+def _diff(a: str, b: str) -> str:
+    lines = difflib.unified_diff(a.splitlines(), b.splitlines(), n=0, lineterm="")
+    return "\n".join(line for line in lines if not line.startswith(("@@", "---", "+++")))
+
+
+def _adamw() -> torch.optim.Optimizer:
+    return torch.optim.AdamW([torch.nn.Parameter(torch.randn(64))], weight_decay=0.1)
+
+
+class TestPrintedStochasticKernels(TestCase):
+    def test_the_cpu_kernel_draws_a_key_per_state_and_rounds_in_the_block_encode(self):
+        target = Target("cpu", reciprocal_divisor=True)
+        nearest = emit_step(body(_adamw(), "int8"), target).source
+        stochastic = emit_step(body(_adamw(), "int8", rounding="stochastic"), target).source
+        self.assertExpectedInline(_diff(nearest, stochastic), """\
+-static const int LB_N_SCALARS = 7;
++static const int LB_N_SCALARS = 8;
++  const float c_clone_default = s[7];
+-  const float c_t8 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
+-  const float c_t9 = (float)0x1.0000000000000p+0 / c_pow_3;
++  const float c_t9 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
++  const float c_t10 = (float)0x1.0000000000000p+0 / c_pow_3;
++  const lb_rand h_exp_avg_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (1u << 24)), start};
++  const lb_rand h_exp_avg_sq_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (2u << 24)), start};
+-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
++      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
+-      const vf v_div = v_sqrt * lb_splat(c_t9);
++      const vf v_div = v_sqrt * lb_splat(c_t10);
+-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
++      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
+-      const vf v_div = v_sqrt * lb_splat(c_t9);
++      const vf v_div = v_sqrt * lb_splat(c_t10);
+-  lb_quantize_block<LB_INT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index);
+-  lb_quantize_block<LB_INT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index);
++  lb_quantize_block<LB_INT8, false, 0, true>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, h_exp_avg_rand);
++  lb_quantize_block<LB_INT8, true, 0, true>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, h_exp_avg_sq_rand);""")
+
+    def test_the_triton_kernel_passes_the_counter_and_the_stream(self):
+        printer = pytest.importorskip("lowbit_compile.kernels.triton_printer")
+        out = []
+        for label, target in (("float8", Target("cuda")), ("integer fp8", Target("cuda", fp8_native=False))):
+            nearest = printer.emit_kernel(body(_adamw(), "fp8_e4m3"), "step", target).source
+            stochastic = printer.emit_kernel(body(_adamw(), "fp8_e4m3", rounding="stochastic"), "step", target).source
+            out += [f"== {label}", _diff(nearest, stochastic)]
+        self.assertExpectedInline("\n".join(out), """\
+== float8
+-    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
++    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, clone_default_ptr, n_elements, first_block, BLOCK: tl.constexpr,
++    ROWS: tl.constexpr,
++    clone_default = lb.load_scalar(clone_default_ptr, lb.F32)
+-                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127)
++                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127, seed=clone_default, STREAM=1)
+-                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127)
++                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127, seed=clone_default, STREAM=2)
+== integer fp8
+-    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
++    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, clone_default_ptr, n_elements, first_block, BLOCK: tl.constexpr,
++    ROWS: tl.constexpr,
++    clone_default = lb.load_scalar(clone_default_ptr, lb.F32)
+-                INV_FLAGGED_QMAX=0.0024038462433964014, POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127)
++                INV_FLAGGED_QMAX=0.0024038462433964014, POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127,
++                seed=clone_default, STREAM=1)
+-                INV_FLAGGED_QMAX=0.0024038462433964014, POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127)
++                INV_FLAGGED_QMAX=0.0024038462433964014, POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127,
++                seed=clone_default, STREAM=2)""")
