@@ -5,6 +5,7 @@ in each state format, interleaved in one process on transformer-shaped parameter
     python bench/step_bench.py --quick   # 6M params, fp32, 1 thread, no torchao: a few minutes
     python bench/step_bench.py --master  # bf16 params: master weights against fused fp32 and bf16 AdamW
     python bench/step_bench.py --optimizers all   # every stock optimizer against its fused/foreach twin
+    python bench/step_bench.py --sizes 25M --formats dynamic8,dynamic8+sr   # rounding to nearest vs stochastic
 
 Per contender: state bytes/param counted from the tensors its optimizer holds; step time (median and
 interquartile range over rounds in which every contender steps once, in rotating order); the ratio
@@ -95,10 +96,14 @@ def _torch(flags: dict) -> Callable:
 
 
 def _lowbit(fmt: str, outliers: int) -> Callable:
+    """Our AdamW in ``fmt``; ``<fmt>+sr`` rounds its states stochastically."""
+    base, sr, _ = fmt.partition("+sr")
+
     def make(params):
         from lowbit_compile import lowbit_compile
 
-        return lowbit_compile(torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY), fmt, outliers=outliers)
+        return lowbit_compile(torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY), base, outliers=outliers,
+                              **({"rounding": "stochastic"} if sr else {}))
 
     return make
 
@@ -233,7 +238,7 @@ def contenders(peers: set[str], formats: tuple[str, ...]) -> list[Contender]:
         for cls_name in ("AdamW8bit", "AdamWFp8", "AdamW4bit"):
             out.append(Contender(f"torchao {cls_name}", _torchao(cls_name), "torchao", "TORCHINDUCTOR_CACHE_DIR"))
     for fmt in formats:
-        patched = fmt not in ("bf16", "fp32")  # formats without blocks have no patches
+        patched = fmt.partition("+")[0] not in ("bf16", "fp32")  # formats without blocks have no patches
         out.append(Contender(f"lowbit {fmt}" + (" +patches" if patched else ""), _lowbit(fmt, 2), "lowbit",
                              "LOWBIT_COMPILE_CACHE_DIR"))
         if patched:
@@ -537,7 +542,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16")
     parser.add_argument("--threads", default=None, help="comma list of thread counts")
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--formats", default=None, help="lowbit formats, comma list")
+    parser.add_argument("--formats", default=None, help="lowbit formats, comma list (<fmt>+sr: stochastic rounding)")
     parser.add_argument("--peers", default=None, help="comma list of bitsandbytes,torchao (default: those installed)")
     parser.add_argument("--no-first-step", action="store_true", help="skip the fresh-process measurements")
     parser.add_argument("--master", action="store_true",
