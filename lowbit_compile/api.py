@@ -367,10 +367,12 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
     config = wrapped.config
     ready, todo = [], []
     on_meta: list[tuple[dict, torch.Tensor]] = []
+    position = -1  # of the param in param_groups order (where its stochastic-rounding counter starts)
     for group in opt.param_groups:
         group_sig, values = group_signature(group)
         guards: dict[int, bool] = {}
         for param in group["params"]:
+            position += 1
             grad = param.grad
             if grad is None:
                 continue
@@ -392,16 +394,16 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
             schema = _schema(opt, group, param, mformat)
             formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
             compiled = compile_step(opt, group, param, state, schema, formats, config, mformat)
-            todo.append((compiled, schema, formats, mformat, group, group_sig, param, grad))
+            todo.append((compiled, schema, formats, mformat, group, group_sig, param, grad, position))
     # Then create or convert the states of the parameters stepped for the first time, and run.
-    for compiled, schema, formats, mformat, group, group_sig, param, grad in todo:
+    for compiled, schema, formats, mformat, group, group_sig, param, grad, position in todo:
         state = opt.state[param]
         if not state.keys() - set(COUNTER_KEYS):
             state.update(init_state(param, schema, formats))
         # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
         checkpoint.conform(param, state, formats)
         _apply(state, master.conformed(param, state, mformat, schema))
-        _apply(state, counter.conformed(state, bool(config.stochastic(formats))))
+        _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
     return StepPlan(opt, config, ready), on_meta
@@ -436,8 +438,10 @@ def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[
     (adoption mid-training, a re-configuration, a checkpoint a stock loader stored): all built
     before any is stored, so a state that cannot be converted changes nothing."""
     updates = []
+    position = -1  # of the param in param_groups order (where its stochastic-rounding counter starts)
     for group in opt.param_groups:
         for param in group["params"]:
+            position += 1
             state = opt.state.get(param)
             if not state or param.is_meta:
                 continue
@@ -450,7 +454,7 @@ def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[
                 if new is not None:
                     changes[key] = new
             changes.update(master.conformed(param, {**state, **changes}, mformat, schema))
-            changes.update(counter.conformed(state, bool(config.stochastic(formats))))
+            changes.update(counter.conformed(state, bool(config.stochastic(formats)), position))
             updates.extend((state, key, new) for key, new in changes.items())
     return updates
 

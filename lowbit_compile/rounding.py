@@ -1,6 +1,7 @@
 """The step counter of stochastically rounded states (``rounding="stochastic"``, ``kernels/rounding.py``):
-one 0-d fp32 ``rounding_seed`` per parameter in the optimizer state, created at 0 when a state of the
-parameter first rounds stochastically, advanced by the step itself, saved as its four bytes (like the
+one 0-d fp32 ``rounding_seed`` per parameter in the optimizer state, created when a state of the
+parameter first rounds stochastically (at a start apart for each parameter, ``first_counter``), advanced
+by the step itself, saved as its four bytes (like the
 master residual's counter, so a stock loader's cast to a bf16 param's dtype cannot round it) and read
 back on the next step, so a resumed run draws the bits the uninterrupted one would."""
 
@@ -11,20 +12,31 @@ from typing import Any
 import torch
 
 from . import master
+from .kernels.residual import SEED_PERIOD
 from .kernels.rounding import SEED
 
+_SPREAD = 0x9E3779B1  # odd (2**32 over the golden ratio): positions map to distinct, well-spread starts
 
-def conformed(state: dict, stochastic: bool) -> dict[str, Any]:
-    """What changes in ``state`` (None: the entry goes) so that its counter fits: created where a state
-    rounds stochastically and none is held, read back from saved bytes, back to fp32 on the CPU after a
-    cast, dropped where no state rounds stochastically. Reads ``state``, changes nothing."""
+
+def first_counter(position: int) -> float:
+    """Where the counter of the parameter at ``position`` (in ``param_groups`` order) starts: an element's
+    bits depend only on its index, the counter and its state's stream, so parameters whose counters ran in
+    step would round their same-index elements with the same draws (every layer of a stack alike)."""
+    return float(position * _SPREAD % SEED_PERIOD)
+
+
+def conformed(state: dict, stochastic: bool, position: int) -> dict[str, Any]:
+    """What changes in ``state`` (None: the entry goes) so that its counter fits: created (at
+    ``first_counter(position)``) where a state rounds stochastically and none is held, read back from
+    saved bytes, back to fp32 on the CPU after a cast, dropped where no state rounds stochastically.
+    Reads ``state``, changes nothing."""
     value = state.get(SEED)
     if not stochastic:
         return {SEED: None} if SEED in state else {}
     if master.is_packed_counter(value):
         return {SEED: master.unpack_counter(value, SEED)}
     if value is None:
-        return {SEED: torch.zeros((), dtype=torch.float32)}
+        return {SEED: torch.tensor(first_counter(position), dtype=torch.float32)}
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not bool(torch.isfinite(value).all()):
         raise ValueError(f"state {SEED!r} is not one finite number; the checkpoint is corrupt")
     if value.dtype != torch.float32 or value.device.type != "cpu" or value.dim():

@@ -75,6 +75,25 @@ def test_the_bits_come_from_the_counter_and_the_stream():
         rounding.stream_seed(0, 256)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_equal_parameters_stepped_together_draw_different_bits(backend):
+    """An element's bits depend on its index, the counter and the stream only, so every parameter's
+    counter starts apart (by its position in param_groups): two parameters holding the same values and
+    gradients round differently, in one launch or two; the first starts at 0."""
+    torch.manual_seed(0)
+    init, grad = torch.randn(4096), torch.randn(4096)
+    params = [torch.nn.Parameter(init.clone()) for _ in range(3)]
+    opt = lowbit_compile(torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 1e-3}], lr=1e-3),
+                         "int8", rounding="stochastic", backend=backend, min_8bit_size=0)
+    for p in params:
+        p.grad = grad.clone()
+    opt.step()
+    counters = [float(opt.state[p]["rounding_seed"]) for p in params]
+    assert counters[0] == 1.0 and len(set(counters)) == 3
+    codes = [opt.state[p]["exp_avg"].storage_parts.codes for p in params]
+    assert not torch.equal(codes[0], codes[1]) and not torch.equal(codes[1], codes[2])
+
+
 def _run(backend: str, fmt: str, outliers: int, nonfinite: bool) -> dict:
     torch.manual_seed(0)
     n = 600
