@@ -75,7 +75,7 @@ def test_the_bits_come_from_the_counter_and_the_stream():
         rounding.stream_seed(0, 256)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 def test_equal_parameters_stepped_together_draw_different_bits(backend):
     """An element's bits depend on its index, the counter and the stream only, so every parameter's
     counter starts apart (by its position in param_groups): two parameters holding the same values and
