@@ -319,8 +319,7 @@ def round_stochastic(x: torch.Tensor, codes: torch.Tensor, fmt: StateFormat, bit
     The draw is exact in fp32 on every backend: ``u * |v' - v| < |x - v|`` with ``u`` the top 24 bits
     over 2**24. bf16 adds the low 16 of ``bits`` to the fp32 bit pattern and truncates to 16 bits."""
     if fmt.name == "bf16":
-        top = torch.finfo(torch.bfloat16).max
-        y = torch.where(torch.isfinite(x), x.clamp(-top, top), x)
+        y = saturate_bf16(x)
         if fmt.nonneg:
             y = torch.where(y > 0, y.clamp(min=fmt.min_positive), y)
         pattern = y.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -364,8 +363,13 @@ def decode(codes: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None =
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
     """fp32 to bf16, to nearest even, a finite value saturating at bf16's largest instead of becoming
     inf (fp32 values above 3.3961e38 round to bf16 inf); inf and NaN stay."""
+    return saturate_bf16(x).to(torch.bfloat16)
+
+
+def saturate_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with finite values clamped to bf16's largest magnitude (what every bf16 rounding starts from)."""
     top = torch.finfo(torch.bfloat16).max
-    return torch.where(torch.isfinite(x), x.clamp(-top, top), x).to(torch.bfloat16)
+    return torch.where(torch.isfinite(x), x.clamp(-top, top), x)
 
 
 # ---- non-finite values in flagged blocks ------------------------------------------------------------

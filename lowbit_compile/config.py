@@ -106,8 +106,7 @@ class Config:
             close = {n: difflib.get_close_matches(n, sorted(set(kept) | STOCK_STATES), n=1) for n in unknown}
             hints = "; ".join(f"{n!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for n, c in close.items())
             raise ValueError(f"fmt or rounding names states that {optimizer} does not keep per element: {hints}; "
-                             f"its per-element "
-                             f"states are {sorted(kept)}")
+                             f"its per-element states are {sorted(kept)}")
 
     def check_patterns(self, names: Collection[str]) -> None:
         """Refuse a name pattern that matches no parameter name: overrides exist to keep chosen
