@@ -5,7 +5,8 @@ CPU tensors under ``TRITON_INTERPRET=1``); ``"reference"``: the eager oracle; ``
 backend of the parameters' device. Importing this module imports neither triton nor inductor: a
 backend's modules load when its first kernel is built.
 
-A step is lowered completely (printed, compiled, loaded) before its first run changes anything.
+A step is lowered completely (printed, compiled, loaded) before its first run changes anything; the
+C++ compiler runs in the background meanwhile, so the kernels of one step compile at once.
 When the fused backend of ``"auto"`` cannot build a step (an op of an optimizer of one's own that no
 printer covers, no C++ compiler), the step runs on the reference, with one warning naming why; a
 backend asked for by name fails instead, at the same point, leaving the optimizer as it was.
@@ -13,10 +14,12 @@ backend asked for by name fails instead, at the same point, leaving the optimize
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch.fx import GraphModule
@@ -76,23 +79,40 @@ def resolve(backend: str, device_type: str) -> str:
     return backend
 
 
-def lower(step: GraphModule, backend: str, device: torch.device) -> StepKernel:
-    """The kernel of the split, rewritten ``step`` for parameters on ``device``, built now."""
+def lower(step: GraphModule, backend: str, device: torch.device) -> Callable[[], StepKernel]:
+    """The kernel of the split, rewritten ``step`` for parameters on ``device``: printed now, compiled
+    in the background where the backend runs a compiler (the C++ one), so several steps compile at
+    once; calling the result waits for it and gives the kernel, built completely."""
     concrete = resolve(backend, device.type)
     if concrete == "reference":
-        return ReferenceStep(step)
+        return functools.partial(ReferenceStep, step)
     try:
         if concrete == "cpu":
             from .cpu import lower_cpu
 
-            return lower_cpu(step)
-        from .triton_backend import TritonStep
+            building = lower_cpu(step)
+        else:
+            from .triton_backend import TritonStep
 
-        return TritonStep(step, device)
+            building = functools.partial(TritonStep, step, device)
     except (LoweringError, BuildError) as err:
-        if canonical(backend) != "auto":
-            raise LoweringError(f"backend={backend!r} cannot run this step: {err}. Use backend='auto' (the "
-                                "reference lowering where the kernels do not reach) or backend='reference'") from err
-        warnings.warn(f"lowbit-compile: the {concrete} kernel cannot run this step ({err}); it runs on the eager "
-                      "reference lowering instead (op by op, with fp32 temporaries)", stacklevel=2)
-        return ReferenceStep(step)
+        return functools.partial(_fallback, step, backend, concrete, err)
+
+    def built() -> StepKernel:
+        try:
+            return building()
+        except (LoweringError, BuildError) as err:
+            return _fallback(step, backend, concrete, err)
+
+    return built
+
+
+def _fallback(step: GraphModule, backend: str, concrete: str, err: Exception) -> StepKernel:
+    """The reference lowering of a step the fused ``concrete`` backend cannot build, under ``"auto"``;
+    asked for by name, the error that says so."""
+    if canonical(backend) != "auto":
+        raise LoweringError(f"backend={backend!r} cannot run this step: {err}. Use backend='auto' (the "
+                            "reference lowering where the kernels do not reach) or backend='reference'") from err
+    warnings.warn(f"lowbit-compile: the {concrete} kernel cannot run this step ({err}); it runs on the eager "
+                  "reference lowering instead (op by op, with fp32 temporaries)", stacklevel=2)
+    return ReferenceStep(step)

@@ -45,9 +45,9 @@ _LANE_NAME = re.compile(r"\bv_\w+")
 
 def _cfloat(x: float) -> str:
     if math.isnan(x):
-        return "NAN"
+        return "LB_NAN"
     if math.isinf(x):
-        return "INFINITY" if x > 0 else "-INFINITY"
+        return "LB_INF" if x > 0 else "-LB_INF"
     return f"(float){float(x).hex()}"
 
 
@@ -400,7 +400,7 @@ class CppPrinter:
         return Value(f"-{_operand(a)}", a.dtype, a.kind, atomic=False)
 
     def abs(self, a: Value) -> Value:
-        return self._call("lb_abs", "fabsf", a, dtype=a.dtype)
+        return self._call("lb_abs", "__builtin_fabsf", a, dtype=a.dtype)
 
     def maximum(self, a: Value, b: Value) -> Value:
         return self._call("lb_maximum", "lb_maximum_s", a, b, dtype=a.dtype if a.dtype == b.dtype else torch.float32)
@@ -504,8 +504,8 @@ class CppPrinter:
             out.append(f"{ind}float* __restrict buf_{s.key} = scratch + {b} * LB_BLOCK;")
             if s.reads:
                 k = s.key
-                out.append(f"{ind}const vf SC_{k} = lb_splat(fabsf(*{s.ptr(Part.SCALES)}));")
-                out.append(f"{ind}const bool FL_{k} = signbit(*{s.ptr(Part.SCALES)});  // a flagged block")
+                out.append(f"{ind}const vf SC_{k} = lb_splat(__builtin_fabsf(*{s.ptr(Part.SCALES)}));")
+                out.append(f"{ind}const bool FL_{k} = __builtin_signbit(*{s.ptr(Part.SCALES)});  // a flagged block")
                 if s.fmt.patches:
                     out.append(f"{ind}int64_t PI_{k}[{s.fmt.patches}];")
                     out.append(f"{ind}float PV_{k}[{s.fmt.patches}];")

@@ -159,24 +159,30 @@ class CpuLaunch:
             self.versions = self._versions()
 
 
-def lower_cpu(step: GraphModule) -> CpuStep:
-    """The split, rewritten step as one compiled C++ kernel (``LoweringError`` or ``RuntimeError`` when
-    it cannot be built: an op no printer covers, or no C++ compiler). A step without quantized states
-    takes torch's own square root and true divisions, so it is bit for bit stock; with quantized
-    states the kernel takes the SIMD square root and multiplies by the reciprocal of a scalar divisor,
-    each within one fp32 rounding of torch's."""
+def lower_cpu(step: GraphModule) -> Callable[[], CpuStep]:
+    """The split, rewritten step as one compiled C++ kernel: emitted now (``LoweringError`` for an op no
+    printer covers, ``BuildError`` without a C++ compiler), compiled in the background; calling the
+    result waits for the compiler (``BuildError`` if it failed) and gives the kernel. A step without
+    quantized states takes torch's own square root and true divisions, so it is bit for bit stock; with
+    quantized states the kernel takes the SIMD square root and multiplies by the reciprocal of a scalar
+    divisor, each within one fp32 rounding of torch's."""
     stock = not any(n.target is torch.ops.lowbit.dequantize.default for n in step.body.graph.nodes)
     emitted = emit_step(step.body, Target("cpu", torch_sqrt=stock, reciprocal_divisor=not stock))
     cpu_build.compiler()
-    lib = cpu_build.load(emitted.full_source)
-    if emitted.mkl_sqrt:
-        vsqrt = _torch_vsqrt()
-        if vsqrt is not None:
-            lib.lowbit_set_vsqrt(ctypes.c_void_p(vsqrt))
-    kernel = getattr(lib, ENTRY)
-    kernel.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    kernel.restype = ctypes.c_int
-    return CpuStep(step, emitted, kernel)
+    building = cpu_build.load_async(emitted.full_source)
+
+    def built() -> CpuStep:
+        lib = building.result()
+        if emitted.mkl_sqrt:
+            vsqrt = _torch_vsqrt()
+            if vsqrt is not None:
+                lib.lowbit_set_vsqrt(ctypes.c_void_p(vsqrt))
+        kernel = getattr(lib, ENTRY)
+        kernel.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        kernel.restype = ctypes.c_int
+        return CpuStep(step, emitted, kernel)
+
+    return built
 
 
 @functools.cache

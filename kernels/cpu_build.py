@@ -9,7 +9,8 @@ Unlike inductor's defaults this keeps IEEE semantics: no fast-math, and ``-ffp-c
 only FMAs are the ones the kernel asks for (to round exactly like aten). A library is keyed by the
 hash of its source, the flags, the compiler binary and the CPU's feature flags, and written
 atomically, so concurrent processes never load a half-written file. A warm process loads it
-without invoking the compiler (and without importing inductor).
+without invoking the compiler (and without importing inductor). ``load_async`` runs the compiler in a
+background thread, so the kernels of one step compile at the same time.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .kernel import BuildError
@@ -33,6 +36,8 @@ FLAGS = (
 )
 
 _loaded: dict[str, ctypes.CDLL] = {}
+_building: dict[str, Future] = {}  # the builds under way, by cache key
+_lock = threading.Lock()
 compile_count = 0  # compilations in this process (a warm cache keeps it at 0)
 compile_seconds = 0.0
 
@@ -83,14 +88,53 @@ def cache_key(source: str, extra_flags: tuple[str, ...] = ()) -> str:
 
 def load(source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The shared library built from ``source``, compiled if no process has built it before."""
+    return load_async(source, extra_flags).result()
+
+
+def load_async(source: str, extra_flags: tuple[str, ...] = ()) -> Future[ctypes.CDLL]:
+    """:func:`load` with the compiler running in a background thread while the caller goes on; one
+    build per source however many threads ask for it (a failed one is retried by the next call)."""
     key = cache_key(source, extra_flags)
-    lib = _loaded.get(key)
-    if lib is None:
-        lib_path = cache_dir() / f"{key}.so"
+    with _lock:
+        lib = _loaded.get(key)
+        if lib is not None:
+            done: Future[ctypes.CDLL] = Future()
+            done.set_result(lib)
+            return done
+        future = _building.get(key)
+        if future is None:
+            future = _building[key] = _builder().submit(_load, key, cache_dir() / f"{key}.so", source, extra_flags)
+    return future
+
+
+@functools.cache
+def _builder() -> ThreadPoolExecutor:
+    """The threads that wait for compilers: as many as CPUs, each compiler being one process."""
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="lowbit-cxx")
+
+
+def _forget_builds() -> None:
+    """In a forked child: the parent's builder threads and builds under way do not exist here."""
+    global _lock
+    _lock = threading.Lock()
+    _building.clear()
+    _builder.cache_clear()
+
+
+os.register_at_fork(after_in_child=_forget_builds)
+
+
+def _load(key: str, lib_path: Path, source: str, extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    try:
         if not lib_path.exists():
             _compile(source, lib_path, extra_flags)
-        lib = _loaded[key] = ctypes.CDLL(str(lib_path))
-    return lib
+        lib = ctypes.CDLL(str(lib_path))
+        with _lock:
+            _loaded[key] = lib
+        return lib
+    finally:
+        with _lock:
+            del _building[key]
 
 
 def _compile(source: str, lib_path: Path, extra_flags: tuple[str, ...]) -> None:
@@ -114,5 +158,6 @@ def _compile(source: str, lib_path: Path, extra_flags: tuple[str, ...]) -> None:
         for leftover in (tmp_src, tmp_lib):
             if os.path.exists(leftover):
                 os.unlink(leftover)
-    compile_count += 1
-    compile_seconds += time.perf_counter() - start
+    with _lock:
+        compile_count += 1
+        compile_seconds += time.perf_counter() - start

@@ -11,11 +11,15 @@
 // Rounding: every value is rounded exactly where torch rounds it (fp32 per op, bf16 per op where a
 // state or param is bf16), FMA only where torch's own CPU kernels fuse (lerp, add with alpha,
 // addcmul), so the emitted update reproduces the traced aten ops bit for bit.
-#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+// No <math.h> (nor <immintrin.h>, below): parsing them took longer than compiling a kernel, and the
+// few functions and constants the kernels need are compiler builtins.
+#define LB_NAN __builtin_nanf("")
+#define LB_INF __builtin_inff()
 
 #ifndef LB_W
 #if defined(__AVX512F__)
@@ -69,8 +73,8 @@ LB_INLINE vf lb_minimum(vf a, vf b) {
   vf m = a < b ? a : b;
   return (a != a) | (b != b) ? lb_nan() : m;
 }
-LB_INLINE float lb_maximum_s(float a, float b) { return a != a || b != b ? NAN : (a > b ? a : b); }
-LB_INLINE float lb_minimum_s(float a, float b) { return a != a || b != b ? NAN : (a < b ? a : b); }
+LB_INLINE float lb_maximum_s(float a, float b) { return a != a || b != b ? LB_NAN : (a > b ? a : b); }
+LB_INLINE float lb_minimum_s(float a, float b) { return a != a || b != b ? LB_NAN : (a < b ? a : b); }
 LB_INLINE vf lb_abs(vf a) { return lb_bits_f(lb_bits_i(a) & 0x7FFFFFFF); }
 LB_INLINE vi lb_mask(bool b) { return lb_splat_i(b ? -1 : 0); }  // a scalar condition as a lane mask
 LB_INLINE vf lb_clamp(vf x, float lo, float hi) {  // NaN stays NaN, like Tensor.clamp
@@ -97,17 +101,38 @@ LB_INLINE void lb_st_n(float* p, vf v, int64_t r) {
 }
 
 // Widening loads and narrowing stores of 8- and 16-bit lanes. GCC scalarizes these conversions on
-// vector extensions, so x86 gets one or two intrinsics each; other targets the generic version.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && LB_W == 16
-#include <immintrin.h>
-LB_INLINE vi lb_ld_u8(const uint8_t* p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-LB_INLINE void lb_st_u8(uint8_t* p, vi x) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8((__m512i)x)); }
-LB_INLINE vi lb_ld_u16(const uint16_t* p) { return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
-LB_INLINE void lb_st_u16(uint16_t* p, vi x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16((__m512i)x)); }
-LB_INLINE int lb_any(vi m) { return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0; }  // any lane set
+// vector extensions, so with GCC x86 gets one or two SIMD instructions each, written as the builtins
+// <immintrin.h> wraps (parsing that header took more time than compiling a kernel); other targets and
+// compilers the generic version.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__) && defined(__AVX512BW__) && LB_W == 16
+typedef char lb_v16qi __attribute__((vector_size(16)));
+typedef short lb_v16hi __attribute__((vector_size(32)));
+typedef float lb_v8sf __attribute__((vector_size(32)));
+LB_INLINE vi lb_ld_u8(const uint8_t* p) {
+  lb_v16qi b;
+  memcpy(&b, p, sizeof b);
+  return (vi)__builtin_ia32_pmovzxbd512_mask(b, (vi){}, (uint16_t)-1);
+}
+LB_INLINE void lb_st_u8(uint8_t* p, vi x) {
+  const lb_v16qi b = __builtin_ia32_pmovdb512_mask(x, (lb_v16qi){}, (uint16_t)-1);
+  memcpy(p, &b, sizeof b);
+}
+LB_INLINE vi lb_ld_u16(const uint16_t* p) {
+  lb_v16hi h;
+  memcpy(&h, p, sizeof h);
+  return (vi)__builtin_ia32_pmovzxwd512_mask(h, (vi){}, (uint16_t)-1);
+}
+LB_INLINE void lb_st_u16(uint16_t* p, vi x) {
+  const lb_v16hi h = __builtin_ia32_pmovdw512_mask(x, (lb_v16hi){}, (uint16_t)-1);
+  memcpy(p, &h, sizeof h);
+}
+LB_INLINE int lb_any(vi m) { return __builtin_ia32_ptestmd512(m, m, (uint16_t)-1) != 0; }  // any lane set
 LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t: 8 constants)
-  const __m512 lo = _mm512_castps256_ps512(_mm256_loadu_ps(t));
-  return (vf)_mm512_permutexvar_ps((__m512i)idx, _mm512_shuffle_f32x4(lo, lo, 0x44));  // t twice
+  lb_v8sf t8;
+  memcpy(&t8, t, sizeof t8);
+  const vf lo = __builtin_ia32_ps512_256ps(t8);
+  const vf twice = __builtin_ia32_shuf_f32x4_mask(lo, lo, 0x44, (vf){}, (uint16_t)-1);  // t twice
+  return __builtin_ia32_permvarsf512_mask(twice, idx, (vf){}, (uint16_t)-1);
 }
 LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {
   lb_st_u8(p, a);
@@ -115,29 +140,48 @@ LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {
   lb_st_u8(p + 2 * LB_W, c);
   lb_st_u8(p + 3 * LB_W, d);
 }
-#elif defined(__AVX2__) && LB_W == 8
-#include <immintrin.h>
-LB_INLINE vi lb_ld_u8(const uint8_t* p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+#elif defined(__GNUC__) && !defined(__clang__) && defined(__AVX2__) && LB_W == 8
+typedef char lb_v16qi __attribute__((vector_size(16)));
+typedef char lb_v32qi __attribute__((vector_size(32)));
+typedef short lb_v8hi __attribute__((vector_size(16)));
+typedef short lb_v16hi __attribute__((vector_size(32)));
+typedef int32_t lb_v4si __attribute__((vector_size(16)));
+typedef long long lb_v2di __attribute__((vector_size(16)));
+typedef long long lb_v4di __attribute__((vector_size(32)));
+LB_INLINE vi lb_ld_u8(const uint8_t* p) {
+  lb_v2di b = {0, 0};
+  memcpy(&b, p, 8);
+  return (vi)__builtin_ia32_pmovzxbd256((lb_v16qi)b);
+}
 LB_INLINE void lb_st_u8(uint8_t* p, vi x) {  // the low byte of each lane (lanes hold 0..255)
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  __m256i t = _mm256_shuffle_epi8((__m256i)x, pick);
-  _mm_storel_epi64((__m128i*)p, _mm_unpacklo_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+  const lb_v32qi pick = {0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+  const lb_v4di t = (lb_v4di)__builtin_ia32_pshufb256((lb_v32qi)x, pick);
+  const lb_v2di lo = (lb_v2di)__builtin_ia32_punpckldq128((lb_v4si)__builtin_ia32_si_si256((vi)t),
+                                                          (lb_v4si)__builtin_ia32_extract128i256(t, 1));
+  memcpy(p, &lo, 8);
 }
-LB_INLINE vi lb_ld_u16(const uint16_t* p) { return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)); }
+LB_INLINE vi lb_ld_u16(const uint16_t* p) {
+  lb_v8hi h;
+  memcpy(&h, p, sizeof h);
+  return (vi)__builtin_ia32_pmovzxwd256(h);
+}
 LB_INLINE void lb_st_u16(uint16_t* p, vi x) {  // lanes hold 0..65535
-  __m256i t = _mm256_permute4x64_epi64(_mm256_packus_epi32((__m256i)x, (__m256i)x), 0xD8);
-  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(t));
+  const lb_v4di t = __builtin_ia32_permdi256((lb_v4di)__builtin_ia32_packusdw256(x, x), 0xD8);
+  const lb_v2di lo = {t[0], t[1]};
+  memcpy(p, &lo, sizeof lo);
 }
-LB_INLINE int lb_any(vi m) { return !_mm256_testz_si256((__m256i)m, (__m256i)m); }
+LB_INLINE int lb_any(vi m) { return !__builtin_ia32_ptestz256((lb_v4di)m, (lb_v4di)m); }
 LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t: 8 constants)
-  return (vf)_mm256_permutevar8x32_ps(_mm256_loadu_ps(t), (__m256i)idx);
+  vf t8;
+  memcpy(&t8, t, sizeof t8);
+  return __builtin_ia32_permvarsf256(t8, idx);
 }
 LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of 0..255: two packs, one store
-  __m256i t = _mm256_packus_epi16(_mm256_packus_epi32((__m256i)a, (__m256i)b),
-                                  _mm256_packus_epi32((__m256i)c, (__m256i)d));
-  t = _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256((__m256i*)p, t);
+  const lb_v32qi t = __builtin_ia32_packuswb256(__builtin_ia32_packusdw256(a, b), __builtin_ia32_packusdw256(c, d));
+  const vi order = {0, 4, 1, 5, 2, 6, 3, 7};
+  const vi out = __builtin_ia32_permvarsi256((vi)t, order);
+  memcpy(p, &out, sizeof out);
 }
 #else
 LB_INLINE vi lb_ld_u8(const uint8_t* p) {
@@ -425,14 +469,14 @@ template <bool U>
 LB_INLINE vf lb_bf16_state_clamp(vf x) {
   const float min_positive = lb_format<LB_BF16_CODES, U>::min_positive;  // the smallest positive bf16
   const vf a = lb_abs(x);
-  x = (a > LB_BF16_TOP) & (a < lb_splat(INFINITY)) ? lb_bits_f((lb_bits_i(x) & (int32_t)0x80000000) |
+  x = (a > LB_BF16_TOP) & (a < lb_splat(LB_INF)) ? lb_bits_f((lb_bits_i(x) & (int32_t)0x80000000) |
                                                                 lb_bits_i(lb_splat(LB_BF16_TOP))) : x;
   return U ? ((x > 0) & (x < min_positive) ? lb_splat(min_positive) : x) : x;
 }
 template <bool U, bool SR>
 static inline uint16_t lb_patch_bits(float x, lb_rand rnd, int64_t index) {  // as lb_bf16_state_clamp then round
-  const float a = fabsf(x);
-  if (a > LB_BF16_TOP && a < INFINITY) x = copysignf(LB_BF16_TOP, x);
+  const float a = __builtin_fabsf(x);
+  if (a > LB_BF16_TOP && a < LB_INF) x = __builtin_copysignf(LB_BF16_TOP, x);
   if (U && x > 0 && x < lb_format<LB_BF16_CODES, U>::min_positive) x = lb_format<LB_BF16_CODES, U>::min_positive;
   if constexpr (SR) return (uint16_t)lb_bf16_bits_stochastic(lb_splat(x), lb_bits_at<SR>(rnd, index))[0];
   return lb_bf16_bits(x);
@@ -445,8 +489,8 @@ template <int F, bool U>
 __attribute__((noinline)) static vf lb_decode_flagged(vi u, vf d, vf scale) {
   typedef lb_format<F, U> f;
   vf v = lb_key(d) < 0x7F800000 ? d * scale : d;
-  v = u == f::pos_inf_code ? lb_splat(INFINITY) : v;
-  v = u == f::neg_inf_code ? lb_splat(-INFINITY) : v;
+  v = u == f::pos_inf_code ? lb_splat(LB_INF) : v;
+  v = u == f::neg_inf_code ? lb_splat(-LB_INF) : v;
   return u == f::nan_code ? lb_nan() : v;
 }
 template <int F, bool U>
@@ -512,7 +556,7 @@ static inline void lb_scale_and_inverse(float absmax, float qmax, float* scale, 
   float s = absmax / qmax, inv = absmax > 0 ? (1.0f / absmax) * qmax : 0.0f;
   if (absmax > 0 && s < 0x1p-126f) s = 0x1p-126f, inv = 0x1p126f;
   if (__builtin_isinf(s)) inv = (float)(1.0 / 0x1.fffffep+127);
-  if (__builtin_isinf(s * qmax)) s = nextafterf(s, 0.0f);
+  if (__builtin_isinf(s * qmax)) s = __builtin_nextafterf(s, 0.0f);
   *scale = s;
   *inverse = inv;
 }
@@ -569,13 +613,14 @@ template <int F, bool U, bool FLAGGED, bool LIFT, bool SR>
 static inline void lb_encode_loop(const float* buf, int64_t len, float inverse, uint8_t* codes, lb_rand rnd) {
   const vf vinv = lb_splat(inverse);
   int64_t i = 0;
-  for (; i + 4 * LB_W <= len; i += 4 * LB_W)
-    lb_st_u8x4(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i), vinv, lb_bits_at<SR>(rnd, i)),
-               lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + LB_W), vinv, lb_bits_at<SR>(rnd, i + LB_W)),
-               lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + 2 * LB_W), vinv,
-                                                         lb_bits_at<SR>(rnd, i + 2 * LB_W)),
-               lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + 3 * LB_W), vinv,
-                                                         lb_bits_at<SR>(rnd, i + 3 * LB_W)));
+  if constexpr (!FLAGGED)  // a flagged block (inf or NaN in it) is rare: not unrolled, less to compile
+    for (; i + 4 * LB_W <= len; i += 4 * LB_W)
+      lb_st_u8x4(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i), vinv, lb_bits_at<SR>(rnd, i)),
+                 lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + LB_W), vinv, lb_bits_at<SR>(rnd, i + LB_W)),
+                 lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + 2 * LB_W), vinv,
+                                                           lb_bits_at<SR>(rnd, i + 2 * LB_W)),
+                 lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + 3 * LB_W), vinv,
+                                                           lb_bits_at<SR>(rnd, i + 3 * LB_W)));
   for (; i + LB_W <= len; i += LB_W)
     lb_st_codes(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i), vinv, lb_bits_at<SR>(rnd, i)));
   if (i < len)

@@ -1,7 +1,8 @@
 """The one interface of a lowered step, whatever the backend: a prepared ``launch`` steps parameters.
 
-A lowering (``backends.lower``) returns a :class:`StepKernel` built completely (emitted, compiled,
-loaded), so the first step that uses it cannot fail half-way for a reason known in advance.
+A lowering (``backends.lower``) gives a :class:`StepKernel` built completely (emitted, compiled,
+loaded) before any step uses it, so the first step that does cannot fail half-way for a reason known
+in advance.
 """
 
 from __future__ import annotations

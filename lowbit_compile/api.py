@@ -17,7 +17,7 @@ import torch
 
 from . import checkpoint, master, sharding
 from . import rounding as counter
-from .compile import COUNTER_KEYS, compile_step
+from .compile import COUNTER_KEYS, compile_steps, step_request
 from .config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -365,7 +365,7 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
     convert the states of the parameters stepped for the first time, and bind them all. Also the
     params on the ``meta`` device, which the stock update steps."""
     config = wrapped.config
-    ready, todo = [], []
+    ready, todo, requests = [], [], []
     on_meta: list[tuple[dict, torch.Tensor]] = []
     position = -1  # of the param in param_groups order (where its stochastic-rounding counter starts)
     for group in opt.param_groups:
@@ -393,10 +393,11 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
             mformat = master.format_for(param, config)
             schema = _schema(opt, group, param, mformat)
             formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
-            compiled = compile_step(opt, group, param, state, schema, formats, config, mformat)
-            todo.append((compiled, schema, formats, mformat, group, group_sig, param, grad, position))
+            requests.append(step_request(opt, group, param, state, schema, formats, config, mformat))
+            todo.append((schema, formats, mformat, group, group_sig, param, grad, position))
+    compiled_steps = compile_steps(requests)  # the kernels of all signatures compile at once
     # Then create or convert the states of the parameters stepped for the first time, and run.
-    for compiled, schema, formats, mformat, group, group_sig, param, grad, position in todo:
+    for compiled, (schema, formats, mformat, group, group_sig, param, grad, position) in zip(compiled_steps, todo):
         state = opt.state[param]
         if not state.keys() - set(COUNTER_KEYS):
             state.update(init_state(param, schema, formats))

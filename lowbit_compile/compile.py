@@ -2,8 +2,9 @@
 
 A signature is everything a trace depends on (optimizer class, the group's static flags, which
 hyperparameters are tensors, param dtype and device type, the state schema) plus the state formats
-and the backend. The whole trace-rewrite-build of a signature holds the trace lock, so first steps
-taken in several threads at once build each kernel once and never trace concurrently.
+and the backend. The whole trace-rewrite-build of a step's signatures holds the trace lock, so first
+steps taken in several threads at once build each kernel once and never trace concurrently; the C++
+compilations of one step's signatures run at the same time.
 """
 
 from __future__ import annotations
@@ -53,11 +54,21 @@ _compiled: dict[tuple, list[CompiledStep]] = {}
 COUNTER_KEYS = (*MASTER_KEYS, ROUNDING_SEED)  # states of ours, not the stock step's: never traced
 
 
-def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
+@dataclass
+class StepRequest:
+    """One parameter's step to find or build: its signature (``key``), the values of its
+    hyperparameter slots (a compiled step's guard must accept them) and what builds it."""
+
+    key: tuple
+    values: list
+    builder: _Builder
+
+
+def step_request(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
                  schema: StateSchema, formats: dict[str, StateFormat], config: Config,
-                 master: MasterFormat | None = None) -> CompiledStep:
-    """The lowered step for this parameter's signature (built now if no step of it was), from its
-    state as it is or, when empty, as its first step will create it. Changes nothing of ``opt``.
+                 master: MasterFormat | None = None) -> StepRequest:
+    """The request for this parameter's step, from its state as it is or, when empty, as its first
+    step will create it. Changes nothing of ``opt``.
 
     With ``master``, the step is traced as the fp32 master recipe runs it (fp32 param, grad and
     states; ``schema`` probed so) and rewritten to step the 16-bit ``param`` through its master."""
@@ -71,17 +82,42 @@ def compile_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     key = (trace_key(opt, tgroup, slots, dtype, param.device, example, schema.per_element),
            tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
            master.tag() if master is not None else None, opmath, tuple(sorted(stochastic)))
-    values = [s.get(tgroup) for s in slots]
+    builder = _Builder(skeleton(opt), tgroup, slots, dtype, param.device, example, schema, formats,
+                       config.backend, master, opmath, stochastic)
+    return StepRequest(key, [s.get(tgroup) for s in slots], builder)
+
+
+def compile_steps(requests: Sequence[StepRequest]) -> list[CompiledStep]:
+    """The lowered step of each request: one built before, or built now, each signature once, with the
+    C++ compilations of different signatures running at the same time. Tracing and rewriting hold the
+    trace lock throughout, so threads that ask at once build each signature once; on an error the
+    first failing request's is raised once every build has ended."""
+    out: list[CompiledStep | None] = [None] * len(requests)
     with TRACE_LOCK:
-        candidates = _compiled.setdefault(key, [])
-        for compiled in candidates:
-            if compiled.guard(values):
-                return compiled
-        builder = _Builder(skeleton(opt), tgroup, slots, dtype, param.device, example, schema, formats,
-                           config.backend, master, opmath, stochastic)
-        compiled = builder.compile(values)
-        candidates.append(compiled)
-        return compiled
+        building: list[tuple[StepRequest, Callable, Callable[[], CompiledStep], list[int]]] = []
+        for i, request in enumerate(requests):
+            found = next((c for c in _compiled.get(request.key, ()) if c.guard(request.values)), None)
+            if found is not None:
+                out[i] = found
+                continue
+            pending = next((b for b in building if b[0].key == request.key and b[1](request.values)), None)
+            if pending is None:
+                pending = (request, *request.builder.compile(request.values), [])
+                building.append(pending)
+            pending[3].append(i)
+        errors = []
+        for request, _, finish, waiting in building:
+            try:
+                compiled = finish()
+            except Exception as err:  # noqa: BLE001 - the first one is raised below, after every build ends
+                errors.append(err)
+                continue
+            _compiled.setdefault(request.key, []).append(compiled)
+            for i in waiting:
+                out[i] = compiled
+        if errors:
+            raise errors[0]
+    return out  # type: ignore[return-value]
 
 
 def fp32_opmath(group: dict, dtype: torch.dtype, formats: dict[str, StateFormat]) -> bool:
@@ -110,14 +146,22 @@ class _Builder:
     opmath: bool = False
     stochastic: frozenset[str] = frozenset()  # the states that round stochastically
 
-    def compile(self, values: list) -> CompiledStep:
+    def compile(self, values: list) -> tuple[Callable, Callable[[], CompiledStep]]:
+        """Trace and rewrite the step for these hyperparameter values and start building its kernel:
+        the guard of the result, and what waits for the build and gives it."""
         trace = traced(self.opt, self.tgroup, self.dtype, self.device, self.example, self.schema.per_element)
-        compiled = self.lower(trace, values)
-        if any(n.target is check_branch for n in trace.graph.graph.nodes):
-            compiled.kernel = _BranchingRun(self, compiled, trace)
-        return compiled
+        guard, building = self.lower(trace, values)
 
-    def lower(self, trace: TracedStep, values: list) -> CompiledStep:
+        def finish() -> CompiledStep:
+            compiled = building()
+            if any(n.target is check_branch for n in trace.graph.graph.nodes):
+                compiled.kernel = _BranchingRun(self, compiled, trace)
+            return compiled
+
+        return guard, finish
+
+    def lower(self, trace: TracedStep, values: list) -> tuple[Callable, Callable[[], CompiledStep]]:
+        """Rewrite and lower a trace: the guard of the result, and what waits for its kernel and gives it."""
         roles = label_roles(trace.graph)
         guard = trace.guard
         quantized = {k for k, f in self.formats.items() if not f.passthrough}
@@ -149,7 +193,8 @@ class _Builder:
         inputs = tuple(binding(n) for n in graph.graph.nodes if n.op == "placeholder")
         dtypes = {k: rest[-1] for k, (kind, *rest) in self.schema.init if kind in ("fill", "computed")}
         fresh = tuple((k, self.formats[k], dtypes[k]) for k in trace.fresh)
-        return CompiledStep(lower(graph, self.backend, self.device), inputs, guard, graph, fresh)
+        kernel = lower(graph, self.backend, self.device)
+        return guard, lambda: CompiledStep(kernel(), inputs, guard, graph, fresh)
 
     def relower(self, args: Sequence[Any], inputs: tuple, exclude: frozenset[int]) -> tuple[TracedStep, CompiledStep]:
         """Trace (or reuse a trace of) the branches the step takes for these inputs, and lower it."""
@@ -169,7 +214,7 @@ class _Builder:
                 example[key] = value
         with TRACE_LOCK:
             trace = traced(self.opt, tgroup, self.dtype, self.device, example, self.schema.per_element, exclude)
-            return trace, self.lower(trace, values)
+            return trace, self.lower(trace, values)[1]()
 
 
 def _and(guard: Callable, slots: tuple[HyperSlot, ...], proof: NonnegProof) -> Callable:

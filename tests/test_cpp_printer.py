@@ -66,16 +66,16 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const float c_pow_3 = s[4];
   const float c_hp_eps = s[5];
   const float c_neg = s[6];
-  const bool c_lerp_small = fabsf(c_sub_1) < (float)0x1.0000000000000p-1;
+  const bool c_lerp_small = __builtin_fabsf(c_sub_1) < (float)0x1.0000000000000p-1;
   const float c_t8 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
   const float c_t9 = (float)0x1.0000000000000p+0 / c_pow_3;
   float* __restrict buf_exp_avg = scratch + 0 * LB_BLOCK;
-  const vf SC_exp_avg = lb_splat(fabsf(*p_exp_avg_scales));
-  const bool FL_exp_avg = signbit(*p_exp_avg_scales);  // a flagged block
+  const vf SC_exp_avg = lb_splat(__builtin_fabsf(*p_exp_avg_scales));
+  const bool FL_exp_avg = __builtin_signbit(*p_exp_avg_scales);  // a flagged block
   vi acc_exp_avg = lb_splat_i(-1);
   float* __restrict buf_exp_avg_sq = scratch + 1 * LB_BLOCK;
-  const vf SC_exp_avg_sq = lb_splat(fabsf(*p_exp_avg_sq_scales));
-  const bool FL_exp_avg_sq = signbit(*p_exp_avg_sq_scales);  // a flagged block
+  const vf SC_exp_avg_sq = lb_splat(__builtin_fabsf(*p_exp_avg_sq_scales));
+  const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
   vi acc_exp_avg_sq = lb_splat_i(-1);
   {
     int64_t i = 0;
@@ -124,7 +124,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const float c_pow_3 = s[4];
   const float c_hp_eps = s[5];
   const float c_neg = s[6];
-  const bool c_lerp_small = fabsf(c_sub_1) < (float)0x1.0000000000000p-1;
+  const bool c_lerp_small = __builtin_fabsf(c_sub_1) < (float)0x1.0000000000000p-1;
   const float c_t8 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
   float* __restrict sq0 = scratch + 0 * LB_BLOCK;
   {
@@ -235,12 +235,12 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  uint16_t* __restrict p_exp_avg_sq_patch_values = (uint16_t*)ptr[8] + 0;
 +  int16_t* __restrict p_exp_avg_sq_patch_index = (int16_t*)ptr[9] + 0;
 -  float* __restrict buf_exp_avg = scratch + 0 * LB_BLOCK;
--  const vf SC_exp_avg = lb_splat(fabsf(*p_exp_avg_scales));
--  const bool FL_exp_avg = signbit(*p_exp_avg_scales);  // a flagged block
+-  const vf SC_exp_avg = lb_splat(__builtin_fabsf(*p_exp_avg_scales));
+-  const bool FL_exp_avg = __builtin_signbit(*p_exp_avg_scales);  // a flagged block
 -  vi acc_exp_avg = lb_splat_i(-1);
 -  float* __restrict buf_exp_avg_sq = scratch + 1 * LB_BLOCK;
--  const vf SC_exp_avg_sq = lb_splat(fabsf(*p_exp_avg_sq_scales));
--  const bool FL_exp_avg_sq = signbit(*p_exp_avg_sq_scales);  // a flagged block
+-  const vf SC_exp_avg_sq = lb_splat(__builtin_fabsf(*p_exp_avg_sq_scales));
+-  const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
@@ -364,7 +364,7 @@ template <> struct lb_format<LB_BF16_CODES, true> { static constexpr float qmax 
 template <bool U> struct lb_dyn {};  // formats.dynamic_level_table
 template <> struct lb_dyn<false> {
   static constexpr int levels = 7;
-  static constexpr float lower[8] = {(float)0x1.0c00000000000p-21, (float)0x1.b380000000000p-19, (float)0x1.6410000000000p-16, (float)0x1.4768000000000p-13, (float)0x1.4fd0000000000p-10, (float)0x1.7620000000000p-7, (float)0x1.b6cc000000000p-4, NAN};
+  static constexpr float lower[8] = {(float)0x1.0c00000000000p-21, (float)0x1.b380000000000p-19, (float)0x1.6410000000000p-16, (float)0x1.4768000000000p-13, (float)0x1.4fd0000000000p-10, (float)0x1.7620000000000p-7, (float)0x1.b6cc000000000p-4, LB_NAN};
   static constexpr float recip[8] = {(float)0x1.b2b9f40000000p+17, (float)0x1.5b8cf00000000p+15, (float)0x1.15e9560000000p+13, (float)0x1.bbedca0000000p+10, (float)0x1.6334080000000p+8, (float)0x1.1c78920000000p+6, (float)0x0.0p+0, (float)0x1.e911320000000p+19};
   static constexpr float bias[8] = {(float)0x1.471d2a0000000p+0, (float)0x1.8726920000000p+1, (float)0x1.a724820000000p+2, (float)0x1.b735640000000p+3, (float)0x1.bf1cb20000000p+4, (float)0x1.c30ce00000000p+5, (float)0x0.0p+0, (float)0x1.0001000000000p-1};
   static constexpr float spacing[8] = {(float)0x1.2d80000000000p-18, (float)0x1.7920000000000p-16, (float)0x1.d7a0000000000p-14, (float)0x1.2740000000000p-11, (float)0x1.7100000000000p-9, (float)0x1.ccc0000000000p-7, (float)0x0.0p+0, (float)0x1.0c00000000000p-20};
@@ -393,7 +393,7 @@ def test_dynamic8_level_tables_are_generated_from_formats(monkeypatch):
     def rendered(text: str, nonneg: bool, name: str) -> list[float]:
         block = text.split(f"struct lb_dyn<{'true' if nonneg else 'false'}> {{")[1].split("\n};")[0]
         line = block.split(f"float {name}[8] = {{")[1].split("}")[0]
-        return [float.fromhex(v.removeprefix("(float)")) if v != "NAN" else float("nan") for v in line.split(", ")]
+        return [float.fromhex(v.removeprefix("(float)")) if v != "LB_NAN" else float("nan") for v in line.split(", ")]
 
     text = format_constants()
     for nonneg in (False, True):

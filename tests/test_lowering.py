@@ -6,6 +6,7 @@ by name) before the step changes anything."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -135,3 +136,78 @@ def test_a_backend_asked_for_by_name_fails_before_the_step_changes_anything(back
     lowbit_compile(opt, "int8", backend="reference")
     opt.step()
     assert opt.state[p]["step"].item() == 1.0
+
+
+def _fresh_kernel_cache(monkeypatch, tmp_path) -> None:
+    """No kernel built in this process or on disk: the next steps run the C++ compiler."""
+    from lowbit_compile import compile as compile_module
+    from lowbit_compile.kernels import cpu_build
+
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(compile_module, "_compiled", {})
+
+
+def _two_signatures() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """A parameter with 8-bit states and one under min_8bit_size (fp32 states): two kernels."""
+    params = [torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(64))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params, torch.optim.AdamW(params, lr=1e-2)
+
+
+def test_the_kernels_of_one_step_compile_at_the_same_time(monkeypatch, tmp_path):
+    """Each compilation waits until the other has started: built one after the other, the first
+    would wait forever (here: the barrier's timeout breaks it and the step fails)."""
+    from lowbit_compile.kernels import cpu_build
+
+    _fresh_kernel_cache(monkeypatch, tmp_path)
+    both_started = threading.Barrier(2, timeout=60)
+    real = cpu_build._compile
+
+    def compile_when_both_started(*args):
+        both_started.wait()
+        return real(*args)
+
+    monkeypatch.setattr(cpu_build, "_compile", compile_when_both_started)
+    params, stock = _two_signatures()
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for t, p in zip(twin, params):
+        t.grad = p.grad.clone()
+    opt = lowbit_compile(stock)
+    opt.step()
+    assert {prepared.compiled.kernel.backend for prepared in opt._lowbit.prepared.values()} == {"cpu"}
+    monkeypatch.setattr(cpu_build, "_compile", real)
+    lowbit_compile(torch.optim.AdamW(twin, lr=1e-2)).step()  # the kernels built, found in the cache
+    assert all(torch.equal(p, t) for p, t in zip(params, twin))
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu"])
+def test_a_failed_compilation_falls_back_or_fails_before_the_step_changes_anything(monkeypatch, tmp_path, backend):
+    """The compiler runs in the background; its failure is still met before the step writes anything:
+    ``auto`` runs the reference with one warning, ``cpu`` raises and leaves the optimizer as it was."""
+    from lowbit_compile.kernels import cpu_build
+    from lowbit_compile.kernels.kernel import BuildError
+
+    _fresh_kernel_cache(monkeypatch, tmp_path)
+    real = cpu_build._compile
+
+    def broken(source, lib_path, extra_flags):
+        if "LB_DYNAMIC8" in source.split("// ---- generated from the rewritten step body ----")[1]:
+            raise BuildError("the compiler crashed")
+        real(source, lib_path, extra_flags)
+
+    monkeypatch.setattr(cpu_build, "_compile", broken)
+    params, stock = _two_signatures()
+    before = [p.detach().clone() for p in params]
+    opt = lowbit_compile(stock, backend=backend)
+    if backend == "cpu":
+        with pytest.raises(LoweringError, match="backend='cpu' cannot run this step: the compiler crashed"):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        assert len(opt.state) == 0
+        return
+    with pytest.warns(UserWarning, match=r"the cpu kernel cannot run this step \(the compiler crashed\)"):
+        opt.step()
+    backends = {prepared.compiled.kernel.backend for prepared in opt._lowbit.prepared.values()}
+    assert backends == {"reference", "cpu"}
