@@ -9,17 +9,24 @@ exactly, and they are recovered at that step:
 
 * ``codes``: per parameter row (dim 0), the row's code bytes;
 * ``block_scales`` / ``block_patch_values`` / ``block_patch_index``: the bytes of each block's fp32
-  scale, bf16 patch values and int16 patch offsets, in one of two layouts:
+  scale, bf16 patch values and int16 patch offsets, in one of three layouts:
 
   - *by block* ``(blocks, bytes)``: one record per block, in order, for parameters that are not
     ``DTensor``s: every shape (1-D ones and FSDP1's flat buffers included) costs one code byte per
     element plus one record per block, and every tensor is a view of the live state (no copy).
   - *by row* ``(rows, slots, bytes)``: per row, every block that intersects it (``_slots`` of
-    them, zero-padded), for ``DTensor`` parameters (FSDP2): dim 0 is how FSDP2 shards, so
-    ``torch.distributed.checkpoint`` hands any world size exactly the rows it needs, without
-    collectives. Rows narrower than a block pay a record each (a 1-D ``DTensor`` state: 5 bytes
-    per element); a compact table that any world size can read would need each rank to write
-    records of blocks other ranks hold.
+    them, zero-padded), for ``DTensor`` parameters (FSDP2) with rows of a block or more: dim 0 is
+    how FSDP2 shards, so ``torch.distributed.checkpoint`` hands any world size exactly the rows it
+    needs, without collectives.
+  - *gathered* ``(capacity, bytes)``: for ``DTensor`` parameters with rows narrower than a block
+    (1-D ones), where a record per row would cost more than the codes: the records of every
+    shard's blocks, gathered from all ranks (``state_dict()`` is then a collective: every rank
+    calls it, as ``get_state_dict`` does), listed in order and zero-padded to ``_capacity``: one
+    per block of the parameter, plus one per 8 blocks (at least 64), room for the blocks of any
+    sharding into up to that many shards plus one. A plain tensor of the same shape at every
+    world size, which each rank holds whole. Shards with more blocks than that are saved
+    re-quantized as one tensor (each value within the format's resolution of the held one): only
+    such a state does not resume bit for bit.
 
 * ``row_splits``: where the shards the blocks were counted in start and end (blocks start at each
   shard's first element), plus ``lowbit_format`` (format tag), ``shape`` and ``dtype``. These four
@@ -79,7 +86,8 @@ def pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
 
 
 def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
-    """The packed form of one quantized state of ``param`` (``DTensor``s for a ``DTensor`` param)."""
+    """The packed form of one quantized state of ``param`` (``DTensor`` codes for a ``DTensor`` param;
+    a collective over its mesh if its rows are narrower than a block: see the module docstring)."""
     qs: QuantizedState = sharding.local(value)
     rows, width = _rows(param.shape)
     start, stop = sharding.local_rows(param)
@@ -90,23 +98,66 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
         # copies: a DTensor's row tables are computed, and a view into a larger buffer would make
         # torch.save write the whole buffer; all parts copied alike, so they never disagree
         parts = blockquant.Quantized(*(t.clone() for t in parts))
+    splits = sharding.row_splits(param)
+    gathered = sharded and qs.fmt.blockwise and width < qs.fmt.block_size
+    if gathered:
+        parts, splits = _gathered(parts, param, qs)
     tables = {"codes": parts.codes.view(torch.uint8).view(stop - start, width * code_bytes)}
     if qs.fmt.blockwise:
-        if sharded:
-            tables.update(zip(_TABLES, (_as_record_bytes(t) for t in _row_tables(parts, width, qs.fmt))))
-        else:
-            tables.update(zip(_TABLES, (_as_record_bytes(t) for t in parts[1:])))
+        records = _row_tables(parts, width, qs.fmt) if sharded and not gathered else parts[1:]
+        tables.update(zip(_TABLES, (_as_record_bytes(t) for t in records)))
     out = {
         "lowbit_format": _int(qs.fmt.tag()),
         "shape": _int(",".join(map(str, param.shape))),
         "dtype": _int(str(qs.dtype).removeprefix("torch.")),
-        "row_splits": _int(",".join(map(str, sharding.row_splits(param)))),
+        "row_splits": _int(",".join(map(str, splits))),
     }
     if qs.fmt.name == "dynamic8":
         out["lowbit_map"] = DYNAMIC_MAP_VERSION  # no tag: a version-1 map (converted on load)
     for name, t in tables.items():
-        out[name] = sharding.like(t, param, (rows, *t.shape[1:])) if sharded else t
+        by_rows = sharded and (name == "codes" or not gathered)
+        out[name] = sharding.like(t, param, (rows, *t.shape[1:])) if by_rows else t
     return out
+
+
+def _capacity(numel: int, block_size: int) -> int:
+    """Records in a gathered table, the same at every world size: one per block of the parameter and
+    room for the partial blocks of ``max(blocks // 8, 64) + 1`` shards (``n`` shards add at most ``n - 1``)."""
+    blocks = -(-numel // block_size)
+    return blocks + max(blocks // 8, 64)
+
+
+def _gathered(parts: blockquant.Quantized, param: torch.Tensor, qs: QuantizedState
+              ) -> tuple[blockquant.Quantized, list[int]]:
+    """This rank's codes with the block records of every shard of ``param`` (in row order, zero-padded
+    to ``_capacity`` records), and the row splits those blocks were counted in: a collective over
+    ``param``'s mesh. Shards with more blocks than that are re-quantized as one tensor, on blocks
+    counted from its first element."""
+    fmt, (rows, width) = qs.fmt, _rows(param.shape)
+    ranges = sharding.shard_ranges(param)
+    counts = [-(-(hi - lo) * width // fmt.block_size) for lo, hi in ranges]
+    records = torch.cat([_as_record_bytes(t) for t in parts[1:]], dim=1)
+    most = max(counts)
+    padded = torch.cat([records, records.new_zeros(most - records.shape[0], records.shape[1])])
+    every = sharding.like(padded, param, (len(ranges) * most, records.shape[1])).full_tensor()
+    listed = torch.cat([every[i * most:i * most + n] for i, n in enumerate(counts)])
+    scales, values, index = _records(list(torch.split(listed, _record_widths(fmt), dim=1)))
+    splits = sharding.row_splits(param)
+    capacity = _capacity(rows * width, fmt.block_size)
+    if scales.numel() > capacity:
+        code_bytes = fmt.code_dtype.itemsize
+        local_codes = parts.codes.view(torch.uint8).view(-1, width * code_bytes)
+        codes = sharding.like(local_codes, param, (rows, width * code_bytes)).full_tensor()
+        codes = codes.view(fmt.code_dtype).view(-1)
+        blocks = _listed(splits, width, fmt.block_size, scales, values, index)
+        blocks = _Blocks(*(t.to(codes.device) for t in blocks))
+        whole = blockquant.quantize(_dequantize(codes, blocks, 0, fmt).to(qs.dtype), fmt)
+        start, stop = sharding.local_rows(param)
+        parts, splits = whole._replace(codes=whole.codes[start * width:stop * width]), [0, rows]
+        scales, values, index = whole[1:]
+    pad = capacity - scales.shape[0]
+    tables = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (scales, values, index))
+    return blockquant.Quantized(parts.codes, *tables), splits
 
 
 
@@ -393,8 +444,11 @@ def _check_table_shapes(packed: dict[str, Any], header: _Header) -> None:
     rows, width = _rows(shape)
     expected = {"codes": (rows, width * fmt.code_dtype.itemsize)}
     if fmt.blockwise:
-        by_rows = packed["block_scales"].dim() == 3
-        lead = (rows, _slots(width, fmt.block_size)) if by_rows else (_n_saved_blocks(header, width),)
+        saved, padded = _n_saved_blocks(header, width), _capacity(rows * width, fmt.block_size)
+        if packed["block_scales"].dim() == 3:
+            lead = (rows, _slots(width, fmt.block_size))
+        else:  # by block, or gathered and padded
+            lead = (padded if packed["block_scales"].shape[0] == padded >= saved else saved,)
         expected.update({name: (*lead, w) for name, w in zip(_TABLES, _record_widths(fmt))})
     for name, want in expected.items():
         t = packed[name]
@@ -481,19 +535,26 @@ def _saved_blocks(packed: dict, header: _Header, start: int, stop: int, width: i
 
 
 def _blocks_listed(packed: dict, header: _Header, start: int, stop: int, width: int) -> _Blocks:
-    """The saved blocks of a by-block table (one record per block, in order)."""
-    b, splits = header.fmt.block_size, torch.tensor(header.row_splits) * width
+    """The saved blocks of a by-block table (one record per block, in order; gathered ones padded)."""
     tables = [packed[name] for name in _TABLES]
     if any(sharding.is_sharded(t) for t in tables):
         raise ValueError("a by-block table saved as a DTensor; this version saves only unsharded ones so")
+    saved = _n_saved_blocks(header, width)
+    blocks = _listed(header.row_splits, width, header.fmt.block_size, *_records([t[:saved] for t in tables]))
+    keep = (blocks.first < stop * width) & (blocks.first + blocks.length > start * width)
+    return _Blocks(*(t[keep] for t in blocks))
+
+
+def _listed(splits: list[int], width: int, block_size: int, scales: torch.Tensor, patch_values: torch.Tensor,
+            patch_index: torch.Tensor) -> _Blocks:
+    """Records of blocks listed in order, each shard's counted from its first element, as blocks."""
+    b, splits = block_size, torch.tensor(splits) * width
     count = -(-(splits[1:] - splits[:-1]) // b)
     shard = torch.repeat_interleave(torch.arange(count.numel()), count)
     within = torch.arange(int(count.sum())) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
     first = splits[shard] + within * b
     length = torch.minimum(splits[shard + 1] - first, torch.tensor(b))
-    keep = (first < stop * width) & (first + length > start * width)
-    scales, values, index = _records([t[keep] for t in tables])
-    return _Blocks(first[keep], length[keep], scales, values, index)
+    return _Blocks(first, length, scales, patch_values, patch_index)
 
 
 def _blocks_by_row(packed: dict, header: _Header, start: int, stop: int, width: int) -> _Blocks:

@@ -67,14 +67,21 @@ def dequantize(value: torch.Tensor) -> torch.Tensor:
 
 
 def row_splits(param: torch.Tensor) -> list[int]:
-    """Where the dim-0 shards of ``param`` start and end: ``[0, s1, ..., rows]``, the same on every rank.
+    """Where the dim-0 shards of ``param`` start and end: ``[0, s1, ..., rows]``, the same on every rank."""
+    rows = param.shape[0] if param.dim() else 1
+    return sorted({0, rows, *(b for r in shard_ranges(param) for b in r)})
+
+
+def shard_ranges(param: torch.Tensor) -> list[tuple[int, int]]:
+    """The rows ``[start, stop)`` of each dim-0 shard of ``param``, one per rank of its mesh's
+    sharding dims in mesh order (which is row order; empty shards included), the same on every rank.
 
     Only dim-0 sharding (FSDP2's default) and replication keep a rank's shard one contiguous range of
     the flattened parameter; other placements are refused here, which is when a checkpoint needs it.
     """
     rows = param.shape[0] if param.dim() else 1
     if not is_sharded(param):
-        return [0, rows]
+        return [(0, rows)]
     from torch.distributed.tensor import Replicate, Shard
 
     ranges = [(0, rows)]
@@ -93,7 +100,7 @@ def row_splits(param: torch.Tensor) -> list[int]:
                 size, offset = Shard.local_shard_size_and_offset(stop - start, n, i)
                 split.append((start + offset, start + offset + size))
         ranges = split
-    return sorted({0, rows, *(b for r in ranges for b in r)})
+    return ranges
 
 
 def local_rows(param: torch.Tensor) -> tuple[int, int]:

@@ -29,17 +29,19 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from examples.tasks import FP32MasterCopy
-from lowbit_compile import QuantizedState, lowbit_compile, memory_report, restore
+from lowbit_compile import QuantizedState, checkpoint, lowbit_compile, memory_report, restore, sharding
 from lowbit_compile.checkpoint import stock_state_dict
 
 LR = 1e-2
-# low-bit from 1000 elements: a.weight (129x10, shards of 650/640) and extra (3001, shards 1501/1500)
-# are quantized although no shard reaches 1000; c.weight (7x101 = 707) keeps fp32 on every rank
+# low-bit from 1000 elements: a.weight (129x10, shards of 650/640), extra (3001, shards 1501/1500) and
+# wide (5x300, shards of 900/600) are quantized although no shard reaches 1000; c.weight (7x101 = 707)
+# keeps fp32 on every rank. wide's rows span a block, so its checkpoint keeps records per row; the
+# others' are narrower and gathered
 CONFIG = {"fmt": "int8", "block_size": 256, "min_8bit_size": 1000}
 
 
 class Net(torch.nn.Module):
-    """Dim-0 sizes 129, 101, 7, 3001: uneven shards at world size 2."""
+    """Dim-0 sizes 129, 101, 7, 3001, 5: uneven shards at world size 2."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,10 +50,11 @@ class Net(torch.nn.Module):
         self.b = torch.nn.Linear(129, 101)
         self.c = torch.nn.Linear(101, 7)
         self.extra = torch.nn.Parameter(torch.randn(3001) * 0.1)
+        self.wide = torch.nn.Parameter(torch.randn(5, 300) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
-        return y.square().mean() + (self.extra.square() * x[0, 0]).mean()
+        return y.square().mean() + (self.extra.square() * x[0, 0]).mean() + (self.wide.square() * x[0, 1]).mean()
 
 
 def fsdp_net() -> Net:
@@ -139,7 +142,7 @@ def fsdp(rank: int, world: int, workdir: Path) -> None:
         assert local.shape == p.to_local().shape
         layout[name] = isinstance(local, QuantizedState)
     assert layout == {"a.weight": True, "a.bias": False, "b.weight": True, "b.bias": False,
-                      "c.weight": False, "c.bias": False, "extra": True}, layout
+                      "c.weight": False, "c.bias": False, "extra": True, "wide": True}, layout
     every = [None] * world
     dist.all_gather_object(every, layout)
     assert all(x == layout for x in every)
@@ -150,26 +153,32 @@ def fsdp(rank: int, world: int, workdir: Path) -> None:
     assert drift <= allowed
     # each rank holds its shard's states only: together what one process holds, plus per extra rank
     # its own 4-byte step per parameter and at most one more partial block (12 bytes of scale and
-    # patches) per quantized state (3 params x 2 states)
+    # patches) per quantized state (4 params x 2 states)
     held = torch.tensor(memory_report(opt).total.bytes)
     dist.all_reduce(held)
     print(f"rank {rank}: state bytes on this rank {memory_report(opt).total.bytes}, all ranks {held.item()}, "
           f"one process {runs['bytes']}")
-    assert 0 <= held.item() - runs["bytes"] <= (world - 1) * (7 * 4 + 3 * 2 * 12)
+    assert 0 <= held.item() - runs["bytes"] <= (world - 1) * (8 * 4 + 4 * 2 * 12)
 
     model_sd, optim_sd = get_state_dict(net, opt)
-    for fqn in ("a.weight", "extra"):  # the per-row tables of a 2-D and of a 1-D DTensor state
-        local = sum(t.to_local().numel() for key in ("exp_avg", "exp_avg_sq")
-                    for t in optim_sd["state"][fqn][key].values() if isinstance(t, DTensor))
-        n = dict(net.named_parameters())[fqn].to_local().numel()
-        print(f"rank {rank}: DCP state of {fqn} ({n} local elements): m + v {local / n:.3f} B/param")
-        if fqn == "extra":  # rows of one element: a code byte and a 4-byte record (no patches) each
-            assert local == 2 * 5 * n
-    for fqn, entry in optim_sd["state"].items():
+    for fqn in ("a.weight", "extra", "wide"):
         for key in ("exp_avg", "exp_avg_sq"):
-            tensors = list(entry[key].values()) if isinstance(entry[key], dict) else [entry[key]]
-            tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-            assert tensors and all(isinstance(t, DTensor) for t in tensors), f"{fqn}.{key} has a plain tensor"
+            packed = optim_sd["state"][fqn][key]
+            tables = [packed[name] for name in TABLES]
+            # rows of a block or more: per-row records, sharded like the codes; narrower rows: every
+            # shard's records in one plain table, the same on every rank (DCP writes it once)
+            assert all(isinstance(t, DTensor) == (fqn == "wide") for t in tables), (fqn, key)
+            if fqn != "wide":
+                every = [None] * world
+                dist.all_gather_object(every, tables)
+                assert all(torch.equal(a, b) for x in every for a, b in zip(x, tables)), (fqn, key)
+    for entry in optim_sd["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):  # stock AdamW's states are DTensors; so are our codes
+            assert isinstance(entry[key]["codes"] if isinstance(entry[key], dict) else entry[key], DTensor)
+    if rank == 0:
+        torch.save(dense_states(opt, net.extra), workdir / f"extra{world}.pt")
+    else:
+        dense_states(opt, net.extra)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(workdir / f"dcp{world}"))
     # torchtitan's way: states flattened to one level, which allows only tensors, ints, floats, dicts
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -207,6 +216,100 @@ def fsdp(rank: int, world: int, workdir: Path) -> None:
     assert all(type(opt_state["exp_avg"].to_local()) is torch.Tensor for opt_state in again_opt.state.values())
     train(again, again_opt, 1, seed=3)
 
+    compact_1d(rank, world, workdir)
+    reblocked_1d(rank, world, workdir)
+
+
+class Vector(torch.nn.Module):
+    """One 1-D parameter, as a bias or a norm weight is, sharded by ``fully_shard``."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(-1, 1, n))
+        fully_shard(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).square().mean()
+
+
+def train_vector(model: Vector, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(model.w.shape, generator=gen)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def compact_1d(rank: int, world: int, workdir: Path) -> None:
+    """A 1e6-element 1-D DTensor parameter with int8 states and the default block: DCP writes its m
+    and v in at most 2.05 bytes per parameter (stock: 8), and resumes from them bit for bit."""
+    n, path = 1_000_000, workdir / f"vector{world}"
+
+    def make() -> tuple[Vector, torch.optim.Optimizer]:
+        model = Vector(n)
+        return model, lowbit_compile(torch.optim.AdamW(model.parameters(), lr=LR), "int8")
+
+    model, opt = make()
+    train_vector(model, opt, 2, seed=1)
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=str(path))
+    written = sum(info.length for index, info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.items()
+                  if ".exp_avg." in index.fqn or ".exp_avg_sq." in index.fqn)
+    print(f"rank {rank}: DCP wrote m + v of a {n}-element 1-D DTensor in {written / n:.4f} B/param")
+    assert written / n <= 2.05
+    train_vector(model, opt, 2, seed=2)
+
+    resumed, resumed_opt = make()
+    dcp_load(resumed, resumed_opt, path)
+    train_vector(resumed, resumed_opt, 2, seed=2)
+    assert bitwise(full(resumed), full(model)), "DCP resume of a 1-D DTensor state is not exact"
+
+
+def reblocked_1d(rank: int, world: int, workdir: Path) -> None:
+    """Shards with more blocks than a gathered table holds (here: a table shrunk to one record per
+    block, 300 + 300 elements in blocks of 256) are saved as the held values quantized as one tensor,
+    and load from there within the format's resolution."""
+    capacity = checkpoint._capacity
+    checkpoint._capacity = lambda numel, block_size: -(-numel // block_size)
+    try:
+        model = Vector(600)
+        opt = lowbit_compile(torch.optim.AdamW(model.parameters(), lr=LR), **{**CONFIG, "min_8bit_size": 0})
+        train_vector(model, opt, 2, seed=1)
+        held = dense_states(opt, model.w)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        assert optim_sd["state"]["w"]["exp_avg"]["row_splits"] == checkpoint._int("0,600")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(workdir / f"reblocked{world}"))
+        resumed = Vector(600)
+        resumed_opt = lowbit_compile(torch.optim.AdamW(resumed.parameters(), lr=LR), **{**CONFIG, "min_8bit_size": 0})
+        dcp_load(resumed, resumed_opt, workdir / f"reblocked{world}")
+        saved = {key: value.full_tensor() for key, value in stock_state_dict(optim_sd)["state"]["w"].items()
+                 if key in held}
+        for key, values in held.items():  # the held values, quantized as one tensor
+            fmt = opt.state[model.w][key].to_local().fmt
+            assert torch.equal(saved[key], QuantizedState.from_dense(values, fmt).dequantize()), key
+        assert_within_resolution(resumed_opt, resumed.w, saved)
+    finally:
+        checkpoint._capacity = capacity
+
+
+TABLES = ("block_scales", "block_patch_values", "block_patch_index")
+
+
+def dense_states(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The full dequantized m and v of ``p`` (a collective)."""
+    return {key: sharding.dequantize(opt.state[p][key]).full_tensor() for key in ("exp_avg", "exp_avg_sq")}
+
+
+def assert_within_resolution(opt: torch.optim.Optimizer, p: torch.Tensor, saved: dict[str, torch.Tensor]) -> None:
+    """This rank's m and v of ``p`` equal the ``saved`` full values within half a code step of the
+    block they are in now (twice that, for rounding) or bf16 rounding of a patch."""
+    start, stop = sharding.local_rows(p)
+    for key, full in saved.items():
+        held: QuantizedState = opt.state[p][key].to_local()
+        expected = full[start:stop]
+        error = (held.dequantize() - expected).abs()
+        step = held.scales.repeat_interleave(held.fmt.block_size)[: error.numel()].view(error.shape)
+        assert bool((error <= torch.maximum(step, expected.abs() * 2**-8)).all()), key
+
 
 def stock_dcp_into_wrapped(stock_net: torch.nn.Module, stock_opt: torch.optim.Optimizer, workdir: Path) -> None:
     """A DCP checkpoint of stock FSDP2 AdamW loads into a wrapped optimizer through a stock-shaped
@@ -236,9 +339,13 @@ def reshard(rank: int, world: int, workdir: Path) -> None:
     opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **CONFIG)
     dcp_load(net, opt, workdir / f"dcp{other}")
     assert isinstance(opt.state[net.a.weight]["exp_avg"].to_local(), QuantizedState)
+    assert_within_resolution(opt, net.extra, torch.load(workdir / f"extra{other}.pt"))
     first_leg = not (workdir / f"dcp{world}").exists()
     if first_leg:
         dcp.save(dict(zip(("model", "optim"), get_state_dict(net, opt))), checkpoint_id=str(workdir / f"dcp{world}"))
+        extra = dense_states(opt, net.extra)
+        if rank == 0:
+            torch.save(extra, workdir / f"extra{world}.pt")
     train(net, opt, 3, seed=2)
     reached = full(net)
     if first_leg and rank == 0:
