@@ -43,7 +43,7 @@ static v1_keys v1_build(const float* mids) {
       if (k == 0) lo = 0.0f;
       int32_t count = 0, threshold = 1 << 17;
       for (int j = 0; j < 255; ++j) {
-        const float m = mids[j], a = fabsf(m);
+        const float m = mids[j], a = __builtin_fabsf(m);
         uint32_t bits;
         memcpy(&bits, &a, 4);
         if (!neg) {
@@ -64,6 +64,7 @@ LB_INLINE vf v1_gather(const float* base, vi idx) {
   return r;
 }
 #if defined(__AVX2__) && LB_W == 8
+#include <immintrin.h>
 #define V1_GATHER(b, i) ((vf)_mm256_i32gather_ps((b), (__m256i)(i), 4))
 #else
 #define V1_GATHER(b, i) v1_gather((b), (i))

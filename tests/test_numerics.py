@@ -264,8 +264,8 @@ template <int F, bool U, int K>
 static void dequantize(float* out, int64_t n, int64_t block, uint8_t* codes, float* scales, uint16_t* pv, int16_t* pi) {
   for (int64_t b = 0; b * block < n; ++b) {
     const int64_t start = b * block, len = n - start < block ? n - start : block;
-    const vf scale = lb_splat(fabsf(scales[b]));
-    const bool flagged = signbit(scales[b]);
+    const vf scale = lb_splat(__builtin_fabsf(scales[b]));
+    const bool flagged = __builtin_signbit(scales[b]);
     for (int64_t i = 0; i < len; i += LB_W) {
       const int64_t r = len - i < LB_W ? len - i : LB_W;
       const vi c = r == LB_W ? lb_ld_codes(codes + start + i) : lb_ld_codes_n(codes + start + i, r);
