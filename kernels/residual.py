@@ -40,7 +40,16 @@ PARAM_DTYPES = (torch.bfloat16, torch.float16)
 RESIDUAL, TIES, SEED = "master_residual", "master_ties", "master_seed"
 KEYS = (RESIDUAL, TIES, SEED)
 SEED_PERIOD = 2**24  # the counter wraps here: every value stays an exact fp32 integer
+_SPREAD = 0x9E3779B1  # odd (2**32 over the golden ratio): positions map to distinct, well-spread starts
 TIE = -(2**15)  # the exact bf16 code of either tie
+
+
+def first_counter(position: int) -> float:
+    """Where the stochastic-rounding counter of the parameter at ``position`` (in ``param_groups`` order)
+    starts: an element's bits depend only on its index, the counter and its stream, so parameters whose
+    counters ran in step would round their same-index elements with the same draws (every layer of a
+    stack alike)."""
+    return float(position * _SPREAD % SEED_PERIOD)
 
 
 @dataclass(frozen=True)

@@ -403,7 +403,7 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
             state.update(init_state(param, schema, formats))
         # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
         checkpoint.conform(param, state, formats)
-        _apply(state, master.conformed(param, state, mformat, schema))
+        _apply(state, master.conformed(param, state, mformat, schema, position))
         _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
@@ -454,7 +454,7 @@ def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[
                 new = checkpoint.converted(param, key, state.get(key), fmt)
                 if new is not None:
                     changes[key] = new
-            changes.update(master.conformed(param, {**state, **changes}, mformat, schema))
+            changes.update(master.conformed(param, {**state, **changes}, mformat, schema, position))
             changes.update(counter.conformed(state, bool(config.stochastic(formats)), position))
             updates.extend((state, key, new) for key, new in changes.items())
     return updates
@@ -484,13 +484,14 @@ def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
     """``load_state_dict`` pre hook: read and convert every state first (``checkpoint.prepare_load``)."""
     wrapped: _Wrapped = getattr(opt, _ATTR)
     config = wrapped.config
+    positions = {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
 
     def masters_of(group: dict, param: torch.Tensor) -> Callable[[dict], dict] | None:
         mformat = master.format_for(param, config)
         if mformat is None:
             return None
         schema = _schema(opt, group, param, mformat)
-        return lambda entry: master.loaded(param, entry, mformat, schema)
+        return lambda entry: master.loaded(param, entry, mformat, schema, positions[id(param)])
 
     return checkpoint.prepare_load(
         opt, state_dict, lambda group, param: _formats(opt, config, wrapped.names, group, param),

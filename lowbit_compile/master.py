@@ -56,22 +56,25 @@ def warn_if_no_effect(opt: torch.optim.Optimizer, config: Config) -> None:
 
 
 # the master state -----------------------------------------------------------------------------------
-def create(param: torch.Tensor, fmt: MasterFormat) -> dict[str, torch.Tensor]:
-    """A zero residual (the master is the param's value), sharded like ``param``."""
+def create(param: torch.Tensor, fmt: MasterFormat, position: int) -> dict[str, torch.Tensor]:
+    """A zero residual (the master is the param's value), sharded like ``param``; an 8bit one's counter
+    starts at ``first_counter(position)``, apart from every other parameter's."""
     shard = sharding.local(param)
     out = {RESIDUAL: sharding.like(torch.zeros(shard.shape, dtype=fmt.residual_dtype, device=shard.device), param)}
     if fmt.has_ties:
         out[TIES] = torch.zeros(residual.tie_words(shard.numel()), dtype=torch.int32, device=shard.device)
     if fmt.seeded:
-        out[SEED] = torch.zeros((), dtype=torch.float32)
+        out[SEED] = torch.tensor(residual.first_counter(position), dtype=torch.float32)
     return out
 
 
-def conformed(param: torch.Tensor, state: dict, fmt: MasterFormat | None, schema: StateSchema) -> dict[str, Any]:
+def conformed(param: torch.Tensor, state: dict, fmt: MasterFormat | None, schema: StateSchema,
+              position: int) -> dict[str, Any]:
     """What changes in ``state`` (None: the entry goes) so that it fits ``fmt``: per-element states of
     the schema's dtype (fp32 under a master), a residual of ``fmt`` (created, unpacked from a
     checkpoint, or converted from another mode through the master it holds), nothing of a master
-    where there is none. Reads ``state``, changes nothing."""
+    where there is none. ``position``: the param's in ``param_groups`` order. Reads ``state``,
+    changes nothing."""
     out: dict[str, Any] = _unpacked(param, state)
     state = {**state, **out}
     has_master = any(k in state for k in KEYS)
@@ -85,15 +88,15 @@ def conformed(param: torch.Tensor, state: dict, fmt: MasterFormat | None, schema
         return dict(out, **{k: None for k in KEYS if k in state})
     held = _held(param, state)
     if held is None:
-        out.update(create(param, fmt))
+        out.update(create(param, fmt, position))
     elif held[0] != fmt:
-        out.update(_converted(param, held, fmt))
+        out.update(_converted(param, held, fmt, position))
     for key in KEYS:
         if key in state and key not in fmt.keys():
             out[key] = None
     seed = state.get(SEED)
     if fmt.seeded and not isinstance(seed, torch.Tensor):
-        out[SEED] = torch.zeros((), dtype=torch.float32)
+        out[SEED] = torch.tensor(residual.first_counter(position), dtype=torch.float32)
     elif fmt.seeded and seed.dtype != torch.float32:  # a stock loader cast it to the param's dtype
         out[SEED] = seed.detach().to(torch.float32)
     return out
@@ -127,12 +130,12 @@ def _held(param: torch.Tensor, state: dict) -> tuple[MasterFormat, torch.Tensor,
     return fmt, local, ties if fmt.has_ties else None
 
 
-def _converted(param: torch.Tensor, held: tuple, fmt: MasterFormat) -> dict[str, torch.Tensor]:
+def _converted(param: torch.Tensor, held: tuple, fmt: MasterFormat, position: int) -> dict[str, torch.Tensor]:
     """The residual of ``fmt`` for the master another residual holds (the param does not change:
     either residual's master rounds to it)."""
     old, codes, ties = held
     shard = sharding.local(param)
-    out = create(param, fmt)
+    out = create(param, fmt, position)
     for start, stop in _chunks(shard.numel()):
         master = residual.read(shard.reshape(-1)[start:stop], codes.reshape(-1)[start:stop], _words(ties, start, stop),
                                old)
@@ -310,7 +313,7 @@ def _unpack_ties(packed: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
     return words
 
 
-def loaded(param: torch.Tensor, entry: dict, fmt: MasterFormat, schema: StateSchema) -> dict[str, Any]:
+def loaded(param: torch.Tensor, entry: dict, fmt: MasterFormat, schema: StateSchema, position: int) -> dict[str, Any]:
     """The master's entries of a saved ``entry`` (its per-element states already read) as ``param``
     keeps them under ``fmt`` (None: the entry goes), for ``checkpoint.prepare_load``: checked strictly
     (a residual, tie table or counter that does not fit is an error, never replaced by a fresh one),
@@ -334,7 +337,7 @@ def loaded(param: torch.Tensor, entry: dict, fmt: MasterFormat, schema: StateSch
         raise ValueError(f"the checkpoint holds {sorted(k for k in KEYS if k in entry)} but no {RESIDUAL!r}; "
                          "it is truncated or corrupt")
     out = {k: entry[k] for k in KEYS if k in entry}
-    out.update(conformed(param, entry, fmt, schema))
+    out.update(conformed(param, entry, fmt, schema, position))
     return out
 
 
@@ -388,7 +391,7 @@ def load_master_params(opt: torch.optim.Optimizer, masters: Sequence[torch.Tenso
                              f"{tuple(param.shape)}")
         if not master.is_floating_point():
             raise ValueError(f"master {i} is {master.dtype}, not a floating-point tensor")
-    for param, master in zip(params, masters):
+    for position, (param, master) in enumerate(zip(params, masters)):
         fmt = format_for(param, wrapped.config)
         shard, value = sharding.local(param), sharding.local(master).to(torch.float32)
         if fmt is None:
@@ -396,7 +399,7 @@ def load_master_params(opt: torch.optim.Optimizer, masters: Sequence[torch.Tenso
             continue
         state = opt.state[param]
         seed = state.get(SEED)
-        made = create(param, fmt)
+        made = create(param, fmt, position)
         flat, values = shard.view(-1) if shard.is_contiguous() else shard.reshape(-1).clone(), value.reshape(-1)
         for start, stop in _chunks(shard.numel()):
             encoded = residual.encode(values[start:stop].to(shard.device), fmt,

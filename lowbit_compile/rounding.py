@@ -12,17 +12,8 @@ from typing import Any
 import torch
 
 from . import master
-from .kernels.residual import SEED_PERIOD
+from .kernels.residual import first_counter
 from .kernels.rounding import SEED
-
-_SPREAD = 0x9E3779B1  # odd (2**32 over the golden ratio): positions map to distinct, well-spread starts
-
-
-def first_counter(position: int) -> float:
-    """Where the counter of the parameter at ``position`` (in ``param_groups`` order) starts: an element's
-    bits depend only on its index, the counter and its state's stream, so parameters whose counters ran in
-    step would round their same-index elements with the same draws (every layer of a stack alike)."""
-    return float(position * _SPREAD % SEED_PERIOD)
 
 
 def conformed(state: dict, stochastic: bool, position: int) -> dict[str, Any]:

@@ -437,7 +437,28 @@ def test_a_steady_step_replays_its_launches_with_the_master(mode):
     if mode == "exact":
         assert all(same_bits(m, r.detach()) for m, r in zip(master_params(opt), recipe.masters))
     else:
-        assert [float(opt.state[p][residual.SEED]) for p in ours] == [2.0, 7.0, 7.0]
+        assert [float(opt.state[p][residual.SEED]) for p in ours] == [
+            2.0, residual.first_counter(1) + 7, residual.first_counter(2) + 7]
+
+
+@torch.no_grad()
+def test_equal_parameters_round_their_8bit_masters_with_different_draws():
+    """Each parameter's counter starts apart (``first_counter`` of its position): two equal layers with
+    equal grads keep different residuals, as independent stochastic roundings do (counters in step
+    would round same-index elements alike, every layer of a stack the same way)."""
+    gen = torch.Generator().manual_seed(0)
+    value = torch.randn(4096, generator=gen).to(BF16)
+    params = [torch.nn.Parameter(value.clone()) for _ in range(2)]
+    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-3), master_weights="8bit")
+    for _ in range(3):
+        grad = (torch.randn(4096, generator=gen) * 0.1).to(BF16)
+        for p in params:
+            p.grad = grad.clone()
+        opt.step()
+    a, b = (opt.state[p][residual.RESIDUAL] for p in params)
+    assert (a != b).float().mean() > 0.3
+    masters = master_params(opt)
+    assert (masters[0] - masters[1]).abs().max() < 2 * 2**-7 * value.float().abs().max()
 
 
 # the lossy residual --------------------------------------------------------------------------------------
