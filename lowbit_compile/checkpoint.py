@@ -30,8 +30,10 @@ exactly, and they are recovered at that step:
 
 * ``row_splits``: where the shards the blocks were counted in start and end (blocks start at each
   shard's first element), plus ``lowbit_format`` (format tag), ``shape`` and ``dtype``. These four
-  are text stored as one int each (little-endian UTF-8, e.g. ``"0,65,129"``), because a state dict
-  that torch flattens (``flatten_optimizer_state_dict``) may hold only tensors, ints, floats and dicts.
+  are text stored as one int each (little-endian UTF-8, e.g. ``"0,65,129"``; evenly chunked shards
+  whose list would pass the 255 bytes a weights-only ``torch.load`` reads in an int as ``"*65"``),
+  because a state dict that torch flattens (``flatten_optimizer_state_dict``) may hold only tensors,
+  ints, floats and dicts.
 
 For a plain parameter every tensor of ``state_dict()`` is a view of the live state (as stock
 AdamW's are); for a ``DTensor`` one, every tensor is a copy taken at the call. Either way the parts
@@ -110,7 +112,7 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
         "lowbit_format": _int(qs.fmt.tag()),
         "shape": _int(",".join(map(str, param.shape))),
         "dtype": _int(str(qs.dtype).removeprefix("torch.")),
-        "row_splits": _int(",".join(map(str, splits))),
+        "row_splits": _int(_splits_text(splits)),
     }
     if qs.fmt.name == "dynamic8":
         out["lowbit_map"] = DYNAMIC_MAP_VERSION  # no tag: a version-1 map (converted on load)
@@ -416,7 +418,26 @@ def _header(packed: dict[str, Any]) -> _Header:
     if missing:
         raise ValueError(f"it lacks {sorted(missing)}")
     shape = torch.Size(int(n) for n in text["shape"].split(",") if n)
-    return _Header(fmt, shape, dtype, [int(n) for n in text["row_splits"].split(",")])
+    return _Header(fmt, shape, dtype, _parse_splits(text["row_splits"], _rows(shape)[0]))
+
+
+def _splits_text(splits: list[int]) -> str:
+    """Row splits as text: ``"0,65,129"``, or ``"*65"`` (every 65 rows) where that list would pass
+    255 bytes, which ``torch.load(weights_only=True)`` refuses in an int: FSDP2's shards are torch.chunk's
+    of the rows, equal but the last, so at any world size the text stays short."""
+    listed = ",".join(map(str, splits))
+    step = splits[1] - splits[0] if len(splits) > 2 else 0
+    even = step > 0 and splits == [*range(0, splits[-1], step), splits[-1]]
+    return f"*{step}" if len(listed) > 255 and even else listed
+
+
+def _parse_splits(text: str, rows: int) -> list[int]:
+    if text.startswith("*"):
+        step = int(text[1:])
+        if step <= 0:
+            raise ValueError(f"row_splits {text!r} split the rows every {step}")
+        return [*range(0, rows, step), rows]
+    return [int(n) for n in text.split(",")]
 
 
 def _checked_header(packed: dict[str, Any]) -> _Header:

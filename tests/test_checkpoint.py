@@ -323,6 +323,27 @@ def test_a_checkpoint_of_two_shards_loads_unsharded(shape, split):
     assert bool((error <= bound).all())
 
 
+def test_the_row_splits_of_many_shards_survive_a_weights_only_load():
+    """300 FSDP2-like shards of 5 rows (torch.chunk's: equal but the last): listed, the splits pass the
+    255 bytes ``torch.load(weights_only=True)`` reads in an int, so they are saved as ``*5``; the loaded
+    state is each shard's own quantization, bit for bit (its blocks are the unsharded ones)."""
+    fmt = StateFormat("int8", 64, 0, False)
+    x = torch.randn(1498, 64)
+    shards = [QuantizedState.from_dense(part, fmt) for part in torch.split(x, 5)]
+    packed = [checkpoint.pack(s, part) for s, part in zip(shards, torch.split(x, 5))]
+    saved = {**packed[0], **{name: torch.cat([p[name] for p in packed]) for name in ("codes", *checkpoint._TABLES)},
+             "shape": text("1498,64"), "row_splits": text(checkpoint._splits_text([*range(0, 1498, 5), 1498]))}
+    assert checkpoint._text(saved["row_splits"]) == "*5"
+    assert checkpoint._splits_text([0, 5, 10, 12]) == "0,5,10,12"  # short lists stay lists
+    buffer = io.BytesIO()
+    torch.save({"state": {0: {"m": saved}}}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["state"][0]["m"]
+    state = checkpoint.unpack(loaded, torch.empty(1498, 64))
+    assert torch.equal(state.codes, torch.cat([s.codes for s in shards]))
+    assert torch.equal(state.dequantize(), torch.cat([s.dequantize() for s in shards]))
+
+
 def test_a_loader_that_bypasses_load_state_dict_is_caught_at_the_next_step():
     """ZeroRedundancyOptimizer writes ``optim.state[p]`` itself; the step unpacks what it finds."""
     params = make_params()
