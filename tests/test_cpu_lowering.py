@@ -262,6 +262,20 @@ def test_one_kernel_per_signature_and_a_warm_cache_serves_a_fresh_process(tmp_pa
     assert len(list(tmp_path.glob("*.so"))) == 2
 
 
+def test_a_source_asked_for_while_it_builds_is_built_once(monkeypatch, tmp_path):
+    """``load_async`` of a source already building gives the build under way, and a later one the
+    loaded library: one compiler run, one library, however many ask."""
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    source = 'extern "C" int lowbit_answer(void) { return 42; }\n'
+    before = cpu_build.compile_count
+    first, second = cpu_build.load_async(source), cpu_build.load_async(source)
+    libs = [first.result(), second.result(), cpu_build.load(source)]
+    assert cpu_build.compile_count == before + 1
+    assert libs[0] is libs[1] is libs[2] and libs[0].lowbit_answer() == 42
+    assert len(list(tmp_path.glob("*.so"))) == 1
+
+
 def test_many_small_tensors_take_one_launch_and_stay_stock(monkeypatch):
     """300 tensors under min_8bit_size keep stock fp32 states and are stepped by one kernel call per
     step, bit for bit like a foreach=False twin (their shared step count)."""
