@@ -10,9 +10,9 @@ temporary directory: empty for the cold run, filled by it for the warm one. The 
 the library's stages (exclusive times: a stage nested in another counts once): the state-layout
 probe, tracing (make_fx), the graph passes, C++ emission, starting the C++ builds and waiting for
 them (a step's kernels compile at once, in the background; the compilers' summed run time is
-reported too), creating the states, and the rest (the kernel's first run, lazy imports, bookkeeping), in wall and CPU
-seconds (CPU includes the compiler's, and is what to read on a loaded machine). Results go to
-bench/results/first_step.json and .md.
+reported too), creating the states, and the rest (the kernel's first run, lazy imports,
+bookkeeping), in wall and CPU seconds (CPU includes the compiler's, and is what to read on a loaded
+machine). Results go to bench/results/first_step.json and .md.
 """
 
 from __future__ import annotations

@@ -134,12 +134,6 @@ LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t:
   const vf twice = __builtin_ia32_shuf_f32x4_mask(lo, lo, 0x44, (vf){}, (uint16_t)-1);  // t twice
   return __builtin_ia32_permvarsf512_mask(twice, idx, (vf){}, (uint16_t)-1);
 }
-LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {
-  lb_st_u8(p, a);
-  lb_st_u8(p + LB_W, b);
-  lb_st_u8(p + 2 * LB_W, c);
-  lb_st_u8(p + 3 * LB_W, d);
-}
 #elif defined(__GNUC__) && !defined(__clang__) && defined(__AVX2__) && LB_W == 8
 typedef char lb_v16qi __attribute__((vector_size(16)));
 typedef char lb_v32qi __attribute__((vector_size(32)));
@@ -177,6 +171,7 @@ LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t:
   memcpy(&t8, t, sizeof t8);
   return __builtin_ia32_permvarsf256(t8, idx);
 }
+#define LB_PACKED_U8X4
 LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of 0..255: two packs, one store
   const lb_v32qi t = __builtin_ia32_packuswb256(__builtin_ia32_packusdw256(a, b), __builtin_ia32_packusdw256(c, d));
   const vi order = {0, 4, 1, 5, 2, 6, 3, 7};
@@ -212,7 +207,9 @@ LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7]
   for (int l = 0; l < LB_W; ++l) r[l] = t[idx[l] & 7];
   return r;
 }
-LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {
+#endif
+#ifndef LB_PACKED_U8X4
+LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of 0..255, one store each
   lb_st_u8(p, a);
   lb_st_u8(p + LB_W, b);
   lb_st_u8(p + 2 * LB_W, c);

@@ -367,12 +367,11 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
     config = wrapped.config
     ready, todo, requests = [], [], []
     on_meta: list[tuple[dict, torch.Tensor]] = []
-    position = -1  # of the param in param_groups order (where its stochastic-rounding counter starts)
+    positions = _positions(opt)
     for group in opt.param_groups:
         group_sig, values = group_signature(group)
         guards: dict[int, bool] = {}
         for param in group["params"]:
-            position += 1
             grad = param.grad
             if grad is None:
                 continue
@@ -394,7 +393,7 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
             schema = _schema(opt, group, param, mformat)
             formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
             requests.append(step_request(opt, group, param, state, schema, formats, config, mformat))
-            todo.append((schema, formats, mformat, group, group_sig, param, grad, position))
+            todo.append((schema, formats, mformat, group, group_sig, param, grad, positions[id(param)]))
     compiled_steps = compile_steps(requests)  # the kernels of all signatures compile at once
     # Then create or convert the states of the parameters stepped for the first time, and run.
     for compiled, (schema, formats, mformat, group, group_sig, param, grad, position) in zip(compiled_steps, todo):
@@ -439,10 +438,10 @@ def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[
     (adoption mid-training, a re-configuration, a checkpoint a stock loader stored): all built
     before any is stored, so a state that cannot be converted changes nothing."""
     updates = []
-    position = -1  # of the param in param_groups order (where its stochastic-rounding counter starts)
+    positions = _positions(opt)
     for group in opt.param_groups:
         for param in group["params"]:
-            position += 1
+            position = positions[id(param)]
             state = opt.state.get(param)
             if not state or param.is_meta:
                 continue
@@ -458,6 +457,12 @@ def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[
             changes.update(counter.conformed(state, bool(config.stochastic(formats)), position))
             updates.extend((state, key, new) for key, new in changes.items())
     return updates
+
+
+def _positions(opt: torch.optim.Optimizer) -> dict[int, int]:
+    """Each param's position in ``param_groups`` order (by id): where its stochastic-rounding counters
+    start (``first_counter``)."""
+    return {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
 
 
 def _apply(state: dict, changes: dict) -> None:
@@ -484,7 +489,7 @@ def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
     """``load_state_dict`` pre hook: read and convert every state first (``checkpoint.prepare_load``)."""
     wrapped: _Wrapped = getattr(opt, _ATTR)
     config = wrapped.config
-    positions = {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
+    positions = _positions(opt)
 
     def masters_of(group: dict, param: torch.Tensor) -> Callable[[dict], dict] | None:
         mformat = master.format_for(param, config)

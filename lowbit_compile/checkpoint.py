@@ -103,7 +103,7 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
     splits = sharding.row_splits(param)
     gathered = sharded and qs.fmt.blockwise and width < qs.fmt.block_size
     if gathered:
-        parts, splits = _gathered(parts, param, qs)
+        parts, splits = _gathered(parts, param, qs, splits)
     tables = {"codes": parts.codes.view(torch.uint8).view(stop - start, width * code_bytes)}
     if qs.fmt.blockwise:
         records = _row_tables(parts, width, qs.fmt) if sharded and not gathered else parts[1:]
@@ -129,12 +129,12 @@ def _capacity(numel: int, block_size: int) -> int:
     return blocks + max(blocks // 8, 64)
 
 
-def _gathered(parts: blockquant.Quantized, param: torch.Tensor, qs: QuantizedState
+def _gathered(parts: blockquant.Quantized, param: torch.Tensor, qs: QuantizedState, splits: list[int]
               ) -> tuple[blockquant.Quantized, list[int]]:
     """This rank's codes with the block records of every shard of ``param`` (in row order, zero-padded
-    to ``_capacity`` records), and the row splits those blocks were counted in: a collective over
-    ``param``'s mesh. Shards with more blocks than that are re-quantized as one tensor, on blocks
-    counted from its first element."""
+    to ``_capacity`` records), and the row splits those blocks were counted in (``splits``, ``param``'s
+    own): a collective over ``param``'s mesh. Shards with more blocks than that are re-quantized as one
+    tensor, on blocks counted from its first element."""
     fmt, (rows, width) = qs.fmt, _rows(param.shape)
     ranges = sharding.shard_ranges(param)
     counts = [-(-(hi - lo) * width // fmt.block_size) for lo, hi in ranges]
@@ -144,7 +144,6 @@ def _gathered(parts: blockquant.Quantized, param: torch.Tensor, qs: QuantizedSta
     every = sharding.like(padded, param, (len(ranges) * most, records.shape[1])).full_tensor()
     listed = torch.cat([every[i * most:i * most + n] for i, n in enumerate(counts)])
     scales, values, index = _records(list(torch.split(listed, _record_widths(fmt), dim=1)))
-    splits = sharding.row_splits(param)
     capacity = _capacity(rows * width, fmt.block_size)
     if scales.numel() > capacity:
         code_bytes = fmt.code_dtype.itemsize
@@ -160,8 +159,6 @@ def _gathered(parts: blockquant.Quantized, param: torch.Tensor, qs: QuantizedSta
     pad = capacity - scales.shape[0]
     tables = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (scales, values, index))
     return blockquant.Quantized(parts.codes, *tables), splits
-
-
 
 
 def _owns_storage(t: torch.Tensor) -> bool:

@@ -57,11 +57,23 @@ COUNTER_KEYS = (*MASTER_KEYS, ROUNDING_SEED)  # states of ours, not the stock st
 @dataclass
 class StepRequest:
     """One parameter's step to find or build: its signature (``key``), the values of its
-    hyperparameter slots (a compiled step's guard must accept them) and what builds it."""
+    hyperparameter slots (a compiled step's guard must accept them) and what makes its builder
+    (called only when no step of the signature fits)."""
 
     key: tuple
     values: list
-    builder: _Builder
+    builder: Callable[[], _Builder]
+
+
+@dataclass
+class _Build:
+    """A signature's step being built: its guard now, the step from ``finish()``, and the requests
+    (by index) that wait for it."""
+
+    key: tuple
+    guard: Callable
+    finish: Callable[[], CompiledStep]
+    waiting: list[int]
 
 
 def step_request(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
@@ -82,9 +94,9 @@ def step_request(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     key = (trace_key(opt, tgroup, slots, dtype, param.device, example, schema.per_element),
            tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
            master.tag() if master is not None else None, opmath, tuple(sorted(stochastic)))
-    builder = _Builder(skeleton(opt), tgroup, slots, dtype, param.device, example, schema, formats,
-                       config.backend, master, opmath, stochastic)
-    return StepRequest(key, [s.get(tgroup) for s in slots], builder)
+    return StepRequest(key, [s.get(tgroup) for s in slots],
+                       lambda: _Builder(skeleton(opt), tgroup, slots, dtype, param.device, example, schema, formats,
+                                        config.backend, master, opmath, stochastic))
 
 
 def compile_steps(requests: Sequence[StepRequest]) -> list[CompiledStep]:
@@ -94,26 +106,26 @@ def compile_steps(requests: Sequence[StepRequest]) -> list[CompiledStep]:
     first failing request's is raised once every build has ended."""
     out: list[CompiledStep | None] = [None] * len(requests)
     with TRACE_LOCK:
-        building: list[tuple[StepRequest, Callable, Callable[[], CompiledStep], list[int]]] = []
+        building: list[_Build] = []
         for i, request in enumerate(requests):
             found = next((c for c in _compiled.get(request.key, ()) if c.guard(request.values)), None)
             if found is not None:
                 out[i] = found
                 continue
-            pending = next((b for b in building if b[0].key == request.key and b[1](request.values)), None)
+            pending = next((b for b in building if b.key == request.key and b.guard(request.values)), None)
             if pending is None:
-                pending = (request, *request.builder.compile(request.values), [])
+                pending = _Build(request.key, *request.builder().compile(request.values), [])
                 building.append(pending)
-            pending[3].append(i)
+            pending.waiting.append(i)
         errors = []
-        for request, _, finish, waiting in building:
+        for build in building:
             try:
-                compiled = finish()
+                compiled = build.finish()
             except Exception as err:  # noqa: BLE001 - the first one is raised below, after every build ends
                 errors.append(err)
                 continue
-            _compiled.setdefault(request.key, []).append(compiled)
-            for i in waiting:
+            _compiled.setdefault(build.key, []).append(compiled)
+            for i in build.waiting:
                 out[i] = compiled
         if errors:
             raise errors[0]

@@ -1,9 +1,9 @@
 """The step counter of stochastically rounded states (``rounding="stochastic"``, ``kernels/rounding.py``):
 one 0-d fp32 ``rounding_seed`` per parameter in the optimizer state, created when a state of the
-parameter first rounds stochastically (at a start apart for each parameter, ``first_counter``), advanced
-by the step itself, saved as its four bytes (like the
-master residual's counter, so a stock loader's cast to a bf16 param's dtype cannot round it) and read
-back on the next step, so a resumed run draws the bits the uninterrupted one would."""
+parameter first rounds stochastically (at a start apart for each parameter, ``first_counter``),
+advanced by the step itself, saved as its four bytes (like the master residual's counter, so a stock
+loader's cast to a bf16 param's dtype cannot round it) and read back on the next step, so a resumed
+run draws the bits the uninterrupted one would."""
 
 from __future__ import annotations
 
