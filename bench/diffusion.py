@@ -37,8 +37,9 @@ from examples.tasks import TASKS, DiffusionDigits, Task, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASK = "dit_digits"
-GRID = ["fp32", "int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "bnb-AdamW8bit", "ao-AdamW8bit", "ao-AdamWFp8"]
-QUICK_GRID = ["fp32", "int8", "dynamic8", "fp8_e4m3", "bnb-AdamW8bit"]
+GRID = ["fp32", "int8", "sqrt8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "bnb-AdamW8bit", "ao-AdamW8bit",
+        "ao-AdamWFp8"]
+QUICK_GRID = ["fp32", "int8", "sqrt8", "dynamic8", "fp8_e4m3", "bnb-AdamW8bit"]
 SEEDS = (0, 1, 2)
 BANDS = tuple(DiffusionDigits.BANDS)
 MIN_QUANTIZED = 4096  # lowbit_compile's min_8bit_size: the tensors whose states every 8-bit optimizer quantizes

@@ -44,7 +44,7 @@ from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS  # noqa: 
 from lowbit_compile.kernels import blockquant, triton_backend  # noqa: E402
 from lowbit_compile.kernels.formats import StateFormat  # noqa: E402
 
-FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16")
+FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 LR, WEIGHT_DECAY = 1e-3, 0.1
 
 

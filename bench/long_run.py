@@ -29,7 +29,7 @@ from examples.tasks import CharGPT, char_gpt_2m, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASK = "char_gpt_2m_long"
-GRID = ["fp32", "dynamic8", "int8", "fp8_e4m3"]
+GRID = ["fp32", "sqrt8", "dynamic8", "int8", "fp8_e4m3"]
 SEEDS = (0, 1, 2)
 CHECKPOINTS = (250, 1000, 2000)
 

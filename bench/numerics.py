@@ -35,7 +35,7 @@ from tests.test_exactness import _model_params
 from tests.test_numerics import idle_row_run
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16")
+FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 GRAD_SCALES = (1.0, 0.1, 0.01, 0.001)
 DRIFT_STEPS = 30
 

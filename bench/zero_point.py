@@ -34,7 +34,7 @@ FULL = {"d": 384, "layers": 6, "vocab": 4864}  # 12,613,632 params
 SMALL = {"d": 128, "layers": 2, "vocab": 512}  # 495,104 params, the same kinds of tensors
 STEPS = 20
 HYPER = Hyper(steps=STEPS, lr=1e-3, weight_decay=0.01, warmup=0, eval_every=STEPS)
-OURS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16")
+OURS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 
 
 @dataclass(frozen=True)

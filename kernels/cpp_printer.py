@@ -34,7 +34,7 @@ ENTRY = "lowbit_step"
 DEFAULT_CHUNK = 2048  # block length when no state is blockwise (only the unit of work)
 
 _ENUM = {"int8": "LB_INT8", "dynamic8": "LB_DYNAMIC8", "fp8_e4m3": "LB_E4M3", "fp8_e5m2": "LB_E5M2",
-         "bf16": "LB_BF16_CODES"}
+         "bf16": "LB_BF16_CODES", "sqrt8": "LB_SQRT8"}
 _CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t", torch.float16: "uint16_t", torch.uint8: "uint8_t",
            torch.int16: "int16_t", torch.int8: "int8_t", torch.int32: "int32_t"}
 _LOAD = {torch.float32: "lb_ld", torch.bfloat16: "lb_ld_bf16", torch.float16: "lb_ld_f16"}
@@ -443,8 +443,10 @@ class CppPrinter:
         dtype = a.dtype if a.dtype == b.dtype else torch.float32
         if _kind(cond, a, b) is Kind.SCALAR:
             return Value(f"{_operand(cond)} ? {_operand(a)} : {_operand(b)}", dtype, Kind.SCALAR, atomic=False)
-        # a scalar condition selects whole vectors; a lane mask selects lane by lane
-        return Value(f"{_operand(cond)} ? {self._vec(a)} : {self._vec(b)}", dtype, Kind.ELEMENT, atomic=False)
+        # a lane mask selects lane by lane; a scalar condition as a splat mask (a blend, not a branch
+        # in the loop: GCC does not hoist the test)
+        mask = f"lb_mask({cond.text})" if cond.kind is Kind.SCALAR else _operand(cond)
+        return Value(f"{mask} ? {self._vec(a)} : {self._vec(b)}", dtype, Kind.ELEMENT, atomic=False)
 
     def to_float(self, cond: Value) -> Value:
         return self.where(cond, self.constant(1.0), self.constant(0.0))

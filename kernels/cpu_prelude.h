@@ -44,6 +44,20 @@ LB_INLINE vf lb_bits_f(vi x) { return (vf)x; }
 LB_INLINE vi lb_bits_i(vf x) { return (vi)x; }
 
 // ---- lane-wise math ---------------------------------------------------------------------------
+// With GCC on x86 each is one instruction, written as the builtin <immintrin.h> wraps: GCC turns a
+// per-lane loop into one instruction only where its SLP vectorizer succeeds, and in a long update
+// loop (dynamic8's) it left an fma as eight scalar ones. Other targets and compilers: per-lane loops.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__) && LB_W == 16
+LB_INLINE vf lb_fma(vf a, vf b, vf c) { return __builtin_ia32_vfmaddps512_mask(a, b, c, (uint16_t)-1, 4); }
+LB_INLINE vf lb_sqrt(vf a) { return __builtin_ia32_sqrtps512_mask(a, a, (uint16_t)-1, 4); }
+LB_INLINE vf lb_rint(vf a) { return __builtin_ia32_rndscaleps_mask(a, 0x04, a, (uint16_t)-1, 4); }  // half to even
+LB_INLINE vf lb_floor(vf a) { return __builtin_ia32_rndscaleps_mask(a, 0x01, a, (uint16_t)-1, 4); }
+#elif defined(__GNUC__) && !defined(__clang__) && defined(__AVX__) && defined(__FMA__) && LB_W == 8
+LB_INLINE vf lb_fma(vf a, vf b, vf c) { return __builtin_ia32_vfmaddps256(a, b, c); }
+LB_INLINE vf lb_sqrt(vf a) { return __builtin_ia32_sqrtps256(a); }
+LB_INLINE vf lb_rint(vf a) { return __builtin_ia32_roundps256(a, 0x04); }  // half to even
+LB_INLINE vf lb_floor(vf a) { return __builtin_ia32_roundps256(a, 0x01); }
+#else
 LB_INLINE vf lb_fma(vf a, vf b, vf c) {
   vf r;
   for (int l = 0; l < LB_W; ++l) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
@@ -64,6 +78,7 @@ LB_INLINE vf lb_floor(vf a) {
   for (int l = 0; l < LB_W; ++l) r[l] = __builtin_floorf(a[l]);
   return r;
 }
+#endif
 LB_INLINE vf lb_nan() { return lb_bits_f(lb_splat_i(0x7FC00000)); }
 LB_INLINE vf lb_maximum(vf a, vf b) {  // torch.maximum: NaN if either is NaN
   vf m = a > b ? a : b;
@@ -100,6 +115,8 @@ LB_INLINE void lb_st_n(float* p, vf v, int64_t r) {
   memcpy(p, t, r * sizeof(float));
 }
 
+// lb_cvt_rne: to int32, rounding half to even (the default rounding mode, like torch.round); lb_min_nn,
+// lb_max_nn: one min or max instruction, for operands that are never NaN (their NaN result differs).
 // Widening loads and narrowing stores of 8- and 16-bit lanes. GCC scalarizes these conversions on
 // vector extensions, so with GCC x86 gets one or two SIMD instructions each, written as the builtins
 // <immintrin.h> wraps (parsing that header took more time than compiling a kernel); other targets and
@@ -127,6 +144,9 @@ LB_INLINE void lb_st_u16(uint16_t* p, vi x) {
   memcpy(p, &h, sizeof h);
 }
 LB_INLINE int lb_any(vi m) { return __builtin_ia32_ptestmd512(m, m, (uint16_t)-1) != 0; }  // any lane set
+LB_INLINE vi lb_cvt_rne(vf x) { return __builtin_ia32_cvtps2dq512_mask(x, (vi){}, (uint16_t)-1, 4); }
+LB_INLINE vf lb_min_nn(vf a, vf b) { return __builtin_ia32_minps512_mask(a, b, (vf){}, (uint16_t)-1, 4); }
+LB_INLINE vf lb_max_nn(vf a, vf b) { return __builtin_ia32_maxps512_mask(a, b, (vf){}, (uint16_t)-1, 4); }
 LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t: 8 constants)
   lb_v8sf t8;
   memcpy(&t8, t, sizeof t8);
@@ -166,6 +186,9 @@ LB_INLINE void lb_st_u16(uint16_t* p, vi x) {  // lanes hold 0..65535
   memcpy(p, &lo, sizeof lo);
 }
 LB_INLINE int lb_any(vi m) { return !__builtin_ia32_ptestz256((lb_v4di)m, (lb_v4di)m); }
+LB_INLINE vi lb_cvt_rne(vf x) { return __builtin_ia32_cvtps2dq256(x); }
+LB_INLINE vf lb_min_nn(vf a, vf b) { return __builtin_ia32_minps256(a, b); }
+LB_INLINE vf lb_max_nn(vf a, vf b) { return __builtin_ia32_maxps256(a, b); }
 LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t: 8 constants)
   vf t8;
   memcpy(&t8, t, sizeof t8);
@@ -207,6 +230,13 @@ LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7]
   for (int l = 0; l < LB_W; ++l) r[l] = t[idx[l] & 7];
   return r;
 }
+LB_INLINE vi lb_cvt_rne(vf x) {
+  vf r;
+  for (int l = 0; l < LB_W; ++l) r[l] = __builtin_rintf(x[l]);
+  return __builtin_convertvector(r, vi);
+}
+LB_INLINE vf lb_min_nn(vf a, vf b) { return a < b ? a : b; }
+LB_INLINE vf lb_max_nn(vf a, vf b) { return a > b ? a : b; }
 #endif
 #ifndef LB_PACKED_U8X4
 LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of 0..255, one store each
@@ -355,7 +385,6 @@ LB_INLINE vi lb_encode_fp8_rounded(vf y) {
   vi normal = (lb_bits_i(r) >> (23 - M)) - ((127 - bias) << M);
   vi sub = __builtin_convertvector(r * lb_bits_f(lb_splat_i((127 + M - MIN_EXP) << 23)), vi);  // r / 2^(MIN_EXP-M)
   vi code = r >= lb_bits_f(lb_splat_i((127 + MIN_EXP) << 23)) ? normal : sub;
-  code = y != y ? lb_splat_i(0x7F) : code;
   return (code | (vi)((vu)sign >> 24)) & 0xFF;
 }
 
@@ -375,7 +404,7 @@ LB_INLINE vf lb_decode_dynamic8(vi u) {
 // Encode to nearest (formats.encode: an exact tie to the larger magnitude): the level is the count
 // of level bounds <= |y|; p = floor(|y| * recip + bias) is the bucket or the one below it (0 below
 // level 0's bound, which is where zero ends), and one exact compare with the next bucket's lower
-// edge settles it. NaN becomes 255.
+// edge settles it.
 template <bool U>
 LB_INLINE vi lb_encode_dynamic8(vf y) {
   using T = lb_dyn<U>;
@@ -386,38 +415,53 @@ LB_INLINE vi lb_encode_dynamic8(vf y) {
   const vi up = (vi)(a >= lb_fma(p, lb_perm8(T::spacing, slot), lb_perm8(T::step, slot)));
   p += lb_bits_f(up & lb_bits_i(lb_splat(1.0f)));
   const vf last = lb_perm8(T::last, slot);
-  p = p > last ? last : p;
+  p = lb_min_nn(p, last);
   vi code;
   if (U) {
-    p = p < lb_splat(1.0f) ? lb_splat(1.0f) : p;  // a positive value never becomes 0
+    p = lb_max_nn(p, lb_splat(1.0f));  // a positive value never becomes 0
     code = __builtin_convertvector(p, vi) & (y > 0);
   } else {
     code = __builtin_convertvector(lb_bits_f(lb_bits_i(p) | (lb_bits_i(y) & (int32_t)0x80000000)), vi) + 127;
   }
-  return y != y ? lb_splat_i(255) : code;
+  return code;
 }
 
 // Codes (one byte per lane) -> values relative to the block scale.
 template <int F, bool U>
 LB_INLINE vf lb_decode(vi u) {
   if constexpr (F == LB_INT8) return U ? __builtin_convertvector(u, vf) : __builtin_convertvector((u << 24) >> 24, vf);
+  else if constexpr (F == LB_SQRT8) {  // the code is the square root: c * |c|
+    const vf c = __builtin_convertvector(U ? u : (u << 24) >> 24, vf);
+    return c * lb_abs(c);
+  }
   else if constexpr (F == LB_E4M3 || F == LB_E5M2) return lb_decode_fp8<lb_format<F, U>::mantissa>(u);
   else return lb_decode_dynamic8<U>(u);
 }
 
 // Values already multiplied by qmax/absmax -> codes; a positive value of a non-negative state never
-// becomes code 0 (formats.encode).
+// becomes code 0 (formats.encode). Never NaN: only a flagged block holds NaN, and lb_encode_scaled
+// gives it (and +-inf) the block's special codes after encoding.
 template <int F, bool U>
 LB_INLINE vi lb_encode(vf y) {
   if constexpr (F == LB_INT8) {
-    vf q = lb_clamp(lb_rint(y), U ? 0.0f : -lb_format<F, U>::qmax, lb_format<F, U>::qmax);
-    if (U) q = (y > 0) & (q == 0) ? lb_splat(1.0f) : q;
-    return __builtin_convertvector(q, vi) & 0xFF;
+    const float qmax = lb_format<F, U>::qmax;
+    const vi q = lb_cvt_rne(lb_min_nn(lb_max_nn(y, lb_splat(U ? 0.0f : -qmax)), lb_splat(qmax)));
+    if (!U) return q & 0xFF;
+    const vi lift = (vi)((vu)(vi)(y > 0) >> 31);  // 1 where positive: a positive value never becomes 0
+    return q > lift ? q : lift;
+  } else if constexpr (F == LB_SQRT8) {  // to nearest in the square root: its fp32 value, half to even
+    const float qmax = lb_format<F, U>::qmax;
+    const vi c = lb_cvt_rne(lb_sqrt(lb_min_nn(U ? lb_max_nn(y, lb_splat(0.0f)) : lb_abs(y), lb_splat(qmax))));
+    if (U) {
+      const vi lift = (vi)((vu)(vi)(y > 0) >> 31);
+      return c > lift ? c : lift;
+    }
+    return (y < 0 ? -c : c) & 0xFF;
   } else if constexpr (F == LB_DYNAMIC8) {
     return lb_encode_dynamic8<U>(y);
   } else {
     const float qmax = lb_format<F, U>::qmax, min_positive = lb_format<F, U>::min_positive;
-    vf c = lb_clamp(y, -qmax, qmax);
+    vf c = lb_min_nn(lb_max_nn(y, lb_splat(-qmax)), lb_splat(qmax));
     if (U) c = (c > 0) & (c < min_positive) ? lb_splat(min_positive) : c;
     return lb_encode_fp8_rounded<lb_format<F, U>::mantissa, lb_format<F, U>::min_exponent>(c);
   }

@@ -5,6 +5,11 @@ A format only maps numbers; grouping into blocks, scales and outlier patches liv
 definitions here, so they agree on every code. In a block that holds +inf, -inf or NaN (a *flagged*
 block, see ``blockquant.py``) three codes of each format mean those values, and the block's finite
 values keep off them (``StateFormat.flagged_qmax``, ``special_codes``).
+
+``sqrt8`` compands by a square root: the code is the magnitude's square root rounded to an integer
+(0..127 with a sign, or 0..255), its value ``c * |c|``, so the resolution is fine near the block's
+largest value and coarse only near zero (a relative step of ``2 / c``); one square root encodes it
+(no table, no search), which makes it as cheap on a CPU as linear INT8.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-FORMAT_NAMES = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32")
+FORMAT_NAMES = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32", "sqrt8")
 # The number of each format in the kernels (the C++ prelude's enum, triton_lib's constexprs).
 FORMAT_IDS = {name: i for i, name in enumerate(FORMAT_NAMES)}
 
@@ -57,6 +62,7 @@ class StateFormat:
     def code_dtype(self) -> torch.dtype:
         return {
             "int8": torch.uint8 if self.nonneg else torch.int8,
+            "sqrt8": torch.uint8 if self.nonneg else torch.int8,
             "dynamic8": torch.uint8,
             "fp8_e4m3": torch.float8_e4m3fn,
             "fp8_e5m2": torch.float8_e5m2,
@@ -70,6 +76,7 @@ class StateFormat:
         are symmetric) maps onto it."""
         return {
             "int8": 255.0 if self.nonneg else 127.0,
+            "sqrt8": 255.0**2 if self.nonneg else 127.0**2,  # codes are square roots: c * |c|
             "dynamic8": 1.0,
             "fp8_e4m3": 448.0,
             "fp8_e5m2": 57344.0,
@@ -103,6 +110,7 @@ class StateFormat:
         block's +inf, -inf and NaN (``special_codes``). fp8_e5m2 has those codes natively."""
         return {
             "int8": 252.0 if self.nonneg else 126.0,
+            "sqrt8": 252.0**2 if self.nonneg else 126.0**2,
             "dynamic8": float(dynamic_map(self.nonneg)[252 if self.nonneg else 253]),
             "fp8_e4m3": 416.0,
         }.get(self.name, self.qmax)
@@ -112,6 +120,7 @@ class StateFormat:
         """The smallest positive normalized value this format can hold (what a tiny v rounds up to)."""
         return {
             "int8": 1.0,
+            "sqrt8": 1.0,
             "dynamic8": float(dynamic_map(self.nonneg)[1 if self.nonneg else 128]),
             "fp8_e4m3": 2.0**-9,
             "fp8_e5m2": 2.0**-16,
@@ -290,6 +299,16 @@ def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = Non
         if fmt.nonneg:
             q = torch.where((x > 0) & (q == 0), 1.0, q)
         return q.to(fmt.code_dtype)
+    if name == "sqrt8":
+        # to nearest in the square root: the fp32 square root (correctly rounded, as float64's rounded
+        # to fp32 is), rounded half to even
+        a = x.clamp(0.0, fmt.qmax) if fmt.nonneg else x.abs().clamp(max=fmt.qmax)
+        root = torch.round(a.double().sqrt().float())
+        if fmt.nonneg:
+            root = torch.where((x > 0) & (root == 0), 1.0, root)
+        else:
+            root = torch.where(x < 0, -root, root)
+        return root.to(fmt.code_dtype)
     if name == "dynamic8":
         # the count of thresholds <= |x|: to nearest, an exact tie to the larger magnitude
         p = torch.bucketize(x.abs().contiguous(), dynamic_thresholds(fmt.nonneg).to(x.device), right=True)
@@ -326,7 +345,7 @@ def round_stochastic(x: torch.Tensor, codes: torch.Tensor, fmt: StateFormat, bit
         up = ((pattern + (bits & 0xFFFF)) >> 16) & 0xFFFF
         up = torch.where(up >= 2**15, up - 2**16, up).to(torch.int16).view(torch.bfloat16)
         return torch.where(torch.isnan(x), codes, up)
-    signed_int = fmt.name == "int8" and not fmt.nonneg
+    signed_int = fmt.name in ("int8", "sqrt8") and not fmt.nonneg
     fp8 = fmt.name.startswith("fp8")
     lo = 0.0 if fmt.nonneg and not fp8 else -fmt.qmax
     y = x.clamp(lo, fmt.qmax)
@@ -351,6 +370,9 @@ def decode(codes: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None =
     decode to +inf, -inf and NaN (which the caller must not multiply by the scale)."""
     if fmt.name == "dynamic8":
         values = dynamic_map(fmt.nonneg).to(codes.device)[codes.long()]
+    elif fmt.name == "sqrt8":
+        root = codes.float()
+        values = root * root.abs()
     else:
         values = codes.float()
     if flagged is None or not fmt.blockwise:
@@ -380,6 +402,8 @@ def saturate_bf16(x: torch.Tensor) -> torch.Tensor:
 _SPECIAL_CODES = {
     ("int8", False): (0x7F, 0x81, 0x80),  # 127, -127, -128; finite codes -126..126
     ("int8", True): (255, 253, 254),  # finite codes 0..252
+    ("sqrt8", False): (0x7F, 0x81, 0x80),  # as int8
+    ("sqrt8", True): (255, 253, 254),
     ("dynamic8", False): (255, 0, 254),  # the spare code, -1 and +1; finite codes 1..253 (+-0.986)
     ("dynamic8", True): (255, 253, 254),  # finite codes 0..252 (up to 0.979)
     ("fp8_e4m3", False): (0x7E, 0xFE, 0x7F),  # finite values up to +-416

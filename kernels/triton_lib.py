@@ -31,6 +31,7 @@ DYNAMIC8 = tl.constexpr(FORMAT_IDS["dynamic8"])
 FP8_E4M3 = tl.constexpr(FORMAT_IDS["fp8_e4m3"])
 FP8_E5M2 = tl.constexpr(FORMAT_IDS["fp8_e5m2"])
 BF16_CODES = tl.constexpr(FORMAT_IDS["bf16"])
+SQRT8 = tl.constexpr(FORMAT_IDS["sqrt8"])
 
 # Value dtypes of params and stock states: every value lives in fp32 registers, rounded to its dtype.
 F32 = tl.constexpr(0)
@@ -197,6 +198,13 @@ def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.cons
             return q.to(tl.uint8)
         else:
             return tl.minimum(tl.maximum(rne(y), -QMAX), QMAX).to(tl.int8)
+    elif FMT == SQRT8:  # to nearest in the square root: its fp32 value (correctly rounded), half to even
+        if NONNEG:
+            c = rne(tl.sqrt_rn(tl.minimum(tl.maximum(y, 0.0), QMAX)))
+            return tl.where((y > 0) & (c == 0), 1.0, c).to(tl.uint8)
+        else:
+            c = rne(tl.sqrt_rn(tl.minimum(tl.abs(y), QMAX)))
+            return tl.where(y < 0, -c, c).to(tl.int8)
     elif FMT == DYNAMIC8:
         return dynamic8_code(y, bounds_ptr, NONNEG)
     elif FMT == BF16_CODES:
@@ -254,6 +262,12 @@ def code_value(bits, levels_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
             return bits.to(tl.float32)
         else:
             return bits.to(tl.int8, bitcast=True).to(tl.float32)
+    elif FMT == SQRT8:
+        if NONNEG:
+            c = bits.to(tl.float32)
+        else:
+            c = bits.to(tl.int8, bitcast=True).to(tl.float32)
+        return c * tl.abs(c)
     elif FMT == DYNAMIC8:
         return dynamic8_value(bits, levels_ptr)
     elif FMT == FP8_E4M3:
@@ -321,7 +335,7 @@ def code_bits(codes, FMT: tl.constexpr, FP8_NATIVE: tl.constexpr):
     """Codes of any 8-bit format as their uint8 bit patterns."""
     if FMT == DYNAMIC8:
         return codes
-    elif FMT == INT8:
+    elif FMT == INT8 or FMT == SQRT8:
         return codes.to(tl.uint8, bitcast=True)
     elif FP8_NATIVE:
         return codes.to(tl.uint8, bitcast=True)
@@ -348,6 +362,10 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
         elif FMT == INT8:
             codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
             values = codes.to(tl.float32)
+        elif FMT == SQRT8:
+            codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
+            values = codes.to(tl.float32)
+            values = values * tl.abs(values)
         elif FP8_NATIVE:  # float8 codes (no `other`: the interpreter cannot cast a fill value to fp8)
             codes = tl.load(codes_ptr + offsets, mask=mask)
             values = tl.where(mask, codes.to(tl.float32), 0.0)

@@ -387,7 +387,7 @@ class TritonPrinter:
 
 # helpers ----------------------------------------------------------------------------------------------
 _FORMAT_NAMES = {"int8": "lb.INT8", "dynamic8": "lb.DYNAMIC8", "fp8_e4m3": "lb.FP8_E4M3", "fp8_e5m2": "lb.FP8_E5M2",
-                 "bf16": "lb.BF16_CODES"}
+                 "bf16": "lb.BF16_CODES", "sqrt8": "lb.SQRT8"}
 
 
 def _is_fp8(fmt: StateFormat) -> bool:

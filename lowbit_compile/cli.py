@@ -20,8 +20,8 @@ from .estimate import PARAM_DTYPES, estimate, parse_count
 # The runner's own options, as (flags, argparse keywords); everything from the script path (or
 # -m MODULE) on belongs to the script. The list also tells the splitter which flags take a value.
 _RUN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
-    (("--fmt",), dict(default=DEFAULT_FMT, help="state format (int8, dynamic8, fp8_e4m3, fp8_e5m2, bf16, "
-                                                  "fp32) or per state: exp_avg=int8,exp_avg_sq=dynamic8")),
+    (("--fmt",), dict(default=DEFAULT_FMT, help="state format (sqrt8, dynamic8, int8, fp8_e4m3, fp8_e5m2, "
+                                                  "bf16, fp32) or per state: exp_avg=int8,exp_avg_sq=dynamic8")),
     (("--block-size",), dict(type=int, default=DEFAULT_BLOCK_SIZE, help="elements per scale")),
     (("--outliers",), dict(type=int, default=DEFAULT_OUTLIERS, help="bf16 outlier patches per block")),
     (("--min-8bit-size",), dict(type=int, default=DEFAULT_MIN_8BIT_SIZE,

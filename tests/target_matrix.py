@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 ARCHS = (70, 75, 80, 86, 89, 90)
-FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16")
+FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 FP8 = ("fp8_e4m3", "fp8_e5m2")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (block size, patches per block): the library's default, one block per row with patches, patches in a

@@ -137,7 +137,7 @@ def test_a_1e8_element_flat_buffer_packs_within_2_05_bytes_per_element():
     assert size / n <= 2.05, size / n
 
 
-@pytest.mark.parametrize("fmt, amsgrad", [("int8", False), ("dynamic8", True), ("fp8_e4m3", False),
+@pytest.mark.parametrize("fmt, amsgrad", [("int8", False), ("dynamic8", True), ("sqrt8", True), ("fp8_e4m3", False),
                                            ("fp8_e5m2", True), ("bf16", False),
                                            ({"exp_avg": "fp8_e4m3", "exp_avg_sq": "dynamic8"}, True)])
 def test_resume_continues_bitwise_like_an_uninterrupted_run(fmt, amsgrad):

@@ -88,7 +88,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
       const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
+      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
       const vf v_mul_2 = v_dequantize_default_1_decoded * lb_splat(c_hp_betas_1);
       const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
       const vf v_sqrt = lb_sqrt(v_addcmul);
@@ -160,7 +160,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_state_exp_avg_sq = full ? lb_ld(p_state_exp_avg_sq + i) : lb_ld_n(p_state_exp_avg_sq + i, r);
       const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_lerp_diff = v_grad - v_state_exp_avg;
-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_state_exp_avg : v_grad));
+      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_state_exp_avg : v_grad));
       const vf v_mul_2 = v_state_exp_avg_sq * lb_splat(c_hp_betas_1);
       const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
       const vf v_sqrt0 = full ? lb_ld(sq0 + i) : lb_ld_n(sq0 + i, r);
@@ -180,7 +180,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_state_exp_avg_sq = full ? lb_ld(p_state_exp_avg_sq + i) : lb_ld_n(p_state_exp_avg_sq + i, r);
       const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_lerp_diff = v_grad - v_state_exp_avg;
-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_state_exp_avg : v_grad));
+      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_state_exp_avg : v_grad));
       const vf v_mul_2 = v_state_exp_avg_sq * lb_splat(c_hp_betas_1);
       const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
       const vf v_sqrt0 = full ? lb_ld(sq0 + i) : lb_ld_n(sq0 + i, r);
@@ -197,7 +197,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
     def test_each_format_changes_only_its_decode_and_encode(self):
         default = _kernel(emit_step(_adamw(), FAST).source)
         out = []
-        for fmt, layout in (("int8", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("bf16", {}),
+        for fmt, layout in (("int8", {}), ("sqrt8", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("bf16", {}),
                             ("int8", {"block_size": 2048, "outliers": 2})):
             kernel = _kernel(emit_step(_adamw(fmt, **layout), FAST).source)
             out.append(f"== {fmt} {layout}\n" + _diff(_vector_loop(default), _vector_loop(kernel)))
@@ -207,6 +207,11 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+== sqrt8 {}
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 == fp8_e4m3 {}
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
@@ -300,7 +305,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_dequantize_default = lb_round_bf16(v_dequantize_default_decoded);
 -      const vf v_mul_1 = v_param * lb_splat(c_sub);
 -      const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
--      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
+-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
 -      const vf v_mul_2 = v_dequantize_default_1_decoded * lb_splat(c_hp_betas_1);
 -      const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
 -      const vf v_sqrt = lb_sqrt(v_addcmul);
@@ -311,7 +316,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_dequantize_default_1 = lb_round_bf16(v_dequantize_default_1_decoded);
 +      const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
 +      const vf v_lerp_diff = v_grad - v_dequantize_default;
-+      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
++      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
 +      const vf v_mul_2 = lb_round_bf16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 +      const vf v_addcmul = lb_round_bf16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
 +      const vf v_sqrt = lb_round_bf16(lb_sqrt(v_addcmul));
@@ -330,7 +335,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -      const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
 +      const vf v_dequantize_default_1 = lb_round_f16(v_dequantize_default_1_decoded);
 +      const vf v_mul_1 = lb_round_f16((v_param * lb_splat(c_sub)));
--      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
+-      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
 -      const vf v_mul_2 = lb_round_bf16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 -      const vf v_addcmul = lb_round_bf16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
 -      const vf v_sqrt = lb_round_bf16(lb_sqrt(v_addcmul));
@@ -338,7 +343,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -      const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
 -      const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 -      if (full) lb_st_bf16(p_param + i, v_addcdiv); else lb_st_bf16_n(p_param + i, v_addcdiv, r);
-+      const vf v_lerp = lb_round_f16(lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
++      const vf v_lerp = lb_round_f16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
 +      const vf v_mul_2 = lb_round_f16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 +      const vf v_addcmul = lb_round_f16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
 +      const vf v_sqrt = lb_round_f16(lb_sqrt(v_addcmul));
@@ -349,7 +354,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 
     def test_format_constants_come_from_formats_py(self):
         self.assertExpectedInline(format_constants(), """\
-enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3, LB_BF16_CODES = 4 };
+enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3, LB_BF16_CODES = 4, LB_SQRT8 = 6 };
 template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, min_exponent)
 template <> struct lb_format<LB_INT8, false> { static constexpr float qmax = (float)0x1.fc00000000000p+6, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc00000000000p+6, flagged_qmax = (float)0x1.f800000000000p+6; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
 template <> struct lb_format<LB_INT8, true> { static constexpr float qmax = (float)0x1.fe00000000000p+7, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fe00000000000p+7, flagged_qmax = (float)0x1.f800000000000p+7; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
@@ -361,6 +366,8 @@ template <> struct lb_format<LB_E5M2, false> { static constexpr float qmax = (fl
 template <> struct lb_format<LB_E5M2, true> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr float neg_qmax = (float)0x1.c000000000000p+15, flagged_qmax = (float)0x1.c000000000000p+15; static constexpr int pos_inf_code = 124, neg_inf_code = 252, nan_code = 127; static constexpr int mantissa = 2, min_exponent = -14; };
 template <> struct lb_format<LB_BF16_CODES, false> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };
 template <> struct lb_format<LB_BF16_CODES, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };
+template <> struct lb_format<LB_SQRT8, false> { static constexpr float qmax = (float)0x1.f808000000000p+13, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.f808000000000p+13, flagged_qmax = (float)0x1.f020000000000p+13; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
+template <> struct lb_format<LB_SQRT8, true> { static constexpr float qmax = (float)0x1.fc02000000000p+15, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc02000000000p+15, flagged_qmax = (float)0x1.f020000000000p+15; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
 template <bool U> struct lb_dyn {};  // formats.dynamic_level_table
 template <> struct lb_dyn<false> {
   static constexpr int levels = 7;

@@ -15,8 +15,8 @@ from lowbit_compile.kernels.formats import StateFormat, decode, encode
 
 from .test_formats import dynamic8_probes
 
-FORMATS = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32"]
-BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"]
+FORMATS = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8", "bf16", "fp32"]
+BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8"]
 
 # Lets the prelude's element formats be called on whole arrays from Python.
 _HARNESS = r"""
@@ -36,6 +36,8 @@ extern "C" void convert(int fmt, int nonneg, int dir, void* codes, float* x, int
     case 5: run<LB_E4M3, true>(dir, codes, x, n); break;
     case 6: run<LB_E5M2, false>(dir, codes, x, n); break;
     case 7: run<LB_E5M2, true>(dir, codes, x, n); break;
+    case 8: run<LB_SQRT8, false>(dir, codes, x, n); break;
+    case 9: run<LB_SQRT8, true>(dir, codes, x, n); break;
   }
 }
 """
@@ -51,6 +53,8 @@ def _probe_values(fmt: StateFormat) -> torch.Tensor:
     points = decode(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.code_dtype), fmt)
     points = points[torch.isfinite(points)].unique()
     mids = (points[1:] + points[:-1]) / 2
+    if fmt.name == "sqrt8":  # its ties are midpoints of the square roots, (c + 1/2)^2
+        mids = torch.cat([mids, (torch.arange(256.0) + 0.5) ** 2])
     # the float32 neighbours of every tie, and of each power of two from 2^-32 to 2 (dynamic8's
     # encode splits magnitudes into buckets by exponent and top mantissa bits)
     edges = torch.cat([mids, 2.0 ** torch.arange(-32, 2.0)]).view(torch.int32)

@@ -47,7 +47,7 @@ def test_stock_states_take_the_dtype_of_what_the_optimizer_steps():
 
 
 @pytest.mark.parametrize("fmt,code_bytes,blockwise", [
-    ("int8", 1, True), ("dynamic8", 1, True), ("fp8_e4m3", 1, True), ("fp8_e5m2", 1, True),
+    ("int8", 1, True), ("dynamic8", 1, True), ("sqrt8", 1, True), ("fp8_e4m3", 1, True), ("fp8_e5m2", 1, True),
     ("bf16", 2, False), ("fp32", 4, False),
 ])
 def test_each_format_costs_its_code_bytes_plus_blocks(fmt, code_bytes, blockwise):

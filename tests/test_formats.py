@@ -18,7 +18,7 @@ from lowbit_compile.kernels.formats import (
     encode,
 )
 
-BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"]
+BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8"]
 ALL = BLOCKWISE + ["bf16"]
 # Half a code step of each element format, relative to the largest code (qmax) or to the value.
 FP8_REL = {"fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}
@@ -82,6 +82,8 @@ def test_blockwise_format_against_float64(name, nonneg, n, block, k):
         table = dynamic_map(nonneg).double()
         gaps = (table[1:] - table[:-1]).max()  # the widest gap of the map bounds the rounding
         bound = (gaps / 2) * scale * fmt.qmax
+    elif name == "sqrt8":  # the square root within 1/2: |c^2 - t| <= sqrt(t) + 1/4 (t = |x| / scale)
+        bound = (torch.where(scale > 0, x64.abs() / scale, 0.0).sqrt() + 0.25) * scale
     else:
         bound = torch.maximum(FP8_REL[name] * x64.abs(), FP8_SUBNORMAL_STEP[name] / 2 * scale)
     if nonneg:  # a tiny positive value is raised to the smallest code instead of 0
@@ -155,6 +157,36 @@ def test_dynamic8_encode_is_exactly_the_nearest_of_the_256_values(nonneg):
     assert torch.all((dist == best) | raised)
     assert torch.all(got[tied].abs() >= x[tied].double().abs())  # ties: the larger magnitude
     assert int(encode(torch.tensor([float("nan")]), fmt)) == 255  # NaN saturates at the top code
+
+
+@pytest.mark.parametrize("nonneg", [False, True], ids=["signed", "nonneg"])
+def test_sqrt8_codes_are_the_rounded_square_roots(nonneg):
+    """Over the whole float range (zeros, subnormals, every tie (c + 1/2)^2 and its fp32 neighbours,
+    past qmax, inf): the code's magnitude is the fp32 square root of min(|x|, qmax) rounded half to
+    even, so within 1/2 of the exact root plus half an ulp of the fp32 one (which may land on a tie),
+    its sign x's, its value c * |c|; a non-negative state's positive values never become 0."""
+    fmt = StateFormat("sqrt8", nonneg=nonneg)
+    top = 255 if nonneg else 127
+    ties = (torch.arange(top + 1, dtype=torch.float64) + 0.5).square().float()
+    near = torch.cat([(ties.view(torch.int32) + d).view(torch.float32) for d in (-2, -1, 0, 1, 2)])
+    squares = torch.arange(top + 1, dtype=torch.float32).square()
+    spread = 2.0 ** torch.linspace(-149, 127.99, 20001)
+    x = torch.cat([near, squares, spread, torch.rand(20000) * fmt.qmax * 1.2,
+                   torch.tensor([0.0, 2.0**-149, fmt.qmax, fmt.qmax * 2.5, float("inf")])])
+    x = x if nonneg else torch.cat([x, -x, torch.tensor([-0.0])])
+    codes = encode(x, fmt)
+    c = codes.double()
+    assert torch.equal(decode(codes, fmt).double(), c * c.abs())
+    root = x.double().abs().clamp(max=fmt.qmax).sqrt()
+    miss = (root.float().double() - c.abs()).abs()  # from the correctly rounded fp32 root
+    lifted = (x > 0) & (root.float() <= 0.5) if nonneg else torch.zeros_like(x, dtype=torch.bool)  # to code 1
+    assert torch.all((miss < 0.5) | ((miss == 0.5) & (c % 2 == 0)) | lifted)
+    assert torch.all(((root - c.abs()).abs() <= 0.5 + root * 2.0**-24) | lifted)
+    assert torch.all(c.abs() <= top) and torch.all((c >= 0) | (x < 0))
+    if nonneg:
+        assert not torch.any((x > 0) & (codes == 0))
+    else:
+        assert torch.all((c <= 0) | (x > 0))
 
 
 def test_dynamic8_map_is_symmetric_and_arithmetic():

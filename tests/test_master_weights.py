@@ -279,7 +279,7 @@ OPTIMIZERS = {
     "ASGD": (torch.optim.ASGD, {"t0": 3}),
     "Rprop": (torch.optim.Rprop, {}),
 }
-FORMATS = ("fp32", "dynamic8", "int8", "fp8_e4m3", "fp8_e5m2", "bf16")
+FORMATS = ("fp32", "dynamic8", "int8", "fp8_e4m3", "fp8_e5m2", "bf16", "sqrt8")
 
 
 def model_params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -344,9 +344,9 @@ def check_exact(name: str, fmt: str, dtype: torch.dtype, backend: str, steps: in
 
 
 # every optimizer with fp32 states and with two of the quantized formats, in rotation (each format with
-# four or five optimizers): the master pass rewrites the param and grad only, the formats the states only
+# three or four optimizers): the master pass rewrites the param and grad only, the formats the states only
 REFERENCE_GRID = [(name, fmt) for i, name in enumerate(OPTIMIZERS)
-                  for fmt in ("fp32", FORMATS[1 + (2 * i) % 5], FORMATS[1 + (2 * i + 1) % 5])]
+                  for fmt in ("fp32", FORMATS[1 + (2 * i) % 6], FORMATS[1 + (2 * i + 1) % 6])]
 
 
 @pytest.mark.parametrize(("name", "fmt"), REFERENCE_GRID)

@@ -31,7 +31,7 @@ from lowbit_compile import QuantizedState, checkpoint, lowbit_compile
 from lowbit_compile.kernels import blockquant, cpp_printer, cpu_build
 from lowbit_compile.kernels.formats import FORMAT_IDS, StateFormat, dynamic_map
 
-BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"]
+BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8"]
 FORMATS = [pytest.param(name, nonneg, id=f"{name}-{'u' if nonneg else 's'}")
            for name in BLOCKWISE for nonneg in (False, True)]
 FLT_MAX = torch.finfo(torch.float32).max
@@ -103,6 +103,8 @@ def element_bound(x: torch.Tensor, scale: torch.Tensor, fmt: StateFormat, flagge
     scale = torch.where(scale > 0, scale, 1.0)  # a zero scale holds only zeros (bound 0 + slack)
     if fmt.name == "int8":
         step = scale / 2
+    elif fmt.name == "sqrt8":  # the nearest square root: |c^2 - t| <= sqrt(t) + 1/4 (t = |x| / scale)
+        step = ((x.abs() / scale).sqrt() + 0.25) * scale
     elif fmt.name == "dynamic8":  # the nearest finite map value
         t = x / scale
         step = torch.where(flagged, *((t[:, None] - _finite_map(fmt.nonneg, f)[None, :]).abs().amin(1)
@@ -276,11 +278,12 @@ static void dequantize(float* out, int64_t n, int64_t block, uint8_t* codes, flo
       if (pi[b * K + k] < len) out[start + pi[b * K + k]] = lb_bf16_scalar(pv[b * K + k]);
   }
 }
-#define ONE(F, U, K) case (F * 2 + U) * 4 + K: (q ? quantize<F, U, K> : dequantize<F, U, K>)(x, n, block, codes, scales, pv, pi); break;
+#define ONE(F, U, K) case (F * 2 + U) * 4 + K: (q ? quantize<F, U, K> : dequantize<F, U, K>)(x, n, block, codes, scales, pv, pi); return 0;
 #define FORMAT(F) ONE(F, 0, 0) ONE(F, 0, 2) ONE(F, 1, 0) ONE(F, 1, 2)
-extern "C" void blocks(int fmt, int nonneg, int k, int q, float* x, int64_t n, int64_t block, uint8_t* codes,
-                       float* scales, uint16_t* pv, int16_t* pi) {
-  switch ((fmt * 2 + nonneg) * 4 + k) { FORMAT(LB_INT8) FORMAT(LB_DYNAMIC8) FORMAT(LB_E4M3) FORMAT(LB_E5M2) }
+extern "C" int blocks(int fmt, int nonneg, int k, int q, float* x, int64_t n, int64_t block, uint8_t* codes,
+                      float* scales, uint16_t* pv, int16_t* pi) {
+  switch ((fmt * 2 + nonneg) * 4 + k) { FORMAT(LB_INT8) FORMAT(LB_DYNAMIC8) FORMAT(LB_E4M3) FORMAT(LB_E5M2) FORMAT(LB_SQRT8) }
+  return 1;  // a format or patch count this harness does not instantiate
 }
 """
 
@@ -292,8 +295,9 @@ def _cpu_blocks():
 
 def _cpu_call(values: torch.Tensor, q: blockquant.Quantized, fmt: StateFormat, quantize: bool) -> None:
     ptr = [ctypes.c_void_p(t.data_ptr()) for t in (values, *q)]
-    _cpu_blocks().blocks(FORMAT_IDS[fmt.name], int(fmt.nonneg), fmt.patches, int(quantize), ptr[0],
-                         ctypes.c_int64(values.numel()), ctypes.c_int64(fmt.block_size), *ptr[1:])
+    missing = _cpu_blocks().blocks(FORMAT_IDS[fmt.name], int(fmt.nonneg), fmt.patches, int(quantize), ptr[0],
+                                   ctypes.c_int64(values.numel()), ctypes.c_int64(fmt.block_size), *ptr[1:])
+    assert not missing, f"the block harness has no instance for {fmt}"
 
 
 def cpu_quantize(x: torch.Tensor, fmt: StateFormat) -> blockquant.Quantized:

@@ -20,8 +20,9 @@ from lowbit_compile.kernels.formats import StateFormat
 from lowbit_compile.kernels.lowering import Target
 
 from .graphs import body, pass_graphs
+from .test_numerics import bf16_bound, element_bound
 
-FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16")
+FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 
 
 def _values(fmt: StateFormat, n: int = 96) -> torch.Tensor:
@@ -37,7 +38,10 @@ def _values(fmt: StateFormat, n: int = 96) -> torch.Tensor:
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_mean_of_stochastic_codes_is_the_value(name, nonneg):
     """E[decode(encode(x))] = x within 5 standard errors over 400 counters, wherever x is above the
-    smallest positive code of a non-negative state (below it, values round up: README, Numerics)."""
+    smallest positive code of a non-negative state (below it, values round up: README, Numerics).
+    Where every draw gave the same code (x next to a code whose neighbour is far: sqrt8's top), the
+    chance of that, (1 - p)^400 with p = |x - v| / |w - v|, must not be below 1e-6: |x - v| at most
+    13.8 / 400 of the widest gap the element's codes may have (twice its half-step bound)."""
     fmt = StateFormat.make(name, 32, 1, nonneg)
     x = _values(fmt)
     draws = []
@@ -53,8 +57,15 @@ def test_the_mean_of_stochastic_codes_is_the_value(name, nonneg):
     floor = fmt.min_positive * scale if fmt.blockwise else torch.full_like(scale, fmt.min_positive)
     tested = x.double().abs() > 2 * floor
     err = (mean - x.double()).abs()
-    assert bool((err[tested] <= 5 * stderr[tested] + 1e-7 * x.double().abs()[tested]).all()), (
-        name, nonneg, err[tested].max())
+    if fmt.blockwise:  # the block's own scale (patches excluded), and bf16's gaps for the patches
+        own = q.scales.abs().double().repeat_interleave(32)[: x.numel()]
+        gap = 2 * torch.maximum(element_bound(x.double(), own, fmt, torch.zeros_like(tested)),
+                                bf16_bound(x.double(), fmt.nonneg))
+    else:
+        gap = 2 * bf16_bound(x.double(), fmt.nonneg)
+    unvaried = (draws.std(0) == 0) & (err <= 13.8 / len(draws) * gap)
+    within = (err <= 5 * stderr + 1e-7 * x.double().abs()) | unvaried
+    assert bool(within[tested].all()), (name, nonneg, err[tested & ~within])
     assert (mean - x.double()).abs().mean() < (nearest - x.double()).abs().mean()
 
 
@@ -238,12 +249,12 @@ class TestPrintedStochasticKernels(TestCase):
 +  const float c_t10 = (float)0x1.0000000000000p+0 / c_pow_3;
 +  const lb_rand h_exp_avg_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (1u << 24)), start};
 +  const lb_rand h_exp_avg_sq_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (2u << 24)), start};
--      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
-+      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
+-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
++      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
 -      const vf v_div = v_sqrt * lb_splat(c_t9);
 +      const vf v_div = v_sqrt * lb_splat(c_t10);
--      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
-+      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
+-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
++      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
 -      const vf v_div = v_sqrt * lb_splat(c_t9);
 +      const vf v_div = v_sqrt * lb_splat(c_t10);
 -  lb_quantize_block<LB_INT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index);

@@ -10,7 +10,7 @@ from bench.rounding import check_name, code_values, library_has_rounding, make_o
 from examples.tasks import Hyper
 from lowbit_compile.kernels.formats import StateFormat
 
-FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16")
+FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 HYPER = Hyper(steps=10, lr=1e-3, weight_decay=0.01, warmup=1, eval_every=5)
 
 

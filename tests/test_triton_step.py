@@ -30,6 +30,7 @@ def tensor_betas() -> dict:
 CASES = {
     "adamw-int8": (torch.optim.AdamW, "int8", torch.float32, 256 * 5 + 37, 256, {}),
     "adamw-dynamic8": (torch.optim.AdamW, "dynamic8", torch.float32, 256 * 5 + 37, 256, {}),
+    "adamw-sqrt8": (torch.optim.AdamW, "sqrt8", torch.float32, 256 * 5 + 37, 256, {}),
     "adamw-fp8_e4m3": (torch.optim.AdamW, "fp8_e4m3", torch.float32, 64 * 9 + 5, 64, {}),
     "adamw-fp8_e5m2": (torch.optim.AdamW, "fp8_e5m2", torch.float32, 256 * 5 + 37, 256, {}),
     "adamw-bf16": (torch.optim.AdamW, "bf16", torch.float32, 1000, 256, {}),
