@@ -189,6 +189,8 @@ LB_INLINE int lb_any(vi m) { return !__builtin_ia32_ptestz256((lb_v4di)m, (lb_v4
 LB_INLINE vi lb_cvt_rne(vf x) { return __builtin_ia32_cvtps2dq256(x); }
 LB_INLINE vf lb_min_nn(vf a, vf b) { return __builtin_ia32_minps256(a, b); }
 LB_INLINE vf lb_max_nn(vf a, vf b) { return __builtin_ia32_maxps256(a, b); }
+#define LB_SIGN_OF
+LB_INLINE vi lb_sign_of(vi c, vf y) { return __builtin_ia32_psignd256(c, lb_bits_i(y)); }  // y < 0 ? -c : c
 LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t: 8 constants)
   vf t8;
   memcpy(&t8, t, sizeof t8);
@@ -237,6 +239,9 @@ LB_INLINE vi lb_cvt_rne(vf x) {
 }
 LB_INLINE vf lb_min_nn(vf a, vf b) { return a < b ? a : b; }
 LB_INLINE vf lb_max_nn(vf a, vf b) { return a > b ? a : b; }
+#endif
+#ifndef LB_SIGN_OF
+LB_INLINE vi lb_sign_of(vi c, vf y) { return y < 0 ? -c : c; }  // c carries y's sign (c >= 0; -0 gives 0)
 #endif
 #ifndef LB_PACKED_U8X4
 LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of 0..255, one store each
@@ -456,7 +461,7 @@ LB_INLINE vi lb_encode(vf y) {
       const vi lift = (vi)((vu)(vi)(y > 0) >> 31);
       return c > lift ? c : lift;
     }
-    return (y < 0 ? -c : c) & 0xFF;
+    return lb_sign_of(c, y) & 0xFF;
   } else if constexpr (F == LB_DYNAMIC8) {
     return lb_encode_dynamic8<U>(y);
   } else {
