@@ -104,7 +104,7 @@ def markdown(rows: list[dict], fmts: list[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", nargs="+", default=["digits", "zipf"], choices=list(TASKS))
-    ap.add_argument("--fmts", nargs="+", default=["dynamic8", "int8"])
+    ap.add_argument("--fmts", nargs="+", default=["sqrt8", "dynamic8", "int8"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)

@@ -41,10 +41,10 @@ from examples.tasks import Digits, Hyper, OptimizerSpec, train
 from lowbit_compile import lowbit_compile
 from lowbit_compile.config import DEFAULT_MIN_8BIT_SIZE, NONNEG_STATES
 from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, dynamic_map
+from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, decode, dynamic_map
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16")
+FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 ROUNDINGS = ("+sr", "+nearest-proto", "+sr-proto")
 SEEDS = (0, 1, 2)
 MakeStock = Callable[[list[nn.Parameter], Hyper], torch.optim.Optimizer]
@@ -105,8 +105,9 @@ def make_optimizer(name: str, make_stock: MakeStock = adamw, compile_peers: bool
 @functools.cache
 def code_values(fmt: StateFormat) -> torch.Tensor:
     """Every value a code of ``fmt`` decodes to (relative to the block scale), sorted, finite, within qmax."""
-    if fmt.name == "int8":
-        return torch.arange(0 if fmt.nonneg else -127, 256 if fmt.nonneg else 128, dtype=torch.float32)
+    if fmt.name in ("int8", "sqrt8"):  # codes -127..127 (0..255), monotone
+        codes = torch.arange(0 if fmt.nonneg else -127, 256 if fmt.nonneg else 128)
+        return decode(codes.to(fmt.code_dtype), fmt)
     if fmt.name == "dynamic8":  # the signed map's spare code 255 decodes to 1 as code 254 does
         values = dynamic_map(fmt.nonneg)
         return values[values.abs() <= fmt.qmax].unique()

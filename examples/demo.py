@@ -4,7 +4,7 @@ Every optimizer trains from the same initial weights on the same batches for a g
 gap to fp32 is measured per seed and reported with its spread over seeds, next to fp32's own spread
 between seeds (what "the same" can mean at this size); the gap is shown at several points of the
 run, to see it settle. Prints the bytes each state holds and writes a PNG of the loss curves.
-Run: ``make demo`` (or ``python examples/demo.py --steps 300 --seeds 0 1 2 --fmt dynamic8 int8``).
+Run: ``make demo`` (or ``python examples/demo.py --steps 300 --seeds 0 1 2 --fmt sqrt8 dynamic8 int8``).
 """
 
 from __future__ import annotations
@@ -150,8 +150,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--fmt", nargs="+", default=["dynamic8", "int8"],
-                        help="low-bit formats to compare (dynamic8 is the library default)")
+    parser.add_argument("--fmt", nargs="+", default=["sqrt8", "dynamic8", "int8"],
+                        help="low-bit formats to compare (sqrt8 is the library default)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at a time, 1 thread each")
     parser.add_argument("--png", type=Path, default=PNG)
     args = parser.parse_args()

@@ -24,7 +24,7 @@ import lowbit_compile
 from lowbit_compile.monitor import AVERAGE_WEIGHT, MAX_ZERO_FLUSH, Alert
 
 PNG = Path(__file__).resolve().parents[1] / "bench" / "results" / "monitor_zipf.png"
-LAYOUTS = {"dynamic8 (default)": "dynamic8", "int8, blocks of 2048": "int8-b2048-k0"}
+LAYOUTS = {"sqrt8 (default)": "sqrt8", "int8, blocks of 2048": "int8-b2048-k0"}
 
 
 def monitored_run(spec: str, every: int) -> tuple[list[int], dict[str, list[float]], list[Alert]]:

@@ -3,7 +3,7 @@
     python examples/train.py --task char_gpt --opt fp32 int8 dynamic8
     python examples/train.py --task zipf --opt fp32 int8-b2048-k0 int8-b256-k0 bnb-AdamW8bit --steps 300
 
-Optimizer names: ``fp32``; one of ours, a format (int8, dynamic8, fp8_e4m3, fp8_e5m2, bf16) optionally
+Optimizer names: ``fp32``; one of ours, a format (sqrt8, dynamic8, int8, fp8_e4m3, fp8_e5m2, bf16) optionally
 followed by ``-b<block_size>`` and ``-k<outliers>``; or a peer (bnb-AdamW8bit, ao-AdamW8bit,
 ao-AdamWFp8, ao-AdamW4bit). Each optimizer starts from the same weights and sees the same batches.
 The tasks are defined in ``examples/tasks.py``; ``bench/quality.py`` runs the full comparison.
@@ -26,7 +26,7 @@ from examples.tasks import TASKS, OptimizerSpec, train
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=list(TASKS), default="char_gpt")
-    ap.add_argument("--opt", nargs="+", default=["fp32", "int8", "dynamic8"], help="optimizers to compare")
+    ap.add_argument("--opt", nargs="+", default=["fp32", "int8", "sqrt8"], help="optimizers to compare")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, help="override the task's step count")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for these sizes)")

@@ -90,18 +90,18 @@ def lowbit_compile(
         opt: a ``torch.optim`` optimizer whose step is elementwise over each parameter (Adam, AdamW,
             SGD, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop, or a subclass of
             ``torch.optim.Optimizer`` of one's own); its existing fp32 state is converted.
-        fmt: ``"int8"``, ``"dynamic8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` or ``"fp32"``
-            (stock, bit for bit), or a dict from state name to one of those. The default,
-            ``"dynamic8"`` in blocks of 512 without patches: of the 8-bit layouts within 2.02 B/param
-            that matched fp32 AdamW within 0.5% on every quality task and kept every parameter within
-            1 lr of fp32 on the zero-point check (dynamic8 at 2048 with 2 patches, 1024 and 512
-            without), it came closest to fp32 on the Zipf embedding task (bench/quality.py,
-            bench/zero_point.py).
+        fmt: ``"sqrt8"``, ``"dynamic8"``, ``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` or
+            ``"fp32"`` (stock, bit for bit), or a dict from state name to one of those. The default,
+            ``"sqrt8"`` in blocks of 512 without patches: as close to fp32 AdamW as ``"dynamic8"`` on
+            every quality task and within 1 lr of fp32 on the zero-point check (bench/quality.py,
+            bench/zero_point.py), and one square root to encode where dynamic8 searches its map, so
+            its CPU step is about twice as fast (bench/step_bench.py). ``"dynamic8"`` spans more
+            decades below a block's largest value (six against four).
         block_size: elements sharing one scale; a power of two. 512 without patches beat 2048 with
             2 patches for every format on the Zipf embedding task and kept the block buffers in L1
             on CPU.
         outliers: largest-magnitude values per block kept exactly in bf16 (patches); they help the
-            linear int8 grid, not dynamic8, whose map already spans six decades.
+            linear int8 grid, not the companded sqrt8 and dynamic8.
         min_8bit_size: tensors with fewer elements keep stock fp32 states.
         backend: one of ``lowbit_compile.config.BACKENDS``: ``"auto"`` (the fused lowering for the
             parameters' device) or a named one, ``"reference"`` being the eager oracle.

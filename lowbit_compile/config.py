@@ -30,7 +30,7 @@ STOCK_STATES = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_b
                           "acc_delta", "sum", "exp_inf", "ax", "prev", "step_size"})
 
 # Chosen from bench/quality.py and bench/zero_point.py (README, "Does it train like fp32?").
-DEFAULT_FMT = "dynamic8"
+DEFAULT_FMT = "sqrt8"
 DEFAULT_BLOCK_SIZE = 512
 DEFAULT_OUTLIERS = 0
 DEFAULT_MIN_8BIT_SIZE = 4096

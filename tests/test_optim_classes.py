@@ -17,6 +17,7 @@ from examples.lion import Lion
 from lowbit_compile import QuantizedState, is_wrapped, optim, restore
 from lowbit_compile import lowbit_compile as wrap
 from lowbit_compile.api import SUPPORTED
+from lowbit_compile.config import DEFAULT_FMT
 
 SHAPES = [(64, 80), (80,)]  # one tensor quantized (>= min_8bit_size=4096 elements), one kept fp32
 
@@ -183,7 +184,7 @@ def test_a_copy_keeps_the_parameter_names_of_name_patterns():
     opt.step()
     dup.step()
     formats = [v["exp_avg"].fmt.name for v in (dup.state[p] for p in params_of(dup))]
-    assert formats == ["dynamic8", "dynamic8", "bf16", "bf16"]
+    assert formats == [DEFAULT_FMT, DEFAULT_FMT, "bf16", "bf16"]
     assert_same_states(opt, dup)
 
 

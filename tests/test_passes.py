@@ -59,8 +59,8 @@ def forward(self, param, grad, state_step, state_exp_avg, state_exp_avg_sq, hp_l
         g = pass_graphs(_adam())
         self.assertExpectedInline(code(g["quantized"]), """\
 def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, hp_lr, hp_betas_0, hp_betas_1, hp_eps):
-    dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'dynamic8:512:0:s', 'float32')
-    dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'dynamic8:512:0:u', 'float32')
+    dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s', 'float32')
+    dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
     add = torch.ops.aten.add.Tensor(state_step, 1)
     sub = 1.0 - hp_betas_0
     lerp = torch.ops.aten.lerp.Scalar(dequantize_default, grad, sub);  dequantize_default = sub = None
@@ -81,8 +81,8 @@ def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_av
     addcdiv = torch.ops.aten.addcdiv.default(param, lerp, add_1, value = neg);  add_1 = neg = None
     copy_ = torch.ops.aten.copy_.default(param, addcdiv);  param = addcdiv = copy_ = None
     copy__1 = torch.ops.aten.copy_.default(state_step, add);  state_step = add = copy__1 = None
-    quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'dynamic8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
-    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'dynamic8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
+    quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
+    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
     return None""")
 
     def test_split_adam(self):
@@ -104,8 +104,8 @@ def forward(self, state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps):
     return (sub, sub_1, pow_3, neg)""")
         self.assertExpectedInline(code(g["split"].body), """\
 def forward(self, param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, sub, hp_betas_1, sub_1, pow_3, hp_eps, neg):
-    dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'dynamic8:512:0:s', 'float32')
-    dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'dynamic8:512:0:u', 'float32')
+    dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s', 'float32')
+    dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
     lerp = torch.ops.aten.lerp.Scalar(dequantize_default, grad, sub);  dequantize_default = sub = None
     mul = torch.ops.aten.mul.Tensor(dequantize_default_1, hp_betas_1);  dequantize_default_1 = hp_betas_1 = None
     addcmul = torch.ops.aten.addcmul.default(mul, grad, grad, value = sub_1);  mul = grad = sub_1 = None
@@ -114,8 +114,8 @@ def forward(self, param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_valu
     add_1 = torch.ops.aten.add.Tensor(div, hp_eps);  div = hp_eps = None
     addcdiv = torch.ops.aten.addcdiv.default(param, lerp, add_1, value = neg);  add_1 = neg = None
     copy_ = torch.ops.aten.copy_.default(param, addcdiv);  param = addcdiv = copy_ = None
-    quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'dynamic8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
-    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'dynamic8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
+    quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
+    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
     return None""")
 
 
@@ -158,9 +158,9 @@ def forward(self, param, grad, state_step, state_exp_avg, state_exp_avg_sq, stat
         g = pass_graphs(_adamw(amsgrad=True, maximize=True))
         self.assertExpectedInline(code(g["quantized"]), """\
 def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, max_exp_avg_sq_codes, max_exp_avg_sq_scales, max_exp_avg_sq_patch_values, max_exp_avg_sq_patch_index, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
-    dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'dynamic8:512:0:s', 'float32')
-    dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'dynamic8:512:0:u', 'float32')
-    dequantize_default_2 = torch.ops.lowbit.dequantize.default(max_exp_avg_sq_codes, max_exp_avg_sq_scales, max_exp_avg_sq_patch_values, max_exp_avg_sq_patch_index, 'dynamic8:512:0:u', 'float32')
+    dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s', 'float32')
+    dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
+    dequantize_default_2 = torch.ops.lowbit.dequantize.default(max_exp_avg_sq_codes, max_exp_avg_sq_scales, max_exp_avg_sq_patch_values, max_exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
     neg = torch.ops.aten.neg.default(grad);  grad = None
     add = torch.ops.aten.add.Tensor(state_step, 1)
     mul = hp_lr * hp_weight_decay;  hp_weight_decay = None
@@ -186,9 +186,9 @@ def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_av
     addcdiv = torch.ops.aten.addcdiv.default(mul_1, lerp, add_1, value = neg_1);  mul_1 = add_1 = neg_1 = None
     copy_ = torch.ops.aten.copy_.default(param, addcdiv);  param = addcdiv = copy_ = None
     copy__1 = torch.ops.aten.copy_.default(state_step, add);  state_step = add = copy__1 = None
-    quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'dynamic8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
-    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'dynamic8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
-    quantize__default_2 = torch.ops.lowbit.quantize_.default(maximum, max_exp_avg_sq_codes, max_exp_avg_sq_scales, max_exp_avg_sq_patch_values, max_exp_avg_sq_patch_index, 'dynamic8:512:0:u');  maximum = max_exp_avg_sq_codes = max_exp_avg_sq_scales = max_exp_avg_sq_patch_values = max_exp_avg_sq_patch_index = quantize__default_2 = None
+    quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
+    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
+    quantize__default_2 = torch.ops.lowbit.quantize_.default(maximum, max_exp_avg_sq_codes, max_exp_avg_sq_scales, max_exp_avg_sq_patch_values, max_exp_avg_sq_patch_index, 'sqrt8:512:0:u');  maximum = max_exp_avg_sq_codes = max_exp_avg_sq_scales = max_exp_avg_sq_patch_values = max_exp_avg_sq_patch_index = quantize__default_2 = None
     return None""")
 
     def test_split_adamw(self):
@@ -222,8 +222,8 @@ def forward(self, state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_d
     return (sub, sub_1, sub_2, pow_3, neg)""")
         self.assertExpectedInline(code(g["split"].body), """\
 def forward(self, param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, sub, sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg):
-    dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'dynamic8:512:0:s', 'float32')
-    dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'dynamic8:512:0:u', 'float32')
+    dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s', 'float32')
+    dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
     mul_1 = torch.ops.aten.mul.Tensor(param, sub);  sub = None
     lerp = torch.ops.aten.lerp.Scalar(dequantize_default, grad, sub_1);  dequantize_default = sub_1 = None
     mul_2 = torch.ops.aten.mul.Tensor(dequantize_default_1, hp_betas_1);  dequantize_default_1 = hp_betas_1 = None
@@ -233,8 +233,8 @@ def forward(self, param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_valu
     add_1 = torch.ops.aten.add.Tensor(div, hp_eps);  div = hp_eps = None
     addcdiv = torch.ops.aten.addcdiv.default(mul_1, lerp, add_1, value = neg);  mul_1 = add_1 = neg = None
     copy_ = torch.ops.aten.copy_.default(param, addcdiv);  param = addcdiv = copy_ = None
-    quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'dynamic8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
-    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'dynamic8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
+    quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
+    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
     return None""")
 
     def test_tensor_lr_is_a_graph_input(self):

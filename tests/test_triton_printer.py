@@ -36,8 +36,7 @@ from lowbit_compile.kernels import triton_lib as lb
 @triton.jit
 def adam_step(
     param_ptr, grad_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, sub,
-    hp_betas_1, sub_1, pow_3, hp_eps, neg, dynamic8_signed_levels_ptr, dynamic8_unsigned_levels_ptr, n_elements,
-    first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    hp_betas_1, sub_1, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
     rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -52,14 +51,14 @@ def adam_step(
     pow_3 = tl.cast(pow_3, tl.float32)
     hp_eps = tl.cast(hp_eps, tl.float32)
     neg = tl.cast(neg, tl.float32)
-    # dynamic8:512:0:s
-    dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None,
-                                       dynamic8_signed_levels_ptr, rows, cols, offsets, mask, row_mask,
-                                       FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
-    # dynamic8:512:0:u
-    dequantize_default_1 = lb.dequantize(exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None,
-                                         dynamic8_unsigned_levels_ptr, rows, cols, offsets, mask, row_mask,
-                                         FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
+    # sqrt8:512:0:s
+    dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, None, rows, cols,
+                                       offsets, mask, row_mask, FMT=lb.SQRT8, K=0, POS_INF_CODE=127,
+                                       NEG_INF_CODE=129, NAN_CODE=128)
+    # sqrt8:512:0:u
+    dequantize_default_1 = lb.dequantize(exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, None, rows, cols,
+                                         offsets, mask, row_mask, FMT=lb.SQRT8, K=0, POS_INF_CODE=255,
+                                         NEG_INF_CODE=253, NAN_CODE=254)
     lerp_small = tl.abs(sub) < 0.5
     lerp_diff = grad - dequantize_default
     lerp = tl.fma(tl.where(lerp_small, sub, sub - 1.0), lerp_diff, tl.where(lerp_small, dequantize_default, grad))
@@ -71,16 +70,16 @@ def adam_step(
     addcdiv_q = tl.math.div_rn(lerp, add_1)
     addcdiv = tl.where(neg == 1.0, param + addcdiv_q, tl.fma(neg, addcdiv_q, param))
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
-    # dynamic8:512:0:s
-    lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_levels_ptr, rows, cols,
-                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
-                MIN_POSITIVE=9.98377799987793e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.9859390258789062,
-                INV_FLAGGED_QMAX=1.0142614841461182, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
-    # dynamic8:512:0:u
-    lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_levels_ptr,
-                rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
-                MIN_POSITIVE=9.988434612751007e-08, INV_QMAX=1.0, FLAGGED_QMAX=0.9789085388183594,
-                INV_FLAGGED_QMAX=1.0215458869934082, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
+    # sqrt8:512:0:s
+    lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, None, rows, cols, offsets, mask, row_mask,
+                FMT=lb.SQRT8, NONNEG=False, K=0, QMAX=16129.0, MIN_POSITIVE=1.0, INV_QMAX=6.200012285262346e-05,
+                FLAGGED_QMAX=15876.0, INV_FLAGGED_QMAX=6.29881615168415e-05, POS_INF_CODE=127, NEG_INF_CODE=129,
+                NAN_CODE=128)
+    # sqrt8:512:0:u
+    lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, None, rows, cols, offsets, mask,
+                row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0,
+                INV_QMAX=1.537870048196055e-05, FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=1.5747040379210375e-05,
+                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
 """)
 
     def test_adamw(self):
@@ -95,8 +94,7 @@ from lowbit_compile.kernels import triton_lib as lb
 @triton.jit
 def adamw_step(
     param_ptr, grad_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, sub,
-    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, dynamic8_signed_levels_ptr, dynamic8_unsigned_levels_ptr,
-    n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
     rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -112,14 +110,14 @@ def adamw_step(
     pow_3 = tl.cast(pow_3, tl.float32)
     hp_eps = tl.cast(hp_eps, tl.float32)
     neg = tl.cast(neg, tl.float32)
-    # dynamic8:512:0:s
-    dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None,
-                                       dynamic8_signed_levels_ptr, rows, cols, offsets, mask, row_mask,
-                                       FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
-    # dynamic8:512:0:u
-    dequantize_default_1 = lb.dequantize(exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None,
-                                         dynamic8_unsigned_levels_ptr, rows, cols, offsets, mask, row_mask,
-                                         FMT=lb.DYNAMIC8, K=0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
+    # sqrt8:512:0:s
+    dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, None, rows, cols,
+                                       offsets, mask, row_mask, FMT=lb.SQRT8, K=0, POS_INF_CODE=127,
+                                       NEG_INF_CODE=129, NAN_CODE=128)
+    # sqrt8:512:0:u
+    dequantize_default_1 = lb.dequantize(exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, None, rows, cols,
+                                         offsets, mask, row_mask, FMT=lb.SQRT8, K=0, POS_INF_CODE=255,
+                                         NEG_INF_CODE=253, NAN_CODE=254)
     mul_1 = param * sub
     lerp_small = tl.abs(sub_1) < 0.5
     lerp_diff = grad - dequantize_default
@@ -132,16 +130,16 @@ def adamw_step(
     addcdiv_q = tl.math.div_rn(lerp, add_1)
     addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
-    # dynamic8:512:0:s
-    lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, dynamic8_signed_levels_ptr, rows, cols,
-                offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=False, K=0, QMAX=1.0,
-                MIN_POSITIVE=9.98377799987793e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.9859390258789062,
-                INV_FLAGGED_QMAX=1.0142614841461182, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
-    # dynamic8:512:0:u
-    lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, dynamic8_unsigned_levels_ptr,
-                rows, cols, offsets, mask, row_mask, FMT=lb.DYNAMIC8, NONNEG=True, K=0, QMAX=1.0,
-                MIN_POSITIVE=9.988434612751007e-08, INV_QMAX=1.0, FLAGGED_QMAX=0.9789085388183594,
-                INV_FLAGGED_QMAX=1.0215458869934082, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
+    # sqrt8:512:0:s
+    lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, None, rows, cols, offsets, mask, row_mask,
+                FMT=lb.SQRT8, NONNEG=False, K=0, QMAX=16129.0, MIN_POSITIVE=1.0, INV_QMAX=6.200012285262346e-05,
+                FLAGGED_QMAX=15876.0, INV_FLAGGED_QMAX=6.29881615168415e-05, POS_INF_CODE=127, NEG_INF_CODE=129,
+                NAN_CODE=128)
+    # sqrt8:512:0:u
+    lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, None, rows, cols, offsets, mask,
+                row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0,
+                INV_QMAX=1.537870048196055e-05, FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=1.5747040379210375e-05,
+                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
 """)
 
     def test_cpu_flavor_differs_only_where_eager_cpu_rounds_differently(self):
@@ -159,14 +157,16 @@ def adamw_step(
 -    addcdiv_q = tl.math.div_rn(lerp, add_1)
 -    addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
 +    addcdiv = mul_1 + tl.math.div_rn(neg * lerp, add_1)
--                MIN_POSITIVE=9.98377799987793e-07, INV_QMAX=1.0, FLAGGED_QMAX=0.9859390258789062,
--                INV_FLAGGED_QMAX=1.0142614841461182, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
-+                MIN_POSITIVE=9.98377799987793e-07, INV_QMAX=0.0, FLAGGED_QMAX=0.9859390258789062,
-+                INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=0, NAN_CODE=254)
--                MIN_POSITIVE=9.988434612751007e-08, INV_QMAX=1.0, FLAGGED_QMAX=0.9789085388183594,
--                INV_FLAGGED_QMAX=1.0215458869934082, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
-+                MIN_POSITIVE=9.988434612751007e-08, INV_QMAX=0.0, FLAGGED_QMAX=0.9789085388183594,
-+                INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)""")
+-                FMT=lb.SQRT8, NONNEG=False, K=0, QMAX=16129.0, MIN_POSITIVE=1.0, INV_QMAX=6.200012285262346e-05,
+-                FLAGGED_QMAX=15876.0, INV_FLAGGED_QMAX=6.29881615168415e-05, POS_INF_CODE=127, NEG_INF_CODE=129,
+-                NAN_CODE=128)
++                FMT=lb.SQRT8, NONNEG=False, K=0, QMAX=16129.0, MIN_POSITIVE=1.0, INV_QMAX=0.0,
++                FLAGGED_QMAX=15876.0, INV_FLAGGED_QMAX=0.0, POS_INF_CODE=127, NEG_INF_CODE=129, NAN_CODE=128)
+-                row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0,
+-                INV_QMAX=1.537870048196055e-05, FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=1.5747040379210375e-05,
+-                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
++                row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0, INV_QMAX=0.0,
++                FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)""")
 
 
 def test_an_op_without_a_lowering_is_an_error_naming_it():
