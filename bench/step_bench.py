@@ -41,7 +41,7 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 SMALL_SET = ("torch AdamW for-loop", "torch AdamW foreach", "torch AdamW fused", "lowbit int8 +patches")
 LR, WEIGHT_DECAY = 1e-3, 0.01
-FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32")
+FORMATS = ("sqrt8", "int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32")
 
 
 # ---- parameter sets ---------------------------------------------------------------------------------
