@@ -532,6 +532,15 @@ def markdown(result: dict) -> str:
                          f"{r['step_ms_q1']:.1f}-{r['step_ms_q3']:.1f} | {r['x_fused']:.2f} | {r['GBps']:.1f} | "
                          f"{r['pct_stream']:.0f} | {fs} |")
         lines.append("")
+    shown = any(s["size"] == result.get("first_step_size") and s["dtype"] == "float32" and s["threads"] == 1
+                for s in result["sections"])
+    if firsts and not shown:  # no section of that size: a table of their own
+        lines += [f"## First step: {result['first_step_size']} float32 params, 1 thread, fresh processes", "",
+                  "| contender | first step cold s | warm s | peak extra MB (% fp32 state) |", "|---|---:|---:|---:|"]
+        lines += [f"| {name} | {f['first_step_cold_s']:.2f} | {f['first_step_warm_s']:.2f} | "
+                  f"{f['peak_extra_bytes'] / 2**20:.1f} ({f['peak_extra_pct_fp32_state']:.2f}%) |"
+                  for name, f in firsts.items()]
+        lines.append("")
     return "\n".join(lines)
 
 
