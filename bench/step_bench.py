@@ -515,6 +515,10 @@ def markdown(result: dict) -> str:
              f"{', '.join(f'{k} {v}' for k, v in meta['versions'].items())}; {result['date']}.",
              f"Load averages (1/5/15 min) at start {meta['load_start']}, at end {meta['load_end']}.", ""]
     firsts = result.get("first_steps", {})
+
+    def holds_first_steps(s: dict) -> bool:  # the section whose rows the first-step columns belong to
+        return s["size"] == result.get("first_step_size") and s["dtype"] == "float32" and s["threads"] == 1
+
     for s in result["sections"]:
         lines += [f"## {s['size']}: {s['params'] / 1e6:.1f}M {s['dtype']} params in {s['tensors']} tensors, "
                   f"{s['threads']} thread(s)", "",
@@ -524,17 +528,14 @@ def markdown(result: dict) -> str:
                   "| first step cold s | warm s | peak extra MB (% fp32 state) |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in s["rows"]:
-            here = s["size"] == result.get("first_step_size") and s["dtype"] == "float32" and s["threads"] == 1
-            f = firsts.get(r["contender"]) if here else None
+            f = firsts.get(r["contender"]) if holds_first_steps(s) else None
             fs = (f"{f['first_step_cold_s']:.2f} | {f['first_step_warm_s']:.2f} | "
                   f"{f['peak_extra_bytes'] / 2**20:.1f} ({f['peak_extra_pct_fp32_state']:.2f}%)") if f else " | | "
             lines.append(f"| {r['contender']} | {r['state_bytes_per_param']:.3f} | {r['step_ms_median']:.1f} | "
                          f"{r['step_ms_q1']:.1f}-{r['step_ms_q3']:.1f} | {r['x_fused']:.2f} | {r['GBps']:.1f} | "
                          f"{r['pct_stream']:.0f} | {fs} |")
         lines.append("")
-    shown = any(s["size"] == result.get("first_step_size") and s["dtype"] == "float32" and s["threads"] == 1
-                for s in result["sections"])
-    if firsts and not shown:  # no section of that size: a table of their own
+    if firsts and not any(holds_first_steps(s) for s in result["sections"]):  # a table of their own
         lines += [f"## First step: {result['first_step_size']} float32 params, 1 thread, fresh processes", "",
                   "| contender | first step cold s | warm s | peak extra MB (% fp32 state) |", "|---|---:|---:|---:|"]
         lines += [f"| {name} | {f['first_step_cold_s']:.2f} | {f['first_step_warm_s']:.2f} | "

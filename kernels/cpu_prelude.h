@@ -443,6 +443,12 @@ LB_INLINE vf lb_decode(vi u) {
   else return lb_decode_dynamic8<U>(u);
 }
 
+// An integer code of a non-negative state where y is positive: at least 1 (formats.encode's zero-point rule).
+LB_INLINE vi lb_lift_positive(vi code, vf y) {
+  const vi one = (vi)((vu)(vi)(y > 0) >> 31);  // 1 where positive
+  return code > one ? code : one;
+}
+
 // Values already multiplied by qmax/absmax -> codes; a positive value of a non-negative state never
 // becomes code 0 (formats.encode). Never NaN: only a flagged block holds NaN, and lb_encode_scaled
 // gives it (and +-inf) the block's special codes after encoding.
@@ -451,17 +457,11 @@ LB_INLINE vi lb_encode(vf y) {
   if constexpr (F == LB_INT8) {
     const float qmax = lb_format<F, U>::qmax;
     const vi q = lb_cvt_rne(lb_min_nn(lb_max_nn(y, lb_splat(U ? 0.0f : -qmax)), lb_splat(qmax)));
-    if (!U) return q & 0xFF;
-    const vi lift = (vi)((vu)(vi)(y > 0) >> 31);  // 1 where positive: a positive value never becomes 0
-    return q > lift ? q : lift;
+    return U ? lb_lift_positive(q, y) : q & 0xFF;
   } else if constexpr (F == LB_SQRT8) {  // to nearest in the square root: its fp32 value, half to even
     const float qmax = lb_format<F, U>::qmax;
     const vi c = lb_cvt_rne(lb_sqrt(lb_min_nn(U ? lb_max_nn(y, lb_splat(0.0f)) : lb_abs(y), lb_splat(qmax))));
-    if (U) {
-      const vi lift = (vi)((vu)(vi)(y > 0) >> 31);
-      return c > lift ? c : lift;
-    }
-    return lb_sign_of(c, y) & 0xFF;
+    return U ? lb_lift_positive(c, y) : lb_sign_of(c, y) & 0xFF;
   } else if constexpr (F == LB_DYNAMIC8) {
     return lb_encode_dynamic8<U>(y);
   } else {
