@@ -93,13 +93,13 @@ extern "C" void v1_init(const float* map_s, const float* map_u) {
 template <int F, bool U> static void trip(const float* x, uint8_t* c, float* y, int64_t n, int reps) {
   for (int r = 0; r < reps; ++r) {
     for (int64_t i = 0; i < n; i += LB_W) lb_st_codes(c + i, lb_encode<F, U>(lb_ld(x + i)));
-    for (int64_t i = 0; i < n; i += LB_W) lb_st(y + i, lb_decode<F, U>(lb_ld_codes(c + i)));
+    for (int64_t i = 0; i < n; i += LB_W) lb_st(y + i, lb_decode<F, U>(lb_ld_codes<F, U>(c + i)));
   }
 }
 template <bool U> static void trip_v1(const float* x, uint8_t* c, float* y, int64_t n, int reps) {
   for (int r = 0; r < reps; ++r) {
     for (int64_t i = 0; i < n; i += LB_W) lb_st_codes(c + i, v1_encode(lb_ld(x + i), v1_k[U].e, U));
-    for (int64_t i = 0; i < n; i += LB_W) lb_st(y + i, V1_GATHER(v1_map[U], lb_ld_codes(c + i)));
+    for (int64_t i = 0; i < n; i += LB_W) lb_st(y + i, V1_GATHER(v1_map[U], lb_ld_u8(c + i)));
   }
 }
 extern "C" void run(int which, const float* x, uint8_t* c, float* y, int64_t n, int reps) {

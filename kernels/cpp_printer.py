@@ -261,7 +261,9 @@ class CppPrinter:
     def store(self, node: Node, value: Value) -> None:
         dtype = self.ptr_of[node].dtype
         p, v = f"p_{node.name} + i", self._vec(value)
-        self.stores.append(f"if (full) {_STORE[dtype]}({p}, {v}); else {_STORE[dtype]}_n({p}, {v}, r);")
+        # A bf16 value (rounded already, or loaded) is stored as its top half, not rounded again.
+        fn = "lb_st_bf16_exact" if dtype == value.dtype == torch.bfloat16 else _STORE[dtype]
+        self.stores.append(f"if (full) {fn}({p}, {v}); else {fn}_n({p}, {v}, r);")
 
     def dequantize(self, access: StateAccess) -> Value:
         """Codes times the block's scale, with the block's patches (sorted by offset before the loop)
@@ -272,8 +274,9 @@ class CppPrinter:
         if state.fmt.name == "bf16":
             self._lane(name, f"vf {name} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);")
             return Value(name, torch.float32, Kind.ELEMENT)
-        code = [f"vf {name} = lb_decode_scaled<{self._template(state)}>(full ? lb_ld_codes({codes} + i) : "
-                f"lb_ld_codes_n({codes} + i, r), SC_{k}, FL_{k});"]
+        t = self._template(state)
+        code = [f"vf {name} = lb_decode_scaled<{t}>(full ? lb_ld_codes<{t}>({codes} + i) : "
+                f"lb_ld_codes_n<{t}>({codes} + i, r), SC_{k}, FL_{k});"]
         if state.fmt.patches:
             code += [f"while (PN_{k} < i + LB_W) {{  // a patch falls in this vector",
                      f"  {name}[PN_{k} - i] = PV_{k}[PA_{k}];",
@@ -527,6 +530,8 @@ class CppPrinter:
             out.append(f"{ind}  for (; i + LB_W <= len; i += LB_W) {{")
             out.append(f"{ind}    const bool full = true;")
             out.append(f"{ind}    const int64_t r = LB_W;")
+            if k == 0:  # the next block's inputs, while this one's arrive (pass 2 rereads them from cache)
+                out += [f"{ind}    lb_prefetch(p_{p.name} + i, LB_BLOCK);" for p in self.pointers if p.length == "n"]
             body = [f"{ind}    {line}" for statement in lane_body for line in statement.split("\n")]
             out += body
             out.append(f"{ind}  }}")

@@ -114,6 +114,13 @@ LB_INLINE void lb_st_n(float* p, vf v, int64_t r) {
   lb_st(t, v);
   memcpy(p, t, r * sizeof(float));
 }
+// Ask for the element `ahead` elements past p. The update loop asks for the next block of each input
+// stream, so memory keeps streaming while the block's states are re-quantized (no loads then): the
+// hardware prefetcher alone lets it idle. A prefetch never faults, past the end of a buffer included.
+template <class T>
+LB_INLINE void lb_prefetch(const T* p, int64_t ahead) {
+  __builtin_prefetch((const void*)((uintptr_t)p + ahead * sizeof(T)), 0, 3);
+}
 
 // lb_cvt_rne: to int32, rounding half to even (the default rounding mode, like torch.round); lb_min_nn,
 // lb_max_nn: one min or max instruction, for operands that are never NaN (their NaN result differs).
@@ -129,6 +136,11 @@ LB_INLINE vi lb_ld_u8(const uint8_t* p) {
   lb_v16qi b;
   memcpy(&b, p, sizeof b);
   return (vi)__builtin_ia32_pmovzxbd512_mask(b, (vi){}, (uint16_t)-1);
+}
+LB_INLINE vi lb_ld_s8(const uint8_t* p) {  // sign-extended
+  lb_v16qi b;
+  memcpy(&b, p, sizeof b);
+  return (vi)__builtin_ia32_pmovsxbd512_mask(b, (vi){}, (uint16_t)-1);
 }
 LB_INLINE void lb_st_u8(uint8_t* p, vi x) {
   const lb_v16qi b = __builtin_ia32_pmovdb512_mask(x, (lb_v16qi){}, (uint16_t)-1);
@@ -166,6 +178,11 @@ LB_INLINE vi lb_ld_u8(const uint8_t* p) {
   lb_v2di b = {0, 0};
   memcpy(&b, p, 8);
   return (vi)__builtin_ia32_pmovzxbd256((lb_v16qi)b);
+}
+LB_INLINE vi lb_ld_s8(const uint8_t* p) {  // sign-extended
+  lb_v2di b = {0, 0};
+  memcpy(&b, p, 8);
+  return (vi)__builtin_ia32_pmovsxbd256((lb_v16qi)b);
 }
 LB_INLINE void lb_st_u8(uint8_t* p, vi x) {  // the low byte of each lane (lanes hold 0..255)
   const lb_v32qi pick = {0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -206,6 +223,11 @@ LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors
 #else
 LB_INLINE vi lb_ld_u8(const uint8_t* p) {
   vb b;
+  memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
+}
+LB_INLINE vi lb_ld_s8(const uint8_t* p) {  // sign-extended
+  vc b;
   memcpy(&b, p, sizeof b);
   return __builtin_convertvector(b, vi);
 }
@@ -265,6 +287,7 @@ LB_INLINE vf lb_round_bf16(vf x) {
 }
 LB_INLINE vf lb_ld_bf16(const uint16_t* p) { return lb_bits_f(lb_ld_u16(p) << 16); }
 LB_INLINE void lb_st_bf16(uint16_t* p, vf v) { lb_st_u16(p, lb_f32_to_bf16_bits(v)); }
+LB_INLINE void lb_st_bf16_exact(uint16_t* p, vf v) { lb_st_u16(p, (vi)((vu)lb_bits_i(v) >> 16)); }  // v is a bf16 value
 LB_INLINE vf lb_ld_bf16_n(const uint16_t* p, int64_t r) {
   uint16_t t[LB_W] = {0};
   memcpy(t, p, r * sizeof(uint16_t));
@@ -273,6 +296,11 @@ LB_INLINE vf lb_ld_bf16_n(const uint16_t* p, int64_t r) {
 LB_INLINE void lb_st_bf16_n(uint16_t* p, vf v, int64_t r) {
   uint16_t t[LB_W];
   lb_st_bf16(t, v);
+  memcpy(p, t, r * sizeof(uint16_t));
+}
+LB_INLINE void lb_st_bf16_exact_n(uint16_t* p, vf v, int64_t r) {
+  uint16_t t[LB_W];
+  lb_st_bf16_exact(t, v);
   memcpy(p, t, r * sizeof(uint16_t));
 }
 static inline float lb_bf16_scalar(uint16_t h) {
@@ -348,11 +376,20 @@ LB_INLINE vu lb_random_bits(uint32_t seed_hash, int64_t first) {
 
 LB_INLINE vi lb_key(vf x) { return lb_bits_i(x) & 0x7FFFFFFF; }  // |x| as ordered integer bits
 
-LB_INLINE vi lb_ld_codes(const uint8_t* p) { return lb_ld_u8(p); }  // one byte per lane, zero-extended
+// A code in a lane as lb_decode takes it: the signed codes of int8 and sqrt8 (two's complement bytes)
+// sign-extended, so one widening load does what a shift pair would after it; every other format's
+// byte zero-extended. lb_lane turns a byte (0..255, as encodes return it) into that form.
+template <int F, bool U>
+constexpr bool lb_sign_extended = !U && (F == LB_INT8 || F == LB_SQRT8);
+template <int F, bool U>
+LB_INLINE vi lb_lane(vi byte) { return lb_sign_extended<F, U> ? (byte << 24) >> 24 : byte; }
+template <int F, bool U>
+LB_INLINE vi lb_ld_codes(const uint8_t* p) { return lb_sign_extended<F, U> ? lb_ld_s8(p) : lb_ld_u8(p); }
+template <int F, bool U>
 LB_INLINE vi lb_ld_codes_n(const uint8_t* p, int64_t r) {
   uint8_t t[LB_W] = {0};
   memcpy(t, p, r);
-  return lb_ld_u8(t);
+  return lb_ld_codes<F, U>(t);
 }
 LB_INLINE void lb_st_codes(uint8_t* p, vi c) { lb_st_u8(p, c); }  // lanes hold 0..255
 LB_INLINE void lb_st_codes_n(uint8_t* p, vi c, int64_t r) {
@@ -431,13 +468,13 @@ LB_INLINE vi lb_encode_dynamic8(vf y) {
   return code;
 }
 
-// Codes (one byte per lane) -> values relative to the block scale.
+// Codes (one per lane, as lb_ld_codes widens them) -> values relative to the block scale.
 template <int F, bool U>
 LB_INLINE vf lb_decode(vi u) {
-  if constexpr (F == LB_INT8) return U ? __builtin_convertvector(u, vf) : __builtin_convertvector((u << 24) >> 24, vf);
+  if constexpr (F == LB_INT8) return __builtin_convertvector(u, vf);
   else if constexpr (F == LB_SQRT8) {  // the code is the square root: c * |c|
-    const vf c = __builtin_convertvector(U ? u : (u << 24) >> 24, vf);
-    return c * lb_abs(c);
+    const vf c = __builtin_convertvector(u, vf);
+    return c * (U ? c : lb_abs(c));
   }
   else if constexpr (F == LB_E4M3 || F == LB_E5M2) return lb_decode_fp8<lb_format<F, U>::mantissa>(u);
   else return lb_decode_dynamic8<U>(u);
@@ -481,10 +518,10 @@ LB_INLINE vi lb_round_stochastic(vf x, vi code, vu bits) {
   typedef lb_format<F, U> f;
   constexpr bool fp8 = F == LB_E4M3 || F == LB_E5M2;
   const vf y = lb_clamp(x, U && !fp8 ? 0.0f : -f::qmax, f::qmax);
-  const vf v = lb_decode<F, U>(code);
+  const vf v = lb_decode<F, U>(lb_lane<F, U>(code));
   const vi away = fp8 ? (vi)(lb_abs(y) > lb_abs(v)) : (vi)(y > v);
   const vi other = y == v ? code : (code + (away ? lb_splat_i(1) : lb_splat_i(-1))) & 0xFF;
-  const vf w = lb_decode<F, U>(other);
+  const vf w = lb_decode<F, U>(lb_lane<F, U>(other));
   const vf u = __builtin_convertvector((vi)(bits >> 8), vf) * 0x1p-24f;
   vi out = (u * lb_abs(w - v) < lb_abs(y - v)) & (lb_key(x) < 0x7F800000) ? other : code;
   if (U) out = (x > 0) & (out == 0) ? lb_splat_i(1) : out;
@@ -534,10 +571,11 @@ static inline uint16_t lb_patch_bits(float x, lb_rand rnd, int64_t index) {  // 
 template <int F, bool U>
 __attribute__((noinline)) static vf lb_decode_flagged(vi u, vf d, vf scale) {
   typedef lb_format<F, U> f;
+  const vi byte = u & 0xFF;
   vf v = lb_key(d) < 0x7F800000 ? d * scale : d;
-  v = u == f::pos_inf_code ? lb_splat(LB_INF) : v;
-  v = u == f::neg_inf_code ? lb_splat(-LB_INF) : v;
-  return u == f::nan_code ? lb_nan() : v;
+  v = byte == f::pos_inf_code ? lb_splat(LB_INF) : v;
+  v = byte == f::neg_inf_code ? lb_splat(-LB_INF) : v;
+  return byte == f::nan_code ? lb_nan() : v;
 }
 template <int F, bool U>
 LB_INLINE vf lb_decode_scaled(vi u, vf scale, bool flagged) {
@@ -846,7 +884,7 @@ LB_INLINE void lb_st_u16_n(uint16_t* p, vi c, int64_t r) {
   lb_st_u16(t, c);
   memcpy(p, t, r * sizeof(uint16_t));
 }
-LB_INLINE vi lb_ld_i8(const int8_t* p) { return (lb_ld_u8((const uint8_t*)p) << 24) >> 24; }
+LB_INLINE vi lb_ld_i8(const int8_t* p) { return lb_ld_s8((const uint8_t*)p); }
 LB_INLINE vi lb_ld_i8_n(const int8_t* p, int64_t r) {
   int8_t t[LB_W] = {0};
   memcpy(t, p, r);

@@ -43,9 +43,9 @@ def _diff(a: str, b: str) -> str:
 class TestPrintedKernels(TestCase):
     def test_default_layout_adamw(self):
         """The default, sqrt8 in blocks of 512, no patches: per block, scalars and lerp's weight tests once,
-        then per vector decode m and v (the code squared, times scale), the update in fp32 with ATen's fmas and a
-        multiply by 1/bias_correction, the param store, m and v into block buffers with lane maxima;
-        then re-quantize each buffer."""
+        then per vector a prefetch of the next block's inputs, decode m and v (the code squared, times scale), the
+        update in fp32 with ATen's fmas and a multiply by 1/bias_correction, the param store, m and v into block
+        buffers with lane maxima; then re-quantize each buffer."""
         kernel = _kernel(emit_step(_adamw(), FAST).source)
         self.assertExpectedInline(_vector_loop(kernel) + kernel[kernel.rindex("  }\n  lb_quantize"):], """\
 static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int64_t len, int64_t blk,
@@ -83,10 +83,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
     for (; i + LB_W <= len; i += LB_W) {
       const bool full = true;
       const int64_t r = LB_W;
+      lb_prefetch(p_param + i, LB_BLOCK);
+      lb_prefetch(p_grad + i, LB_BLOCK);
+      lb_prefetch(p_exp_avg_codes + i, LB_BLOCK);
+      lb_prefetch(p_exp_avg_sq_codes + i, LB_BLOCK);
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
       const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
       const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
@@ -133,6 +137,10 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
     for (; i + LB_W <= len; i += LB_W) {
       const bool full = true;
       const int64_t r = LB_W;
+      lb_prefetch(p_param + i, LB_BLOCK);
+      lb_prefetch(p_grad + i, LB_BLOCK);
+      lb_prefetch(p_state_exp_avg + i, LB_BLOCK);
+      lb_prefetch(p_state_exp_avg_sq + i, LB_BLOCK);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
       const vf v_state_exp_avg_sq = full ? lb_ld(p_state_exp_avg_sq + i) : lb_ld_n(p_state_exp_avg_sq + i, r);
       const vf v_mul_2 = v_state_exp_avg_sq * lb_splat(c_hp_betas_1);
@@ -204,25 +212,25 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
             out.append(f"== {fmt} {layout}\n" + _diff(_vector_loop(default), _vector_loop(kernel)))
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes<LB_INT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes<LB_INT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_INT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 == dynamic8 {}
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes<LB_DYNAMIC8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes<LB_DYNAMIC8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 == fp8_e4m3 {}
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E4M3, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes<LB_E4M3, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E4M3, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E4M3, true>(full ? lb_ld_codes<LB_E4M3, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_E4M3, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 == fp8_e5m2 {}
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E5M2, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes<LB_E5M2, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E5M2, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E5M2, true>(full ? lb_ld_codes<LB_E5M2, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_E5M2, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 == bf16 {}
 -  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start;
 -  float* __restrict p_exp_avg_scales = (float*)ptr[3] + blk;
@@ -248,8 +256,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const vf SC_exp_avg_sq = lb_splat(__builtin_fabsf(*p_exp_avg_sq_scales));
 -  const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = full ? lb_ld_bf16(p_exp_avg_codes + i) : lb_ld_bf16_n(p_exp_avg_codes + i, r);
 +      vf v_dequantize_default_1_decoded = full ? lb_ld_bf16(p_exp_avg_sq_codes + i) : lb_ld_bf16_n(p_exp_avg_sq_codes + i, r);
 -      if (full) lb_st(buf_exp_avg + i, v_lerp); else lb_st_n(buf_exp_avg + i, v_lerp, r);
@@ -277,14 +285,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  const int PC_exp_avg_sq = lb_sorted_patches<2>(p_exp_avg_sq_patch_index, p_exp_avg_sq_patch_values, len, PI_exp_avg_sq, PV_exp_avg_sq);
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes(p_exp_avg_codes + i) : lb_ld_codes_n(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes<LB_INT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      while (PN_exp_avg < i + LB_W) {  // a patch falls in this vector
 +        v_dequantize_default_decoded[PN_exp_avg - i] = PV_exp_avg[PA_exp_avg];
 +        PN_exp_avg = ++PA_exp_avg < PC_exp_avg ? PI_exp_avg[PA_exp_avg] : LB_NO_PATCH;
 +      }
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes(p_exp_avg_sq_codes + i) : lb_ld_codes_n(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes<LB_INT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_INT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      while (PN_exp_avg_sq < i + LB_W) {  // a patch falls in this vector
 +        v_dequantize_default_1_decoded[PN_exp_avg_sq - i] = PV_exp_avg_sq[PA_exp_avg_sq];
 +        PN_exp_avg_sq = ++PA_exp_avg_sq < PC_exp_avg_sq ? PI_exp_avg_sq[PA_exp_avg_sq] : LB_NO_PATCH;
@@ -324,7 +332,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t9)));
 +      const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
 +      const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
-+      if (full) lb_st_bf16(p_param + i, v_addcdiv); else lb_st_bf16_n(p_param + i, v_addcdiv, r);
++      if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
 == fp16
 -      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);
 -      const vf v_grad = full ? lb_ld_bf16(p_grad + i) : lb_ld_bf16_n(p_grad + i, r);
@@ -343,7 +351,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -      const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t9)));
 -      const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
 -      const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
--      if (full) lb_st_bf16(p_param + i, v_addcdiv); else lb_st_bf16_n(p_param + i, v_addcdiv, r);
+-      if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
 +      const vf v_lerp = lb_round_f16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
 +      const vf v_mul_2 = lb_round_f16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 +      const vf v_addcmul = lb_round_f16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));

@@ -24,7 +24,7 @@ template <int F, bool U> static void run(int dir, void* codes, float* x, int64_t
   uint8_t* c = (uint8_t*)codes;
   for (int64_t i = 0; i < n; i += LB_W)
     if (dir) lb_st_codes(c + i, lb_encode<F, U>(lb_ld(x + i)));
-    else lb_st(x + i, lb_decode<F, U>(lb_ld_codes(c + i)));
+    else lb_st(x + i, lb_decode<F, U>(lb_ld_codes<F, U>(c + i)));
 }
 extern "C" void convert(int fmt, int nonneg, int dir, void* codes, float* x, int64_t n) {
   switch (fmt * 2 + nonneg) {

@@ -270,7 +270,7 @@ static void dequantize(float* out, int64_t n, int64_t block, uint8_t* codes, flo
     const bool flagged = __builtin_signbit(scales[b]);
     for (int64_t i = 0; i < len; i += LB_W) {
       const int64_t r = len - i < LB_W ? len - i : LB_W;
-      const vi c = r == LB_W ? lb_ld_codes(codes + start + i) : lb_ld_codes_n(codes + start + i, r);
+      const vi c = r == LB_W ? lb_ld_codes<F, U>(codes + start + i) : lb_ld_codes_n<F, U>(codes + start + i, r);
       const vf v = lb_decode_scaled<F, U>(c, scale, flagged);
       if (r == LB_W) lb_st(out + start + i, v); else lb_st_n(out + start + i, v, r);
     }
