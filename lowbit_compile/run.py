@@ -64,7 +64,7 @@ def group_signature(group: dict) -> tuple[tuple, list]:
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
     meta = tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots)
-    sig = (static_group_items(tgroup), meta)
+    sig = (static_group_items(tgroup, slots), meta)
     return _signatures.setdefault(sig, sig), [s.get(tgroup) for s in slots]
 
 

@@ -39,7 +39,7 @@ def trace_example(state: dict) -> dict:
 def trace_key(opt: torch.optim.Optimizer, tgroup: dict, slots: tuple[HyperSlot, ...], dtype: torch.dtype,
               device: torch.device, example: dict, per_element: tuple[str, ...]) -> tuple:
     return (
-        type(opt), unhooked_step(type(opt)), static_group_items(tgroup),
+        type(opt), unhooked_step(type(opt)), static_group_items(tgroup, slots),
         tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots),
         dtype, device.type,
         # per-element states by dtype only: the trace is 1-D and elementwise, so one serves every shape

@@ -86,6 +86,9 @@ def _dynamic(value: object) -> bool:
     return (type(value) is float) or isinstance(value, torch.Tensor)
 
 
+_slot = functools.cache(HyperSlot)  # one object per slot: built once, not on every step's signature
+
+
 def hyper_slots(group: dict) -> tuple[HyperSlot, ...]:
     """The group entries that become graph inputs: floats and tensors, alone or in a tuple/list."""
     slots = []
@@ -93,15 +96,16 @@ def hyper_slots(group: dict) -> tuple[HyperSlot, ...]:
         if key == "params":
             continue
         if _dynamic(value):
-            slots.append(HyperSlot(key, None, isinstance(value, torch.Tensor)))
+            slots.append(_slot(key, None, isinstance(value, torch.Tensor)))
         elif isinstance(value, (tuple, list)) and value and all(_dynamic(v) for v in value):
-            slots.extend(HyperSlot(key, i, isinstance(v, torch.Tensor)) for i, v in enumerate(value))
+            slots.extend(_slot(key, i, isinstance(v, torch.Tensor)) for i, v in enumerate(value))
     return tuple(slots)
 
 
-def static_group_items(group: dict) -> tuple:
-    """The group entries baked into a trace (flags such as amsgrad, maximize): part of its key."""
-    dynamic = {s.key for s in hyper_slots(group)}
+def static_group_items(group: dict, slots: tuple[HyperSlot, ...] | None = None) -> tuple:
+    """The group entries baked into a trace (flags such as amsgrad, maximize): part of its key.
+    ``slots``: the group's ``hyper_slots``, where the caller has them already."""
+    dynamic = {s.key for s in (hyper_slots(group) if slots is None else slots)}
     items = []
     for key, value in sorted(group.items()):
         if key == "params" or key in dynamic:
