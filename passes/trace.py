@@ -102,10 +102,10 @@ def hyper_slots(group: dict) -> tuple[HyperSlot, ...]:
     return tuple(slots)
 
 
-def static_group_items(group: dict, slots: tuple[HyperSlot, ...] | None = None) -> tuple:
-    """The group entries baked into a trace (flags such as amsgrad, maximize): part of its key.
-    ``slots``: the group's ``hyper_slots``, where the caller has them already."""
-    dynamic = {s.key for s in (hyper_slots(group) if slots is None else slots)}
+def static_group_items(group: dict, slots: tuple[HyperSlot, ...]) -> tuple:
+    """The group entries baked into a trace (flags such as amsgrad, maximize), given its
+    ``hyper_slots`` (every caller has them already): part of its key."""
+    dynamic = {s.key for s in slots}
     items = []
     for key, value in sorted(group.items()):
         if key == "params" or key in dynamic:
