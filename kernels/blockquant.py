@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from .formats import StateFormat, decode, encode
+from .formats import StateFormat, decode, encode, normalize
 
 PATCH_VALUE_DTYPE = torch.bfloat16
 PATCH_INDEX_DTYPE = torch.int16
@@ -148,7 +148,7 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, bits: torch
         blocks = blocks.scatter(1, index, 0.0)
     if all_finite:
         scale, inverse = _block_scale(blocks, fmt)
-        normalized, flagged = blocks * inverse[:, None], None
+        normalized, flagged = normalize(blocks, inverse[:, None], fmt), None
     else:
         finite = torch.isfinite(blocks)
         flagged = ~finite.all(dim=1)
@@ -157,7 +157,7 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, bits: torch
         scale_f, inverse_f = _scale_and_inverse(rest.abs().amax(dim=1), fmt.flagged_qmax)
         scale = torch.where(flagged, -scale_f, scale)  # the sign bit marks the block (-0.0 included)
         inverse = torch.where(flagged, inverse_f, inverse)
-        normalized = torch.where(finite, blocks * inverse[:, None], blocks)
+        normalized = torch.where(finite, normalize(blocks, inverse[:, None], fmt), blocks)
         flagged = flagged[:, None]
     out.scales.copy_(scale)
     if fmt.nonneg:  # x * inverse may underflow to 0; the zero-point rule needs it positive

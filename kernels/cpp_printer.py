@@ -26,7 +26,15 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .contract import PARTS, MasterAccess, Part, Role, StateAccess, input_of, master_access, state_access
-from .formats import DYNAMIC_LEVEL_FIELDS, FORMAT_IDS, FORMAT_NAMES, StateFormat, dynamic_level_table, special_codes
+from .formats import (
+    DYNAMIC_LEVEL_FIELDS,
+    FORMAT_IDS,
+    FORMAT_NAMES,
+    StateFormat,
+    domain_bound,
+    dynamic_level_table,
+    special_codes,
+)
 from .lowering import LoweringError, Target, lower_body
 from .primitives import Kind, Value
 
@@ -55,7 +63,8 @@ def format_constants() -> str:
     """The prelude's format enum and per-format constants, from ``formats.py``."""
     lines = ["enum { " + ", ".join(f"{_ENUM[n]} = {FORMAT_IDS[n]}" for n in FORMAT_NAMES if n in _ENUM) + " };",
              "template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, "
-             "the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, min_exponent)"]
+             "the two in encode's input domain, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, "
+             "min_exponent)"]
     for name in FORMAT_NAMES:
         if name not in _ENUM:
             continue
@@ -65,7 +74,9 @@ def format_constants() -> str:
             if fmt.blockwise:
                 pos_inf, neg_inf, nan = special_codes(fmt)
                 fields += (f" static constexpr float neg_qmax = {_cfloat(fmt.neg_qmax)}, "
-                           f"flagged_qmax = {_cfloat(fmt.flagged_qmax)}; static constexpr int "
+                           f"flagged_qmax = {_cfloat(fmt.flagged_qmax)}, "
+                           f"enc_qmax = {_cfloat(domain_bound(fmt, fmt.qmax))}, "
+                           f"enc_flagged_qmax = {_cfloat(domain_bound(fmt, fmt.flagged_qmax))}; static constexpr int "
                            f"pos_inf_code = {pos_inf}, neg_inf_code = {neg_inf}, nan_code = {nan};")
             if name.startswith("fp8"):
                 fields += f" static constexpr int mantissa = {fmt.mantissa_bits}, min_exponent = {fmt.min_exponent};"
@@ -150,6 +161,8 @@ class _State:
     reads: bool = False
     writes: bool = False
     rand: str | None = None  # the name of its random-bits key when it rounds stochastically
+    value: str | None = None  # the lane value it stores
+    root: str | None = None  # the lane value that is that value's square root (sqrt8, when the step has it)
 
     def ptr(self, part: Part) -> str:
         return f"p_{self.parts[part].name}"
@@ -302,6 +315,7 @@ class CppPrinter:
                 return
             self.stores.append(f"if (full) lb_st_bf16({codes} + i, {v}); else lb_st_bf16_n({codes} + i, {v}, r);")
             return
+        state.value = x
         self.stores += [f"if (full) lb_st(buf_{state.key} + i, {x}); else lb_st_n(buf_{state.key} + i, {x}, r);",
                         f"acc_{state.key} = lb_vmax(acc_{state.key}, lb_key_masked({x}, r));"]
 
@@ -455,7 +469,19 @@ class CppPrinter:
         return self.where(cond, self.constant(1.0), self.constant(0.0))
 
     # ---- the kernel ---------------------------------------------------------------------------------------
+    def _share_roots(self) -> None:
+        """A non-negative sqrt8 state whose stored value's square root the step takes anyway (Adam's
+        denominator) keeps that root in a second block buffer, and its encode takes no square root."""
+        for s in self.states.values():
+            if s.writes and s.fmt.name == "sqrt8" and s.fmt.nonneg:
+                s.root = next((name for name, stmt in self.lane
+                               if name and stmt == f"const vf {name} = lb_sqrt({s.value});"), None)
+                if s.root is not None:
+                    self.stores.append(f"if (full) lb_st(root_{s.key} + i, {s.root}); "
+                                       f"else lb_st_n(root_{s.key} + i, {s.root}, r);")
+
     def emitted(self) -> EmittedStep:
+        self._share_roots()
         passes = []
         if self.staged:
             if self.states:
@@ -486,13 +512,14 @@ class CppPrinter:
 
     def _render(self, passes: list[list[str]]) -> str:
         blockwise = [s for s in self.states.values() if s.fmt.blockwise]
+        rooted = [s for s in blockwise if s.root]
         out: list[str] = []
         row = len(self.pointers) + 1
         out += [
             f"static const int64_t LB_BLOCK = {self.block};",
             f"static const int64_t LB_ROW = {row};  // element count, then one pointer per input",
             f"static const int LB_N_SCALARS = {len(self.scalars)};",
-            f"static const int LB_N_BUFS = {len(blockwise) + len(self.staged)};",
+            f"static const int LB_N_BUFS = {len(blockwise) + len(rooted) + len(self.staged)};",
             "",
             "static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int64_t len, int64_t blk,",
             "                          float* scratch) {",
@@ -520,8 +547,10 @@ class CppPrinter:
                     out.append(f"{ind}int64_t PN_{k} = PC_{k} ? PI_{k}[0] : LB_NO_PATCH;")
             if s.writes:
                 out.append(f"{ind}vi acc_{s.key} = lb_splat_i(-1);")
+        for b, s in enumerate(rooted):
+            out.append(f"{ind}float* __restrict root_{s.key} = scratch + {len(blockwise) + b} * LB_BLOCK;")
         for b, (buf, _) in enumerate(self.staged):
-            out.append(f"{ind}float* __restrict {buf} = scratch + {len(blockwise) + b} * LB_BLOCK;")
+            out.append(f"{ind}float* __restrict {buf} = scratch + {len(blockwise) + len(rooted) + b} * LB_BLOCK;")
         for k, lane_body in enumerate(passes):
             # The lane body appears twice, for whole vectors and for the tail, with no closure: values
             # that live across iterations (scalars, top-K accumulators) stay in registers.
@@ -546,9 +575,9 @@ class CppPrinter:
         for s in blockwise:
             if s.writes:
                 parts = ", ".join(s.ptr(part) for part in PARTS)
-                sr = (", true", f", {s.rand}") if s.rand else ("", "")
-                out.append(f"{ind}lb_quantize_block<{self._template(s)}, {s.fmt.patches}{sr[0]}>(acc_{s.key}, "
-                           f"buf_{s.key}, len, LB_BLOCK, {parts}{sr[1]});")
+                extra = [s.rand or "{}", f"root_{s.key}"] if s.root else [s.rand] if s.rand else []
+                out.append(f"{ind}lb_quantize_block<{self._template(s)}, {s.fmt.patches}{', true' if s.rand else ''}>"
+                           f"(acc_{s.key}, buf_{s.key}, len, LB_BLOCK, {', '.join([parts, *extra])});")
         out.append("}")
         out.append(_ENTRY_FN)
         return "\n".join(out) + "\n"

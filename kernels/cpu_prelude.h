@@ -486,19 +486,26 @@ LB_INLINE vi lb_lift_positive(vi code, vf y) {
   return code > one ? code : one;
 }
 
-// Values already multiplied by qmax/absmax -> codes; a positive value of a non-negative state never
-// becomes code 0 (formats.encode). Never NaN: only a flagged block holds NaN, and lb_encode_scaled
-// gives it (and +-inf) the block's special codes after encoding.
+// sqrt8 from the root domain: the code is the magnitude r (>= 0; NaN, a non-negative state's negative
+// value, gives 0: max returns its second operand) rounded half to even, with the sign of `sign`.
+template <bool U>
+LB_INLINE vi lb_encode_sqrt8(vf r, vf sign) {
+  const vi c = lb_cvt_rne(lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)));
+  return U ? lb_lift_positive(c, r) : lb_sign_of(c, sign) & 0xFF;
+}
+
+// Normalized values (formats.normalize: times qmax/absmax; sqrt8's in the root domain) -> codes; a
+// positive value of a non-negative state never becomes code 0 (formats.encode). Never NaN: only a
+// flagged block holds NaN, and lb_encode_scaled gives it (and +-inf) the block's special codes after
+// encoding.
 template <int F, bool U>
 LB_INLINE vi lb_encode(vf y) {
   if constexpr (F == LB_INT8) {
     const float qmax = lb_format<F, U>::qmax;
     const vi q = lb_cvt_rne(lb_min_nn(lb_max_nn(y, lb_splat(U ? 0.0f : -qmax)), lb_splat(qmax)));
     return U ? lb_lift_positive(q, y) : q & 0xFF;
-  } else if constexpr (F == LB_SQRT8) {  // to nearest in the square root: its fp32 value, half to even
-    const float qmax = lb_format<F, U>::qmax;
-    const vi c = lb_cvt_rne(lb_sqrt(lb_min_nn(U ? lb_max_nn(y, lb_splat(0.0f)) : lb_abs(y), lb_splat(qmax))));
-    return U ? lb_lift_positive(c, y) : lb_sign_of(c, y) & 0xFF;
+  } else if constexpr (F == LB_SQRT8) {
+    return lb_encode_sqrt8<U>(U ? y : lb_abs(y), y);
   } else if constexpr (F == LB_DYNAMIC8) {
     return lb_encode_dynamic8<U>(y);
   } else {
@@ -677,46 +684,70 @@ static inline void lb_block_scale(const float* buf, int64_t len, float absmax, f
   }
 }
 
-// Values times the block's multiplier -> codes (blockquant.quantize_into): with LIFT (a non-negative
-// state whose multiplier is below 1) a positive value whose product underflowed still gets a positive
-// code; in a flagged block finite values stay within flagged_qmax and +inf, -inf and NaN take the
-// format's special codes.
-template <int F, bool U, bool FLAGGED, bool LIFT, bool SR>
-LB_INLINE vi lb_encode_scaled(vf x, vf inverse, vu bits) {
+// Values x -> codes (blockquant.quantize_into) under the block's multiplier (sqrt8: its square root).
+// sqrt8 encodes from the root domain (formats.normalize): `root` is sqrt(x) of a non-negative state
+// when the step has it already (ROOT), else taken here. With LIFT (a non-negative state whose
+// multiplier is below 1) a positive value whose product underflowed still gets a positive code (a
+// root times a multiplier's root never underflows); in a flagged block finite values stay within
+// flagged_qmax and +inf, -inf and NaN take the format's special codes.
+template <int F, bool U, bool FLAGGED, bool LIFT, bool SR, bool ROOT = false>
+LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vu bits) {
   typedef lb_format<F, U> f;
-  vf y = x * inverse;
-  if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
-  if (FLAGGED) y = lb_clamp(y, -f::flagged_qmax, f::flagged_qmax);
-  vi code = lb_encode<F, U>(y);
+  vi code;
+  vf y;
+  if constexpr (F == LB_SQRT8) {
+    vf r = (ROOT ? root : lb_sqrt(U ? x : lb_abs(x))) * inverse;
+    if (FLAGGED) r = lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(f::enc_flagged_qmax));  // NaN: 0
+    code = lb_encode_sqrt8<U>(r, x);
+    if (SR) y = U ? r * r : lb_bits_f(lb_bits_i(r * r) | (lb_bits_i(x) & (int32_t)0x80000000));
+  } else {
+    y = x * inverse;
+    if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
+    if (FLAGGED) y = lb_clamp(y, -f::flagged_qmax, f::flagged_qmax);
+    code = lb_encode<F, U>(y);
+  }
   if (SR) code = lb_round_stochastic<F, U>(y, code, bits);
   if (!FLAGGED) return code;
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
   return lb_key(x) < 0x7F800000 ? code : special;
 }
-template <int F, bool U, bool FLAGGED, bool LIFT, bool SR>
-static inline void lb_encode_loop(const float* buf, int64_t len, float inverse, uint8_t* codes, lb_rand rnd) {
+// The codes of buf[0, len); with ROOT, root[0, len) holds the square roots of buf (lb_encode_scaled),
+// and only a flagged block or stochastic rounding reads buf.
+template <int F, bool U, bool FLAGGED, bool LIFT, bool SR, bool ROOT>
+static inline void lb_encode_loop(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes,
+                                  lb_rand rnd) {
   const vf vinv = lb_splat(inverse);
+  constexpr bool reads_x = !ROOT || FLAGGED || SR;
+  const auto at = [&](int64_t j) {
+    const vf x = reads_x ? lb_ld(buf + j) : vf{}, r = ROOT ? lb_ld(root + j) : vf{};
+    return lb_encode_scaled<F, U, FLAGGED, LIFT, SR, ROOT>(x, r, vinv, lb_bits_at<SR>(rnd, j));
+  };
   int64_t i = 0;
   if constexpr (!FLAGGED)  // a flagged block (inf or NaN in it) is rare: not unrolled, less to compile
     for (; i + 4 * LB_W <= len; i += 4 * LB_W)
-      lb_st_u8x4(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i), vinv, lb_bits_at<SR>(rnd, i)),
-                 lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + LB_W), vinv, lb_bits_at<SR>(rnd, i + LB_W)),
-                 lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + 2 * LB_W), vinv,
-                                                           lb_bits_at<SR>(rnd, i + 2 * LB_W)),
-                 lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i + 3 * LB_W), vinv,
-                                                           lb_bits_at<SR>(rnd, i + 3 * LB_W)));
-  for (; i + LB_W <= len; i += LB_W)
-    lb_st_codes(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld(buf + i), vinv, lb_bits_at<SR>(rnd, i)));
-  if (i < len)
-    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR>(lb_ld_n(buf + i, len - i), vinv,
-                                                                       lb_bits_at<SR>(rnd, i)), len - i);
+      lb_st_u8x4(codes + i, at(i), at(i + LB_W), at(i + 2 * LB_W), at(i + 3 * LB_W));
+  for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, at(i));
+  if (i < len) {
+    const vf x = lb_ld_n(buf + i, len - i), r = ROOT ? lb_ld_n(root + i, len - i) : vf{};
+    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR, ROOT>(x, r, vinv, lb_bits_at<SR>(rnd, i)),
+                  len - i);
+  }
 }
 // A multiplier >= 1 keeps every positive value positive (the product is at least the value), so the
-// usual block of a non-negative state skips the underflow test.
+// usual block of a non-negative state skips the underflow test; sqrt8 encodes with the multiplier's
+// square root (formats.normalize), from the step's roots where it gives them.
 template <int F, bool U, bool FLAGGED, bool SR>
-static inline void lb_encode_block(const float* buf, int64_t len, float inverse, uint8_t* codes, lb_rand rnd) {
-  if (U && !(inverse >= 1.0f)) lb_encode_loop<F, U, FLAGGED, U, SR>(buf, len, inverse, codes, rnd);
-  else lb_encode_loop<F, U, FLAGGED, false, SR>(buf, len, inverse, codes, rnd);
+static inline void lb_encode_block(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes,
+                                   lb_rand rnd) {
+  if constexpr (F == LB_SQRT8) {
+    const float rinv = __builtin_sqrtf(inverse);
+    if (U && root) lb_encode_loop<F, U, FLAGGED, false, SR, U>(buf, root, len, rinv, codes, rnd);
+    else lb_encode_loop<F, U, FLAGGED, false, SR, false>(buf, nullptr, len, rinv, codes, rnd);
+  } else if (U && !(inverse >= 1.0f)) {
+    lb_encode_loop<F, U, FLAGGED, U, SR, false>(buf, nullptr, len, inverse, codes, rnd);
+  } else {
+    lb_encode_loop<F, U, FLAGGED, false, SR, false>(buf, nullptr, len, inverse, codes, rnd);
+  }
 }
 
 // A block holding inf or NaN (rare: off the hot path, scalar): patches are the K largest finite
@@ -724,9 +755,9 @@ static inline void lb_encode_block(const float* buf, int64_t len, float inverse,
 // are finite), and if a non-finite value remains the block is flagged: scale from the finite rest over
 // flagged_qmax, stored with its sign bit set, non-finite values as special codes.
 template <int F, bool U, int K, bool SR>
-__attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t len, int64_t block, uint8_t* codes,
-                                                           float* scale, uint16_t* patch_values, int16_t* patch_index,
-                                                           lb_rand rnd) {
+__attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* root, int64_t len, int64_t block,
+                                                           uint8_t* codes, float* scale, uint16_t* patch_values,
+                                                           int16_t* patch_index, lb_rand rnd) {
   if (K > 0) {
     lb_best<K> best;  // keys shifted by one: finite values 1.., non-finite 0
     for (int64_t i = 0; i < len; ++i) {
@@ -741,6 +772,7 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t 
       patch_values[k] = lb_patch_bits<U, SR>(best.e[k].value, rnd, best.e[k].index);
       patch_index[k] = (int16_t)best.e[k].index;
       if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
+      if (root && best.e[k].index < len) root[best.e[k].index] = 0.0f;
     }
   }
   int32_t top = 0;
@@ -757,11 +789,11 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t 
   if (flagged) {
     lb_scale_and_inverse(absmax, lb_format<F, U>::flagged_qmax, &s, &inv);
     *scale = -s;  // the sign bit flags the block (-0.0 included)
-    lb_encode_block<F, U, true, SR>(buf, len, inv, codes, rnd);
+    lb_encode_block<F, U, true, SR>(buf, root, len, inv, codes, rnd);
   } else {
     lb_block_scale<F, U>(buf, len, absmax, &s, &inv);
     *scale = s;
-    lb_encode_block<F, U, false, SR>(buf, len, inv, codes, rnd);
+    lb_encode_block<F, U, false, SR>(buf, root, len, inv, codes, rnd);
   }
 }
 
@@ -770,9 +802,10 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, int64_t 
 // whether the block holds inf or NaN (then lb_quantize_nonfinite). The K patches are the K largest
 // |x| (ties: lowest offset) in the order the reference's repeated argmax finds them; the scale comes
 // from the rest (lb_block_scale). With SR the codes and patches round stochastically, drawing from rnd.
+// A non-negative sqrt8 state may give `root`, buf's square roots as the step took them (lb_encode_scaled).
 template <int F, bool U, int K, bool SR = false>
 static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
-                              uint16_t* patch_values, int16_t* patch_index, lb_rand rnd = {}) {
+                              uint16_t* patch_values, int16_t* patch_index, lb_rand rnd = {}, float* root = nullptr) {
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
   // the K+1 largest elements all reach it, and one pass collects them exactly.
   int32_t lm[LB_W];
@@ -785,7 +818,7 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
         lm[l] = t;
       }
   if (__builtin_expect(lm[0] >= 0x7F800000, 0)) {
-    lb_quantize_nonfinite<F, U, K, SR>(buf, len, block, codes, scale, patch_values, patch_index, rnd);
+    lb_quantize_nonfinite<F, U, K, SR>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd);
     return;
   }
   int32_t rest = lm[0] > 0 ? lm[0] : 0;  // no patches: the absmax is the largest lane maximum
@@ -808,12 +841,13 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
       patch_values[k] = lb_patch_bits<U, SR>(best.e[k].value, rnd, best.e[k].index);
       patch_index[k] = (int16_t)best.e[k].index;
       if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
+      if (root && best.e[k].index < len) root[best.e[k].index] = 0.0f;
     }
   }
   float absmax, inv;
   memcpy(&absmax, &rest, 4);
   lb_block_scale<F, U>(buf, len, absmax, scale, &inv);
-  lb_encode_block<F, U, false, SR>(buf, len, inv, codes, rnd);
+  lb_encode_block<F, U, false, SR>(buf, root, len, inv, codes, rnd);
 }
 
 // The patches of one block that fall inside its len elements, sorted by offset (the update loop

@@ -9,7 +9,9 @@ values keep off them (``StateFormat.flagged_qmax``, ``special_codes``).
 ``sqrt8`` compands by a square root: the code is the magnitude's square root rounded to an integer
 (0..127 with a sign, or 0..255), its value ``c * |c|``, so the resolution is fine near the block's
 largest value and coarse only near zero (a relative step of ``2 / c``); one square root encodes it
-(no table, no search), which makes it as cheap on a CPU as linear INT8.
+(no table, no search), which makes it as cheap on a CPU as linear INT8. It encodes from the *root
+domain* (:func:`normalize`): the value's square root times the block multiplier's, so a kernel that
+already takes the state's square root (Adam's denominator) encodes without a second one.
 """
 
 from __future__ import annotations
@@ -274,24 +276,47 @@ def upgrade_dynamic8_codes(codes: torch.Tensor, nonneg: bool, flagged: torch.Ten
     return torch.where(flagged, inside.to(codes.device)[byte], plain.to(codes.device)[byte])
 
 
+def root_f32(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root (float64's, rounded to fp32, is), as every kernel's."""
+    return x.double().sqrt().float()
+
+
+def normalize(x: torch.Tensor, inverse: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """Values to what :func:`encode` takes, given their block's multiplier ``inverse`` (``qmax / absmax``):
+    ``x * inverse``; for sqrt8 the root domain, ``sqrt(|x|) * sqrt(inverse)`` with x's sign (a
+    non-negative state's negative values as 0), each square root the fp32 one."""
+    if fmt.name != "sqrt8":
+        return x * inverse
+    r = root_f32(x.clamp(min=0.0) if fmt.nonneg else x.abs()) * root_f32(inverse)
+    return r if fmt.nonneg else torch.where(x < 0, -r, r)
+
+
+def domain_bound(fmt: StateFormat, bound: float) -> float:
+    """A bound of normalized values (``qmax``, ``flagged_qmax``) in :func:`encode`'s input domain."""
+    return math.sqrt(bound) if fmt.name == "sqrt8" else bound
+
+
 def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = None,
            bits: torch.Tensor | None = None) -> torch.Tensor:
-    """Encode values already divided by their block scale (|x| <= qmax) into codes.
+    """Encode normalized values (:func:`normalize`: divided by their block scale, |x| <= qmax; sqrt8's
+    in the root domain, |x| <= sqrt(qmax)) into codes.
 
     Rounding is to nearest, ties to even, or with ``bits`` (32 random bits per element, int64 shaped
-    like ``x``) stochastic (:func:`round_stochastic`); for a non-negative state a positive value never
-    becomes code 0. Where ``flagged`` (a bool tensor broadcasting against ``x``: the element's block is
-    flagged) finite values are clamped to ``flagged_qmax`` and +inf, -inf and NaN get their
-    special codes; elsewhere a non-finite value saturates like any value out of range.
+    like ``x``) stochastic (:func:`round_stochastic`, sqrt8's from the value ``x * |x|``); for a
+    non-negative state a positive value never becomes code 0. Where ``flagged`` (a bool tensor
+    broadcasting against ``x``: the element's block is flagged) finite values are clamped to
+    ``flagged_qmax`` and +inf, -inf and NaN get their special codes; elsewhere a non-finite value
+    saturates like any value out of range.
     """
     if flagged is not None and fmt.blockwise:
-        inner = torch.where(flagged, x.clamp(-fmt.flagged_qmax, fmt.flagged_qmax), x)
+        top = domain_bound(fmt, fmt.flagged_qmax)
+        inner = torch.where(flagged, x.clamp(-top, top), x)
         codes = encode(inner, fmt, bits=bits).view(torch.uint8)
         pos_inf, neg_inf, nan = special_codes(fmt)
         special = torch.where(torch.isnan(x), nan, torch.where(x > 0, pos_inf, neg_inf)).to(torch.uint8)
         return torch.where(flagged & ~torch.isfinite(x), special, codes).view(fmt.code_dtype)
     if bits is not None:
-        return round_stochastic(x, encode(x, fmt), fmt, bits)
+        return round_stochastic(x * x.abs() if fmt.name == "sqrt8" else x, encode(x, fmt), fmt, bits)
     name = fmt.name
     if name == "int8":
         lo = 0.0 if fmt.nonneg else -fmt.qmax
@@ -299,11 +324,9 @@ def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = Non
         if fmt.nonneg:
             q = torch.where((x > 0) & (q == 0), 1.0, q)
         return q.to(fmt.code_dtype)
-    if name == "sqrt8":
-        # to nearest in the square root: the fp32 square root (correctly rounded, as float64's rounded
-        # to fp32 is), rounded half to even
-        a = x.clamp(0.0, fmt.qmax) if fmt.nonneg else x.abs().clamp(max=fmt.qmax)
-        root = torch.round(a.double().sqrt().float())
+    if name == "sqrt8":  # the root rounded half to even
+        top = domain_bound(fmt, fmt.qmax)
+        root = torch.round(x.clamp(0.0, top) if fmt.nonneg else x.abs().clamp(max=top))
         if fmt.nonneg:
             root = torch.where((x > 0) & (root == 0), 1.0, root)
         else:

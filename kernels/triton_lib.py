@@ -189,8 +189,9 @@ def dynamic8_value(codes, levels_ptr):
 @triton.jit
 def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr,
            MIN_POSITIVE: tl.constexpr, FP8_NATIVE: tl.constexpr = True):
-    """``formats.encode``: values already multiplied by their block's ``qmax / absmax`` to codes (fp8
-    codes as float8, or as their uint8 bits where not ``FP8_NATIVE``)."""
+    """``formats.encode``: normalized values (``formats.normalize``: times their block's ``qmax / absmax``,
+    sqrt8's in the root domain) to codes (fp8 codes as float8, or as their uint8 bits where not
+    ``FP8_NATIVE``)."""
     if FMT == INT8:
         if NONNEG:
             q = tl.minimum(tl.maximum(rne(y), 0.0), QMAX)
@@ -198,12 +199,12 @@ def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.cons
             return q.to(tl.uint8)
         else:
             return tl.minimum(tl.maximum(rne(y), -QMAX), QMAX).to(tl.int8)
-    elif FMT == SQRT8:  # to nearest in the square root: its fp32 value (correctly rounded), half to even
+    elif FMT == SQRT8:  # the root rounded half to even
         if NONNEG:
-            c = rne(tl.sqrt_rn(tl.minimum(tl.maximum(y, 0.0), QMAX)))
+            c = rne(tl.minimum(tl.maximum(y, 0.0), QMAX**0.5))
             return tl.where((y > 0) & (c == 0), 1.0, c).to(tl.uint8)
         else:
-            c = rne(tl.sqrt_rn(tl.minimum(tl.abs(y), QMAX)))
+            c = rne(tl.minimum(tl.abs(y), QMAX**0.5))
             return tl.where(y < 0, -c, c).to(tl.int8)
     elif FMT == DYNAMIC8:
         return dynamic8_code(y, bounds_ptr, NONNEG)
@@ -449,14 +450,24 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
         negated = (scale_f.to(tl.int32, bitcast=True) | -2147483648).to(tl.float32, bitcast=True)  # -0.0 too
         tl.store(scales_ptr + rows, tl.where(flagged, negated, scale), mask=row_mask)
         inverse = tl.where(flagged, inverse_f, inverse)
-        y = x * inverse[:, None]
-        if NONNEG:  # x * inverse may underflow to 0; the zero-point rule needs it positive
-            y = tl.where((x > 0) & (y < 2.0**-149), 2.0**-149, y)
         flagged = flagged[:, None]
-        y = tl.where(flagged & finite, tl.minimum(tl.maximum(y, -FLAGGED_QMAX), FLAGGED_QMAX), y)
+        if FMT == SQRT8:  # the root domain (formats.normalize), which never underflows
+            if NONNEG:
+                y = tl.sqrt_rn(tl.maximum(x, 0.0)) * tl.sqrt_rn(inverse)[:, None]
+            else:
+                y = tl.sqrt_rn(tl.abs(x)) * tl.sqrt_rn(inverse)[:, None]
+                y = tl.where(x < 0, -y, y)
+            y = tl.where(flagged & finite, tl.minimum(tl.maximum(y, -(FLAGGED_QMAX**0.5)), FLAGGED_QMAX**0.5), y)
+        else:
+            y = x * inverse[:, None]
+            if NONNEG:  # x * inverse may underflow to 0; the zero-point rule needs it positive
+                y = tl.where((x > 0) & (y < 2.0**-149), 2.0**-149, y)
+            y = tl.where(flagged & finite, tl.minimum(tl.maximum(y, -FLAGGED_QMAX), FLAGGED_QMAX), y)
         codes = encode(y, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
         code = code_bits(codes, FMT, FP8_NATIVE)
-        if STREAM != 0:
+        if STREAM != 0:  # from the value (sqrt8: the root's square)
+            if FMT == SQRT8:
+                y = y * tl.abs(y)
             code = round_stochastic(y, code, bits, bounds_ptr, FMT, NONNEG, QMAX)
         special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
         code = tl.where(flagged & ~finite, special, code)

@@ -78,6 +78,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const vf SC_exp_avg_sq = lb_splat(__builtin_fabsf(*p_exp_avg_sq_scales));
   const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
   vi acc_exp_avg_sq = lb_splat_i(-1);
+  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
   {
     int64_t i = 0;
     for (; i + LB_W <= len; i += LB_W) {
@@ -105,10 +106,11 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       acc_exp_avg = lb_vmax(acc_exp_avg, lb_key_masked(v_lerp, r));
       if (full) lb_st(buf_exp_avg_sq + i, v_addcmul); else lb_st_n(buf_exp_avg_sq + i, v_addcmul, r);
       acc_exp_avg_sq = lb_vmax(acc_exp_avg_sq, lb_key_masked(v_addcmul, r));
+      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
     }
   }
   lb_quantize_block<LB_SQRT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index);
-  lb_quantize_block<LB_SQRT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index);
+  lb_quantize_block<LB_SQRT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, {}, root_exp_avg_sq);
 }""")
 
     def test_fp32_states_take_torch_sqrt(self):
@@ -212,25 +214,33 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
             out.append(f"== {fmt} {layout}\n" + _diff(_vector_loop(default), _vector_loop(kernel)))
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
+-  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes<LB_INT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes<LB_INT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_INT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 == dynamic8 {}
+-  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes<LB_DYNAMIC8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes<LB_DYNAMIC8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 == fp8_e4m3 {}
+-  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes<LB_E4M3, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E4M3, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E4M3, true>(full ? lb_ld_codes<LB_E4M3, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_E4M3, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 == fp8_e5m2 {}
+-  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes<LB_E5M2, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E5M2, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E5M2, true>(full ? lb_ld_codes<LB_E5M2, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_E5M2, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 == bf16 {}
 -  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start;
 -  float* __restrict p_exp_avg_scales = (float*)ptr[3] + blk;
@@ -256,6 +266,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const vf SC_exp_avg_sq = lb_splat(__builtin_fabsf(*p_exp_avg_sq_scales));
 -  const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
+-  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = full ? lb_ld_bf16(p_exp_avg_codes + i) : lb_ld_bf16_n(p_exp_avg_codes + i, r);
@@ -264,6 +275,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -      acc_exp_avg = lb_vmax(acc_exp_avg, lb_key_masked(v_lerp, r));
 -      if (full) lb_st(buf_exp_avg_sq + i, v_addcmul); else lb_st_n(buf_exp_avg_sq + i, v_addcmul, r);
 -      acc_exp_avg_sq = lb_vmax(acc_exp_avg_sq, lb_key_masked(v_addcmul, r));
+-      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 +      if (full) lb_st_bf16(p_exp_avg_codes + i, lb_bf16_state_clamp<false>(v_lerp)); else lb_st_bf16_n(p_exp_avg_codes + i, lb_bf16_state_clamp<false>(v_lerp), r);
 +      if (full) lb_st_bf16(p_exp_avg_sq_codes + i, lb_bf16_state_clamp<true>(v_addcmul)); else lb_st_bf16_n(p_exp_avg_sq_codes + i, lb_bf16_state_clamp<true>(v_addcmul), r);
 == int8 {'block_size': 2048, 'outliers': 2}
@@ -285,6 +297,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  const int PC_exp_avg_sq = lb_sorted_patches<2>(p_exp_avg_sq_patch_index, p_exp_avg_sq_patch_values, len, PI_exp_avg_sq, PV_exp_avg_sq);
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
+-  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes<LB_INT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -296,7 +309,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      while (PN_exp_avg_sq < i + LB_W) {  // a patch falls in this vector
 +        v_dequantize_default_1_decoded[PN_exp_avg_sq - i] = PV_exp_avg_sq[PA_exp_avg_sq];
 +        PN_exp_avg_sq = ++PA_exp_avg_sq < PC_exp_avg_sq ? PI_exp_avg_sq[PA_exp_avg_sq] : LB_NO_PATCH;
-+      }""")
++      }
+-      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);""")
 
     def test_bf16_and_fp16_params_round_every_op(self):
         f32 = _vector_loop(_kernel(emit_step(_adamw(), FAST).source))
@@ -307,6 +321,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const float* __restrict p_grad = (const float*)ptr[1] + start;
 +  uint16_t* __restrict p_param = (uint16_t*)ptr[0] + start;
 +  const uint16_t* __restrict p_grad = (const uint16_t*)ptr[1] + start;
+-  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
 -      const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
 -      const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
 +      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);
@@ -333,6 +348,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
 +      const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 +      if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
+-      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 == fp16
 -      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);
 -      const vf v_grad = full ? lb_ld_bf16(p_grad + i) : lb_ld_bf16_n(p_grad + i, r);
@@ -364,19 +380,19 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
     def test_format_constants_come_from_formats_py(self):
         self.assertExpectedInline(format_constants(), """\
 enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3, LB_BF16_CODES = 4, LB_SQRT8 = 6 };
-template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, min_exponent)
-template <> struct lb_format<LB_INT8, false> { static constexpr float qmax = (float)0x1.fc00000000000p+6, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc00000000000p+6, flagged_qmax = (float)0x1.f800000000000p+6; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
-template <> struct lb_format<LB_INT8, true> { static constexpr float qmax = (float)0x1.fe00000000000p+7, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fe00000000000p+7, flagged_qmax = (float)0x1.f800000000000p+7; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
-template <> struct lb_format<LB_DYNAMIC8, false> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0c00000000000p-20; static constexpr float neg_qmax = (float)0x1.0000000000000p+0, flagged_qmax = (float)0x1.f8cd000000000p-1; static constexpr int pos_inf_code = 255, neg_inf_code = 0, nan_code = 254; };
-template <> struct lb_format<LB_DYNAMIC8, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.ad00000000000p-24; static constexpr float neg_qmax = (float)0x1.0000000000000p+0, flagged_qmax = (float)0x1.f533800000000p-1; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
-template <> struct lb_format<LB_E4M3, false> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr float neg_qmax = (float)0x1.c000000000000p+8, flagged_qmax = (float)0x1.a000000000000p+8; static constexpr int pos_inf_code = 126, neg_inf_code = 254, nan_code = 127; static constexpr int mantissa = 3, min_exponent = -6; };
-template <> struct lb_format<LB_E4M3, true> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr float neg_qmax = (float)0x1.c000000000000p+8, flagged_qmax = (float)0x1.a000000000000p+8; static constexpr int pos_inf_code = 126, neg_inf_code = 254, nan_code = 127; static constexpr int mantissa = 3, min_exponent = -6; };
-template <> struct lb_format<LB_E5M2, false> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr float neg_qmax = (float)0x1.c000000000000p+15, flagged_qmax = (float)0x1.c000000000000p+15; static constexpr int pos_inf_code = 124, neg_inf_code = 252, nan_code = 127; static constexpr int mantissa = 2, min_exponent = -14; };
-template <> struct lb_format<LB_E5M2, true> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr float neg_qmax = (float)0x1.c000000000000p+15, flagged_qmax = (float)0x1.c000000000000p+15; static constexpr int pos_inf_code = 124, neg_inf_code = 252, nan_code = 127; static constexpr int mantissa = 2, min_exponent = -14; };
+template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, the two in encode's input domain, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, min_exponent)
+template <> struct lb_format<LB_INT8, false> { static constexpr float qmax = (float)0x1.fc00000000000p+6, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc00000000000p+6, flagged_qmax = (float)0x1.f800000000000p+6, enc_qmax = (float)0x1.fc00000000000p+6, enc_flagged_qmax = (float)0x1.f800000000000p+6; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
+template <> struct lb_format<LB_INT8, true> { static constexpr float qmax = (float)0x1.fe00000000000p+7, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fe00000000000p+7, flagged_qmax = (float)0x1.f800000000000p+7, enc_qmax = (float)0x1.fe00000000000p+7, enc_flagged_qmax = (float)0x1.f800000000000p+7; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
+template <> struct lb_format<LB_DYNAMIC8, false> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0c00000000000p-20; static constexpr float neg_qmax = (float)0x1.0000000000000p+0, flagged_qmax = (float)0x1.f8cd000000000p-1, enc_qmax = (float)0x1.0000000000000p+0, enc_flagged_qmax = (float)0x1.f8cd000000000p-1; static constexpr int pos_inf_code = 255, neg_inf_code = 0, nan_code = 254; };
+template <> struct lb_format<LB_DYNAMIC8, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.ad00000000000p-24; static constexpr float neg_qmax = (float)0x1.0000000000000p+0, flagged_qmax = (float)0x1.f533800000000p-1, enc_qmax = (float)0x1.0000000000000p+0, enc_flagged_qmax = (float)0x1.f533800000000p-1; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
+template <> struct lb_format<LB_E4M3, false> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr float neg_qmax = (float)0x1.c000000000000p+8, flagged_qmax = (float)0x1.a000000000000p+8, enc_qmax = (float)0x1.c000000000000p+8, enc_flagged_qmax = (float)0x1.a000000000000p+8; static constexpr int pos_inf_code = 126, neg_inf_code = 254, nan_code = 127; static constexpr int mantissa = 3, min_exponent = -6; };
+template <> struct lb_format<LB_E4M3, true> { static constexpr float qmax = (float)0x1.c000000000000p+8, min_positive = (float)0x1.0000000000000p-9; static constexpr float neg_qmax = (float)0x1.c000000000000p+8, flagged_qmax = (float)0x1.a000000000000p+8, enc_qmax = (float)0x1.c000000000000p+8, enc_flagged_qmax = (float)0x1.a000000000000p+8; static constexpr int pos_inf_code = 126, neg_inf_code = 254, nan_code = 127; static constexpr int mantissa = 3, min_exponent = -6; };
+template <> struct lb_format<LB_E5M2, false> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr float neg_qmax = (float)0x1.c000000000000p+15, flagged_qmax = (float)0x1.c000000000000p+15, enc_qmax = (float)0x1.c000000000000p+15, enc_flagged_qmax = (float)0x1.c000000000000p+15; static constexpr int pos_inf_code = 124, neg_inf_code = 252, nan_code = 127; static constexpr int mantissa = 2, min_exponent = -14; };
+template <> struct lb_format<LB_E5M2, true> { static constexpr float qmax = (float)0x1.c000000000000p+15, min_positive = (float)0x1.0000000000000p-16; static constexpr float neg_qmax = (float)0x1.c000000000000p+15, flagged_qmax = (float)0x1.c000000000000p+15, enc_qmax = (float)0x1.c000000000000p+15, enc_flagged_qmax = (float)0x1.c000000000000p+15; static constexpr int pos_inf_code = 124, neg_inf_code = 252, nan_code = 127; static constexpr int mantissa = 2, min_exponent = -14; };
 template <> struct lb_format<LB_BF16_CODES, false> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };
 template <> struct lb_format<LB_BF16_CODES, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };
-template <> struct lb_format<LB_SQRT8, false> { static constexpr float qmax = (float)0x1.f808000000000p+13, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.f808000000000p+13, flagged_qmax = (float)0x1.f020000000000p+13; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
-template <> struct lb_format<LB_SQRT8, true> { static constexpr float qmax = (float)0x1.fc02000000000p+15, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc02000000000p+15, flagged_qmax = (float)0x1.f020000000000p+15; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
+template <> struct lb_format<LB_SQRT8, false> { static constexpr float qmax = (float)0x1.f808000000000p+13, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.f808000000000p+13, flagged_qmax = (float)0x1.f020000000000p+13, enc_qmax = (float)0x1.fc00000000000p+6, enc_flagged_qmax = (float)0x1.f800000000000p+6; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
+template <> struct lb_format<LB_SQRT8, true> { static constexpr float qmax = (float)0x1.fc02000000000p+15, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc02000000000p+15, flagged_qmax = (float)0x1.f020000000000p+15, enc_qmax = (float)0x1.fe00000000000p+7, enc_flagged_qmax = (float)0x1.f800000000000p+7; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
 template <bool U> struct lb_dyn {};  // formats.dynamic_level_table
 template <> struct lb_dyn<false> {
   static constexpr int levels = 7;

@@ -16,6 +16,7 @@ from lowbit_compile.kernels.formats import (
     dynamic_map,
     dynamic_thresholds,
     encode,
+    normalize,
 )
 
 BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8"]
@@ -162,9 +163,11 @@ def test_dynamic8_encode_is_exactly_the_nearest_of_the_256_values(nonneg):
 @pytest.mark.parametrize("nonneg", [False, True], ids=["signed", "nonneg"])
 def test_sqrt8_codes_are_the_rounded_square_roots(nonneg):
     """Over the whole float range (zeros, subnormals, every tie (c + 1/2)^2 and its fp32 neighbours,
-    past qmax, inf): the code's magnitude is the fp32 square root of min(|x|, qmax) rounded half to
-    even, so within 1/2 of the exact root plus half an ulp of the fp32 one (which may land on a tie),
-    its sign x's, its value c * |c|; a non-negative state's positive values never become 0."""
+    past qmax, inf) and block multipliers from 2^-100 to 2^126: the code's magnitude is the root domain
+    value (the fp32 root of |x| times the fp32 root of the multiplier, ``normalize``) clamped to
+    sqrt(qmax) and rounded half to even, so within 1/2 of the exact sqrt(|x| * multiplier) plus 1.5
+    ulp of it; its sign x's, its value c * |c|; a non-negative state's positive values never become 0
+    (the product of two roots never underflows)."""
     fmt = StateFormat("sqrt8", nonneg=nonneg)
     top = 255 if nonneg else 127
     ties = (torch.arange(top + 1, dtype=torch.float64) + 0.5).square().float()
@@ -174,19 +177,22 @@ def test_sqrt8_codes_are_the_rounded_square_roots(nonneg):
     x = torch.cat([near, squares, spread, torch.rand(20000) * fmt.qmax * 1.2,
                    torch.tensor([0.0, 2.0**-149, fmt.qmax, fmt.qmax * 2.5, float("inf")])])
     x = x if nonneg else torch.cat([x, -x, torch.tensor([-0.0])])
-    codes = encode(x, fmt)
-    c = codes.double()
-    assert torch.equal(decode(codes, fmt).double(), c * c.abs())
-    root = x.double().abs().clamp(max=fmt.qmax).sqrt()
-    miss = (root.float().double() - c.abs()).abs()  # from the correctly rounded fp32 root
-    lifted = (x > 0) & (root.float() <= 0.5) if nonneg else torch.zeros_like(x, dtype=torch.bool)  # to code 1
-    assert torch.all((miss < 0.5) | ((miss == 0.5) & (c % 2 == 0)) | lifted)
-    assert torch.all(((root - c.abs()).abs() <= 0.5 + root * 2.0**-24) | lifted)
-    assert torch.all(c.abs() <= top) and torch.all((c >= 0) | (x < 0))
-    if nonneg:
-        assert not torch.any((x > 0) & (codes == 0))
-    else:
-        assert torch.all((c <= 0) | (x > 0))
+    for inverse in (1.0, 0.7390851, 3.0517578e-05 * 1.3, 2.0**126, 2.0**-100):
+        codes = encode(normalize(x, torch.tensor(inverse), fmt), fmt)
+        c = codes.double()
+        assert torch.equal(decode(codes, fmt).double(), c * c.abs())
+        product = x.abs().double().sqrt().float().double() * torch.tensor(inverse).double().sqrt().float().double()
+        r = product.float().double().clamp(max=top)  # the fp32 root domain value
+        miss = (r - c.abs()).abs()
+        lifted = (x > 0) & (r <= 0.5) if nonneg else torch.zeros_like(x, dtype=torch.bool)  # to code 1
+        assert torch.all((miss < 0.5) | ((miss == 0.5) & (c % 2 == 0)) | lifted)
+        exact = (x.double().abs() * inverse).sqrt().clamp(max=top)
+        assert torch.all(((exact - c.abs()).abs() <= 0.5 + exact * 1.5 * 2.0**-23) | lifted)
+        assert torch.all(c.abs() <= top) and torch.all((c >= 0) | (x < 0))
+        if nonneg:
+            assert not torch.any((x > 0) & (codes == 0))
+        else:
+            assert torch.all((c <= 0) | (x > 0))
 
 
 def test_dynamic8_map_is_symmetric_and_arithmetic():

@@ -245,11 +245,14 @@ def test_one_inf_leaves_the_rest_of_its_block_as_it_was():
 
 # -- the kernels' block quantize and decode -----------------------------------------------------------
 # The prelude's lb_quantize_block and lb_decode_scaled over whole blocks, as the step kernel calls them
-# (a block buffer with its lane maxima; codes times the scale's magnitude, the patches put over them).
+# (a block buffer with its lane maxima; codes times the scale's magnitude, the patches put over them);
+# q = 2: a non-negative sqrt8 state's quantize from the square roots the step gives with the buffer.
 _CPU_BLOCKS = r"""
 template <int F, bool U, int K>
-static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* scales, uint16_t* pv, int16_t* pi) {
-  float* buf = lb_scratch(block + LB_W);
+static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* scales, uint16_t* pv, int16_t* pi,
+                     bool roots) {
+  float* buf = lb_scratch(2 * (block + LB_W));
+  float* root = roots ? buf + block + LB_W : nullptr;
   for (int64_t b = 0; b * block < n; ++b) {
     const int64_t start = b * block, len = n - start < block ? n - start : block;
     vi acc = lb_splat_i(-1);
@@ -257,9 +260,10 @@ static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* 
       const int64_t r = len - i < LB_W ? len - i : LB_W;
       const vf v = r == LB_W ? lb_ld(x + start + i) : lb_ld_n(x + start + i, r);
       if (r == LB_W) lb_st(buf + i, v); else lb_st_n(buf + i, v, r);
+      if (root) lb_st(root + i, lb_sqrt(v));
       acc = lb_vmax(acc, lb_key_masked(v, r));
     }
-    lb_quantize_block<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K);
+    lb_quantize_block<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K, {}, root);
   }
 }
 template <int F, bool U, int K>
@@ -278,7 +282,9 @@ static void dequantize(float* out, int64_t n, int64_t block, uint8_t* codes, flo
       if (pi[b * K + k] < len) out[start + pi[b * K + k]] = lb_bf16_scalar(pv[b * K + k]);
   }
 }
-#define ONE(F, U, K) case (F * 2 + U) * 4 + K: (q ? quantize<F, U, K> : dequantize<F, U, K>)(x, n, block, codes, scales, pv, pi); return 0;
+#define ONE(F, U, K) case (F * 2 + U) * 4 + K: \
+  if (q) quantize<F, U, K>(x, n, block, codes, scales, pv, pi, q == 2); else dequantize<F, U, K>(x, n, block, codes, scales, pv, pi); \
+  return 0;
 #define FORMAT(F) ONE(F, 0, 0) ONE(F, 0, 2) ONE(F, 1, 0) ONE(F, 1, 2)
 extern "C" int blocks(int fmt, int nonneg, int k, int q, float* x, int64_t n, int64_t block, uint8_t* codes,
                       float* scales, uint16_t* pv, int16_t* pi) {
@@ -293,22 +299,22 @@ def _cpu_blocks():
     return cpu_build.load(cpp_printer.PRELUDE + _CPU_BLOCKS, ())
 
 
-def _cpu_call(values: torch.Tensor, q: blockquant.Quantized, fmt: StateFormat, quantize: bool) -> None:
+def _cpu_call(values: torch.Tensor, q: blockquant.Quantized, fmt: StateFormat, quantize: int) -> None:
     ptr = [ctypes.c_void_p(t.data_ptr()) for t in (values, *q)]
-    missing = _cpu_blocks().blocks(FORMAT_IDS[fmt.name], int(fmt.nonneg), fmt.patches, int(quantize), ptr[0],
+    missing = _cpu_blocks().blocks(FORMAT_IDS[fmt.name], int(fmt.nonneg), fmt.patches, quantize, ptr[0],
                                    ctypes.c_int64(values.numel()), ctypes.c_int64(fmt.block_size), *ptr[1:])
     assert not missing, f"the block harness has no instance for {fmt}"
 
 
-def cpu_quantize(x: torch.Tensor, fmt: StateFormat) -> blockquant.Quantized:
+def cpu_quantize(x: torch.Tensor, fmt: StateFormat, roots: bool = False) -> blockquant.Quantized:
     out = blockquant.empty(x.numel(), fmt)
-    _cpu_call(x.float().contiguous(), out, fmt, True)
+    _cpu_call(x.float().contiguous(), out, fmt, 2 if roots else 1)
     return out
 
 
 def cpu_dequantize(q: blockquant.Quantized, fmt: StateFormat) -> torch.Tensor:
     out = torch.empty(q.codes.numel())
-    _cpu_call(out, q, fmt, False)
+    _cpu_call(out, q, fmt, 0)
     return out
 
 
@@ -348,6 +354,18 @@ def test_kernel_blocks_store_what_the_reference_stores(backend, name, nonneg, da
     want = blockquant.quantize(x, fmt)
     assert_same_storage(quantize(x, fmt), want)
     assert same_values(dequantize(want, fmt), blockquant.dequantize(want, fmt))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), block=st.sampled_from([8, 32]), outliers=st.sampled_from([0, 2]))
+def test_cpu_sqrt8_blocks_from_the_steps_roots_store_what_the_reference_stores(data, block, outliers):
+    """A non-negative sqrt8 state encoded from the square roots the step took (Adam's denominator) stores
+    what the reference stores, patches, flagged blocks and negative values (code 0) included."""
+    fmt = StateFormat("sqrt8", block, outliers, True)
+    x = data.draw(block_values(block, True))
+    flip = data.draw(st.lists(st.booleans(), min_size=x.numel(), max_size=x.numel()))
+    x = torch.where(torch.tensor(flip, dtype=torch.bool), -x, x)  # a wrong sign: a NaN root, code 0
+    assert_same_storage(cpu_quantize(x, fmt, roots=True), blockquant.quantize(x, fmt))
 
 
 @pytest.mark.parametrize("nonneg", [False, True], ids=["s", "u"])
