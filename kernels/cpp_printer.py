@@ -473,7 +473,7 @@ class CppPrinter:
         """A non-negative sqrt8 state whose stored value's square root the step takes anyway (Adam's
         denominator) keeps that root in a second block buffer, and its encode takes no square root."""
         for s in self.states.values():
-            if s.writes and s.fmt.name == "sqrt8" and s.fmt.nonneg:
+            if s.writes and s.root is None and s.fmt.name == "sqrt8" and s.fmt.nonneg:
                 s.root = next((name for name, stmt in self.lane
                                if name and stmt == f"const vf {name} = lb_sqrt({s.value});"), None)
                 if s.root is not None:

@@ -276,7 +276,7 @@ def upgrade_dynamic8_codes(codes: torch.Tensor, nonneg: bool, flagged: torch.Ten
     return torch.where(flagged, inside.to(codes.device)[byte], plain.to(codes.device)[byte])
 
 
-def root_f32(x: torch.Tensor) -> torch.Tensor:
+def _root_f32(x: torch.Tensor) -> torch.Tensor:
     """The correctly rounded fp32 square root (float64's, rounded to fp32, is), as every kernel's."""
     return x.double().sqrt().float()
 
@@ -287,7 +287,7 @@ def normalize(x: torch.Tensor, inverse: torch.Tensor, fmt: StateFormat) -> torch
     non-negative state's negative values as 0), each square root the fp32 one."""
     if fmt.name != "sqrt8":
         return x * inverse
-    r = root_f32(x.clamp(min=0.0) if fmt.nonneg else x.abs()) * root_f32(inverse)
+    r = _root_f32(x.clamp(min=0.0) if fmt.nonneg else x.abs()) * _root_f32(inverse)
     return r if fmt.nonneg else torch.where(x < 0, -r, r)
 
 
