@@ -690,7 +690,7 @@ static inline void lb_block_scale(const float* buf, int64_t len, float absmax, f
 // multiplier is below 1) a positive value whose product underflowed still gets a positive code (a
 // root times a multiplier's root never underflows); in a flagged block finite values stay within
 // flagged_qmax and +inf, -inf and NaN take the format's special codes.
-template <int F, bool U, bool FLAGGED, bool LIFT, bool SR, bool ROOT = false>
+template <int F, bool U, bool FLAGGED, bool LIFT, bool SR, bool ROOT>
 LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vu bits) {
   typedef lb_format<F, U> f;
   vi code;
