@@ -191,6 +191,7 @@ class CppPrinter:
         self.lane: list[tuple[str | None, str]] = []  # (the lane value it defines, statement), in order
         self.stores: list[str] = []  # write-backs at the end of each lane iteration
         self.staged: list[tuple[str, str]] = []  # (buffer, the lane value whose sqrt it takes)
+        self.bf16_of: dict[str, str] = {}  # a lane vector rounded to bf16 -> the fp32 operand it rounds
         self.names: set[str] = set()
 
     # ---- inputs ---------------------------------------------------------------------------------
@@ -274,8 +275,11 @@ class CppPrinter:
     def store(self, node: Node, value: Value) -> None:
         dtype = self.ptr_of[node].dtype
         p, v = f"p_{node.name} + i", self._vec(value)
-        # A bf16 value (rounded already, or loaded) is stored as its top half, not rounded again.
-        fn = "lb_st_bf16_exact" if dtype == value.dtype == torch.bfloat16 else _STORE[dtype]
+        # A bf16 value is stored as its top half, not rounded again; one rounded just for this store
+        # (fp32 opmath's write-back) is rounded by the store itself.
+        fn = _STORE[dtype]
+        if dtype == value.dtype == torch.bfloat16:
+            fn, v = ("lb_st_bf16", self.bf16_of[v]) if v in self.bf16_of else ("lb_st_bf16_exact", v)
         self.stores.append(f"if (full) {fn}({p}, {v}); else {fn}_n({p}, {v}, r);")
 
     def dequantize(self, access: StateAccess) -> Value:
@@ -426,7 +430,10 @@ class CppPrinter:
         return self._call("lb_minimum", "lb_minimum_s", a, b, dtype=a.dtype if a.dtype == b.dtype else torch.float32)
 
     def round_to(self, a: Value, dtype: torch.dtype) -> Value:
-        return self._call(_ROUND[dtype], f"{_ROUND[dtype]}_s", a, dtype=dtype)
+        rounded = self._call(_ROUND[dtype], f"{_ROUND[dtype]}_s", a, dtype=dtype)
+        if dtype == torch.bfloat16 and rounded.kind is Kind.ELEMENT:
+            self.bf16_of[rounded.text] = self._vec(a)
+        return rounded
 
     # ---- comparisons and selection ----------------------------------------------------------------------
     def lt(self, a: Value, b: Value) -> Value:

@@ -202,6 +202,22 @@ LB_INLINE void lb_st_u16(uint16_t* p, vi x) {  // lanes hold 0..65535
   const lb_v2di lo = {t[0], t[1]};
   memcpy(p, &lo, sizeof lo);
 }
+#define LB_HI16
+LB_INLINE vi lb_ld_hi16(const uint16_t* p) {  // each u16 into the high half of its lane: one byte shuffle
+  lb_v2di h;
+  memcpy(&h, p, sizeof h);
+  const lb_v4di both = {h[0], h[1], h[0], h[1]};
+  const lb_v32qi pick = {-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
+                         -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15};
+  return (vi)__builtin_ia32_pshufb256((lb_v32qi)both, pick);
+}
+LB_INLINE void lb_st_hi16(uint16_t* p, vi x) {  // the high halves of the lanes: a shuffle, no shift or pack
+  const lb_v32qi pick = {2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                         2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1};
+  const lb_v4di t = __builtin_ia32_permdi256((lb_v4di)__builtin_ia32_pshufb256((lb_v32qi)x, pick), 0x08);
+  const lb_v2di lo = {t[0], t[1]};
+  memcpy(p, &lo, sizeof lo);
+}
 LB_INLINE int lb_any(vi m) { return !__builtin_ia32_ptestz256((lb_v4di)m, (lb_v4di)m); }
 LB_INLINE vi lb_cvt_rne(vf x) { return __builtin_ia32_cvtps2dq256(x); }
 LB_INLINE vf lb_min_nn(vf a, vf b) { return __builtin_ia32_minps256(a, b); }
@@ -265,6 +281,10 @@ LB_INLINE vf lb_max_nn(vf a, vf b) { return a > b ? a : b; }
 #ifndef LB_SIGN_OF
 LB_INLINE vi lb_sign_of(vi c, vf y) { return y < 0 ? -c : c; }  // c carries y's sign (c >= 0; -0 gives 0)
 #endif
+#ifndef LB_HI16
+LB_INLINE vi lb_ld_hi16(const uint16_t* p) { return lb_ld_u16(p) << 16; }  // each u16 into its lane's high half
+LB_INLINE void lb_st_hi16(uint16_t* p, vi x) { lb_st_u16(p, (vi)((vu)x >> 16)); }  // the lanes' high halves
+#endif
 #ifndef LB_PACKED_U8X4
 LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of 0..255, one store each
   lb_st_u8(p, a);
@@ -275,19 +295,16 @@ LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors
 #endif
 
 // bf16 <-> fp32. Rounding is c10's round_to_nearest_even, NaN -> 0x7FC0.
-LB_INLINE vi lb_f32_to_bf16_bits(vf x) {  // in the low 16 bits of each lane
+LB_INLINE vi lb_bf16_high(vf x) {  // x rounded, in the high 16 bits of each lane (the low 16: garbage)
   vu u = (vu)x;
-  vu r = (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
-  return (x != x) ? lb_splat_i(0x7FC0) : (vi)r;
+  vu r = u + (((u >> 16) & 1u) + 0x7FFFu);
+  return (x != x) ? lb_splat_i(0x7FC00000) : (vi)r;
 }
-LB_INLINE vf lb_round_bf16(vf x) {
-  vu u = (vu)x;
-  vu r = (u + (((u >> 16) & 1u) + 0x7FFFu)) & 0xFFFF0000u;
-  return (x != x) ? lb_bits_f(lb_splat_i(0x7FC00000)) : (vf)r;
-}
-LB_INLINE vf lb_ld_bf16(const uint16_t* p) { return lb_bits_f(lb_ld_u16(p) << 16); }
-LB_INLINE void lb_st_bf16(uint16_t* p, vf v) { lb_st_u16(p, lb_f32_to_bf16_bits(v)); }
-LB_INLINE void lb_st_bf16_exact(uint16_t* p, vf v) { lb_st_u16(p, (vi)((vu)lb_bits_i(v) >> 16)); }  // v is a bf16 value
+LB_INLINE vi lb_f32_to_bf16_bits(vf x) { return (vi)((vu)lb_bf16_high(x) >> 16); }  // in the low 16 bits
+LB_INLINE vf lb_round_bf16(vf x) { return lb_bits_f(lb_bf16_high(x) & (int32_t)0xFFFF0000); }
+LB_INLINE vf lb_ld_bf16(const uint16_t* p) { return lb_bits_f(lb_ld_hi16(p)); }
+LB_INLINE void lb_st_bf16(uint16_t* p, vf v) { lb_st_hi16(p, lb_bf16_high(v)); }
+LB_INLINE void lb_st_bf16_exact(uint16_t* p, vf v) { lb_st_hi16(p, lb_bits_i(v)); }  // v is a bf16 value
 LB_INLINE vf lb_ld_bf16_n(const uint16_t* p, int64_t r) {
   uint16_t t[LB_W] = {0};
   memcpy(t, p, r * sizeof(uint16_t));

@@ -12,8 +12,10 @@ from expecttest import TestCase
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.kernels.cpp_printer import emit_step, format_constants
 from lowbit_compile.kernels.lowering import Target
+from lowbit_compile.passes.opmath import compute_in_fp32
+from lowbit_compile.passes.split import split_prologue
 
-from .graphs import body
+from .graphs import body, pass_graphs
 
 FAST = Target("cpu", reciprocal_divisor=True)  # what the CPU backend builds for quantized states
 EXACT = Target("cpu", torch_sqrt=True)  # and for stock (fp32) states
@@ -311,6 +313,25 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +        PN_exp_avg_sq = ++PA_exp_avg_sq < PC_exp_avg_sq ? PI_exp_avg_sq[PA_exp_avg_sq] : LB_NO_PATCH;
 +      }
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);""")
+
+    def test_bf16_params_with_fp32_opmath_round_once_in_the_store(self):
+        """The kernel bf16 params get with low-bit states: fp32 math, bf16 widened on load, the param
+        rounded by its store (passes/opmath.py)."""
+        p = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+        opt = torch.optim.AdamW([p], weight_decay=0.1)
+        bf16 = split_prologue(compute_in_fp32(pass_graphs(opt)["quantized"])).body
+        loop = _vector_loop(_kernel(emit_step(bf16, FAST).source))
+        self.assertExpectedInline(_diff(_vector_loop(_kernel(emit_step(_adamw(), FAST).source)), loop), """\
+-  float* __restrict p_param = (float*)ptr[0] + start;
+-  const float* __restrict p_grad = (const float*)ptr[1] + start;
++  uint16_t* __restrict p_param = (uint16_t*)ptr[0] + start;
++  const uint16_t* __restrict p_grad = (const uint16_t*)ptr[1] + start;
+-      const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
+-      const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
++      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);
++      const vf v_grad = full ? lb_ld_bf16(p_grad + i) : lb_ld_bf16_n(p_grad + i, r);
+-      if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
++      if (full) lb_st_bf16(p_param + i, v_addcdiv); else lb_st_bf16_n(p_param + i, v_addcdiv, r);""")
 
     def test_bf16_and_fp16_params_round_every_op(self):
         f32 = _vector_loop(_kernel(emit_step(_adamw(), FAST).source))

@@ -1,18 +1,27 @@
 """The CPU lowering (backend="cpu") against the eager reference: formats code by code, whole steps
-for every format, flag and dtype, partial blocks, thread counts and the 16-lane (AVX-512) code path."""
+for every format, flag and dtype, partial blocks, thread counts, the 16-lane and no-AVX code paths;
+and the AVX-512 build."""
 
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from lowbit_compile import QuantizedState, compile, lowbit_compile
+from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.kernels import cpp_printer, cpu, cpu_build
 from lowbit_compile.kernels.backends import resolve
 from lowbit_compile.kernels.formats import StateFormat, decode, encode
+from lowbit_compile.kernels.lowering import Target
+from lowbit_compile.passes.opmath import compute_in_fp32
+from lowbit_compile.passes.split import split_prologue
 
+from .graphs import pass_graphs
 from .test_formats import dynamic8_probes
 
 FORMATS = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8", "bf16", "fp32"]
@@ -104,7 +113,52 @@ def test_prelude_dynamic8_encode_matches_reference_near_every_threshold(lanes):
         assert torch.equal(got, encode(x, fmt)), nonneg
 
 
-def _twins(fmt, cls, kwargs, dtype, sizes, steps=3, block_size=64, outliers=2, threads=None):
+# The prelude's bf16 loads and stores on whole arrays (a short last vector through the _n variants).
+_BF16_HARNESS = r"""
+extern "C" void bf16(int op, const void* in, void* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += LB_W) {
+    const int64_t r = n - i < LB_W ? n - i : LB_W;
+    const float* x = (const float*)in + i;
+    const uint16_t* h = (const uint16_t*)in + i;
+    uint16_t* o = (uint16_t*)out + i;
+    if (op == 0) {  // load
+      if (r == LB_W) lb_st((float*)out + i, lb_ld_bf16(h)); else lb_st_n((float*)out + i, lb_ld_bf16_n(h, r), r);
+    } else if (op == 1) {  // round while storing
+      if (r == LB_W) lb_st_bf16(o, lb_ld(x)); else lb_st_bf16_n(o, lb_ld_n(x, r), r);
+    } else {  // round, then store the rounded value as it is
+      if (r == LB_W) lb_st_bf16_exact(o, lb_round_bf16(lb_ld(x)));
+      else lb_st_bf16_exact_n(o, lb_round_bf16(lb_ld_n(x, r)), r);
+    }
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("lanes", [None, 16], ids=["native", "16-lanes"])
+def test_prelude_bf16_loads_and_stores_match_torch(lanes):
+    """Every bf16 widens to its fp32 bits; fp32 values with every bf16 high half and the low halves
+    that decide rounding (0, 1, ties, either side of them, all ones) round as torch's round to
+    nearest even (NaN: the quiet NaN 0x7FC0), both when the store rounds and when it stores a value
+    lb_round_bf16 rounded. Odd lengths send a tail through the partial loads and stores."""
+    lib = cpu_build.load(cpp_printer.PRELUDE + _BF16_HARNESS, () if lanes is None else (f"-DLB_W={lanes}",))
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)[:-5]
+    widened = torch.empty(len(every))
+    lib.bf16(0, ctypes.c_void_p(every.data_ptr()), ctypes.c_void_p(widened.data_ptr()), ctypes.c_int64(len(every)))
+    assert torch.equal(widened.view(torch.int32), every.to(torch.int32) << 16)
+
+    low = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int32)
+    bits = (every.to(torch.int32)[:, None] << 16 | low).flatten()
+    x = torch.cat([bits.view(torch.float32), torch.randn(1001) * 10.0 ** torch.randint(-40, 39, (1001,))])
+    nan = x.isnan()
+    want = x.to(torch.bfloat16).view(torch.int16)
+    want[nan] = 0x7FC0
+    for op in (1, 2):
+        got = torch.empty(len(x), dtype=torch.int16)
+        lib.bf16(op, ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(got.data_ptr()), ctypes.c_int64(len(x)))
+        assert torch.equal(got, want), op
+
+
+def _twins(fmt, cls, kwargs, dtype, sizes, steps=3, block_size=64, outliers=2, threads=None, rounding="nearest"):
     """The same training run under the reference and the CPU lowering; grads carry 1% outliers so
     every block has patches to take."""
     results = []
@@ -113,7 +167,7 @@ def _twins(fmt, cls, kwargs, dtype, sizes, steps=3, block_size=64, outliers=2, t
         params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in sizes]
         kw = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         opt = lowbit_compile(cls(params, **kw), fmt, block_size=block_size, outliers=outliers, min_8bit_size=0,
-                             backend=backend)
+                             backend=backend, rounding=rounding)
         for _ in range(steps):
             for p in params:
                 g = torch.randn(p.shape, generator=gen) * (1 + 30 * (torch.rand(p.shape, generator=gen) < 0.01))
@@ -216,6 +270,43 @@ def test_sixteen_lane_kernel_matches(monkeypatch, tmp_path):
     monkeypatch.setattr(compile, "_compiled", {})  # lower again, with these flags
     ref, ours = _twins("fp8_e4m3", *ADAM_FLAGS, torch.float32, SIZES)
     _assert_same_states(ref, ours)
+
+
+def test_kernel_without_avx_matches(monkeypatch, tmp_path):
+    """The whole step compiled for x86-64 without AVX (8 lanes through the generic path, the code other
+    architectures compile), here with the default format and stochastic rounding."""
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-march=x86-64-v2"))
+    monkeypatch.setattr(compile, "_compiled", {})
+    ref, ours = _twins(DEFAULT_FMT, *ADAMW, torch.float32, SIZES, rounding="stochastic")
+    _assert_same_states(ref, ours)
+
+
+def test_kernels_build_for_avx512(tmp_path):
+    """This machine cannot run AVX-512, so the 16-lane intrinsics are proven to compile: the element
+    formats, bf16 conversions and every format's step (patches, stochastic rounding; bf16 params),
+    built for x86-64-v4, use 512-bit registers."""
+    sources = {"formats": cpp_printer.PRELUDE + _HARNESS, "bf16": cpp_printer.PRELUDE + _BF16_HARNESS}
+    for fmt in BLOCKWISE + ["bf16"]:
+        for dtype in (torch.float32, torch.bfloat16):
+            opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(64, dtype=dtype))], weight_decay=0.1)
+            graphs = pass_graphs(opt, fmt, block_size=64, outliers=2, rounding="stochastic")
+            quantized = compute_in_fp32(graphs["quantized"]) if dtype == torch.bfloat16 else graphs["quantized"]
+            body = split_prologue(quantized).body
+            sources[f"{fmt}-{dtype}"] = cpp_printer.emit_step(body, Target("cpu", reciprocal_divisor=True)).full_source
+
+    def build(item):
+        name, source = item
+        src, asm = tmp_path / f"{name}.cpp", tmp_path / f"{name}.s"
+        src.write_text(source)
+        flags = [f for f in cpu_build.FLAGS if f not in ("-shared", "-march=native")]
+        done = subprocess.run([cpu_build.compiler(), *flags, "-march=x86-64-v4", "-S", str(src), "-o", str(asm)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, (name, done.stderr[-3000:])
+        assert "%zmm" in asm.read_text(), name
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        list(pool.map(build, sources.items()))
 
 
 def test_auto_picks_the_cpu_kernel():
