@@ -918,7 +918,7 @@ static float* lb_scratch(int64_t floats) {
 }
 
 // ---- fp32 master weights: a 16-bit param and its residual (kernels/residual.py) -------------------
-LB_INLINE vi lb_ld_i16(const int16_t* p) { return (lb_ld_u16((const uint16_t*)p) << 16) >> 16; }  // sign-extended
+LB_INLINE vi lb_ld_i16(const int16_t* p) { return lb_ld_hi16((const uint16_t*)p) >> 16; }  // sign-extended
 LB_INLINE vi lb_ld_i16_n(const int16_t* p, int64_t r) {
   int16_t t[LB_W] = {0};
   memcpy(t, p, r * sizeof(int16_t));
