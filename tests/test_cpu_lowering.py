@@ -52,8 +52,8 @@ extern "C" void convert(int fmt, int nonneg, int dir, void* codes, float* x, int
 """
 
 
-def _harness(lanes: int | None):
-    return cpu_build.load(cpp_printer.PRELUDE + _HARNESS, () if lanes is None else (f"-DLB_W={lanes}",))
+def _harness(lanes: int | None, source: str = _HARNESS):
+    return cpu_build.load(cpp_printer.PRELUDE + source, () if lanes is None else (f"-DLB_W={lanes}",))
 
 
 def _probe_values(fmt: StateFormat) -> torch.Tensor:
@@ -140,7 +140,7 @@ def test_prelude_bf16_loads_and_stores_match_torch(lanes):
     that decide rounding (0, 1, ties, either side of them, all ones) round as torch's round to
     nearest even (NaN: the quiet NaN 0x7FC0), both when the store rounds and when it stores a value
     lb_round_bf16 rounded. Odd lengths send a tail through the partial loads and stores."""
-    lib = cpu_build.load(cpp_printer.PRELUDE + _BF16_HARNESS, () if lanes is None else (f"-DLB_W={lanes}",))
+    lib = _harness(lanes, _BF16_HARNESS)
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)[:-5]
     widened = torch.empty(len(every))
     lib.bf16(0, ctypes.c_void_p(every.data_ptr()), ctypes.c_void_p(widened.data_ptr()), ctypes.c_int64(len(every)))
@@ -263,11 +263,16 @@ def test_default_block_and_two_threads():
     _assert_same_states(ref, ours)
 
 
+def _build_kernels_with(monkeypatch, tmp_path, flag: str) -> None:
+    """This test's kernels are lowered and compiled again, with ``flag`` added, into a cache of their own."""
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, flag))
+    monkeypatch.setattr(compile, "_compiled", {})
+
+
 def test_sixteen_lane_kernel_matches(monkeypatch, tmp_path):
     """The whole step compiled with 16 lanes (the AVX-512 width, here through the generic path)."""
-    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-DLB_W=16"))
-    monkeypatch.setattr(compile, "_compiled", {})  # lower again, with these flags
+    _build_kernels_with(monkeypatch, tmp_path, "-DLB_W=16")
     ref, ours = _twins("fp8_e4m3", *ADAM_FLAGS, torch.float32, SIZES)
     _assert_same_states(ref, ours)
 
@@ -275,9 +280,7 @@ def test_sixteen_lane_kernel_matches(monkeypatch, tmp_path):
 def test_kernel_without_avx_matches(monkeypatch, tmp_path):
     """The whole step compiled for x86-64 without AVX (8 lanes through the generic path, the code other
     architectures compile), here with the default format and stochastic rounding."""
-    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-march=x86-64-v2"))
-    monkeypatch.setattr(compile, "_compiled", {})
+    _build_kernels_with(monkeypatch, tmp_path, "-march=x86-64-v2")
     ref, ours = _twins(DEFAULT_FMT, *ADAMW, torch.float32, SIZES, rounding="stochastic")
     _assert_same_states(ref, ours)
 
