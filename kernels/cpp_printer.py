@@ -49,6 +49,18 @@ _LOAD = {torch.float32: "lb_ld", torch.bfloat16: "lb_ld_bf16", torch.float16: "l
 _STORE = {torch.float32: "lb_st", torch.bfloat16: "lb_st_bf16", torch.float16: "lb_st_f16"}
 _ROUND = {torch.bfloat16: "lb_round_bf16", torch.float16: "lb_round_f16"}
 _LANE_NAME = re.compile(r"\bv_\w+")
+_LANE_TYPE = re.compile(r"(?:const )?(vf|vi) ")  # a lane statement's declared type
+_PER_LANE = re.compile(r"\b(?:i|r|full)\b")  # a statement that reads memory at the lane vector's index
+_LONG_LATENCY = re.compile(r" / |\blb_sqrt\(")
+
+
+@dataclass(frozen=True)
+class _Pipelined:
+    """A lane body whose late part runs one lane vector behind its early part (``CppPrinter._pipeline``)."""
+
+    early: list[str]
+    late: list[str]
+    carried: list[tuple[str, str]]  # (vector type, lane value): computed early, used late
 
 
 def _cfloat(x: float) -> str:
@@ -143,6 +155,10 @@ def emit_step(body: GraphModule, target: Target) -> EmittedStep:
     return printer.emitted()
 
 
+def _indent(statements: list[str], ind: str) -> list[str]:
+    return [f"{ind}{line}" for statement in statements for line in statement.split("\n")]
+
+
 def _operand(v: Value) -> str:
     return v.text if v.atomic else f"({v.text})"
 
@@ -190,6 +206,7 @@ class CppPrinter:
         self.pre: list[str] = []  # once per block, before the lane loop
         self.lane: list[tuple[str | None, str]] = []  # (the lane value it defines, statement), in order
         self.stores: list[str] = []  # write-backs at the end of each lane iteration
+        self.late: list[str] = []  # the param's write-backs (_pipeline may run them one lane vector late)
         self.staged: list[tuple[str, str]] = []  # (buffer, the lane value whose sqrt it takes)
         self.bf16_of: dict[str, str] = {}  # a lane vector rounded to bf16 -> the fp32 operand it rounds
         self.names: set[str] = set()
@@ -280,7 +297,9 @@ class CppPrinter:
         fn = _STORE[dtype]
         if dtype == value.dtype == torch.bfloat16:
             fn, v = ("lb_st_bf16", self.bf16_of[v]) if v in self.bf16_of else ("lb_st_bf16_exact", v)
-        self.stores.append(f"if (full) {fn}({p}, {v}); else {fn}_n({p}, {v}, r);")
+        desc = input_of(node)
+        param = desc is not None and desc.role is Role.PARAM
+        (self.late if param else self.stores).append(f"if (full) {fn}({p}, {v}); else {fn}_n({p}, {v}, r);")
 
     def dequantize(self, access: StateAccess) -> Value:
         """Codes times the block's scale, with the block's patches (sorted by offset before the loop)
@@ -359,7 +378,7 @@ class CppPrinter:
         code = "i16" if fmt.exact else "i8"
         lines.append(f"if (full) {{ {store_p[0]}; lb_st_{code}({res}, c); }} "
                      f"else {{ {store_p[1]}; lb_st_{code}_n({res}, c, r); }}")
-        self.stores.append("{\n" + "\n".join(f"  {line}" for line in lines) + "\n}")
+        self.late.append("{\n" + "\n".join(f"  {line}" for line in lines) + "\n}")
 
     def bind(self, value: Value, name: str) -> Value:
         if value.atomic and (value.literal is not None or re.fullmatch(r"[A-Za-z_]\w*", value.text)):
@@ -500,9 +519,32 @@ class CppPrinter:
             first += [f"if (full) lb_st({buf} + i, {arg}); else lb_st_n({buf} + i, {arg}, r);"
                       for buf, arg in self.staged]
             passes.append(first)
-        passes.append([stmt for _, stmt in self.lane] + self.stores)
+        passes.append(self._pipeline() or [stmt for _, stmt in self.lane] + self.stores + self.late)
         return EmittedStep(self._render(passes), self.pointers, self.scalars, self.block, self.patches,
                            bool(self.staged))
+
+    def _pipeline(self) -> _Pipelined | None:
+        """The lane body split so that the param's write-backs, and the values only they need, run one
+        lane vector behind the rest: a divide or square root there (Adam's denominator) then overlaps
+        the next vector's loads and decodes instead of stalling the in-order dispatch behind it. None
+        where nothing long-latency would move."""
+        defs = {name: stmt for name, stmt in self.lane}
+        early_roots = {m for stmt in self.stores for m in _LANE_NAME.findall(stmt)}
+        late_roots = {m for stmt in self.late for m in _LANE_NAME.findall(stmt)}
+        late = self._closure(late_roots) - self._closure(early_roots)
+        late -= {name for name in late if _PER_LANE.search(defs[name])}  # loads stay where their index is
+        while True:  # whatever an early statement uses is early too
+            used = {m for name, stmt in self.lane if name not in late for m in _LANE_NAME.findall(stmt) if m != name}
+            if not used & late:
+                break
+            late -= used
+        if not any(_LONG_LATENCY.search(defs[name]) for name in late):
+            return None
+        uses = {m for name in late for m in _LANE_NAME.findall(defs[name])} | late_roots
+        carried = [(_LANE_TYPE.match(stmt).group(1), name) for name, stmt in self.lane
+                   if name in uses and name not in late]
+        return _Pipelined([stmt for name, stmt in self.lane if name not in late] + self.stores,
+                          [stmt for name, stmt in self.lane if name in late] + self.late, carried)
 
     def _closure(self, names: set[str]) -> set[str]:
         """The lane values ``names`` are computed from (themselves included)."""
@@ -517,7 +559,7 @@ class CppPrinter:
             todo += [m for m in _LANE_NAME.findall(defs[name].split("=", 1)[-1]) if m != name]
         return seen
 
-    def _render(self, passes: list[list[str]]) -> str:
+    def _render(self, passes: list[list[str] | _Pipelined]) -> str:
         blockwise = [s for s in self.states.values() if s.fmt.blockwise]
         rooted = [s for s in blockwise if s.root]
         out: list[str] = []
@@ -561,20 +603,35 @@ class CppPrinter:
         for k, lane_body in enumerate(passes):
             # The lane body appears twice, for whole vectors and for the tail, with no closure: values
             # that live across iterations (scalars, top-K accumulators) stay in registers.
+            piped = lane_body if isinstance(lane_body, _Pipelined) else None
             out.append(f"{ind}{{")
             out.append(f"{ind}  int64_t i = 0;")
+            if piped:
+                out.append(f"{ind}  int64_t prev_i = -1;  // the lane vector whose late part is pending")
+                out += [f"{ind}  {t} prev_{name} = {{}};" for t, name in piped.carried]
+                lane_body = piped.early + piped.late
             out.append(f"{ind}  for (; i + LB_W <= len; i += LB_W) {{")
             out.append(f"{ind}    const bool full = true;")
             out.append(f"{ind}    const int64_t r = LB_W;")
             if k == 0:  # the next block's inputs, while this one's arrive (pass 2 rereads them from cache)
                 out += [f"{ind}    lb_prefetch(p_{p.name} + i, LB_BLOCK);" for p in self.pointers if p.length == "n"]
-            body = [f"{ind}    {line}" for statement in lane_body for line in statement.split("\n")]
-            out += body
-            out.append(f"{ind}  }}")
+            if piped:
+                late = ["const int64_t i = prev_i;"]
+                late += [f"const {t} {name} = prev_{name};" for t, name in piped.carried] + piped.late
+                out += _indent(piped.early, ind + "    ")
+                out += [f"{ind}    if (prev_i >= 0) {{", *_indent(late, ind + "      "), f"{ind}    }}"]
+                out += [f"{ind}    prev_{name} = {name};" for _, name in piped.carried]
+                out.append(f"{ind}    prev_i = i;")
+                out.append(f"{ind}  }}")
+                out += [f"{ind}  if (prev_i >= 0) {{", f"{ind}    const bool full = true;",
+                        f"{ind}    const int64_t r = LB_W;", *_indent(late, ind + "    "), f"{ind}  }}"]
+            else:
+                out += _indent(lane_body, ind + "    ")
+                out.append(f"{ind}  }}")
             out.append(f"{ind}  if (i < len) {{")
             out.append(f"{ind}    const bool full = false;")
             out.append(f"{ind}    const int64_t r = len - i;")
-            out += body
+            out += _indent(lane_body, ind + "    ")
             out.append(f"{ind}  }}")
             out.append(f"{ind}}}")
             if k == 0 and len(passes) > 1:

@@ -5,10 +5,13 @@ shows in review."""
 from __future__ import annotations
 
 import difflib
+import re
 
 import torch
 from expecttest import TestCase
 
+from examples.lion import Lion
+from lowbit_compile.api import SUPPORTED
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.kernels.cpp_printer import emit_step, format_constants
 from lowbit_compile.kernels.lowering import Target
@@ -83,6 +86,10 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
   {
     int64_t i = 0;
+    int64_t prev_i = -1;  // the lane vector whose late part is pending
+    vf prev_v_param = {};
+    vf prev_v_lerp = {};
+    vf prev_v_sqrt = {};
     for (; i + LB_W <= len; i += LB_W) {
       const bool full = true;
       const int64_t r = LB_W;
@@ -94,21 +101,44 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
       vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
       vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-      const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
       const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
       const vf v_mul_2 = v_dequantize_default_1_decoded * lb_splat(c_hp_betas_1);
       const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
       const vf v_sqrt = lb_sqrt(v_addcmul);
-      const vf v_div = v_sqrt * lb_splat(c_t9);
-      const vf v_add_1 = v_div + lb_splat(c_hp_eps);
-      const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
-      if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
       if (full) lb_st(buf_exp_avg + i, v_lerp); else lb_st_n(buf_exp_avg + i, v_lerp, r);
       acc_exp_avg = lb_vmax(acc_exp_avg, lb_key_masked(v_lerp, r));
       if (full) lb_st(buf_exp_avg_sq + i, v_addcmul); else lb_st_n(buf_exp_avg_sq + i, v_addcmul, r);
       acc_exp_avg_sq = lb_vmax(acc_exp_avg_sq, lb_key_masked(v_addcmul, r));
       if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
+      if (prev_i >= 0) {
+        const int64_t i = prev_i;
+        const vf v_param = prev_v_param;
+        const vf v_lerp = prev_v_lerp;
+        const vf v_sqrt = prev_v_sqrt;
+        const vf v_mul_1 = v_param * lb_splat(c_sub);
+        const vf v_div = v_sqrt * lb_splat(c_t9);
+        const vf v_add_1 = v_div + lb_splat(c_hp_eps);
+        const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
+        if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
+      }
+      prev_v_param = v_param;
+      prev_v_lerp = v_lerp;
+      prev_v_sqrt = v_sqrt;
+      prev_i = i;
+    }
+    if (prev_i >= 0) {
+      const bool full = true;
+      const int64_t r = LB_W;
+      const int64_t i = prev_i;
+      const vf v_param = prev_v_param;
+      const vf v_lerp = prev_v_lerp;
+      const vf v_sqrt = prev_v_sqrt;
+      const vf v_mul_1 = v_param * lb_splat(c_sub);
+      const vf v_div = v_sqrt * lb_splat(c_t9);
+      const vf v_add_1 = v_div + lb_splat(c_hp_eps);
+      const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
+      if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
     }
   }
   lb_quantize_block<LB_SQRT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index);
@@ -164,6 +194,10 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   lb_vsqrt(len, sq0);
   {
     int64_t i = 0;
+    int64_t prev_i = -1;  // the lane vector whose late part is pending
+    vf prev_v_param = {};
+    vf prev_v_lerp = {};
+    vf prev_v_sqrt0 = {};
     for (; i + LB_W <= len; i += LB_W) {
       const bool full = true;
       const int64_t r = LB_W;
@@ -171,18 +205,41 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
       const vf v_state_exp_avg = full ? lb_ld(p_state_exp_avg + i) : lb_ld_n(p_state_exp_avg + i, r);
       const vf v_state_exp_avg_sq = full ? lb_ld(p_state_exp_avg_sq + i) : lb_ld_n(p_state_exp_avg_sq + i, r);
-      const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_lerp_diff = v_grad - v_state_exp_avg;
       const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_state_exp_avg : v_grad));
       const vf v_mul_2 = v_state_exp_avg_sq * lb_splat(c_hp_betas_1);
       const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
       const vf v_sqrt0 = full ? lb_ld(sq0 + i) : lb_ld_n(sq0 + i, r);
+      if (full) lb_st(p_state_exp_avg + i, v_lerp); else lb_st_n(p_state_exp_avg + i, v_lerp, r);
+      if (full) lb_st(p_state_exp_avg_sq + i, v_addcmul); else lb_st_n(p_state_exp_avg_sq + i, v_addcmul, r);
+      if (prev_i >= 0) {
+        const int64_t i = prev_i;
+        const vf v_param = prev_v_param;
+        const vf v_lerp = prev_v_lerp;
+        const vf v_sqrt0 = prev_v_sqrt0;
+        const vf v_mul_1 = v_param * lb_splat(c_sub);
+        const vf v_div = v_sqrt0 / lb_splat(c_pow_3);
+        const vf v_add_1 = v_div + lb_splat(c_hp_eps);
+        const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
+        if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
+      }
+      prev_v_param = v_param;
+      prev_v_lerp = v_lerp;
+      prev_v_sqrt0 = v_sqrt0;
+      prev_i = i;
+    }
+    if (prev_i >= 0) {
+      const bool full = true;
+      const int64_t r = LB_W;
+      const int64_t i = prev_i;
+      const vf v_param = prev_v_param;
+      const vf v_lerp = prev_v_lerp;
+      const vf v_sqrt0 = prev_v_sqrt0;
+      const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_div = v_sqrt0 / lb_splat(c_pow_3);
       const vf v_add_1 = v_div + lb_splat(c_hp_eps);
       const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
       if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
-      if (full) lb_st(p_state_exp_avg + i, v_lerp); else lb_st_n(p_state_exp_avg + i, v_lerp, r);
-      if (full) lb_st(p_state_exp_avg_sq + i, v_addcmul); else lb_st_n(p_state_exp_avg_sq + i, v_addcmul, r);
     }
     if (i < len) {
       const bool full = false;
@@ -191,18 +248,18 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
       const vf v_state_exp_avg = full ? lb_ld(p_state_exp_avg + i) : lb_ld_n(p_state_exp_avg + i, r);
       const vf v_state_exp_avg_sq = full ? lb_ld(p_state_exp_avg_sq + i) : lb_ld_n(p_state_exp_avg_sq + i, r);
-      const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_lerp_diff = v_grad - v_state_exp_avg;
       const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_state_exp_avg : v_grad));
       const vf v_mul_2 = v_state_exp_avg_sq * lb_splat(c_hp_betas_1);
       const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
       const vf v_sqrt0 = full ? lb_ld(sq0 + i) : lb_ld_n(sq0 + i, r);
+      if (full) lb_st(p_state_exp_avg + i, v_lerp); else lb_st_n(p_state_exp_avg + i, v_lerp, r);
+      if (full) lb_st(p_state_exp_avg_sq + i, v_addcmul); else lb_st_n(p_state_exp_avg_sq + i, v_addcmul, r);
+      const vf v_mul_1 = v_param * lb_splat(c_sub);
       const vf v_div = v_sqrt0 / lb_splat(c_pow_3);
       const vf v_add_1 = v_div + lb_splat(c_hp_eps);
       const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
       if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
-      if (full) lb_st(p_state_exp_avg + i, v_lerp); else lb_st_n(p_state_exp_avg + i, v_lerp, r);
-      if (full) lb_st(p_state_exp_avg_sq + i, v_addcmul); else lb_st_n(p_state_exp_avg_sq + i, v_addcmul, r);
     }
   }
 }""")
@@ -217,32 +274,76 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-    vf prev_v_sqrt = {};
++    vf prev_v_addcmul = {};
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes<LB_INT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes<LB_INT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_INT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      const vf v_sqrt = lb_sqrt(v_addcmul);
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
+-        const vf v_sqrt = prev_v_sqrt;
++        const vf v_addcmul = prev_v_addcmul;
++        const vf v_sqrt = lb_sqrt(v_addcmul);
+-      prev_v_sqrt = v_sqrt;
++      prev_v_addcmul = v_addcmul;
+-      const vf v_sqrt = prev_v_sqrt;
++      const vf v_addcmul = prev_v_addcmul;
++      const vf v_sqrt = lb_sqrt(v_addcmul);
 == dynamic8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-    vf prev_v_sqrt = {};
++    vf prev_v_addcmul = {};
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes<LB_DYNAMIC8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes<LB_DYNAMIC8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      const vf v_sqrt = lb_sqrt(v_addcmul);
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
+-        const vf v_sqrt = prev_v_sqrt;
++        const vf v_addcmul = prev_v_addcmul;
++        const vf v_sqrt = lb_sqrt(v_addcmul);
+-      prev_v_sqrt = v_sqrt;
++      prev_v_addcmul = v_addcmul;
+-      const vf v_sqrt = prev_v_sqrt;
++      const vf v_addcmul = prev_v_addcmul;
++      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e4m3 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-    vf prev_v_sqrt = {};
++    vf prev_v_addcmul = {};
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes<LB_E4M3, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E4M3, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E4M3, true>(full ? lb_ld_codes<LB_E4M3, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_E4M3, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      const vf v_sqrt = lb_sqrt(v_addcmul);
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
+-        const vf v_sqrt = prev_v_sqrt;
++        const vf v_addcmul = prev_v_addcmul;
++        const vf v_sqrt = lb_sqrt(v_addcmul);
+-      prev_v_sqrt = v_sqrt;
++      prev_v_addcmul = v_addcmul;
+-      const vf v_sqrt = prev_v_sqrt;
++      const vf v_addcmul = prev_v_addcmul;
++      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e5m2 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-    vf prev_v_sqrt = {};
++    vf prev_v_addcmul = {};
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes<LB_E5M2, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E5M2, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E5M2, true>(full ? lb_ld_codes<LB_E5M2, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_E5M2, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      const vf v_sqrt = lb_sqrt(v_addcmul);
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
+-        const vf v_sqrt = prev_v_sqrt;
++        const vf v_addcmul = prev_v_addcmul;
++        const vf v_sqrt = lb_sqrt(v_addcmul);
+-      prev_v_sqrt = v_sqrt;
++      prev_v_addcmul = v_addcmul;
+-      const vf v_sqrt = prev_v_sqrt;
++      const vf v_addcmul = prev_v_addcmul;
++      const vf v_sqrt = lb_sqrt(v_addcmul);
 == bf16 {}
 -  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start;
 -  float* __restrict p_exp_avg_scales = (float*)ptr[3] + blk;
@@ -269,10 +370,13 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-    vf prev_v_sqrt = {};
++    vf prev_v_addcmul = {};
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = full ? lb_ld_bf16(p_exp_avg_codes + i) : lb_ld_bf16_n(p_exp_avg_codes + i, r);
 +      vf v_dequantize_default_1_decoded = full ? lb_ld_bf16(p_exp_avg_sq_codes + i) : lb_ld_bf16_n(p_exp_avg_sq_codes + i, r);
+-      const vf v_sqrt = lb_sqrt(v_addcmul);
 -      if (full) lb_st(buf_exp_avg + i, v_lerp); else lb_st_n(buf_exp_avg + i, v_lerp, r);
 -      acc_exp_avg = lb_vmax(acc_exp_avg, lb_key_masked(v_lerp, r));
 -      if (full) lb_st(buf_exp_avg_sq + i, v_addcmul); else lb_st_n(buf_exp_avg_sq + i, v_addcmul, r);
@@ -280,6 +384,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 +      if (full) lb_st_bf16(p_exp_avg_codes + i, lb_bf16_state_clamp<false>(v_lerp)); else lb_st_bf16_n(p_exp_avg_codes + i, lb_bf16_state_clamp<false>(v_lerp), r);
 +      if (full) lb_st_bf16(p_exp_avg_sq_codes + i, lb_bf16_state_clamp<true>(v_addcmul)); else lb_st_bf16_n(p_exp_avg_sq_codes + i, lb_bf16_state_clamp<true>(v_addcmul), r);
+-        const vf v_sqrt = prev_v_sqrt;
++        const vf v_addcmul = prev_v_addcmul;
++        const vf v_sqrt = lb_sqrt(v_addcmul);
+-      prev_v_sqrt = v_sqrt;
++      prev_v_addcmul = v_addcmul;
+-      const vf v_sqrt = prev_v_sqrt;
++      const vf v_addcmul = prev_v_addcmul;
++      const vf v_sqrt = lb_sqrt(v_addcmul);
 == int8 {'block_size': 2048, 'outliers': 2}
 -  uint16_t* __restrict p_exp_avg_patch_values = (uint16_t*)ptr[4] + blk * 0;
 -  int16_t* __restrict p_exp_avg_patch_index = (int16_t*)ptr[5] + blk * 0;
@@ -300,6 +412,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-    vf prev_v_sqrt = {};
++    vf prev_v_addcmul = {};
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes<LB_INT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -312,7 +426,16 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +        v_dequantize_default_1_decoded[PN_exp_avg_sq - i] = PV_exp_avg_sq[PA_exp_avg_sq];
 +        PN_exp_avg_sq = ++PA_exp_avg_sq < PC_exp_avg_sq ? PI_exp_avg_sq[PA_exp_avg_sq] : LB_NO_PATCH;
 +      }
--      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);""")
+-      const vf v_sqrt = lb_sqrt(v_addcmul);
+-      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
+-        const vf v_sqrt = prev_v_sqrt;
++        const vf v_addcmul = prev_v_addcmul;
++        const vf v_sqrt = lb_sqrt(v_addcmul);
+-      prev_v_sqrt = v_sqrt;
++      prev_v_addcmul = v_addcmul;
+-      const vf v_sqrt = prev_v_sqrt;
++      const vf v_addcmul = prev_v_addcmul;
++      const vf v_sqrt = lb_sqrt(v_addcmul);""")
 
     def test_bf16_params_with_fp32_opmath_round_once_in_the_store(self):
         """The kernel bf16 params get with low-bit states: fp32 math, bf16 widened on load, the param
@@ -330,6 +453,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -      const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
 +      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);
 +      const vf v_grad = full ? lb_ld_bf16(p_grad + i) : lb_ld_bf16_n(p_grad + i, r);
+-        if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
++        if (full) lb_st_bf16(p_param + i, v_addcdiv); else lb_st_bf16_n(p_param + i, v_addcdiv, r);
 -      if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
 +      if (full) lb_st_bf16(p_param + i, v_addcdiv); else lb_st_bf16_n(p_param + i, v_addcdiv, r);""")
 
@@ -343,33 +468,52 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  uint16_t* __restrict p_param = (uint16_t*)ptr[0] + start;
 +  const uint16_t* __restrict p_grad = (const uint16_t*)ptr[1] + start;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-    vf prev_v_sqrt = {};
++    vf prev_v_addcmul = {};
 -      const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
 -      const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
 +      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);
 +      const vf v_grad = full ? lb_ld_bf16(p_grad + i) : lb_ld_bf16_n(p_grad + i, r);
 +      const vf v_dequantize_default = lb_round_bf16(v_dequantize_default_decoded);
--      const vf v_mul_1 = v_param * lb_splat(c_sub);
 -      const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
 -      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
 -      const vf v_mul_2 = v_dequantize_default_1_decoded * lb_splat(c_hp_betas_1);
 -      const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
 -      const vf v_sqrt = lb_sqrt(v_addcmul);
--      const vf v_div = v_sqrt * lb_splat(c_t9);
--      const vf v_add_1 = v_div + lb_splat(c_hp_eps);
--      const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
--      if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
 +      const vf v_dequantize_default_1 = lb_round_bf16(v_dequantize_default_1_decoded);
-+      const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
 +      const vf v_lerp_diff = v_grad - v_dequantize_default;
 +      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
 +      const vf v_mul_2 = lb_round_bf16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 +      const vf v_addcmul = lb_round_bf16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
+-      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
+-        const vf v_sqrt = prev_v_sqrt;
+-        const vf v_mul_1 = v_param * lb_splat(c_sub);
+-        const vf v_div = v_sqrt * lb_splat(c_t9);
+-        const vf v_add_1 = v_div + lb_splat(c_hp_eps);
+-        const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
+-        if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
++        const vf v_addcmul = prev_v_addcmul;
++        const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
++        const vf v_sqrt = lb_round_bf16(lb_sqrt(v_addcmul));
++        const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t9)));
++        const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
++        const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
++        if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
+-      prev_v_sqrt = v_sqrt;
++      prev_v_addcmul = v_addcmul;
+-      const vf v_sqrt = prev_v_sqrt;
+-      const vf v_mul_1 = v_param * lb_splat(c_sub);
+-      const vf v_div = v_sqrt * lb_splat(c_t9);
+-      const vf v_add_1 = v_div + lb_splat(c_hp_eps);
+-      const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
+-      if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
++      const vf v_addcmul = prev_v_addcmul;
++      const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
 +      const vf v_sqrt = lb_round_bf16(lb_sqrt(v_addcmul));
 +      const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t9)));
 +      const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
 +      const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 +      if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
--      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 == fp16
 -      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);
 -      const vf v_grad = full ? lb_ld_bf16(p_grad + i) : lb_ld_bf16_n(p_grad + i, r);
@@ -378,25 +522,62 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -      const vf v_dequantize_default = lb_round_bf16(v_dequantize_default_decoded);
 +      const vf v_dequantize_default = lb_round_f16(v_dequantize_default_decoded);
 -      const vf v_dequantize_default_1 = lb_round_bf16(v_dequantize_default_1_decoded);
--      const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
 +      const vf v_dequantize_default_1 = lb_round_f16(v_dequantize_default_1_decoded);
-+      const vf v_mul_1 = lb_round_f16((v_param * lb_splat(c_sub)));
 -      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
 -      const vf v_mul_2 = lb_round_bf16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 -      const vf v_addcmul = lb_round_bf16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
++      const vf v_lerp = lb_round_f16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
++      const vf v_mul_2 = lb_round_f16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
++      const vf v_addcmul = lb_round_f16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
+-        const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
+-        const vf v_sqrt = lb_round_bf16(lb_sqrt(v_addcmul));
+-        const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t9)));
+-        const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
+-        const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
+-        if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
++        const vf v_mul_1 = lb_round_f16((v_param * lb_splat(c_sub)));
++        const vf v_sqrt = lb_round_f16(lb_sqrt(v_addcmul));
++        const vf v_div = lb_round_f16((v_sqrt * lb_splat(c_t9)));
++        const vf v_add_1 = lb_round_f16((v_div + lb_splat(lb_round_f16_s(c_hp_eps))));
++        const vf v_addcdiv = lb_round_f16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
++        if (full) lb_st_f16(p_param + i, v_addcdiv); else lb_st_f16_n(p_param + i, v_addcdiv, r);
+-      const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
 -      const vf v_sqrt = lb_round_bf16(lb_sqrt(v_addcmul));
 -      const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t9)));
 -      const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
 -      const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 -      if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
-+      const vf v_lerp = lb_round_f16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
-+      const vf v_mul_2 = lb_round_f16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
-+      const vf v_addcmul = lb_round_f16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
++      const vf v_mul_1 = lb_round_f16((v_param * lb_splat(c_sub)));
 +      const vf v_sqrt = lb_round_f16(lb_sqrt(v_addcmul));
 +      const vf v_div = lb_round_f16((v_sqrt * lb_splat(c_t9)));
 +      const vf v_add_1 = lb_round_f16((v_div + lb_splat(lb_round_f16_s(c_hp_eps))));
 +      const vf v_addcdiv = lb_round_f16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 +      if (full) lb_st_f16(p_param + i, v_addcdiv); else lb_st_f16_n(p_param + i, v_addcdiv, r);""")
+
+    def test_the_param_write_back_runs_one_vector_late_behind_a_divide_or_square_root(self):
+        """Per supported optimizer (default format, fp32 params): the lane values computed one vector
+        late, after the next vector's loads and decodes, and those carried over to them; none where no
+        divide or square root would move."""
+        lines = []
+        for cls in [*SUPPORTED, Lion]:
+            kernel = _kernel(emit_step(body(cls([torch.nn.Parameter(torch.randn(64))], lr=1e-3)), FAST).source)
+            late = kernel.split("      if (prev_i >= 0) {\n", 1)[1].split("\n      }\n", 1)[0] if "prev_i" in kernel else ""
+            carried = re.findall(r"const v[fi] (v_\w+) = prev_", late)
+            computed = [name for name in re.findall(r"const v[fi] (v_\w+) = ", late) if name not in carried]
+            lines.append(f"{cls.__name__}: {' '.join(computed) or '-'} | from {' '.join(carried) or '-'}")
+        self.assertExpectedInline("\n".join(lines), """\
+Adam: v_div v_add_1 v_addcdiv | from v_param v_lerp v_sqrt
+AdamW: v_mul_1 v_div v_add_1 v_addcdiv | from v_param v_lerp v_sqrt
+SGD: - | from -
+RMSprop: v_add_1 v_addcdiv | from v_param v_grad v_sqrt
+Adagrad: v_add_2 v_addcdiv | from v_param v_grad v_sqrt
+Adamax: v_addcdiv | from v_param v_lerp v_maximum
+NAdam: v_div v_sqrt v_add_2 v_addcdiv v_addcdiv_1 | from v_param v_grad v_lerp v_addcmul
+RAdam: - | from -
+Adadelta: - | from -
+ASGD: - | from -
+Rprop: - | from -
+Lion: - | from -""")
 
     def test_format_constants_come_from_formats_py(self):
         self.assertExpectedInline(format_constants(), """\

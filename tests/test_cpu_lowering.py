@@ -202,8 +202,9 @@ def _assert_same_states(ref, ours):
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1})
 ADAM_FLAGS = (torch.optim.Adam, {"lr": torch.tensor(1e-2), "amsgrad": True, "maximize": True, "weight_decay": 0.01})
-# partial last blocks, a 1-element param, sizes below one SIMD vector, several whole blocks
-SIZES = [1000, 64, 1, 7, 131]
+# partial last blocks, a 1-element param, sizes below one SIMD vector, several whole blocks, a last
+# block of a whole vector and a partial one (the late param write-back drains before the tail)
+SIZES = [1000, 64, 1, 7, 131, 77]
 
 
 # Every format with Adam's flags; AdamW's decoupled weight decay once quantized, once stock.

@@ -251,6 +251,8 @@ class TestPrintedStochasticKernels(TestCase):
 +  const lb_rand h_exp_avg_sq_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (2u << 24)), start};
 -      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
 +      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
+-        const vf v_div = v_sqrt * lb_splat(c_t9);
++        const vf v_div = v_sqrt * lb_splat(c_t10);
 -      const vf v_div = v_sqrt * lb_splat(c_t9);
 +      const vf v_div = v_sqrt * lb_splat(c_t10);
 -      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
