@@ -63,6 +63,10 @@ class _Pipelined:
     carried: list[tuple[str, str]]  # (vector type, lane value): computed early, used late
 
 
+def _cbool(x: object) -> str:
+    return "true" if x else "false"
+
+
 def _cfloat(x: float) -> str:
     if math.isnan(x):
         return "LB_NAN"
@@ -92,8 +96,7 @@ def format_constants() -> str:
                            f"pos_inf_code = {pos_inf}, neg_inf_code = {neg_inf}, nan_code = {nan};")
             if name.startswith("fp8"):
                 fields += f" static constexpr int mantissa = {fmt.mantissa_bits}, min_exponent = {fmt.min_exponent};"
-            sign = "true" if nonneg else "false"
-            lines.append(f"template <> struct lb_format<{_ENUM[name]}, {sign}> {{ {fields} }};")
+            lines.append(f"template <> struct lb_format<{_ENUM[name]}, {_cbool(nonneg)}> {{ {fields} }};")
     return "\n".join(lines + _dynamic_levels())
 
 
@@ -109,7 +112,7 @@ def _dynamic_levels() -> list[str]:
             values = table[name] if name == "lower" else [table[name][(slot + 1) % 8] for slot in range(8)]
             fields.append(f"static constexpr float {name}[8] = {{{', '.join(map(_cfloat, values))}}};")
         body = "\n  ".join(fields)
-        lines.append(f"template <> struct lb_dyn<{'true' if nonneg else 'false'}> {{\n  {body}\n}};")
+        lines.append(f"template <> struct lb_dyn<{_cbool(nonneg)}> {{\n  {body}\n}};")
     return lines
 
 
@@ -286,7 +289,7 @@ class CppPrinter:
 
     def constant(self, value: float, dtype: torch.dtype = torch.float32) -> Value:
         if dtype == torch.bool:
-            return Value("true" if value else "false", dtype, Kind.SCALAR, host=True, literal=value)
+            return Value(_cbool(value), dtype, Kind.SCALAR, host=True, literal=value)
         return Value(_cfloat(value), dtype, Kind.SCALAR, host=True, literal=value)
 
     def store(self, node: Node, value: Value) -> None:
@@ -329,8 +332,7 @@ class CppPrinter:
             self.pre.append(f"const lb_rand {state.rand} = {{lb_hash32_s((uint32_t){_operand(seed)} ^ "
                             f"({access.stream}u << 24)), start}};")
         if state.fmt.name == "bf16":
-            u = "true" if state.fmt.nonneg else "false"
-            v, codes = f"lb_bf16_state_clamp<{u}>({x})", state.ptr(Part.CODES)
+            v, codes = f"lb_bf16_state_clamp<{_cbool(state.fmt.nonneg)}>({x})", state.ptr(Part.CODES)
             if seed is not None:
                 bits = f"lb_bf16_bits_stochastic({v}, lb_bits_at<true>({state.rand}, i))"
                 self.stores.append(f"if (full) lb_st_u16({codes} + i, {bits}); "
@@ -636,19 +638,40 @@ class CppPrinter:
             out.append(f"{ind}}}")
             if k == 0 and len(passes) > 1:
                 out += [f"{ind}lb_vsqrt(len, {buf});" for buf, _ in self.staged]
-        for s in blockwise:
-            if s.writes:
-                parts = ", ".join(s.ptr(part) for part in PARTS)
-                extra = [s.rand or "{}", f"root_{s.key}"] if s.root else [s.rand] if s.rand else []
-                out.append(f"{ind}lb_quantize_block<{self._template(s)}, {s.fmt.patches}{', true' if s.rand else ''}>"
-                           f"(acc_{s.key}, buf_{s.key}, len, LB_BLOCK, {', '.join([parts, *extra])});")
+        written = [s for s in blockwise if s.writes]
+        for s in written:  # each state's scale, then its codes (two states' in one loop: lb_encode_pair)
+            parts = ", ".join(s.ptr(part) for part in PARTS)
+            extra = [s.rand or "{}", f"root_{s.key}"] if s.root else [s.rand] if s.rand else []
+            out.append(f"{ind}float mult_{s.key};")
+            out.append(f"{ind}const bool enc_{s.key} = lb_quantize_scale<{self._template(s)}, {s.fmt.patches}"
+                       f"{', true' if s.rand else ''}>(acc_{s.key}, buf_{s.key}, len, LB_BLOCK, "
+                       f"{', '.join([parts, f'&mult_{s.key}', *extra])});")
+
+        def job(s: _State) -> list[str]:
+            return [f"buf_{s.key}", f"root_{s.key}" if s.root else "nullptr", f"mult_{s.key}", s.ptr(Part.CODES),
+                    s.rand or "{}"]
+
+        def single(s: _State) -> str:
+            buf, root, mult, codes, rand = job(s)
+            return (f"if (enc_{s.key}) lb_encode_block<{self._template(s)}, false, {_cbool(s.rand)}>({buf}, {root}, "
+                    f"len, {mult}, {codes}, {rand});")
+
+        for a, b in zip(written[::2], written[1::2]):
+            flags = [f"{self._template(a)}, {_cbool(a.rand)}, {_cbool(a.root)}",
+                     f"{self._template(b)}, {_cbool(b.rand)}, {_cbool(b.root)}"]
+            out.append(f"{ind}if (enc_{a.key} && enc_{b.key}) {{")
+            out.append(f"{ind}  lb_encode_pair<{', '.join(flags)}>({', '.join(job(a) + job(b))}, len);")
+            out.append(f"{ind}}} else {{")
+            out += [f"{ind}  {single(a)}", f"{ind}  {single(b)}", f"{ind}}}"]
+        if len(written) % 2:
+            out.append(f"{ind}{single(written[-1])}")
         out.append("}")
         out.append(_ENTRY_FN)
         return "\n".join(out) + "\n"
 
     @staticmethod
     def _template(s: _State) -> str:
-        return f"{_ENUM[s.fmt.name]}, {'true' if s.fmt.nonneg else 'false'}"
+        return f"{_ENUM[s.fmt.name]}, {_cbool(s.fmt.nonneg)}"
 
 
 _ENTRY_FN = """

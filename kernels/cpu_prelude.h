@@ -750,21 +750,22 @@ static inline void lb_encode_loop(const float* buf, const float* root, int64_t l
                   len - i);
   }
 }
+// The multiplier a block's encode applies: the inverse of its scale (sqrt8: the inverse's square root,
+// formats.normalize's root domain).
+template <int F>
+LB_INLINE float lb_multiplier(float inverse) { return F == LB_SQRT8 ? __builtin_sqrtf(inverse) : inverse; }
 // A multiplier >= 1 keeps every positive value positive (the product is at least the value), so the
-// usual block of a non-negative state skips the underflow test; sqrt8 encodes with the multiplier's
-// square root (formats.normalize), from the step's roots where it gives them.
+// usual block of a non-negative state skips the underflow test (LIFT).
+template <int F, bool U>
+LB_INLINE bool lb_lifts(float mult) { return F != LB_SQRT8 && U && !(mult >= 1.0f); }
+// The codes of buf[0, len) under the multiplier `mult` (lb_multiplier); sqrt8 encodes from the step's
+// roots where it gives them.
 template <int F, bool U, bool FLAGGED, bool SR>
-static inline void lb_encode_block(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes,
+static inline void lb_encode_block(const float* buf, const float* root, int64_t len, float mult, uint8_t* codes,
                                    lb_rand rnd) {
-  if constexpr (F == LB_SQRT8) {
-    const float rinv = __builtin_sqrtf(inverse);
-    if (U && root) lb_encode_loop<F, U, FLAGGED, false, SR, U>(buf, root, len, rinv, codes, rnd);
-    else lb_encode_loop<F, U, FLAGGED, false, SR, false>(buf, nullptr, len, rinv, codes, rnd);
-  } else if (U && !(inverse >= 1.0f)) {
-    lb_encode_loop<F, U, FLAGGED, U, SR, false>(buf, nullptr, len, inverse, codes, rnd);
-  } else {
-    lb_encode_loop<F, U, FLAGGED, false, SR, false>(buf, nullptr, len, inverse, codes, rnd);
-  }
+  if (F == LB_SQRT8 && U && root) lb_encode_loop<F, U, FLAGGED, false, SR, true>(buf, root, len, mult, codes, rnd);
+  else if (lb_lifts<F, U>(mult)) lb_encode_loop<F, U, FLAGGED, true, SR, false>(buf, nullptr, len, mult, codes, rnd);
+  else lb_encode_loop<F, U, FLAGGED, false, SR, false>(buf, nullptr, len, mult, codes, rnd);
 }
 
 // A block holding inf or NaN (rare: off the hot path, scalar): patches are the K largest finite
@@ -806,23 +807,26 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
   if (flagged) {
     lb_scale_and_inverse(absmax, lb_format<F, U>::flagged_qmax, &s, &inv);
     *scale = -s;  // the sign bit flags the block (-0.0 included)
-    lb_encode_block<F, U, true, SR>(buf, root, len, inv, codes, rnd);
+    lb_encode_block<F, U, true, SR>(buf, root, len, lb_multiplier<F>(inv), codes, rnd);
   } else {
     lb_block_scale<F, U>(buf, len, absmax, &s, &inv);
     *scale = s;
-    lb_encode_block<F, U, false, SR>(buf, root, len, inv, codes, rnd);
+    lb_encode_block<F, U, false, SR>(buf, root, len, lb_multiplier<F>(inv), codes, rnd);
   }
 }
 
-// Quantize the block held in buf[0, len) (a block of `block` elements, zero-padded past len) into
-// its codes, scale and K patches. `lane_max` holds each lane's largest key in buf: its maximum says
-// whether the block holds inf or NaN (then lb_quantize_nonfinite). The K patches are the K largest
-// |x| (ties: lowest offset) in the order the reference's repeated argmax finds them; the scale comes
-// from the rest (lb_block_scale). With SR the codes and patches round stochastically, drawing from rnd.
-// A non-negative sqrt8 state may give `root`, buf's square roots as the step took them (lb_encode_scaled).
+// Quantize the block held in buf[0, len) (a block of `block` elements, zero-padded past len): its
+// scale and K patches, and true with the multiplier its codes are then encoded with (lb_encode_block,
+// or lb_encode_pair for two states at once); a block holding inf or NaN (`lane_max`, each lane's
+// largest key in buf, says which) is quantized whole here (lb_quantize_nonfinite): false. The K
+// patches are the K largest |x| (ties: lowest offset) in the order the reference's repeated argmax
+// finds them; the scale comes from the rest (lb_block_scale). With SR the patches round
+// stochastically, drawing from rnd. A non-negative sqrt8 state may give `root`, buf's square roots as
+// the step took them (lb_encode_scaled).
 template <int F, bool U, int K, bool SR = false>
-static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
-                              uint16_t* patch_values, int16_t* patch_index, lb_rand rnd = {}, float* root = nullptr) {
+static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
+                              uint16_t* patch_values, int16_t* patch_index, float* mult, lb_rand rnd = {},
+                              float* root = nullptr) {
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
   // the K+1 largest elements all reach it, and one pass collects them exactly.
   int32_t lm[LB_W];
@@ -836,7 +840,7 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
       }
   if (__builtin_expect(lm[0] >= 0x7F800000, 0)) {
     lb_quantize_nonfinite<F, U, K, SR>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd);
-    return;
+    return false;
   }
   int32_t rest = lm[0] > 0 ? lm[0] : 0;  // no patches: the absmax is the largest lane maximum
   if (K > 0) {
@@ -864,7 +868,41 @@ static void lb_quantize_block(vi lane_max, float* buf, int64_t len, int64_t bloc
   float absmax, inv;
   memcpy(&absmax, &rest, 4);
   lb_block_scale<F, U>(buf, len, absmax, scale, &inv);
-  lb_encode_block<F, U, false, SR>(buf, root, len, inv, codes, rnd);
+  *mult = lb_multiplier<F>(inv);
+  return true;
+}
+// The codes of two states' blocks of len elements in one loop (each as lb_encode_block encodes it): one
+// state's square roots (sqrt8's signed m) then overlap the other's arithmetic instead of running
+// alone. R1, R2: the state encodes from the roots it is given (a non-negative sqrt8 state).
+template <int F1, bool U1, bool SR1, bool R1, int F2, bool U2, bool SR2, bool R2>
+static void lb_encode_pair(const float* buf1, const float* root1, float mult1, uint8_t* codes1, lb_rand rnd1,
+                           const float* buf2, const float* root2, float mult2, uint8_t* codes2, lb_rand rnd2,
+                           int64_t len) {
+  if (lb_lifts<F1, U1>(mult1) || lb_lifts<F2, U2>(mult2)) {  // a block of large values, no faster together
+    lb_encode_block<F1, U1, false, SR1>(buf1, root1, len, mult1, codes1, rnd1);
+    lb_encode_block<F2, U2, false, SR2>(buf2, root2, len, mult2, codes2, rnd2);
+    return;
+  }
+  const vf v1 = lb_splat(mult1), v2 = lb_splat(mult2);
+  const auto at1 = [&](int64_t j) {
+    return lb_encode_scaled<F1, U1, false, false, SR1, R1>(R1 && !SR1 ? vf{} : lb_ld(buf1 + j), R1 ? lb_ld(root1 + j) : vf{},
+                                                           v1, lb_bits_at<SR1>(rnd1, j));
+  };
+  const auto at2 = [&](int64_t j) {
+    return lb_encode_scaled<F2, U2, false, false, SR2, R2>(R2 && !SR2 ? vf{} : lb_ld(buf2 + j), R2 ? lb_ld(root2 + j) : vf{},
+                                                           v2, lb_bits_at<SR2>(rnd2, j));
+  };
+  int64_t i = 0;
+  for (; i + 4 * LB_W <= len; i += 4 * LB_W) {
+    lb_st_u8x4(codes1 + i, at1(i), at1(i + LB_W), at1(i + 2 * LB_W), at1(i + 3 * LB_W));
+    lb_st_u8x4(codes2 + i, at2(i), at2(i + LB_W), at2(i + 2 * LB_W), at2(i + 3 * LB_W));
+  }
+  if (i < len) {  // the last partial group, each state alone
+    lb_encode_loop<F1, U1, false, false, SR1, R1>(buf1 + i, R1 ? root1 + i : nullptr, len - i, mult1, codes1 + i,
+                                                  lb_rand{rnd1.key, rnd1.first + i});
+    lb_encode_loop<F2, U2, false, false, SR2, R2>(buf2 + i, R2 ? root2 + i : nullptr, len - i, mult2, codes2 + i,
+                                                  lb_rand{rnd2.key, rnd2.first + i});
+  }
 }
 
 // The patches of one block that fall inside its len elements, sorted by offset (the update loop

@@ -50,9 +50,9 @@ class TestPrintedKernels(TestCase):
         """The default, sqrt8 in blocks of 512, no patches: per block, scalars and lerp's weight tests once,
         then per vector a prefetch of the next block's inputs, decode m and v (the code squared, times scale), the
         update in fp32 with ATen's fmas and a multiply by 1/bias_correction, the param store, m and v into block
-        buffers with lane maxima; then re-quantize each buffer."""
+        buffers with lane maxima; then each buffer's scale, and both states' codes in one loop."""
         kernel = _kernel(emit_step(_adamw(), FAST).source)
-        self.assertExpectedInline(_vector_loop(kernel) + kernel[kernel.rindex("  }\n  lb_quantize"):], """\
+        self.assertExpectedInline(_vector_loop(kernel) + kernel[kernel.rindex("  }\n  float mult_"):], """\
 static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int64_t len, int64_t blk,
                           float* scratch) {
   float* __restrict p_param = (float*)ptr[0] + start;
@@ -141,8 +141,16 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
     }
   }
-  lb_quantize_block<LB_SQRT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index);
-  lb_quantize_block<LB_SQRT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, {}, root_exp_avg_sq);
+  float mult_exp_avg;
+  const bool enc_exp_avg = lb_quantize_scale<LB_SQRT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &mult_exp_avg);
+  float mult_exp_avg_sq;
+  const bool enc_exp_avg_sq = lb_quantize_scale<LB_SQRT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &mult_exp_avg_sq, {}, root_exp_avg_sq);
+  if (enc_exp_avg && enc_exp_avg_sq) {
+    lb_encode_pair<LB_SQRT8, false, false, false, LB_SQRT8, true, false, true>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, {}, len);
+  } else {
+    if (enc_exp_avg) lb_encode_block<LB_SQRT8, false, false, false>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
+    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, true, false, false>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes, {});
+  }
 }""")
 
     def test_fp32_states_take_torch_sqrt(self):

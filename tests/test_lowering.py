@@ -193,7 +193,7 @@ def test_a_failed_compilation_falls_back_or_fails_before_the_step_changes_anythi
     real = cpu_build._compile
 
     def broken(source, lib_path, extra_flags):
-        if "lb_quantize_block" in source.split("// ---- generated from the rewritten step body ----")[1]:
+        if "lb_quantize_scale" in source.split("// ---- generated from the rewritten step body ----")[1]:
             raise BuildError("the compiler crashed")
         real(source, lib_path, extra_flags)
 

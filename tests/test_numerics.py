@@ -244,7 +244,7 @@ def test_one_inf_leaves_the_rest_of_its_block_as_it_was():
 
 
 # -- the kernels' block quantize and decode -----------------------------------------------------------
-# The prelude's lb_quantize_block and lb_decode_scaled over whole blocks, as the step kernel calls them
+# The prelude's lb_quantize_scale, lb_encode_block and lb_decode_scaled over whole blocks, as the step kernel calls them
 # (a block buffer with its lane maxima; codes times the scale's magnitude, the patches put over them);
 # q = 2: a non-negative sqrt8 state's quantize from the square roots the step gives with the buffer.
 _CPU_BLOCKS = r"""
@@ -263,7 +263,10 @@ static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* 
       if (root) lb_st(root + i, lb_sqrt(v));
       acc = lb_vmax(acc, lb_key_masked(v, r));
     }
-    lb_quantize_block<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K, {}, root);
+    float mult;
+    if (lb_quantize_scale<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K, &mult, {},
+                                   root))
+      lb_encode_block<F, U, false, false>(buf, root, len, mult, codes + start, {});
   }
 }
 template <int F, bool U, int K>

@@ -259,10 +259,16 @@ class TestPrintedStochasticKernels(TestCase):
 +      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
 -      const vf v_div = v_sqrt * lb_splat(c_t9);
 +      const vf v_div = v_sqrt * lb_splat(c_t10);
--  lb_quantize_block<LB_INT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index);
--  lb_quantize_block<LB_INT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index);
-+  lb_quantize_block<LB_INT8, false, 0, true>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, h_exp_avg_rand);
-+  lb_quantize_block<LB_INT8, true, 0, true>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, h_exp_avg_sq_rand);""")
+-  const bool enc_exp_avg = lb_quantize_scale<LB_INT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &mult_exp_avg);
++  const bool enc_exp_avg = lb_quantize_scale<LB_INT8, false, 0, true>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &mult_exp_avg, h_exp_avg_rand);
+-  const bool enc_exp_avg_sq = lb_quantize_scale<LB_INT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &mult_exp_avg_sq);
++  const bool enc_exp_avg_sq = lb_quantize_scale<LB_INT8, true, 0, true>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &mult_exp_avg_sq, h_exp_avg_sq_rand);
+-    lb_encode_pair<LB_INT8, false, false, false, LB_INT8, true, false, false>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, {}, len);
++    lb_encode_pair<LB_INT8, false, true, false, LB_INT8, true, true, false>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, h_exp_avg_rand, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, h_exp_avg_sq_rand, len);
+-    if (enc_exp_avg) lb_encode_block<LB_INT8, false, false, false>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
+-    if (enc_exp_avg_sq) lb_encode_block<LB_INT8, true, false, false>(buf_exp_avg_sq, nullptr, len, mult_exp_avg_sq, p_exp_avg_sq_codes, {});
++    if (enc_exp_avg) lb_encode_block<LB_INT8, false, false, true>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, h_exp_avg_rand);
++    if (enc_exp_avg_sq) lb_encode_block<LB_INT8, true, false, true>(buf_exp_avg_sq, nullptr, len, mult_exp_avg_sq, p_exp_avg_sq_codes, h_exp_avg_sq_rand);""")
 
     def test_the_triton_kernel_passes_the_counter_and_the_stream(self):
         printer = pytest.importorskip("lowbit_compile.kernels.triton_printer")
