@@ -146,6 +146,7 @@ LB_INLINE void lb_st_u8(uint8_t* p, vi x) {
   const lb_v16qi b = __builtin_ia32_pmovdb512_mask(x, (lb_v16qi){}, (uint16_t)-1);
   memcpy(p, &b, sizeof b);
 }
+LB_INLINE vi lb_code_byte(vi c) { return c; }  // the store keeps each lane's low byte
 LB_INLINE vi lb_ld_u16(const uint16_t* p) {
   lb_v16hi h;
   memcpy(&h, p, sizeof h);
@@ -192,6 +193,7 @@ LB_INLINE void lb_st_u8(uint8_t* p, vi x) {  // the low byte of each lane (lanes
                                                           (lb_v4si)__builtin_ia32_extract128i256(t, 1));
   memcpy(p, &lo, 8);
 }
+LB_INLINE vi lb_code_byte(vi c) { return c & 0xFF; }  // lb_st_u8x4's packs saturate: lanes hold 0..255
 LB_INLINE vi lb_ld_u16(const uint16_t* p) {
   lb_v8hi h;
   memcpy(&h, p, sizeof h);
@@ -251,6 +253,7 @@ LB_INLINE void lb_st_u8(uint8_t* p, vi x) {
   vb b = __builtin_convertvector(x, vb);
   memcpy(p, &b, sizeof b);
 }
+LB_INLINE vi lb_code_byte(vi c) { return c; }  // the store keeps each lane's low byte
 LB_INLINE vi lb_ld_u16(const uint16_t* p) {
   vh h;
   memcpy(&h, p, sizeof h);
@@ -286,7 +289,7 @@ LB_INLINE vi lb_ld_hi16(const uint16_t* p) { return lb_ld_u16(p) << 16; }  // ea
 LB_INLINE void lb_st_hi16(uint16_t* p, vi x) { lb_st_u16(p, (vi)((vu)x >> 16)); }  // the lanes' high halves
 #endif
 #ifndef LB_PACKED_U8X4
-LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of 0..255, one store each
+LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors, one store each
   lb_st_u8(p, a);
   lb_st_u8(p + LB_W, b);
   lb_st_u8(p + 2 * LB_W, c);
@@ -395,7 +398,8 @@ LB_INLINE vi lb_key(vf x) { return lb_bits_i(x) & 0x7FFFFFFF; }  // |x| as order
 
 // A code in a lane as lb_decode takes it: the signed codes of int8 and sqrt8 (two's complement bytes)
 // sign-extended, so one widening load does what a shift pair would after it; every other format's
-// byte zero-extended. lb_lane turns a byte (0..255, as encodes return it) into that form.
+// byte zero-extended. lb_lane turns a code as encodes return it (its lane's low byte: lb_code_byte)
+// into that form.
 template <int F, bool U>
 constexpr bool lb_sign_extended = !U && (F == LB_INT8 || F == LB_SQRT8);
 template <int F, bool U>
@@ -408,7 +412,7 @@ LB_INLINE vi lb_ld_codes_n(const uint8_t* p, int64_t r) {
   memcpy(t, p, r);
   return lb_ld_codes<F, U>(t);
 }
-LB_INLINE void lb_st_codes(uint8_t* p, vi c) { lb_st_u8(p, c); }  // lanes hold 0..255
+LB_INLINE void lb_st_codes(uint8_t* p, vi c) { lb_st_u8(p, c); }  // each lane's low byte
 LB_INLINE void lb_st_codes_n(uint8_t* p, vi c, int64_t r) {
   uint8_t t[LB_W];
   lb_st_u8(t, c);
@@ -498,9 +502,9 @@ LB_INLINE vf lb_decode(vi u) {
 }
 
 // An integer code of a non-negative state where y is positive: at least 1 (formats.encode's zero-point rule).
-LB_INLINE vi lb_lift_positive(vi code, vf y) {
-  const vi one = (vi)((vu)(vi)(y > 0) >> 31);  // 1 where positive
-  return code > one ? code : one;
+LB_INLINE vi lb_lift_positive(vi code, vf y) {  // AVX-512: a compare and a masked max
+  const vi one = lb_splat_i(1);
+  return y > 0 ? (code > one ? code : one) : code;
 }
 
 // sqrt8 from the root domain: the code is the magnitude r (>= 0; NaN, a non-negative state's negative
@@ -508,7 +512,7 @@ LB_INLINE vi lb_lift_positive(vi code, vf y) {
 template <bool U>
 LB_INLINE vi lb_encode_sqrt8(vf r, vf sign) {
   const vi c = lb_cvt_rne(lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)));
-  return U ? lb_lift_positive(c, r) : lb_sign_of(c, sign) & 0xFF;
+  return U ? lb_lift_positive(c, r) : lb_code_byte(lb_sign_of(c, sign));
 }
 
 // Normalized values (formats.normalize: times qmax/absmax; sqrt8's in the root domain) -> codes; a
@@ -520,7 +524,7 @@ LB_INLINE vi lb_encode(vf y) {
   if constexpr (F == LB_INT8) {
     const float qmax = lb_format<F, U>::qmax;
     const vi q = lb_cvt_rne(lb_min_nn(lb_max_nn(y, lb_splat(U ? 0.0f : -qmax)), lb_splat(qmax)));
-    return U ? lb_lift_positive(q, y) : q & 0xFF;
+    return U ? lb_lift_positive(q, y) : lb_code_byte(q);
   } else if constexpr (F == LB_SQRT8) {
     return lb_encode_sqrt8<U>(U ? y : lb_abs(y), y);
   } else if constexpr (F == LB_DYNAMIC8) {
