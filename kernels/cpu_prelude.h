@@ -732,17 +732,20 @@ LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vu bits) {
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
   return lb_key(x) < 0x7F800000 ? code : special;
 }
-// The codes of buf[0, len); with ROOT, root[0, len) holds the square roots of buf (lb_encode_scaled),
-// and only a flagged block or stochastic rounding reads buf.
+// The codes of the whole lane vector at buf + j; with ROOT, root holds the square roots of buf
+// (lb_encode_scaled), and only a flagged block or stochastic rounding reads buf.
+template <int F, bool U, bool FLAGGED, bool LIFT, bool SR, bool ROOT>
+LB_INLINE vi lb_encode_at(const float* buf, const float* root, int64_t j, vf vinv, lb_rand rnd) {
+  constexpr bool reads_x = !ROOT || FLAGGED || SR;
+  const vf x = reads_x ? lb_ld(buf + j) : vf{}, r = ROOT ? lb_ld(root + j) : vf{};
+  return lb_encode_scaled<F, U, FLAGGED, LIFT, SR, ROOT>(x, r, vinv, lb_bits_at<SR>(rnd, j));
+}
+// The codes of buf[0, len) (lb_encode_at).
 template <int F, bool U, bool FLAGGED, bool LIFT, bool SR, bool ROOT>
 static inline void lb_encode_loop(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes,
                                   lb_rand rnd) {
   const vf vinv = lb_splat(inverse);
-  constexpr bool reads_x = !ROOT || FLAGGED || SR;
-  const auto at = [&](int64_t j) {
-    const vf x = reads_x ? lb_ld(buf + j) : vf{}, r = ROOT ? lb_ld(root + j) : vf{};
-    return lb_encode_scaled<F, U, FLAGGED, LIFT, SR, ROOT>(x, r, vinv, lb_bits_at<SR>(rnd, j));
-  };
+  const auto at = [&](int64_t j) { return lb_encode_at<F, U, FLAGGED, LIFT, SR, ROOT>(buf, root, j, vinv, rnd); };
   int64_t i = 0;
   if constexpr (!FLAGGED)  // a flagged block (inf or NaN in it) is rare: not unrolled, less to compile
     for (; i + 4 * LB_W <= len; i += 4 * LB_W)
@@ -888,14 +891,8 @@ static void lb_encode_pair(const float* buf1, const float* root1, float mult1, u
     return;
   }
   const vf v1 = lb_splat(mult1), v2 = lb_splat(mult2);
-  const auto at1 = [&](int64_t j) {
-    return lb_encode_scaled<F1, U1, false, false, SR1, R1>(R1 && !SR1 ? vf{} : lb_ld(buf1 + j), R1 ? lb_ld(root1 + j) : vf{},
-                                                           v1, lb_bits_at<SR1>(rnd1, j));
-  };
-  const auto at2 = [&](int64_t j) {
-    return lb_encode_scaled<F2, U2, false, false, SR2, R2>(R2 && !SR2 ? vf{} : lb_ld(buf2 + j), R2 ? lb_ld(root2 + j) : vf{},
-                                                           v2, lb_bits_at<SR2>(rnd2, j));
-  };
+  const auto at1 = [&](int64_t j) { return lb_encode_at<F1, U1, false, false, SR1, R1>(buf1, root1, j, v1, rnd1); };
+  const auto at2 = [&](int64_t j) { return lb_encode_at<F2, U2, false, false, SR2, R2>(buf2, root2, j, v2, rnd2); };
   int64_t i = 0;
   for (; i + 4 * LB_W <= len; i += 4 * LB_W) {
     lb_st_u8x4(codes1 + i, at1(i), at1(i + LB_W), at1(i + 2 * LB_W), at1(i + 3 * LB_W));
