@@ -21,6 +21,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from string import Template
 
 import torch
 from torch.fx import GraphModule, Node
@@ -52,6 +53,10 @@ _LANE_NAME = re.compile(r"\bv_\w+")
 _LANE_TYPE = re.compile(r"(?:const )?(vf|vi) ")  # a lane statement's declared type
 _PER_LANE = re.compile(r"\b(?:i|r|full)\b")  # a statement that reads memory at the lane vector's index
 _LONG_LATENCY = re.compile(r" / |\blb_sqrt\(")
+# Formats whose encode is a few vector instructions: the next block's lane loop writes a block's codes,
+# its square roots and conversions overlapping that block's arithmetic. The longer encodes of dynamic8
+# and fp8 run slower that way than in a loop of their own (bench/results/cpu_fused_encode.md).
+_FUSED_ENCODES = frozenset({"int8", "sqrt8"})
 
 
 @dataclass(frozen=True)
@@ -488,10 +493,11 @@ class CppPrinter:
         dtype = a.dtype if a.dtype == b.dtype else torch.float32
         if _kind(cond, a, b) is Kind.SCALAR:
             return Value(f"{_operand(cond)} ? {_operand(a)} : {_operand(b)}", dtype, Kind.SCALAR, atomic=False)
-        # a lane mask selects lane by lane; a scalar condition as a splat mask (a blend, not a branch
-        # in the loop: GCC does not hoist the test)
-        mask = f"lb_mask({cond.text})" if cond.kind is Kind.SCALAR else _operand(cond)
-        return Value(f"{mask} ? {self._vec(a)} : {self._vec(b)}", dtype, Kind.ELEMENT, atomic=False)
+        # a lane mask selects lane by lane; a scalar condition picks one operand (GCC tests it in the
+        # loop: a branch that always goes one way is cheaper than a blend on the busy vector units)
+        if cond.kind is Kind.SCALAR:
+            return Value(f"({_operand(cond)} ? {self._vec(a)} : {self._vec(b)})", dtype, Kind.ELEMENT)
+        return Value(f"{_operand(cond)} ? {self._vec(a)} : {self._vec(b)}", dtype, Kind.ELEMENT, atomic=False)
 
     def to_float(self, cond: Value) -> Value:
         return self.where(cond, self.constant(1.0), self.constant(0.0))
@@ -572,8 +578,15 @@ class CppPrinter:
             f"static const int LB_N_SCALARS = {len(self.scalars)};",
             f"static const int LB_N_BUFS = {len(blockwise) + len(rooted) + len(self.staged)};",
             "",
+        ]
+        written = [s for s in blockwise if s.writes]
+        slot = {s.key: b for b, s in enumerate(blockwise)}  # a state's buffer, then its root's, in scratch
+        slot.update({f"root_{s.key}": len(blockwise) + b for b, s in enumerate(rooted)})
+        if written:
+            out += self._job(written, slot)
+        out += [
             "static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int64_t len, int64_t blk,",
-            "                          float* scratch) {",
+            f"                          float* scratch{', lb_job& job' if written else ''}) {{",
         ]
         ind = "  "
         for j, p in enumerate(self.pointers):
@@ -602,6 +615,17 @@ class CppPrinter:
             out.append(f"{ind}float* __restrict root_{s.key} = scratch + {len(blockwise) + b} * LB_BLOCK;")
         for b, (buf, _) in enumerate(self.staged):
             out.append(f"{ind}float* __restrict {buf} = scratch + {len(blockwise) + len(rooted) + b} * LB_BLOCK;")
+        fused = bool(written) and all(w.fmt.name in _FUSED_ENCODES for w in written)
+        if fused:  # the previous block's codes, from the block buffers this block's lane loop overwrites
+            fusable = " && ".join(f"lb_fusable<{self._template(w)}, {_cbool(w.root)}>(job.enc[{j}], job.mult[{j}])"
+                                  for j, w in enumerate(written))
+            out.append(f"{ind}const bool fuse = job.len == len && len % LB_W == 0 && {fusable};")
+            out.append(f"{ind}if (!fuse) lb_finish(job, scratch);")
+            for j, w in enumerate(written):
+                out.append(f"{ind}uint8_t* __restrict q_codes_{w.key} = job.codes[{j}];")
+                out.append(f"{ind}const vf q_mult_{w.key} = lb_splat(job.mult[{j}]);")
+                if w.rand:
+                    out.append(f"{ind}const lb_rand q_rand_{w.key} = job.rand[{j}];")
         for k, lane_body in enumerate(passes):
             # The lane body appears twice, for whole vectors and for the tail, with no closure: values
             # that live across iterations (scalars, top-K accumulators) stay in registers.
@@ -617,10 +641,11 @@ class CppPrinter:
             out.append(f"{ind}    const int64_t r = LB_W;")
             if k == 0:  # the next block's inputs, while this one's arrive (pass 2 rereads them from cache)
                 out += [f"{ind}    lb_prefetch(p_{p.name} + i, LB_BLOCK);" for p in self.pointers if p.length == "n"]
+            encode_prev = self._encode_prev(written) if k == 0 and fused else []
             if piped:
                 late = ["const int64_t i = prev_i;"]
                 late += [f"const {t} {name} = prev_{name};" for t, name in piped.carried] + piped.late
-                out += _indent(piped.early, ind + "    ")
+                out += _indent(encode_prev + piped.early, ind + "    ")
                 out += [f"{ind}    if (prev_i >= 0) {{", *_indent(late, ind + "      "), f"{ind}    }}"]
                 out += [f"{ind}    prev_{name} = {name};" for _, name in piped.carried]
                 out.append(f"{ind}    prev_i = i;")
@@ -628,7 +653,7 @@ class CppPrinter:
                 out += [f"{ind}  if (prev_i >= 0) {{", f"{ind}    const bool full = true;",
                         f"{ind}    const int64_t r = LB_W;", *_indent(late, ind + "    "), f"{ind}  }}"]
             else:
-                out += _indent(lane_body, ind + "    ")
+                out += _indent(encode_prev + lane_body, ind + "    ")
                 out.append(f"{ind}  }}")
             out.append(f"{ind}  if (i < len) {{")
             out.append(f"{ind}    const bool full = false;")
@@ -638,21 +663,55 @@ class CppPrinter:
             out.append(f"{ind}}}")
             if k == 0 and len(passes) > 1:
                 out += [f"{ind}lb_vsqrt(len, {buf});" for buf, _ in self.staged]
-        written = [s for s in blockwise if s.writes]
-        for s in written:  # each state's scale, then its codes (two states' in one loop: lb_encode_pair)
-            parts = ", ".join(s.ptr(part) for part in PARTS)
-            extra = [s.rand or "{}", f"root_{s.key}"] if s.root else [s.rand] if s.rand else []
-            out.append(f"{ind}float mult_{s.key};")
-            out.append(f"{ind}const bool enc_{s.key} = lb_quantize_scale<{self._template(s)}, {s.fmt.patches}"
-                       f"{', true' if s.rand else ''}>(acc_{s.key}, buf_{s.key}, len, LB_BLOCK, "
-                       f"{', '.join([parts, f'&mult_{s.key}', *extra])});")
+        if written:
+            out.append(f"{ind}job.len = len;")
+        for j, w in enumerate(written):  # each state's scale; its codes: the next block's loop writes them
+            parts = ", ".join(w.ptr(part) for part in PARTS)
+            extra = [w.rand or "{}", f"root_{w.key}"] if w.root else [w.rand] if w.rand else []
+            out.append(f"{ind}job.codes[{j}] = {w.ptr(Part.CODES)};")
+            out.append(f"{ind}job.rand[{j}] = {w.rand or 'lb_rand{}'};")
+            out.append(f"{ind}job.enc[{j}] = lb_quantize_scale<{self._template(w)}, {w.fmt.patches}"
+                       f"{', true' if w.rand else ''}>(acc_{w.key}, buf_{w.key}, len, LB_BLOCK, "
+                       f"{', '.join([parts, f'&job.mult[{j}]', *extra])});")
+        if written and not fused:
+            out.append(f"{ind}lb_finish(job, scratch);")
+        out.append("}")
+        out.append(_entry(bool(written)))
+        return "\n".join(out) + "\n"
 
-        def job(s: _State) -> list[str]:
+    def _job(self, written: list[_State], slot: dict[str, int]) -> list[str]:
+        """``lb_job``, a quantized block whose codes are still to be written, and ``lb_finish``, which
+        writes them in loops of their own (two states' in one: ``lb_encode_pair``)."""
+        ind = "  "
+        out = [f"static const int LB_N_JOBS = {len(written)};",
+               "struct lb_job {  // its codes: the next block's lane loop writes them, or lb_finish",
+               "  int64_t len;  // 0: none pending",
+               "  uint8_t* codes[LB_N_JOBS];",
+               "  float mult[LB_N_JOBS];  // lb_quantize_scale's",
+               "  bool enc[LB_N_JOBS];  // false: encoded already (a block with inf or NaN)",
+               "  lb_rand rand[LB_N_JOBS];",
+               "};",
+               "static void lb_finish(lb_job& job, const float* scratch) {",
+               f"{ind}if (!job.len) return;",
+               f"{ind}const int64_t len = job.len;",
+               f"{ind}job.len = 0;"]
+        for j, w in enumerate(written):
+            k = w.key
+            out.append(f"{ind}const float* buf_{k} = scratch + {slot[k]} * LB_BLOCK;")
+            if w.root:
+                out.append(f"{ind}const float* root_{k} = scratch + {slot['root_' + k]} * LB_BLOCK;")
+            out.append(f"{ind}uint8_t* {w.ptr(Part.CODES)} = job.codes[{j}];")
+            out.append(f"{ind}const float mult_{k} = job.mult[{j}];")
+            out.append(f"{ind}const bool enc_{k} = job.enc[{j}];")
+            if w.rand:
+                out.append(f"{ind}const lb_rand {w.rand} = job.rand[{j}];")
+
+        def args(s: _State) -> list[str]:
             return [f"buf_{s.key}", f"root_{s.key}" if s.root else "nullptr", f"mult_{s.key}", s.ptr(Part.CODES),
                     s.rand or "{}"]
 
         def single(s: _State) -> str:
-            buf, root, mult, codes, rand = job(s)
+            buf, root, mult, codes, rand = args(s)
             return (f"if (enc_{s.key}) lb_encode_block<{self._template(s)}, false, {_cbool(s.rand)}>({buf}, {root}, "
                     f"len, {mult}, {codes}, {rand});")
 
@@ -660,21 +719,42 @@ class CppPrinter:
             flags = [f"{self._template(a)}, {_cbool(a.rand)}, {_cbool(a.root)}",
                      f"{self._template(b)}, {_cbool(b.rand)}, {_cbool(b.root)}"]
             out.append(f"{ind}if (enc_{a.key} && enc_{b.key}) {{")
-            out.append(f"{ind}  lb_encode_pair<{', '.join(flags)}>({', '.join(job(a) + job(b))}, len);")
+            out.append(f"{ind}  lb_encode_pair<{', '.join(flags)}>({', '.join(args(a) + args(b))}, len);")
             out.append(f"{ind}}} else {{")
             out += [f"{ind}  {single(a)}", f"{ind}  {single(b)}", f"{ind}}}"]
         if len(written) % 2:
             out.append(f"{ind}{single(written[-1])}")
-        out.append("}")
-        out.append(_ENTRY_FN)
-        return "\n".join(out) + "\n"
+        return out + ["}", ""]
+
+    def _encode_prev(self, written: list[_State]) -> list[str]:
+        """The previous block's codes of the lane vector at i, read from the block buffers before this
+        iteration overwrites them (``fuse``): their square roots and conversions then share the loop
+        with this block's arithmetic instead of running in a loop of their own."""
+        lines = []
+        for w in written:
+            k = w.key
+            root = f"root_{k}" if w.root else "nullptr"
+            rand = f"q_rand_{k}" if w.rand else "{}"
+            lines.append(f"  lb_st_codes(q_codes_{k} + i, lb_encode_at<{self._template(w)}, false, false, "
+                         f"{_cbool(w.rand)}, {_cbool(w.root)}>(buf_{k}, {root}, i, q_mult_{k}, {rand}));")
+        return ["if (fuse) {", *lines, "}"]
 
     @staticmethod
     def _template(s: _State) -> str:
         return f"{_ENUM[s.fmt.name]}, {_cbool(s.fmt.nonneg)}"
 
 
-_ENTRY_FN = """
+def _entry(jobs: bool) -> str:
+    """The exported function; with ``jobs`` each thread carries the block whose codes are still to be
+    written from one ``lb_step_block`` call to the next, and writes the last one's at the end."""
+    if not jobs:
+        return _ENTRY.substitute(start="", call="lb_step_block(row + 1, s, start, len, blk, scratch);", finish="")
+    return _ENTRY.substitute(start="      lb_job job = {};  // the block before g, its codes still to write\n",
+                             call="lb_step_block(row + 1, s, start, len, blk, scratch, job);",
+                             finish="      lb_finish(job, scratch);\n")
+
+
+_ENTRY = Template("""
 // table: one row of LB_ROW int64 per tensor (element count, then its input pointers);
 // scalars: the step's scalar inputs (rounded to float, as aten rounds a Python scalar).
 extern "C" int lowbit_step(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {
@@ -698,15 +778,15 @@ extern "C" int lowbit_step(int64_t n_tensors, const int64_t* table, const double
       failed = 1;
     } else {
       int64_t t = 0;
-      for (int64_t g = lo; g < hi; ++g) {
+${start}      for (int64_t g = lo; g < hi; ++g) {
         while (first[t + 1] <= g) ++t;
         const int64_t* row = table + t * LB_ROW;
         const int64_t blk = g - first[t], start = blk * LB_BLOCK;
         const int64_t len = row[0] - start < LB_BLOCK ? row[0] - start : LB_BLOCK;
-        lb_step_block(row + 1, s, start, len, blk, scratch);
+        ${call}
       }
-    }
+${finish}    }
   }
   free(first);
   return failed ? 2 : 0;
-}"""
+}""")

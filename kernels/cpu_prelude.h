@@ -160,6 +160,10 @@ LB_INLINE int lb_any(vi m) { return __builtin_ia32_ptestmd512(m, m, (uint16_t)-1
 LB_INLINE vi lb_cvt_rne(vf x) { return __builtin_ia32_cvtps2dq512_mask(x, (vi){}, (uint16_t)-1, 4); }
 LB_INLINE vf lb_min_nn(vf a, vf b) { return __builtin_ia32_minps512_mask(a, b, (vf){}, (uint16_t)-1, 4); }
 LB_INLINE vf lb_max_nn(vf a, vf b) { return __builtin_ia32_maxps512_mask(a, b, (vf){}, (uint16_t)-1, 4); }
+#define LB_CVT_SIGNED
+LB_INLINE vi lb_cvt_signed(vf m, vf y) {  // y's sign bit on m, then one conversion (rint is symmetric)
+  return lb_cvt_rne(lb_bits_f(lb_bits_i(m) | (lb_bits_i(y) & (int32_t)0x80000000)));
+}
 LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t: 8 constants)
   lb_v8sf t8;
   memcpy(&t8, t, sizeof t8);
@@ -283,6 +287,9 @@ LB_INLINE vf lb_max_nn(vf a, vf b) { return a > b ? a : b; }
 #endif
 #ifndef LB_SIGN_OF
 LB_INLINE vi lb_sign_of(vi c, vf y) { return y < 0 ? -c : c; }  // c carries y's sign (c >= 0; -0 gives 0)
+#endif
+#ifndef LB_CVT_SIGNED
+LB_INLINE vi lb_cvt_signed(vf m, vf y) { return lb_sign_of(lb_cvt_rne(m), y); }  // rint(m) (m >= 0) with y's sign
 #endif
 #ifndef LB_HI16
 LB_INLINE vi lb_ld_hi16(const uint16_t* p) { return lb_ld_u16(p) << 16; }  // each u16 into its lane's high half
@@ -511,8 +518,8 @@ LB_INLINE vi lb_lift_positive(vi code, vf y) {  // AVX-512: a compare and a mask
 // value, gives 0: max returns its second operand) rounded half to even, with the sign of `sign`.
 template <bool U>
 LB_INLINE vi lb_encode_sqrt8(vf r, vf sign) {
-  const vi c = lb_cvt_rne(lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)));
-  return U ? lb_lift_positive(c, r) : lb_code_byte(lb_sign_of(c, sign));
+  const vf m = lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax));
+  return U ? lb_lift_positive(lb_cvt_rne(m), r) : lb_code_byte(lb_cvt_signed(m, sign));
 }
 
 // Normalized values (formats.normalize: times qmax/absmax; sqrt8's in the root domain) -> codes; a
@@ -765,6 +772,10 @@ LB_INLINE float lb_multiplier(float inverse) { return F == LB_SQRT8 ? __builtin_
 // usual block of a non-negative state skips the underflow test (LIFT).
 template <int F, bool U>
 LB_INLINE bool lb_lifts(float mult) { return F != LB_SQRT8 && U && !(mult >= 1.0f); }
+// Whether the next block's lane loop may write a quantized block's codes, a vector per iteration
+// (lb_encode_at, no underflow lift): lb_quantize_scale left them to encode and no lift is needed.
+template <int F, bool U, bool ROOT>
+LB_INLINE bool lb_fusable(bool enc, float mult) { return enc && (ROOT || !lb_lifts<F, U>(mult)); }
 // The codes of buf[0, len) under the multiplier `mult` (lb_multiplier); sqrt8 encodes from the step's
 // roots where it gives them.
 template <int F, bool U, bool FLAGGED, bool SR>

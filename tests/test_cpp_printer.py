@@ -48,13 +48,46 @@ def _diff(a: str, b: str) -> str:
 class TestPrintedKernels(TestCase):
     def test_default_layout_adamw(self):
         """The default, sqrt8 in blocks of 512, no patches: per block, scalars and lerp's weight tests once,
-        then per vector a prefetch of the next block's inputs, decode m and v (the code squared, times scale), the
+        then per vector the previous block's codes of that vector (from the block buffers, before they are
+        overwritten), a prefetch of the next block's inputs, decode m and v (the code squared, times scale), the
         update in fp32 with ATen's fmas and a multiply by 1/bias_correction, the param store, m and v into block
-        buffers with lane maxima; then each buffer's scale, and both states' codes in one loop."""
-        kernel = _kernel(emit_step(_adamw(), FAST).source)
-        self.assertExpectedInline(_vector_loop(kernel) + kernel[kernel.rindex("  }\n  float mult_"):], """\
+        buffers with lane maxima; then each buffer's scale, its codes left to the next block (or lb_finish: a
+        block of another length, or the last, in loops of their own)."""
+        source = emit_step(_adamw(), FAST).source
+        kernel = _kernel(source)
+        job = source[source.index("static const int LB_N_JOBS"):source.index("static void lb_step_block")]
+        self.assertExpectedInline(job + _vector_loop(kernel) + kernel[kernel.rindex("  }\n  job.len"):], """\
+static const int LB_N_JOBS = 2;
+struct lb_job {  // its codes: the next block's lane loop writes them, or lb_finish
+  int64_t len;  // 0: none pending
+  uint8_t* codes[LB_N_JOBS];
+  float mult[LB_N_JOBS];  // lb_quantize_scale's
+  bool enc[LB_N_JOBS];  // false: encoded already (a block with inf or NaN)
+  lb_rand rand[LB_N_JOBS];
+};
+static void lb_finish(lb_job& job, const float* scratch) {
+  if (!job.len) return;
+  const int64_t len = job.len;
+  job.len = 0;
+  const float* buf_exp_avg = scratch + 0 * LB_BLOCK;
+  uint8_t* p_exp_avg_codes = job.codes[0];
+  const float mult_exp_avg = job.mult[0];
+  const bool enc_exp_avg = job.enc[0];
+  const float* buf_exp_avg_sq = scratch + 1 * LB_BLOCK;
+  const float* root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+  uint8_t* p_exp_avg_sq_codes = job.codes[1];
+  const float mult_exp_avg_sq = job.mult[1];
+  const bool enc_exp_avg_sq = job.enc[1];
+  if (enc_exp_avg && enc_exp_avg_sq) {
+    lb_encode_pair<LB_SQRT8, false, false, false, LB_SQRT8, true, false, true>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, {}, len);
+  } else {
+    if (enc_exp_avg) lb_encode_block<LB_SQRT8, false, false, false>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
+    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, true, false, false>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes, {});
+  }
+}
+
 static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int64_t len, int64_t blk,
-                          float* scratch) {
+                          float* scratch, lb_job& job) {
   float* __restrict p_param = (float*)ptr[0] + start;
   const float* __restrict p_grad = (const float*)ptr[1] + start;
   uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start;
@@ -84,6 +117,12 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
   vi acc_exp_avg_sq = lb_splat_i(-1);
   float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
+  if (!fuse) lb_finish(job, scratch);
+  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
+  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
+  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
+  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
   {
     int64_t i = 0;
     int64_t prev_i = -1;  // the lane vector whose late part is pending
@@ -97,12 +136,16 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       lb_prefetch(p_grad + i, LB_BLOCK);
       lb_prefetch(p_exp_avg_codes + i, LB_BLOCK);
       lb_prefetch(p_exp_avg_sq_codes + i, LB_BLOCK);
+      if (fuse) {
+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+      }
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
       vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
       vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
       const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
+      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
       const vf v_mul_2 = v_dequantize_default_1_decoded * lb_splat(c_hp_betas_1);
       const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
       const vf v_sqrt = lb_sqrt(v_addcmul);
@@ -141,16 +184,13 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
     }
   }
-  float mult_exp_avg;
-  const bool enc_exp_avg = lb_quantize_scale<LB_SQRT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &mult_exp_avg);
-  float mult_exp_avg_sq;
-  const bool enc_exp_avg_sq = lb_quantize_scale<LB_SQRT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &mult_exp_avg_sq, {}, root_exp_avg_sq);
-  if (enc_exp_avg && enc_exp_avg_sq) {
-    lb_encode_pair<LB_SQRT8, false, false, false, LB_SQRT8, true, false, true>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, {}, len);
-  } else {
-    if (enc_exp_avg) lb_encode_block<LB_SQRT8, false, false, false>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
-    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, true, false, false>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes, {});
-  }
+  job.len = len;
+  job.codes[0] = p_exp_avg_codes;
+  job.rand[0] = lb_rand{};
+  job.enc[0] = lb_quantize_scale<LB_SQRT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0]);
+  job.codes[1] = p_exp_avg_sq_codes;
+  job.rand[1] = lb_rand{};
+  job.enc[1] = lb_quantize_scale<LB_SQRT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], {}, root_exp_avg_sq);
 }""")
 
     def test_fp32_states_take_torch_sqrt(self):
@@ -214,7 +254,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_state_exp_avg = full ? lb_ld(p_state_exp_avg + i) : lb_ld_n(p_state_exp_avg + i, r);
       const vf v_state_exp_avg_sq = full ? lb_ld(p_state_exp_avg_sq + i) : lb_ld_n(p_state_exp_avg_sq + i, r);
       const vf v_lerp_diff = v_grad - v_state_exp_avg;
-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_state_exp_avg : v_grad));
+      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_state_exp_avg : v_grad));
       const vf v_mul_2 = v_state_exp_avg_sq * lb_splat(c_hp_betas_1);
       const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
       const vf v_sqrt0 = full ? lb_ld(sq0 + i) : lb_ld_n(sq0 + i, r);
@@ -257,7 +297,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_state_exp_avg = full ? lb_ld(p_state_exp_avg + i) : lb_ld_n(p_state_exp_avg + i, r);
       const vf v_state_exp_avg_sq = full ? lb_ld(p_state_exp_avg_sq + i) : lb_ld_n(p_state_exp_avg_sq + i, r);
       const vf v_lerp_diff = v_grad - v_state_exp_avg;
-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_state_exp_avg : v_grad));
+      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_state_exp_avg : v_grad));
       const vf v_mul_2 = v_state_exp_avg_sq * lb_splat(c_hp_betas_1);
       const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
       const vf v_sqrt0 = full ? lb_ld(sq0 + i) : lb_ld_n(sq0 + i, r);
@@ -282,8 +322,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_INT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, true, false>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes<LB_INT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -300,8 +346,18 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == dynamic8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
+-  if (!fuse) lb_finish(job, scratch);
+-  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
+-  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
+-  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
+-  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
+-      if (fuse) {
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+-      }
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes<LB_DYNAMIC8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -318,8 +374,18 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e4m3 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
+-  if (!fuse) lb_finish(job, scratch);
+-  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
+-  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
+-  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
+-  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
+-      if (fuse) {
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+-      }
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes<LB_E4M3, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E4M3, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -336,8 +402,18 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e5m2 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
+-  if (!fuse) lb_finish(job, scratch);
+-  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
+-  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
+-  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
+-  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
+-      if (fuse) {
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+-      }
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes<LB_E5M2, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E5M2, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -353,6 +429,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_addcmul = prev_v_addcmul;
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == bf16 {}
+-                          float* scratch, lb_job& job) {
++                          float* scratch) {
 -  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start;
 -  float* __restrict p_exp_avg_scales = (float*)ptr[3] + blk;
 -  uint16_t* __restrict p_exp_avg_patch_values = (uint16_t*)ptr[4] + blk * 0;
@@ -378,8 +456,18 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
+-  if (!fuse) lb_finish(job, scratch);
+-  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
+-  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
+-  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
+-  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
+-      if (fuse) {
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+-      }
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = full ? lb_ld_bf16(p_exp_avg_codes + i) : lb_ld_bf16_n(p_exp_avg_codes + i, r);
@@ -420,8 +508,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_INT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, true, false>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes<LB_INT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -476,21 +570,25 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  uint16_t* __restrict p_param = (uint16_t*)ptr[0] + start;
 +  const uint16_t* __restrict p_grad = (const uint16_t*)ptr[1] + start;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, false>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
 -      const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
 -      const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
 +      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);
 +      const vf v_grad = full ? lb_ld_bf16(p_grad + i) : lb_ld_bf16_n(p_grad + i, r);
 +      const vf v_dequantize_default = lb_round_bf16(v_dequantize_default_decoded);
 -      const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
--      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default_decoded : v_grad));
+-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
 -      const vf v_mul_2 = v_dequantize_default_1_decoded * lb_splat(c_hp_betas_1);
 -      const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
 -      const vf v_sqrt = lb_sqrt(v_addcmul);
 +      const vf v_dequantize_default_1 = lb_round_bf16(v_dequantize_default_1_decoded);
 +      const vf v_lerp_diff = v_grad - v_dequantize_default;
-+      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
++      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
 +      const vf v_mul_2 = lb_round_bf16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 +      const vf v_addcmul = lb_round_bf16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
@@ -531,10 +629,10 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_dequantize_default = lb_round_f16(v_dequantize_default_decoded);
 -      const vf v_dequantize_default_1 = lb_round_bf16(v_dequantize_default_1_decoded);
 +      const vf v_dequantize_default_1 = lb_round_f16(v_dequantize_default_1_decoded);
--      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
+-      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
 -      const vf v_mul_2 = lb_round_bf16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 -      const vf v_addcmul = lb_round_bf16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
-+      const vf v_lerp = lb_round_f16(lb_fma(lb_splat(c_t8), v_lerp_diff, (lb_mask(c_lerp_small) ? v_dequantize_default : v_grad)));
++      const vf v_lerp = lb_round_f16(lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
 +      const vf v_mul_2 = lb_round_f16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 +      const vf v_addcmul = lb_round_f16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
 -        const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
