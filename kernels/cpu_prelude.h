@@ -514,12 +514,18 @@ LB_INLINE vi lb_lift_positive(vi code, vf y) {  // AVX-512: a compare and a mask
   return y > 0 ? (code > one ? code : one) : code;
 }
 
-// sqrt8 from the root domain: the code is the magnitude r (>= 0; NaN, a non-negative state's negative
-// value, gives 0: max returns its second operand) rounded half to even, with the sign of `sign`.
+// The codes of values already in the format's range (lb_encode clamps first): int8's y in [-qmax,
+// qmax] ([0, qmax] unsigned), sqrt8's root-domain magnitude r in [0, enc_qmax] with the sign of
+// `sign`; rounded half to even. A block's values times its multiplier are (lb_encode_scaled): the
+// largest magnitude comes within a few ulps of qmax, which rounds to qmax.
+template <bool U>
+LB_INLINE vi lb_encode_int8(vf y) {
+  const vi q = lb_cvt_rne(y);
+  return U ? lb_lift_positive(q, y) : lb_code_byte(q);
+}
 template <bool U>
 LB_INLINE vi lb_encode_sqrt8(vf r, vf sign) {
-  const vf m = lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax));
-  return U ? lb_lift_positive(lb_cvt_rne(m), r) : lb_code_byte(lb_cvt_signed(m, sign));
+  return U ? lb_lift_positive(lb_cvt_rne(r), r) : lb_code_byte(lb_cvt_signed(r, sign));
 }
 
 // Normalized values (formats.normalize: times qmax/absmax; sqrt8's in the root domain) -> codes; a
@@ -530,10 +536,10 @@ template <int F, bool U>
 LB_INLINE vi lb_encode(vf y) {
   if constexpr (F == LB_INT8) {
     const float qmax = lb_format<F, U>::qmax;
-    const vi q = lb_cvt_rne(lb_min_nn(lb_max_nn(y, lb_splat(U ? 0.0f : -qmax)), lb_splat(qmax)));
-    return U ? lb_lift_positive(q, y) : lb_code_byte(q);
-  } else if constexpr (F == LB_SQRT8) {
-    return lb_encode_sqrt8<U>(U ? y : lb_abs(y), y);
+    return lb_encode_int8<U>(lb_min_nn(lb_max_nn(y, lb_splat(U ? 0.0f : -qmax)), lb_splat(qmax)));
+  } else if constexpr (F == LB_SQRT8) {  // NaN: a non-negative state's 0 (max returns its second operand)
+    const vf r = U ? lb_max_nn(y, lb_splat(0.0f)) : lb_abs(y);
+    return lb_encode_sqrt8<U>(lb_min_nn(r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)), y);
   } else if constexpr (F == LB_DYNAMIC8) {
     return lb_encode_dynamic8<U>(y);
   } else {
@@ -726,13 +732,14 @@ LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vu bits) {
   if constexpr (F == LB_SQRT8) {
     vf r = (ROOT ? root : lb_sqrt(U ? x : lb_abs(x))) * inverse;
     if (FLAGGED) r = lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(f::enc_flagged_qmax));  // NaN: 0
-    code = lb_encode_sqrt8<U>(r, x);
+    code = lb_encode_sqrt8<U>(r, x);  // in range (lb_encode_sqrt8)
     if (SR) y = U ? r * r : lb_bits_f(lb_bits_i(r * r) | (lb_bits_i(x) & (int32_t)0x80000000));
   } else {
     y = x * inverse;
     if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
     if (FLAGGED) y = lb_clamp(y, -f::flagged_qmax, f::flagged_qmax);
-    code = lb_encode<F, U>(y);
+    if constexpr (F == LB_INT8) code = lb_encode_int8<U>(y);  // in range (lb_encode_int8)
+    else code = lb_encode<F, U>(y);
   }
   if (SR) code = lb_round_stochastic<F, U>(y, code, bits);
   if (!FLAGGED) return code;
