@@ -4,9 +4,12 @@ The kernel walks each parameter block by block (``block_size`` elements, the qua
 Per block it runs the body's ops, as ``lowering.py`` lowers them, lane by lane on SIMD vectors,
 decoding each quantized state as it goes (codes times the block's scale, the block's patches put in
 their lanes), writes the param, and writes each new state value into an L1-resident block buffer
-while gathering each lane's largest magnitudes; it then re-quantizes each buffer into codes, scale
-and patches (``cpu_prelude.h``). Every byte of p, g and the codes is read once and written once; no
-state ever exists in fp32 outside the per-thread block buffers. Values uniform over the kernel
+while gathering each lane's largest magnitudes; it then takes each buffer's scale and patches
+(``cpu_prelude.h``), and the buffer's codes are written by the next block's lane loop, a vector per
+iteration just before that vector of the buffer is overwritten (int8 and sqrt8, whose encodes are a
+few instructions), or in loops of their own after the block (``lb_finish``: the longer encodes, a
+block of another length, a thread's last block). Every byte of p, g and the codes is read once and
+written once; no state ever exists in fp32 outside the per-thread block buffers. Values uniform over the kernel
 (hyperparameters, bias corrections, lerp's weight tests) are computed once per block, before the
 lane loop.
 
