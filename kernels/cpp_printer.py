@@ -9,9 +9,9 @@ while gathering each lane's largest magnitudes; it then takes each buffer's scal
 iteration just before that vector of the buffer is overwritten (int8 and sqrt8, whose encodes are a
 few instructions), or in loops of their own after the block (``lb_finish``: the longer encodes, a
 block of another length, a thread's last block). Every byte of p, g and the codes is read once and
-written once; no state ever exists in fp32 outside the per-thread block buffers. Values uniform over the kernel
-(hyperparameters, bias corrections, lerp's weight tests) are computed once per block, before the
-lane loop.
+written once; no state ever exists in fp32 outside the per-thread block buffers. Values uniform over
+the kernel (hyperparameters, bias corrections, lerp's weight tests) are computed once per block,
+before the lane loop.
 
 One kernel serves every parameter of its signature, any size, and any number of parameters per
 call: the exported function takes a table with one row per tensor (its element count and the data
@@ -599,8 +599,8 @@ class CppPrinter:
             out.append(f"{ind}{const}{_CTYPES[p.dtype]}* __restrict p_{p.name} = ({const}{_CTYPES[p.dtype]}*)ptr[{j}]"
                        f" + {offset};")
         out += [f"{ind}{line}" for line in self.pre]
-        for b, s in enumerate(blockwise):
-            out.append(f"{ind}float* __restrict buf_{s.key} = scratch + {b} * LB_BLOCK;")
+        for s in blockwise:
+            out.append(f"{ind}float* __restrict buf_{s.key} = scratch + {slot[s.key]} * LB_BLOCK;")
             if s.reads:
                 k = s.key
                 out.append(f"{ind}const vf SC_{k} = lb_splat(__builtin_fabsf(*{s.ptr(Part.SCALES)}));")
@@ -614,8 +614,8 @@ class CppPrinter:
                     out.append(f"{ind}int64_t PN_{k} = PC_{k} ? PI_{k}[0] : LB_NO_PATCH;")
             if s.writes:
                 out.append(f"{ind}vi acc_{s.key} = lb_splat_i(-1);")
-        for b, s in enumerate(rooted):
-            out.append(f"{ind}float* __restrict root_{s.key} = scratch + {len(blockwise) + b} * LB_BLOCK;")
+        for s in rooted:
+            out.append(f"{ind}float* __restrict root_{s.key} = scratch + {slot['root_' + s.key]} * LB_BLOCK;")
         for b, (buf, _) in enumerate(self.staged):
             out.append(f"{ind}float* __restrict {buf} = scratch + {len(blockwise) + len(rooted) + b} * LB_BLOCK;")
         fused = bool(written) and all(w.fmt.name in _FUSED_ENCODES for w in written)
