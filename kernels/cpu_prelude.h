@@ -38,8 +38,10 @@ typedef int8_t vc __attribute__((vector_size(LB_W)));
 
 #define LB_INLINE static inline __attribute__((always_inline))
 
-LB_INLINE vf lb_splat(float x) { return (vf){} + x; }
+// A broadcast: the integer form, because (vf){} + x is an add GCC may not drop (-0 + 0 is +0) and,
+// re-materialized inside a loop short of registers, costs an add and a shuffle per use.
 LB_INLINE vi lb_splat_i(int32_t x) { return (vi){} + x; }
+LB_INLINE vf lb_splat(float x) { return (vf)lb_splat_i(__builtin_bit_cast(int32_t, x)); }
 LB_INLINE vf lb_bits_f(vi x) { return (vf)x; }
 LB_INLINE vi lb_bits_i(vf x) { return (vi)x; }
 
@@ -171,6 +173,10 @@ LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t:
   const vf twice = __builtin_ia32_shuf_f32x4_mask(lo, lo, 0x44, (vf){}, (uint16_t)-1);  // t twice
   return __builtin_ia32_permvarsf512_mask(twice, idx, (vf){}, (uint16_t)-1);
 }
+#define LB_F16C
+LB_INLINE vf lb_f16_bits_to_f32(vi h) {  // the fp16 in each lane's low half: a narrowing move, one conversion
+  return __builtin_ia32_vcvtph2ps512_mask((lb_v16hi)__builtin_convertvector(h, vh), (vf){}, (uint16_t)-1, 4);
+}
 #elif defined(__GNUC__) && !defined(__clang__) && defined(__AVX2__) && LB_W == 8
 typedef char lb_v16qi __attribute__((vector_size(16)));
 typedef char lb_v32qi __attribute__((vector_size(32)));
@@ -242,6 +248,12 @@ LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors
   const vi out = __builtin_ia32_permvarsi256((vi)t, order);
   memcpy(p, &out, sizeof out);
 }
+#if defined(__F16C__)
+#define LB_F16C
+LB_INLINE vf lb_f16_bits_to_f32(vi h) {  // the fp16 in each lane's low half: a narrowing pack, one conversion
+  return __builtin_ia32_vcvtph2ps256((lb_v8hi)__builtin_convertvector(h, vh));
+}
+#endif
 #else
 LB_INLINE vi lb_ld_u8(const uint8_t* p) {
   vb b;
@@ -284,6 +296,18 @@ LB_INLINE vi lb_cvt_rne(vf x) {
 }
 LB_INLINE vf lb_min_nn(vf a, vf b) { return a < b ? a : b; }
 LB_INLINE vf lb_max_nn(vf a, vf b) { return a > b ? a : b; }
+#endif
+#ifndef LB_F16C
+LB_INLINE vf lb_f16_bits_to_f32(vi h) {  // the fp16 in each lane's low half, per lane
+  vf r;
+  for (int l = 0; l < LB_W; ++l) {
+    const uint16_t b = (uint16_t)h[l];
+    _Float16 x;
+    memcpy(&x, &b, 2);
+    r[l] = (float)x;
+  }
+  return r;
+}
 #endif
 #ifndef LB_SIGN_OF
 LB_INLINE vi lb_sign_of(vi c, vf y) { return y < 0 ? -c : c; }  // c carries y's sign (c >= 0; -0 gives 0)
@@ -426,36 +450,35 @@ LB_INLINE void lb_st_codes_n(uint8_t* p, vi c, int64_t r) {
   memcpy(p, t, r);
 }
 
+// An integer code of a non-negative state where y is positive: at least 1 (formats.encode's zero-point rule).
+LB_INLINE vi lb_lift_positive(vi code, vf y) {  // AVX-512: a compare and a masked max
+  const vi one = lb_splat_i(1);
+  return y > 0 ? (code > one ? code : one) : code;
+}
+
 // fp8 with M mantissa bits and 7 - M exponent bits: e4m3fn (M = 3: no infinities, all-ones is NaN)
-// and e5m2 (M = 2: infinities and NaNs as in IEEE).
+// and e5m2 (M = 2: infinities and NaNs as in IEEE). Decoded through fp16, whose conversion is exact
+// and one instruction with F16C (lb_f16_bits_to_f32; unlike arithmetic on subnormal fp32 bits, no
+// DAZ mode flushes it): e5m2 is fp16's high byte; e4m3's magnitude bits under fp16's top exponent bit are the
+// fp16 of the value / 256, its subnormals fp16 subnormals.
 template <int M>
 LB_INLINE vf lb_decode_fp8(vi u) {
-  const int E = 7 - M, BIAS = (1 << (E - 1)) - 1;
-  vi e = (u >> M) & ((1 << E) - 1), m = u & ((1 << M) - 1);
-  vf normal = lb_bits_f(((e + (127 - BIAS)) << 23) | (m << (23 - M)));
-  vf sub = __builtin_convertvector(m, vf) * lb_bits_f(lb_splat_i((127 + 1 - BIAS - M) << 23));  // m * 2^(1-BIAS-M)
-  vf v = e == 0 ? sub : normal;
-  if (M == 3) v = (u & 0x7F) == 0x7F ? lb_nan() : v;
-  else v = e == (1 << E) - 1 ? lb_bits_f((255 << 23) | (m << (23 - M))) : v;
+  if constexpr (M == 2) return lb_f16_bits_to_f32(u << 8);
+  const vf v = (u & 0x7F) == 0x7F ? lb_nan() : lb_f16_bits_to_f32((u & 0x7F) << 7) * 256.0f;
   return lb_bits_f(lb_bits_i(v) | ((u & 0x80) << 24));
 }
-// Round |y| <= qmax to fp8 with M mantissa bits (normals from 2^MIN_EXP) by adding and removing
-// 2^(max(E, MIN_EXP) + 23 - M): the FPU's round-to-nearest-even does the rounding, so the codes
-// are those of c10's fp8*_from_fp32_value (formats.encode) for every finite input in range.
-template <int M, int MIN_EXP>
-LB_INLINE vi lb_encode_fp8_rounded(vf y) {
+// fp8 codes of y in range (|y| at most a few ulps over qmax, which rounds to qmax), half to even as
+// c10's fp8*_from_fp32_value (formats.encode): from 2^MIN_EXP up the fp32 bits rounded to M mantissa
+// bits with the exponent rebiased, below it the multiple of the subnormal unit that the conversion
+// rounds; the sign bit as is (-0 is 0x80). A positive value of a non-negative state is at least code 1.
+template <int M, int MIN_EXP, bool U>
+LB_INLINE vi lb_encode_fp8(vf y) {
   const int32_t bias = (1 << (6 - M)) - 1;  // 7 - M exponent bits: e4m3 7, e5m2 15
-  vi bits = lb_bits_i(y);
-  vi sign = bits & (int32_t)0x80000000;
-  vi ab = bits ^ sign;
-  vi e = ab & 0x7F800000;
-  vi magic = (e > ((127 + MIN_EXP) << 23) ? e : lb_splat_i((127 + MIN_EXP) << 23)) + ((23 - M) << 23);
-  vf c = lb_bits_f(magic);
-  vf r = (lb_bits_f(ab) + c) - c;
-  vi normal = (lb_bits_i(r) >> (23 - M)) - ((127 - bias) << M);
-  vi sub = __builtin_convertvector(r * lb_bits_f(lb_splat_i((127 + M - MIN_EXP) << 23)), vi);  // r / 2^(MIN_EXP-M)
-  vi code = r >= lb_bits_f(lb_splat_i((127 + MIN_EXP) << 23)) ? normal : sub;
-  return (code | (vi)((vu)sign >> 24)) & 0xFF;
+  const vi bits = lb_bits_i(y), a = bits & 0x7FFFFFFF;
+  const vi normal = (a + ((((1 << (22 - M)) - 1) - ((127 - bias) << 23)) + ((a >> (23 - M)) & 1))) >> (23 - M);
+  const vi sub = lb_cvt_rne(lb_bits_f(a) * lb_splat(__builtin_ldexpf(1.0f, M - MIN_EXP)));
+  vi code = (a < ((127 + MIN_EXP) << 23) ? sub : normal) | ((vi)((vu)bits >> 24) & 0x80);
+  return U ? lb_lift_positive(code, y) : code;
 }
 
 // dynamic8 (formats.dynamic_levels): code magnitude p of level L (p in [2^L, 2^(L+1))) is
@@ -508,12 +531,6 @@ LB_INLINE vf lb_decode(vi u) {
   else return lb_decode_dynamic8<U>(u);
 }
 
-// An integer code of a non-negative state where y is positive: at least 1 (formats.encode's zero-point rule).
-LB_INLINE vi lb_lift_positive(vi code, vf y) {  // AVX-512: a compare and a masked max
-  const vi one = lb_splat_i(1);
-  return y > 0 ? (code > one ? code : one) : code;
-}
-
 // The codes of values already in the format's range (lb_encode clamps first): int8's y in [-qmax,
 // qmax] ([0, qmax] unsigned), sqrt8's root-domain magnitude r in [0, enc_qmax] with the sign of
 // `sign`; rounded half to even. A block's values times its multiplier are (lb_encode_scaled): the
@@ -543,10 +560,9 @@ LB_INLINE vi lb_encode(vf y) {
   } else if constexpr (F == LB_DYNAMIC8) {
     return lb_encode_dynamic8<U>(y);
   } else {
-    const float qmax = lb_format<F, U>::qmax, min_positive = lb_format<F, U>::min_positive;
-    vf c = lb_min_nn(lb_max_nn(y, lb_splat(-qmax)), lb_splat(qmax));
-    if (U) c = (c > 0) & (c < min_positive) ? lb_splat(min_positive) : c;
-    return lb_encode_fp8_rounded<lb_format<F, U>::mantissa, lb_format<F, U>::min_exponent>(c);
+    const float qmax = lb_format<F, U>::qmax;
+    return lb_encode_fp8<lb_format<F, U>::mantissa, lb_format<F, U>::min_exponent, U>(
+        lb_min_nn(lb_max_nn(y, lb_splat(-qmax)), lb_splat(qmax)));
   }
 }
 
@@ -738,7 +754,9 @@ LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vu bits) {
     y = x * inverse;
     if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
     if (FLAGGED) y = lb_clamp(y, -f::flagged_qmax, f::flagged_qmax);
-    if constexpr (F == LB_INT8) code = lb_encode_int8<U>(y);  // in range (lb_encode_int8)
+    if constexpr (F == LB_INT8) code = lb_encode_int8<U>(y);  // in range (lb_encode_int8, lb_encode_fp8)
+    else if constexpr (F == LB_E4M3 || F == LB_E5M2)
+      code = lb_encode_fp8<lb_format<F, U>::mantissa, lb_format<F, U>::min_exponent, U>(y);
     else code = lb_encode<F, U>(y);
   }
   if (SR) code = lb_round_stochastic<F, U>(y, code, bits);

@@ -119,7 +119,7 @@ def fp8_code(r, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     """The fp8 bit pattern (as uint8) of ``r``, a finite value :func:`round_to_fp8` returned, or NaN
     (0x7F with the sign): the fp32 exponent rebiased and the mantissa truncated (exact, no bits are
     lost), or below the smallest normal the multiple of the subnormal unit. ``cpu_prelude.h``'s
-    ``lb_encode_fp8_rounded`` is the same arithmetic."""
+    ``lb_encode_fp8`` gives the same codes, rounding the fp32 bits themselves."""
     bits = r.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     magnitude = bits & 0x7FFFFFFF
@@ -135,7 +135,7 @@ def fp8_code(r, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
 def fp8_value(code, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     """The fp32 value of fp8 codes held in uint8, subnormals, infinities (e5m2) and NaNs included: the
     exponent rebiased into fp32's, or the subnormal multiple of ``2**(MIN_EXPONENT - MANTISSA_BITS)``.
-    ``cpu_prelude.h``'s ``lb_decode_e4m3`` / ``lb_decode_e5m2`` are the same arithmetic."""
+    ``cpu_prelude.h``'s ``lb_decode_fp8`` gives the same values through an fp16 conversion."""
     u = code.to(tl.int32)
     exponent = (u & 0x7F) >> MANTISSA_BITS
     mantissa = u & ((1 << MANTISSA_BITS) - 1)

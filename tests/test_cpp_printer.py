@@ -375,17 +375,13 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 == fp8_e4m3 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
 -  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
--  if (!fuse) lb_finish(job, scratch);
--  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
--  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
--  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
--  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
++  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_E4M3, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_E4M3, true, false>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--      if (fuse) {
 -        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
 -        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
--      }
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E4M3, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E4M3, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes<LB_E4M3, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E4M3, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -403,17 +399,13 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 == fp8_e5m2 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
 -  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
--  if (!fuse) lb_finish(job, scratch);
--  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
--  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
--  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
--  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
++  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_E5M2, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_E5M2, true, false>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--      if (fuse) {
 -        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
 -        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
--      }
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E5M2, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E5M2, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes<LB_E5M2, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E5M2, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
