@@ -174,8 +174,10 @@ LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t:
   return __builtin_ia32_permvarsf512_mask(twice, idx, (vf){}, (uint16_t)-1);
 }
 #define LB_F16C
-LB_INLINE vf lb_f16_bits_to_f32(vi h) {  // the fp16 in each lane's low half: a narrowing move, one conversion
-  return __builtin_ia32_vcvtph2ps512_mask((lb_v16hi)__builtin_convertvector(h, vh), (vf){}, (uint16_t)-1, 4);
+#define LB_LO16
+LB_INLINE vh lb_lo16(vi x) { return (vh)__builtin_ia32_pmovdw512_mask(x, (lb_v16hi){}, (uint16_t)-1); }
+LB_INLINE vf lb_f16_bits_to_f32(vh h) {
+  return __builtin_ia32_vcvtph2ps512_mask((lb_v16hi)h, (vf){}, (uint16_t)-1, 4);
 }
 #elif defined(__GNUC__) && !defined(__clang__) && defined(__AVX2__) && LB_W == 8
 typedef char lb_v16qi __attribute__((vector_size(16)));
@@ -250,9 +252,7 @@ LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors
 }
 #if defined(__F16C__)
 #define LB_F16C
-LB_INLINE vf lb_f16_bits_to_f32(vi h) {  // the fp16 in each lane's low half: a narrowing pack, one conversion
-  return __builtin_ia32_vcvtph2ps256((lb_v8hi)__builtin_convertvector(h, vh));
-}
+LB_INLINE vf lb_f16_bits_to_f32(vh h) { return __builtin_ia32_vcvtph2ps256((lb_v8hi)h); }
 #endif
 #else
 LB_INLINE vi lb_ld_u8(const uint8_t* p) {
@@ -298,16 +298,18 @@ LB_INLINE vf lb_min_nn(vf a, vf b) { return a < b ? a : b; }
 LB_INLINE vf lb_max_nn(vf a, vf b) { return a > b ? a : b; }
 #endif
 #ifndef LB_F16C
-LB_INLINE vf lb_f16_bits_to_f32(vi h) {  // the fp16 in each lane's low half, per lane
+LB_INLINE vf lb_f16_bits_to_f32(vh h) {  // per lane
   vf r;
   for (int l = 0; l < LB_W; ++l) {
-    const uint16_t b = (uint16_t)h[l];
     _Float16 x;
-    memcpy(&x, &b, 2);
+    memcpy(&x, (const uint16_t*)&h + l, 2);
     r[l] = (float)x;
   }
   return r;
 }
+#endif
+#ifndef LB_LO16
+LB_INLINE vh lb_lo16(vi x) { return __builtin_convertvector(x, vh); }  // each lane's low 16 bits
 #endif
 #ifndef LB_SIGN_OF
 LB_INLINE vi lb_sign_of(vi c, vf y) { return y < 0 ? -c : c; }  // c carries y's sign (c >= 0; -0 gives 0)
@@ -450,22 +452,26 @@ LB_INLINE void lb_st_codes_n(uint8_t* p, vi c, int64_t r) {
   memcpy(p, t, r);
 }
 
-// An integer code of a non-negative state where y is positive: at least 1 (formats.encode's zero-point rule).
-LB_INLINE vi lb_lift_positive(vi code, vf y) {  // AVX-512: a compare and a masked max
-  const vi one = lb_splat_i(1);
-  return y > 0 ? (code > one ? code : one) : code;
+// An integer code of a non-negative state where y is positive: at least 1 (formats.encode's zero-point
+// rule). y > 0 is y's bits > 0 as an integer (NaN aside, whose code a flagged block replaces): two
+// integer min/max, no compare mask to merge under.
+LB_INLINE vi lb_lift_positive(vi code, vf y) {
+  const vi one = lb_splat_i(1), bits = lb_bits_i(y);
+  const vi lift = bits < one ? bits : one;  // 1 where y > 0, else <= 0
+  return code > lift ? code : lift;
 }
 
 // fp8 with M mantissa bits and 7 - M exponent bits: e4m3fn (M = 3: no infinities, all-ones is NaN)
 // and e5m2 (M = 2: infinities and NaNs as in IEEE). Decoded through fp16, whose conversion is exact
-// and one instruction with F16C (lb_f16_bits_to_f32; unlike arithmetic on subnormal fp32 bits, no
-// DAZ mode flushes it): e5m2 is fp16's high byte; e4m3's magnitude bits under fp16's top exponent bit are the
-// fp16 of the value / 256, its subnormals fp16 subnormals.
+// and one instruction with F16C (lb_f16_bits_to_f32; unlike arithmetic on subnormal fp32 bits, no DAZ
+// mode flushes it): e5m2 is fp16's high byte; e4m3's magnitude bits under fp16's top exponent bit are
+// the fp16 of the value / 256, its subnormals fp16 subnormals.
 template <int M>
 LB_INLINE vf lb_decode_fp8(vi u) {
-  if constexpr (M == 2) return lb_f16_bits_to_f32(u << 8);
-  const vf v = (u & 0x7F) == 0x7F ? lb_nan() : lb_f16_bits_to_f32((u & 0x7F) << 7) * 256.0f;
-  return lb_bits_f(lb_bits_i(v) | ((u & 0x80) << 24));
+  if constexpr (M == 2) return lb_f16_bits_to_f32(lb_lo16(u) << 8);  // 16-bit lanes: half the width to shift
+  const vi mag = u & 0x7F;
+  const vf v = mag == 0x7F ? lb_nan() : lb_f16_bits_to_f32(lb_lo16(mag) << 7) * 256.0f;
+  return lb_bits_f(lb_bits_i(v) | ((u << 24) & (int32_t)0x80000000));  // the sign: a shift and a ternlog
 }
 // fp8 codes of y in range (|y| at most a few ulps over qmax, which rounds to qmax), half to even as
 // c10's fp8*_from_fp32_value (formats.encode): from 2^MIN_EXP up the fp32 bits rounded to M mantissa
