@@ -159,6 +159,7 @@ LB_INLINE void lb_st_u16(uint16_t* p, vi x) {
   memcpy(p, &h, sizeof h);
 }
 LB_INLINE int lb_any(vi m) { return __builtin_ia32_ptestmd512(m, m, (uint16_t)-1) != 0; }  // any lane set
+LB_INLINE uint32_t lb_hits(vi m) { return __builtin_ia32_ptestmd512(m, m, (uint16_t)-1); }  // bit l: lane l set
 LB_INLINE vi lb_cvt_rne(vf x) { return __builtin_ia32_cvtps2dq512_mask(x, (vi){}, (uint16_t)-1, 4); }
 LB_INLINE vf lb_min_nn(vf a, vf b) { return __builtin_ia32_minps512_mask(a, b, (vf){}, (uint16_t)-1, 4); }
 LB_INLINE vf lb_max_nn(vf a, vf b) { return __builtin_ia32_maxps512_mask(a, b, (vf){}, (uint16_t)-1, 4); }
@@ -233,6 +234,7 @@ LB_INLINE void lb_st_hi16(uint16_t* p, vi x) {  // the high halves of the lanes:
   memcpy(p, &lo, sizeof lo);
 }
 LB_INLINE int lb_any(vi m) { return !__builtin_ia32_ptestz256((lb_v4di)m, (lb_v4di)m); }
+LB_INLINE uint32_t lb_hits(vi m) { return (uint32_t)__builtin_ia32_movmskps256((vf)m); }  // lanes 0 or -1
 LB_INLINE vi lb_cvt_rne(vf x) { return __builtin_ia32_cvtps2dq256(x); }
 LB_INLINE vf lb_min_nn(vf a, vf b) { return __builtin_ia32_minps256(a, b); }
 LB_INLINE vf lb_max_nn(vf a, vf b) { return __builtin_ia32_maxps256(a, b); }
@@ -283,6 +285,11 @@ LB_INLINE int lb_any(vi m) {
   int any = 0;
   for (int l = 0; l < LB_W; ++l) any |= m[l];
   return any != 0;
+}
+LB_INLINE uint32_t lb_hits(vi m) {  // bit l: lane l set
+  uint32_t hits = 0;
+  for (int l = 0; l < LB_W; ++l) hits |= (uint32_t)(m[l] != 0) << l;
+  return hits;
 }
 LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7]
   vf r;
@@ -680,16 +687,21 @@ struct lb_best {
   }
 };
 
-// Offer buf[i, i + r) to `best` (off the hot loop: a handful of vectors per block get here); the
-// key a later element must reach.
+// Offer buf[i, i + r) to `best` (off the hot loop: a handful of vectors per block get here), visiting
+// only the elements at or above the bound, in offset order; the key a later element must reach.
 template <int K>
 __attribute__((noinline)) static vi lb_collect(lb_best<K>& best, const float* buf, int64_t i, int64_t r,
                                                int32_t bound) {
-  for (int64_t l = 0; l < r; ++l) {
-    int32_t key;
-    memcpy(&key, buf + i + l, 4);
-    key &= 0x7FFFFFFF;
-    if (key >= bound && key > best.floor()) best.add(key, (int32_t)(i + l), buf[i + l]);
+  for (int64_t v = i; v < i + r; v += LB_W) {
+    const int64_t w = i + r - v < LB_W ? i + r - v : LB_W;
+    uint32_t hits = lb_hits(lb_key(w == LB_W ? lb_ld(buf + v) : lb_ld_n(buf + v, w)) >= lb_splat_i(bound));
+    for (hits &= (uint32_t)((1ull << w) - 1); hits; hits &= hits - 1) {
+      const int64_t j = v + __builtin_ctz(hits);
+      int32_t key;
+      memcpy(&key, buf + j, 4);
+      key &= 0x7FFFFFFF;
+      if (key > best.floor()) best.add(key, (int32_t)j, buf[j]);
+    }
   }
   if (best.n <= K) return lb_splat_i(bound);
   return lb_splat_i(best.floor() < INT32_MAX ? best.floor() + 1 : INT32_MAX);  // an equal key loses: it comes later
