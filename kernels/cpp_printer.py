@@ -57,8 +57,8 @@ _LANE_TYPE = re.compile(r"(?:const )?(vf|vi) ")  # a lane statement's declared t
 _PER_LANE = re.compile(r"\b(?:i|r|full)\b")  # a statement that reads memory at the lane vector's index
 _LONG_LATENCY = re.compile(r" / |\blb_sqrt\(")
 # Formats whose encode is a few vector instructions: the next block's lane loop writes a block's codes,
-# its square roots and conversions overlapping that block's arithmetic. dynamic8's longer encode (a level
-# search by compares, then five permutes) runs slower that way than in a loop of its own
+# its square roots and conversions overlapping that block's arithmetic. dynamic8's longer encode (seven
+# permutes, two fmas and a floor per vector) runs slower that way than in a loop of its own
 # (bench/results/cpu_fused_encode.md).
 _FUSED_ENCODES = frozenset({"int8", "sqrt8", "fp8_e4m3", "fp8_e5m2"})
 

@@ -174,6 +174,19 @@ LB_INLINE vf lb_perm8(const float* t, vi idx) {  // t[idx & 7], in registers (t:
   const vf twice = __builtin_ia32_shuf_f32x4_mask(lo, lo, 0x44, (vf){}, (uint16_t)-1);  // t twice
   return __builtin_ia32_permvarsf512_mask(twice, idx, (vf){}, (uint16_t)-1);
 }
+#define LB_PERM32
+LB_INLINE vi lb_perm32_i(const int32_t* t, vi idx) {  // t[idx & 31], in registers (t: 32 constants)
+  vi lo, hi;
+  memcpy(&lo, t, sizeof lo);
+  memcpy(&hi, t + 16, sizeof hi);
+  return __builtin_ia32_vpermt2vard512_mask(idx, lo, hi, (uint16_t)-1);
+}
+LB_INLINE vf lb_perm32(const float* t, vi idx) {
+  vf lo, hi;
+  memcpy(&lo, t, sizeof lo);
+  memcpy(&hi, t + 16, sizeof hi);
+  return __builtin_ia32_vpermt2varps512_mask(idx, lo, hi, (uint16_t)-1);
+}
 #define LB_F16C
 #define LB_LO16
 LB_INLINE vh lb_lo16(vi x) { return (vh)__builtin_ia32_pmovdw512_mask(x, (lb_v16hi){}, (uint16_t)-1); }
@@ -507,19 +520,58 @@ LB_INLINE vf lb_decode_dynamic8(vi u) {
   const vi bits = lb_bits_i(v) & (p != 0);  // p = 0 is zero
   return lb_bits_f(U ? bits : bits | (s & (int32_t)0x80000000));
 }
+// The level bounds by binade: they are about a decade (3.3 binades) apart, so a binade holds at most
+// one, and the level of a value is the count of bounds in lower binades plus one compare with its own
+// binade's bound. Index 0 is the lowest bound's binade (and every binade below it), 31 and up every
+// binade above the highest bound's.
+template <bool U>
+struct lb_dyn_binades {
+  int32_t first = 0;     // the biased exponent of index 0
+  int32_t slot[32] = {};  // 127 + the count of bounds in lower binades (the encode's slot)
+  float bound[32] = {};   // the binade's bound, or NaN (no value reaches it, inf included)
+  bool ok = true;         // one bound per binade, all of them below index 31
+  constexpr lb_dyn_binades() {
+    using T = lb_dyn<U>;
+    int32_t e[8] = {};
+    for (int l = 1; l < T::levels; ++l) {  // the biased exponent of lower[l] (below 1)
+      e[l] = 127;
+      for (float p = 1.0f; p > T::lower[l]; p *= 0.5f) --e[l];
+    }
+    first = e[1];
+    for (int i = 0; i < 32; ++i) {
+      slot[i] = 127;
+      bound[i] = LB_NAN;
+      for (int l = 1; l < T::levels; ++l) {
+        slot[i] += e[l] < first + i;
+        if (e[l] == first + i) bound[i] = T::lower[l];
+        ok = ok && (l == 1 || e[l] > e[l - 1]) && e[l] < first + 31;
+      }
+    }
+  }
+};
+template <bool U>
+constexpr lb_dyn_binades<U> lb_binades{};
+static_assert(lb_binades<false>.ok && lb_binades<true>.ok, "dynamic8's level bounds share a binade");
+
 // Encode to nearest (formats.encode: an exact tie to the larger magnitude): the level is the count
-// of level bounds <= |y|; p = floor(|y| * recip + bias) is the bucket or the one below it (0 below
-// level 0's bound, which is where zero ends), and one exact compare with the next bucket's lower
-// edge settles it.
+// of level bounds <= |y| (with 32-lane permutes, by binade: lb_dyn_binades); p = floor(|y| * recip +
+// bias) is the bucket or the one below it (0 below level 0's bound, which is where zero ends), and
+// one exact compare with the next bucket's lower edge settles it.
 template <bool U>
 LB_INLINE vi lb_encode_dynamic8(vf y) {
   using T = lb_dyn<U>;
   const vf a = U ? y : lb_abs(y);
+#ifdef LB_PERM32
+  vi i = (lb_bits_i(a) >> 23) - lb_binades<U>.first;  // a negative a (unsigned state) clamps to index 0
+  i = i < 0 ? 0 : (i > 31 ? 31 : i);
+  const vi base = lb_perm32_i(lb_binades<U>.slot, i);
+  const vi slot = a >= lb_perm32(lb_binades<U>.bound, i) ? base + 1 : base;
+#else
   vi slot = lb_splat_i(127);
-  for (int l = 1; l < T::levels; ++l) slot -= (vi)(a >= lb_splat(T::lower[l]));
+  for (int l = 1; l < T::levels; ++l) slot = a >= lb_splat(T::lower[l]) ? slot + 1 : slot;
+#endif
   vf p = lb_floor(lb_fma(a, lb_perm8(T::recip, slot), lb_perm8(T::bias, slot)));
-  const vi up = (vi)(a >= lb_fma(p, lb_perm8(T::spacing, slot), lb_perm8(T::step, slot)));
-  p += lb_bits_f(up & lb_bits_i(lb_splat(1.0f)));
+  p = a >= lb_fma(p, lb_perm8(T::spacing, slot), lb_perm8(T::step, slot)) ? p + 1.0f : p;
   const vf last = lb_perm8(T::last, slot);
   p = lb_min_nn(p, last);
   vi code;

@@ -52,8 +52,13 @@ extern "C" void convert(int fmt, int nonneg, int dir, void* codes, float* x, int
 """
 
 
-def _harness(lanes: int | None, source: str = _HARNESS):
-    return cpu_build.load(cpp_printer.PRELUDE + source, () if lanes is None else (f"-DLB_W={lanes}",))
+# The prelude's builds: native (AVX-512 here), the generic code at 16 lanes, AVX2, and x86-64 without
+# AVX (8 lanes through the generic code, what other architectures compile).
+_BUILDS = {"native": (), "16-lanes": ("-DLB_W=16",), "avx2": ("-mno-avx512f",), "x86-64-v2": ("-march=x86-64-v2",)}
+
+
+def _harness(build: str, source: str = _HARNESS):
+    return cpu_build.load(cpp_printer.PRELUDE + source, _BUILDS[build])
 
 
 def _probe_values(fmt: StateFormat) -> torch.Tensor:
@@ -79,10 +84,10 @@ def _probe_values(fmt: StateFormat) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, -len(x) % 16)).contiguous()
 
 
-@pytest.mark.parametrize("lanes", [None, 16], ids=["native", "16-lanes"])
-def test_prelude_formats_match_torch_code_for_code(lanes):
+@pytest.mark.parametrize("build", list(_BUILDS))
+def test_prelude_formats_match_torch_code_for_code(build):
     """Every code decodes, and every probe value (ties included) encodes, exactly as formats.py."""
-    lib = _harness(lanes)
+    lib = _harness(build)
     for index, name in enumerate(BLOCKWISE):
         for nonneg in (False, True):
             fmt = StateFormat(name, 2048, 2, nonneg)
@@ -98,11 +103,11 @@ def test_prelude_formats_match_torch_code_for_code(lanes):
             assert torch.equal(got, encode(x, fmt).view(torch.uint8)), (name, nonneg)
 
 
-@pytest.mark.parametrize("lanes", [None, 16], ids=["native", "16-lanes"])
-def test_prelude_dynamic8_encode_matches_reference_near_every_threshold(lanes):
+@pytest.mark.parametrize("build", list(_BUILDS))
+def test_prelude_dynamic8_encode_matches_reference_near_every_threshold(build):
     """The arithmetic encode (level, estimate, one exact compare) against formats.encode on every
     fp32 within 64 ulps of each threshold and map value, log-uniform magnitudes, both signs."""
-    lib = _harness(lanes)
+    lib = _harness(build)
     for nonneg in (False, True):
         fmt = StateFormat("dynamic8", 2048, 2, nonneg)
         x = dynamic8_probes(nonneg, seed=1)
@@ -134,13 +139,13 @@ extern "C" void bf16(int op, const void* in, void* out, int64_t n) {
 """
 
 
-@pytest.mark.parametrize("lanes", [None, 16], ids=["native", "16-lanes"])
-def test_prelude_bf16_loads_and_stores_match_torch(lanes):
+@pytest.mark.parametrize("build", list(_BUILDS))
+def test_prelude_bf16_loads_and_stores_match_torch(build):
     """Every bf16 widens to its fp32 bits; fp32 values with every bf16 high half and the low halves
     that decide rounding (0, 1, ties, either side of them, all ones) round as torch's round to
     nearest even (NaN: the quiet NaN 0x7FC0), both when the store rounds and when it stores a value
     lb_round_bf16 rounded. Odd lengths send a tail through the partial loads and stores."""
-    lib = _harness(lanes, _BF16_HARNESS)
+    lib = _harness(build, _BF16_HARNESS)
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)[:-5]
     widened = torch.empty(len(every))
     lib.bf16(0, ctypes.c_void_p(every.data_ptr()), ctypes.c_void_p(widened.data_ptr()), ctypes.c_int64(len(every)))

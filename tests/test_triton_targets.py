@@ -79,7 +79,7 @@ def _fp8_probe_values(fmt: StateFormat) -> torch.Tensor:
 
 @functools.cache
 def _cpu_formats() -> ctypes.CDLL:
-    return _harness(None)
+    return _harness("native")
 
 
 def _cpu_convert(fmt: StateFormat, direction: int, codes: torch.Tensor, values: torch.Tensor) -> None:
