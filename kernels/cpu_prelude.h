@@ -739,24 +739,34 @@ struct lb_best {
   }
 };
 
-// Offer buf[i, i + r) to `best` (off the hot loop: a handful of vectors per block get here), visiting
-// only the elements at or above the bound, in offset order; the key a later element must reach.
+// The lanes of buf[v, min(v + LB_W, end)) whose key reaches the bound, as bits.
+LB_INLINE uint32_t lb_hits_at(const float* buf, int64_t v, int64_t end, vi bound) {
+  const int64_t w = end - v < LB_W ? end - v : LB_W;
+  const uint32_t hits = lb_hits(lb_key(w == LB_W ? lb_ld(buf + v) : lb_ld_n(buf + v, w)) >= bound);
+  return w == LB_W ? hits : hits & (uint32_t)((1u << w) - 1);
+}
+// Offer best every element of buf[0, len) whose key reaches `bound`, in offset order. The hits are a
+// handful per block: one pass marks the vectors holding any (a bit each, no branch per vector, 64
+// vectors a word), then only those are read again.
 template <int K>
-__attribute__((noinline)) static vi lb_collect(lb_best<K>& best, const float* buf, int64_t i, int64_t r,
-                                               int32_t bound) {
-  for (int64_t v = i; v < i + r; v += LB_W) {
-    const int64_t w = i + r - v < LB_W ? i + r - v : LB_W;
-    uint32_t hits = lb_hits(lb_key(w == LB_W ? lb_ld(buf + v) : lb_ld_n(buf + v, w)) >= lb_splat_i(bound));
-    for (hits &= (uint32_t)((1ull << w) - 1); hits; hits &= hits - 1) {
-      const int64_t j = v + __builtin_ctz(hits);
-      int32_t key;
-      memcpy(&key, buf + j, 4);
-      key &= 0x7FFFFFFF;
-      if (key > best.floor()) best.add(key, (int32_t)j, buf[j]);
+static void lb_collect(lb_best<K>& best, const float* buf, int64_t len, int32_t bound) {
+  const vi thr = lb_splat_i(bound);
+  for (int64_t first = 0; first < len; first += 64 * LB_W) {
+    const int64_t end = len - first < 64 * LB_W ? len : first + 64 * LB_W;
+    uint64_t marked = 0;
+    for (int64_t v = first; v < end; v += LB_W)
+      marked |= (uint64_t)(lb_hits_at(buf, v, end, thr) != 0) << ((v - first) / LB_W);
+    for (; marked; marked &= marked - 1) {
+      const int64_t v = first + __builtin_ctzll(marked) * LB_W;
+      for (uint32_t hits = lb_hits_at(buf, v, end, thr); hits; hits &= hits - 1) {
+        const int64_t j = v + __builtin_ctz(hits);
+        int32_t key;
+        memcpy(&key, buf + j, 4);
+        key &= 0x7FFFFFFF;
+        if (key > best.floor()) best.add(key, (int32_t)j, buf[j]);
+      }
     }
   }
-  if (best.n <= K) return lb_splat_i(bound);
-  return lb_splat_i(best.floor() < INT32_MAX ? best.floor() + 1 : INT32_MAX);  // an equal key loses: it comes later
 }
 
 // ---- block scales (blockquant._scale_and_inverse, _block_scale) ----------------------------------
@@ -959,16 +969,7 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
   if (K > 0) {
     const int32_t bound = K < LB_W ? lm[K] : -1;
     lb_best<K> best;
-    vi thr = lb_splat_i(bound);
-    int64_t i = 0;
-    for (; i + 2 * LB_W <= len; i += 2 * LB_W)  // two vectors per test: hits are a handful per block
-      if (lb_any((lb_key(lb_ld(buf + i)) >= thr) | (lb_key(lb_ld(buf + i + LB_W)) >= thr)))
-        thr = lb_collect(best, buf, i, 2 * LB_W, bound);
-    for (; i < len; i += LB_W) {
-      const int64_t r = len - i < LB_W ? len - i : LB_W;
-      if (lb_any(lb_key_masked(r == LB_W ? lb_ld(buf + i) : lb_ld_n(buf + i, r), r) >= thr))
-        thr = lb_collect(best, buf, i, r, bound);
-    }
+    lb_collect(best, buf, len, bound);
     for (int64_t pad = len; pad < block && best.n <= K; ++pad) best.add(0, (int32_t)pad, 0.0f);  // the padding's zeros
     rest = best.n > K && best.e[K].key > 0 ? best.e[K].key : 0;
     for (int k = 0; k < K; ++k) {
