@@ -718,6 +718,11 @@ LB_INLINE vi lb_key_masked(vf x, int64_t r) {
   return r == LB_W ? lb_key(x) : (lb_key(x) & lb_lane_mask(r)) | ~lb_lane_mask(r);
 }
 LB_INLINE vi lb_vmax(vi a, vi b) { return a > b ? a : b; }
+LB_INLINE int32_t lb_hmax(vi x) {  // the largest lane
+  int32_t m = x[0];
+  for (int l = 1; l < LB_W; ++l) m = x[l] > m ? x[l] : m;
+  return m;
+}
 
 struct lb_patch {
   int32_t key;
@@ -952,22 +957,19 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
                               float* root = nullptr) {
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
   // the K+1 largest elements all reach it, and one pass collects them exactly.
-  int32_t lm[LB_W];
-  memcpy(lm, &lane_max, sizeof lm);
-  for (int j = 0; j <= K && j < LB_W; ++j)
-    for (int l = j + 1; l < LB_W; ++l)
-      if (lm[l] > lm[j]) {
-        int32_t t = lm[j];
-        lm[j] = lm[l];
-        lm[l] = t;
-      }
-  if (__builtin_expect(lm[0] >= 0x7F800000, 0)) {
+  const int32_t top = lb_hmax(lane_max);
+  if (__builtin_expect(top >= 0x7F800000, 0)) {
     lb_quantize_nonfinite<F, U, K, SR>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd);
     return false;
   }
-  int32_t rest = lm[0] > 0 ? lm[0] : 0;  // no patches: the absmax is the largest lane maximum
+  int32_t rest = top > 0 ? top : 0;  // no patches: the absmax is the largest lane maximum
   if (K > 0) {
-    const int32_t bound = K < LB_W ? lm[K] : -1;
+    int32_t bound = K < LB_W ? top : -1;
+    vi lm = lane_max;
+    for (int j = 1; j <= K && j < LB_W; ++j) {  // set aside one lane holding the j-th largest, take the next
+      lm[__builtin_ctz(lb_hits(lm == lb_splat_i(bound)))] = INT32_MIN;
+      bound = lb_hmax(lm);
+    }
     lb_best<K> best;
     lb_collect(best, buf, len, bound);
     for (int64_t pad = len; pad < block && best.n <= K; ++pad) best.add(0, (int32_t)pad, 0.0f);  // the padding's zeros
