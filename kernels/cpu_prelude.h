@@ -807,8 +807,7 @@ static inline void lb_block_scale(const float* buf, int64_t len, float absmax, f
       pos = lb_vmax(pos, b);
       neg = lb_vmax(neg, b ^ (int32_t)0x80000000);
     }
-    int32_t p = 0, n = 0;
-    for (int l = 0; l < LB_W; ++l) p = pos[l] > p ? pos[l] : p, n = neg[l] > n ? neg[l] : n;
+    const int32_t p = lb_hmax(pos), n = lb_hmax(neg);  // both start at 0: at least 0
     float pmax, nmax, sp, ip, sn, in;
     memcpy(&pmax, &p, 4);
     memcpy(&nmax, &n, 4);
