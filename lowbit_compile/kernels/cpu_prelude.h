@@ -158,7 +158,6 @@ LB_INLINE void lb_st_u16(uint16_t* p, vi x) {
   const lb_v16hi h = __builtin_ia32_pmovdw512_mask(x, (lb_v16hi){}, (uint16_t)-1);
   memcpy(p, &h, sizeof h);
 }
-LB_INLINE int lb_any(vi m) { return __builtin_ia32_ptestmd512(m, m, (uint16_t)-1) != 0; }  // any lane set
 LB_INLINE uint32_t lb_hits(vi m) { return __builtin_ia32_ptestmd512(m, m, (uint16_t)-1); }  // bit l: lane l set
 LB_INLINE vi lb_cvt_rne(vf x) { return __builtin_ia32_cvtps2dq512_mask(x, (vi){}, (uint16_t)-1, 4); }
 LB_INLINE vf lb_min_nn(vf a, vf b) { return __builtin_ia32_minps512_mask(a, b, (vf){}, (uint16_t)-1, 4); }
@@ -246,7 +245,6 @@ LB_INLINE void lb_st_hi16(uint16_t* p, vi x) {  // the high halves of the lanes:
   const lb_v2di lo = {t[0], t[1]};
   memcpy(p, &lo, sizeof lo);
 }
-LB_INLINE int lb_any(vi m) { return !__builtin_ia32_ptestz256((lb_v4di)m, (lb_v4di)m); }
 LB_INLINE uint32_t lb_hits(vi m) { return (uint32_t)__builtin_ia32_movmskps256((vf)m); }  // lanes 0 or -1
 LB_INLINE vi lb_cvt_rne(vf x) { return __builtin_ia32_cvtps2dq256(x); }
 LB_INLINE vf lb_min_nn(vf a, vf b) { return __builtin_ia32_minps256(a, b); }
@@ -293,11 +291,6 @@ LB_INLINE vi lb_ld_u16(const uint16_t* p) {
 LB_INLINE void lb_st_u16(uint16_t* p, vi x) {
   vh h = __builtin_convertvector(x, vh);
   memcpy(p, &h, sizeof h);
-}
-LB_INLINE int lb_any(vi m) {
-  int any = 0;
-  for (int l = 0; l < LB_W; ++l) any |= m[l];
-  return any != 0;
 }
 LB_INLINE uint32_t lb_hits(vi m) {  // bit l: lane l set
   uint32_t hits = 0;
@@ -1113,28 +1106,25 @@ LB_INLINE vi lb_master_d_bf16(vf x, vi p_bits) {  // p_bits: lb_f32_to_bf16_bits
 // is bit e % 32 of word e / 32 of `ties`, e the element's index. Bits are read and written only where
 // the code is a tie (rare), atomically: two threads may share a word.
 LB_INLINE vi lb_master_d_exact(vi code, const int32_t* ties, int64_t first) {
-  const vi tie = code == -32768;
-  if (!lb_any(tie)) return code;
   vi d = code;
-  for (int l = 0; l < LB_W; ++l)
-    if (tie[l]) {
-      const int64_t e = first + l;
-      const uint32_t word = __atomic_load_n((const uint32_t*)ties + (e >> 5), __ATOMIC_RELAXED);  // others' bits
-      d[l] = ((word >> (e & 31)) & 1u) ? -32768 : 32768;
-    }
+  for (uint32_t hits = lb_hits(code == -32768); hits; hits &= hits - 1) {
+    const int l = __builtin_ctz(hits);
+    const int64_t e = first + l;
+    const uint32_t word = __atomic_load_n((const uint32_t*)ties + (e >> 5), __ATOMIC_RELAXED);  // others' bits
+    d[l] = ((word >> (e & 31)) & 1u) ? -32768 : 32768;
+  }
   return d;
 }
 LB_INLINE vi lb_master_code_exact(vi d, int32_t* ties, int64_t first, int64_t r) {
   const vi tie = (d == 32768) | (d == -32768);
-  if (lb_any(tie))
-    for (int l = 0; l < r; ++l)
-      if (tie[l]) {
-        const int64_t e = first + l;
-        uint32_t* word = (uint32_t*)ties + (e >> 5);
-        const uint32_t bit = 1u << (e & 31);
-        if (d[l] < 0) __atomic_fetch_or(word, bit, __ATOMIC_RELAXED);
-        else __atomic_fetch_and(word, ~bit, __ATOMIC_RELAXED);
-      }
+  for (uint32_t hits = lb_hits(tie) & ((1u << r) - 1u); hits; hits &= hits - 1) {  // the first r lanes
+    const int l = __builtin_ctz(hits);
+    const int64_t e = first + l;
+    uint32_t* word = (uint32_t*)ties + (e >> 5);
+    const uint32_t bit = 1u << (e & 31);
+    if (d[l] < 0) __atomic_fetch_or(word, bit, __ATOMIC_RELAXED);
+    else __atomic_fetch_and(word, ~bit, __ATOMIC_RELAXED);
+  }
   return tie ? lb_splat_i(-32768) : d;
 }
 // 8bit codes: d stochastically rounded to a multiple of 2^S (floor(d / 2^S + u), u uniform), in [-127, 127].
