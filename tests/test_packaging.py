@@ -38,7 +38,7 @@ def test_wheel_has_one_top_level_name_and_imports(tmp_path):
     assert out.stdout.strip() == "QuantizedState"
 
 
-def test_the_repository_root_adds_only_the_package_name_to_sys_path():
+def test_no_directory_at_the_repository_root_shadows_kernels_or_passes():
     """pytest and ``python -m`` put the repository root first on sys.path: a top-level ``kernels`` or
     ``passes`` there shadowed Hugging Face's ``kernels`` package, which transformers imports."""
     top = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() or p.suffix == ".py"}
