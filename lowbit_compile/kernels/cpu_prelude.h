@@ -711,10 +711,20 @@ LB_INLINE vi lb_key_masked(vf x, int64_t r) {
   return r == LB_W ? lb_key(x) : (lb_key(x) & lb_lane_mask(r)) | ~lb_lane_mask(r);
 }
 LB_INLINE vi lb_vmax(vi a, vi b) { return a > b ? a : b; }
-LB_INLINE int32_t lb_hmax(vi x) {  // the largest lane
-  int32_t m = x[0];
-  for (int l = 1; l < LB_W; ++l) m = x[l] > m ? x[l] : m;
-  return m;
+LB_INLINE int32_t lb_hmax(vi x) {  // the largest lane: the halves folded onto each other, log2(LB_W) steps
+#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 12) || (LB_W != 8 && LB_W != 16)
+  for (int l = 1; l < LB_W; ++l) x[0] = x[l] > x[0] ? x[l] : x[0];  // (no __builtin_shufflevector)
+#elif LB_W == 16
+  x = lb_vmax(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = lb_vmax(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = lb_vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  x = lb_vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+  x = lb_vmax(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3));
+  x = lb_vmax(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5));
+  x = lb_vmax(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
+  return x[0];
 }
 
 struct lb_patch {
