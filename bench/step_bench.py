@@ -357,6 +357,12 @@ def run_section(size: str, dtype: torch.dtype, threads_list: list[int], cands: l
         fused = next(r["step_ms_median"] for r in rows if r["contender"] == "torch AdamW fused")
         for row in rows:
             row["x_fused"] = row["step_ms_median"] / fused
+            # per round, over the fused step of the same round: what the machine's drift between rounds
+            # (frequency, neighbours' memory traffic) moves alike cancels
+            paired = [a / b for a, b in zip(times[row["contender"]], times["torch AdamW fused"])]
+            q = statistics.quantiles(paired, n=4) if len(paired) >= 2 else [paired[0]] * 3
+            row["x_fused_paired"], row["x_fused_paired_q1"], row["x_fused_paired_q3"] = (
+                statistics.median(paired), q[0], q[2])
         sections.append({"size": size, "params": n, "tensors": len(shapes), "dtype": str(dtype)[6:],
                          "threads": threads, "rounds": rounds, "stream_GBps": stream,
                          "stream_before": bandwidth, "stream_after": bandwidth_after,
@@ -508,6 +514,13 @@ def first_steps(cands: list[Contender], size: str, dtype: str, log: Callable[[st
 
 
 # ---- report -----------------------------------------------------------------------------------------
+def _paired(row: dict) -> str:
+    """The median per-round ratio to fused fp32 with its IQR (results from before it was recorded: blank)."""
+    if "x_fused_paired" not in row:
+        return ""
+    return f"{row['x_fused_paired']:.2f} ({row['x_fused_paired_q1']:.2f}-{row['x_fused_paired_q3']:.2f})"
+
+
 def markdown(result: dict) -> str:
     meta = result["machine"]
     lines = [f"# Optimizer step benchmark ({result['mode']})", "",
@@ -524,15 +537,16 @@ def markdown(result: dict) -> str:
                   f"{s['threads']} thread(s)", "",
                   f"Stream bandwidth in this section {s['stream_GBps']:.1f} GB/s; load {s['load_before']} -> "
                   f"{s['load_after']}; {s['rounds']} interleaved rounds.", "",
-                  "| contender | state B/param | step ms (median) | IQR ms | x torch fused | GB/s | % stream "
-                  "| first step cold s | warm s | peak extra MB (% fp32 state) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| contender | state B/param | step ms (median) | IQR ms | x torch fused | x fused, paired (IQR) "
+                  "| GB/s | % stream | first step cold s | warm s | peak extra MB (% fp32 state) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in s["rows"]:
             f = firsts.get(r["contender"]) if holds_first_steps(s) else None
             fs = (f"{f['first_step_cold_s']:.2f} | {f['first_step_warm_s']:.2f} | "
                   f"{f['peak_extra_bytes'] / 2**20:.1f} ({f['peak_extra_pct_fp32_state']:.2f}%)") if f else " | | "
             lines.append(f"| {r['contender']} | {r['state_bytes_per_param']:.3f} | {r['step_ms_median']:.1f} | "
-                         f"{r['step_ms_q1']:.1f}-{r['step_ms_q3']:.1f} | {r['x_fused']:.2f} | {r['GBps']:.1f} | "
+                         f"{r['step_ms_q1']:.1f}-{r['step_ms_q3']:.1f} | {r['x_fused']:.2f} | {_paired(r)} | "
+                         f"{r['GBps']:.1f} | "
                          f"{r['pct_stream']:.0f} | {fs} |")
         lines.append("")
     if firsts and not any(holds_first_steps(s) for s in result["sections"]):  # a table of their own
