@@ -567,7 +567,8 @@ def main() -> None:
     parser.add_argument("--threads", default=None, help="comma list of thread counts")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--formats", default=None, help="lowbit formats, comma list (<fmt>+sr: stochastic rounding)")
-    parser.add_argument("--peers", default=None, help="comma list of bitsandbytes,torchao (default: those installed)")
+    parser.add_argument("--peers", default=None,
+                        help="comma list of bitsandbytes,torchao, or none (default: those installed)")
     parser.add_argument("--no-first-step", action="store_true", help="skip the fresh-process measurements")
     parser.add_argument("--master", action="store_true",
                         help="bf16 params (25M, 1 and 2 threads): master weights against fused fp32 and bf16 AdamW")
@@ -595,7 +596,9 @@ def main() -> None:
     rounds = args.rounds or (3 if quick else 10)
     formats = tuple((args.formats or ("int8,fp8_e4m3,fp32" if quick else ",".join(FORMATS))).split(","))
     installed = {name for name in ("bitsandbytes", "torchao") if _importable(name)}
-    peers = set(args.peers.split(",")) if args.peers else (installed - ({"torchao"} if quick else set()))
+    peers = set(args.peers.split(",")) - {"none"} if args.peers else (installed - ({"torchao"} if quick else set()))
+    if unknown := sorted(peers - {"bitsandbytes", "torchao"}):
+        parser.error(f"--peers: unknown {unknown}; choose bitsandbytes, torchao or none")
     cands = contenders(peers, formats)
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
