@@ -309,6 +309,15 @@ def load_average() -> list[float]:
 
 
 # ---- one section: a parameter set and dtype, every contender interleaved ----------------------------------
+def _median_iqr(values: list[float]) -> tuple[float, float, float]:
+    """The median and the first and third quartiles (a single value: itself three times)."""
+    med = statistics.median(values)
+    if len(values) < 2:
+        return med, med, med
+    q = statistics.quantiles(values, n=4)
+    return med, q[0], q[2]
+
+
 def run_section(size: str, dtype: torch.dtype, threads_list: list[int], cands: list[Contender], rounds: int,
                 log: Callable[[str], None]) -> list[dict]:
     shapes = PARAM_SETS[size]()
@@ -344,9 +353,7 @@ def run_section(size: str, dtype: torch.dtype, threads_list: list[int], cands: l
         stream = max(*bandwidth.values(), *bandwidth_after.values())
         rows = []
         for c, opt in built:
-            t = sorted(times[c.name])
-            med = statistics.median(t)
-            q1, q3 = (statistics.quantiles(t, n=4)[0], statistics.quantiles(t, n=4)[2]) if len(t) >= 2 else (med, med)
+            med, q1, q3 = _median_iqr(times[c.name])
             sbytes = state_bytes(opt)
             minimal = 3 * n * params[0].element_size() + 2 * sbytes
             rows.append({"contender": c.name, "family": c.family, "state_bytes_per_param": sbytes / n,
@@ -360,9 +367,7 @@ def run_section(size: str, dtype: torch.dtype, threads_list: list[int], cands: l
             # per round, over the fused step of the same round: what the machine's drift between rounds
             # (frequency, neighbours' memory traffic) moves alike cancels
             paired = [a / b for a, b in zip(times[row["contender"]], times["torch AdamW fused"])]
-            q = statistics.quantiles(paired, n=4) if len(paired) >= 2 else [paired[0]] * 3
-            row["x_fused_paired"], row["x_fused_paired_q1"], row["x_fused_paired_q3"] = (
-                statistics.median(paired), q[0], q[2])
+            row["x_fused_paired"], row["x_fused_paired_q1"], row["x_fused_paired_q3"] = _median_iqr(paired)
         sections.append({"size": size, "params": n, "tensors": len(shapes), "dtype": str(dtype)[6:],
                          "threads": threads, "rounds": rounds, "stream_GBps": stream,
                          "stream_before": bandwidth, "stream_after": bandwidth_after,
