@@ -16,6 +16,7 @@ from lowbit_compile import QuantizedState, compile, lowbit_compile
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.kernels import cpp_printer, cpu, cpu_build
 from lowbit_compile.kernels.backends import resolve
+from lowbit_compile.kernels.blockquant import decode_scaled
 from lowbit_compile.kernels.formats import StateFormat, decode, encode
 from lowbit_compile.kernels.lowering import Target
 from lowbit_compile.passes.opmath import compute_in_fp32
@@ -29,24 +30,27 @@ BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8"]
 
 # Lets the prelude's element formats be called on whole arrays from Python.
 _HARNESS = r"""
-template <int F, bool U> static void run(int dir, void* codes, float* x, int64_t n) {
+template <int F, bool U> static void run(int dir, float scale, void* codes, float* x, int64_t n) {
   uint8_t* c = (uint8_t*)codes;
   for (int64_t i = 0; i < n; i += LB_W)
-    if (dir) lb_st_codes(c + i, lb_encode<F, U>(lb_ld(x + i)));
-    else lb_st(x + i, lb_decode<F, U>(lb_ld_codes<F, U>(c + i)));
+    if (dir == 1) lb_st_codes(c + i, lb_encode<F, U>(lb_ld(x + i)));
+    else if (dir == 0) lb_st(x + i, lb_decode<F, U>(lb_ld_codes<F, U>(c + i)));
+    else lb_st(x + i, lb_decode_scaled<F, U>(lb_ld_codes<F, U>(c + i), lb_splat(__builtin_fabsf(scale)),
+                                             __builtin_signbit(scale)));  // a block's scale, as the kernels
 }
-extern "C" void convert(int fmt, int nonneg, int dir, void* codes, float* x, int64_t n) {
+// dir 0: decode, 1: encode, 2: decode under a block scale (its sign bit set: a flagged block)
+extern "C" void convert(int fmt, int nonneg, int dir, float scale, void* codes, float* x, int64_t n) {
   switch (fmt * 2 + nonneg) {
-    case 0: run<LB_INT8, false>(dir, codes, x, n); break;
-    case 1: run<LB_INT8, true>(dir, codes, x, n); break;
-    case 2: run<LB_DYNAMIC8, false>(dir, codes, x, n); break;
-    case 3: run<LB_DYNAMIC8, true>(dir, codes, x, n); break;
-    case 4: run<LB_E4M3, false>(dir, codes, x, n); break;
-    case 5: run<LB_E4M3, true>(dir, codes, x, n); break;
-    case 6: run<LB_E5M2, false>(dir, codes, x, n); break;
-    case 7: run<LB_E5M2, true>(dir, codes, x, n); break;
-    case 8: run<LB_SQRT8, false>(dir, codes, x, n); break;
-    case 9: run<LB_SQRT8, true>(dir, codes, x, n); break;
+    case 0: run<LB_INT8, false>(dir, scale, codes, x, n); break;
+    case 1: run<LB_INT8, true>(dir, scale, codes, x, n); break;
+    case 2: run<LB_DYNAMIC8, false>(dir, scale, codes, x, n); break;
+    case 3: run<LB_DYNAMIC8, true>(dir, scale, codes, x, n); break;
+    case 4: run<LB_E4M3, false>(dir, scale, codes, x, n); break;
+    case 5: run<LB_E4M3, true>(dir, scale, codes, x, n); break;
+    case 6: run<LB_E5M2, false>(dir, scale, codes, x, n); break;
+    case 7: run<LB_E5M2, true>(dir, scale, codes, x, n); break;
+    case 8: run<LB_SQRT8, false>(dir, scale, codes, x, n); break;
+    case 9: run<LB_SQRT8, true>(dir, scale, codes, x, n); break;
   }
 }
 """
@@ -93,14 +97,33 @@ def test_prelude_formats_match_torch_code_for_code(build):
             fmt = StateFormat(name, 2048, 2, nonneg)
             codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
             out = torch.empty(256)
-            lib.convert(index, int(nonneg), 0, ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-                        ctypes.c_int64(256))
+            lib.convert(index, int(nonneg), 0, ctypes.c_float(1.0), ctypes.c_void_p(codes.data_ptr()),
+                        ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(256))
             torch.testing.assert_close(out, decode(codes.view(fmt.code_dtype), fmt), rtol=0, atol=0, equal_nan=True)
             x = _probe_values(fmt)
             got = torch.empty(len(x), dtype=torch.uint8)
-            lib.convert(index, int(nonneg), 1, ctypes.c_void_p(got.data_ptr()), ctypes.c_void_p(x.data_ptr()),
-                        ctypes.c_int64(len(x)))
+            lib.convert(index, int(nonneg), 1, ctypes.c_float(1.0), ctypes.c_void_p(got.data_ptr()),
+                        ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(len(x)))
             assert torch.equal(got, encode(x, fmt).view(torch.uint8)), (name, nonneg)
+
+
+@pytest.mark.parametrize("build", list(_BUILDS))
+def test_prelude_decodes_every_code_under_block_scales_as_blockquant(build):
+    """Every code under plain and flagged block scales, from a subnormal one to the largest blockquant
+    makes (FLT_MAX / qmax), bit for bit as blockquant.decode_scaled, NaN codes included (e4m3 decodes
+    in units of 256 and moves the 256 into the scale)."""
+    lib = _harness(build)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for index, name in enumerate(BLOCKWISE):
+        for nonneg in (False, True):
+            fmt = StateFormat(name, 2048, 2, nonneg)
+            top = float(torch.tensor(torch.finfo(torch.float32).max) / fmt.qmax)
+            for scale in (1.0, 2.0**-149, 3e-39, 1.7e-3, 0.75, top, -1.0, -(2.0**-149), -1.7e-3, -top):
+                out = torch.empty(256)
+                lib.convert(index, int(nonneg), 2, ctypes.c_float(scale), ctypes.c_void_p(codes.data_ptr()),
+                            ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(256))
+                want = decode_scaled(codes.view(fmt.code_dtype), torch.tensor(scale), fmt)
+                assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (name, nonneg, scale)
 
 
 @pytest.mark.parametrize("build", list(_BUILDS))
@@ -113,8 +136,8 @@ def test_prelude_dynamic8_encode_matches_reference_near_every_threshold(build):
         x = dynamic8_probes(nonneg, seed=1)
         x = torch.nn.functional.pad(x, (0, -len(x) % 16)).contiguous()
         got = torch.empty(len(x), dtype=torch.uint8)
-        lib.convert(1, int(nonneg), 1, ctypes.c_void_p(got.data_ptr()), ctypes.c_void_p(x.data_ptr()),
-                    ctypes.c_int64(len(x)))
+        lib.convert(1, int(nonneg), 1, ctypes.c_float(1.0), ctypes.c_void_p(got.data_ptr()),
+                    ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(len(x)))
         assert torch.equal(got, encode(x, fmt)), nonneg
 
 

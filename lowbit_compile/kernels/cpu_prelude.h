@@ -477,14 +477,18 @@ LB_INLINE vi lb_lift_positive(vi code, vf y) {
 // fp8 with M mantissa bits and 7 - M exponent bits: e4m3fn (M = 3: no infinities, all-ones is NaN)
 // and e5m2 (M = 2: infinities and NaNs as in IEEE). Decoded through fp16, whose conversion is exact
 // and one instruction with F16C (lb_f16_bits_to_f32; unlike arithmetic on subnormal fp32 bits, no DAZ
-// mode flushes it): e5m2 is fp16's high byte; e4m3's magnitude bits under fp16's top exponent bit are
-// the fp16 of the value / 256, its subnormals fp16 subnormals.
+// mode flushes it), in 16-bit lanes (half the width to shift): e5m2 is fp16's high byte. e4m3's sign
+// at fp16's and its magnitude under fp16's top exponent bit are the fp16 of the value / 256 (its
+// subnormals fp16 subnormals), so lb_decode_fp8 gives that and the 256 goes into the block's scale
+// (lb_unit); an all-ones magnitude carries into that exponent bit, which makes it fp16's NaN (of the
+// bits torch's own e4m3 decode gives).
 template <int M>
 LB_INLINE vf lb_decode_fp8(vi u) {
-  if constexpr (M == 2) return lb_f16_bits_to_f32(lb_lo16(u) << 8);  // 16-bit lanes: half the width to shift
-  const vi mag = u & 0x7F;
-  const vf v = mag == 0x7F ? lb_nan() : lb_f16_bits_to_f32(lb_lo16(mag) << 7) * 256.0f;
-  return lb_bits_f(lb_bits_i(v) | ((u << 24) & (int32_t)0x80000000));  // the sign: a shift and a ternlog
+  const vh w = lb_lo16(u);
+  if constexpr (M == 2) return lb_f16_bits_to_f32(w << 8);
+  typedef int16_t vhs __attribute__((vector_size(2 * LB_W)));
+  const vh h = (vh)((vhs)(w << 8) >> 1);  // the sign in bits 15 and 14, the magnitude in 7-13
+  return lb_f16_bits_to_f32(h ^ ((h + 0x80) & 0x4000));  // bit 14 cleared, or set for all-ones (NaN)
 }
 // fp8 codes of y in range (|y| at most a few ulps over qmax, which rounds to qmax), half to even as
 // c10's fp8*_from_fp32_value (formats.encode): from 2^MIN_EXP up the fp32 bits rounded to M mantissa
@@ -577,9 +581,12 @@ LB_INLINE vi lb_encode_dynamic8(vf y) {
   return code;
 }
 
-// Codes (one per lane, as lb_ld_codes widens them) -> values relative to the block scale.
+// lb_decode_units' unit: e4m3 decodes to the value / 256, which the block's scale times 256 undoes.
+template <int F>
+constexpr float lb_unit = F == LB_E4M3 ? 256.0f : 1.0f;
+// Codes (one per lane, as lb_ld_codes widens them) -> values relative to the block scale, in lb_unit.
 template <int F, bool U>
-LB_INLINE vf lb_decode(vi u) {
+LB_INLINE vf lb_decode_units(vi u) {
   if constexpr (F == LB_INT8) return __builtin_convertvector(u, vf);
   else if constexpr (F == LB_SQRT8) {  // the code is the square root: c * |c|
     const vf c = __builtin_convertvector(u, vf);
@@ -587,6 +594,12 @@ LB_INLINE vf lb_decode(vi u) {
   }
   else if constexpr (F == LB_E4M3 || F == LB_E5M2) return lb_decode_fp8<lb_format<F, U>::mantissa>(u);
   else return lb_decode_dynamic8<U>(u);
+}
+// Codes -> values relative to the block scale.
+template <int F, bool U>
+LB_INLINE vf lb_decode(vi u) {
+  if constexpr (lb_unit<F> == 1.0f) return lb_decode_units<F, U>(u);
+  else return lb_decode_units<F, U>(u) * lb_unit<F>;
 }
 
 // The codes of values already in the format's range (lb_encode clamps first): int8's y in [-qmax,
@@ -682,7 +695,8 @@ static inline uint16_t lb_patch_bits(float x, lb_rand rnd, int64_t index) {  // 
 
 // Codes of a block whose scale is `scale` (its magnitude, splat) back to values (blockquant.decode_scaled):
 // in a flagged block (the scale's sign bit set: `flagged`, a per-block constant, so the branch is free)
-// the format's three special codes are +inf, -inf and NaN, and a non-finite decode is not scaled.
+// the format's three special codes are +inf, -inf and NaN, and a non-finite decode is not scaled
+// (lb_decode_flagged: d in lb_unit, the scale times it).
 template <int F, bool U>
 __attribute__((noinline)) static vf lb_decode_flagged(vi u, vf d, vf scale) {
   typedef lb_format<F, U> f;
@@ -694,9 +708,16 @@ __attribute__((noinline)) static vf lb_decode_flagged(vi u, vf d, vf scale) {
 }
 template <int F, bool U>
 LB_INLINE vf lb_decode_scaled(vi u, vf scale, bool flagged) {
-  const vf d = lb_decode<F, U>(u);
-  if (__builtin_expect(!flagged, 1)) return d * scale;
-  return lb_decode_flagged<F, U>(u, d, scale);
+  const vf d = lb_decode_units<F, U>(u);
+  // Exact, and the same product as the value times the scale: a block's scale is at most FLT_MAX / qmax
+  // (blockquant), so times lb_unit it neither overflows nor rounds; a loop invariant, out of the loop.
+  const vf s = lb_unit<F> == 1.0f ? scale : scale * lb_unit<F>;
+  if (__builtin_expect(!flagged, 1)) return d * s;
+  // fp8 decodes the codes' 16-bit form, which the flagged path widens again: no second, 32-bit load
+  // of the codes stays in the loop for it
+  if constexpr (F == LB_E4M3 || F == LB_E5M2)
+    return lb_decode_flagged<F, U>(__builtin_convertvector(lb_lo16(u), vi), d, s);
+  else return lb_decode_flagged<F, U>(u, d, s);
 }
 
 // ---- block quantization with outlier patches (blockquant.quantize_into) -------------------------
