@@ -700,14 +700,54 @@ def optimizers_main(args: argparse.Namespace) -> None:
 
 
 def _write(result: dict, stamp: str, partial: bool) -> None:
-    """The run's JSON and markdown; a full run (default sizes, not --quick) is also latest.md."""
+    """The run's JSON, markdown and plot; a full run (default sizes, not --quick) is also latest.md."""
     result["machine"].setdefault("load_end", load_average())
     base = RESULTS / f"step_bench_{stamp}{'_quick' if partial else ''}"
     base.with_suffix(".json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
     base.with_suffix(".md").write_text(text)
+    plot(result, base.with_suffix(".png"))
     if not partial:
         (RESULTS / "latest.md").write_text(text)
+
+
+def plot(result: dict, path: Path) -> None:
+    """One panel per section: each contender's step over torch's fused fp32 AdamW (the paired median
+    with its IQR, log scale), fused at 1 and the memory floor dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sections = result["sections"]
+    rows = max(len(s["rows"]) for s in sections)
+    fig, axes = plt.subplots(1, len(sections), figsize=(4.2 * len(sections) + 2.5, 0.28 * rows + 1.4),
+                             sharey=True, squeeze=False)
+    names = [r["contender"] for r in max(sections, key=lambda s: len(s["rows"]))["rows"]]
+    colors = {"torch": "tab:gray", "bitsandbytes": "tab:orange", "torchao": "tab:red", "lowbit": "tab:blue",
+              "floor": "black"}
+    for ax, s in zip(axes[0], sections):
+        by_name = {r["contender"]: r for r in s["rows"]}
+        for y, name in enumerate(names):
+            r = by_name.get(name)
+            if r is None:
+                continue
+            x = r.get("x_fused_paired", r["x_fused"])
+            lo, hi = r.get("x_fused_paired_q1", x), r.get("x_fused_paired_q3", x)
+            ax.barh(y, x, color=colors.get(r["family"], "tab:green"), alpha=0.8)
+            ax.errorbar(x, y, xerr=[[x - lo], [hi - x]], fmt="none", color="black", lw=0.8)
+        floor = next((r for r in s["rows"] if r["family"] == "floor"), None)
+        if floor:
+            ax.axvline(floor.get("x_fused_paired", floor["x_fused"]), color="black", ls="--", lw=1)
+        ax.axvline(1.0, color="gray", lw=1)
+        ax.set_xscale("log")
+        ax.set_title(f"{s['size']} {s['dtype']}, {s['threads']} thread(s)", fontsize=9)
+        ax.set_xlabel("x torch fused AdamW (paired median, IQR)", fontsize=8)
+    axes[0][0].set_yticks(range(len(names)), names, fontsize=7)
+    axes[0][0].invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _importable(name: str) -> bool:
