@@ -48,7 +48,8 @@ def _diff(a: str, b: str) -> str:
 class TestPrintedKernels(TestCase):
     def test_default_layout_adamw(self):
         """The default, sqrt8 in blocks of 512, no patches: per block, scalars and lerp's weight tests once,
-        then per vector the previous block's codes of that vector (from the block buffers, before they are
+        the lane loop compiled for each kind of block (lb_versions: codes pending or not, lerp's weight
+        small or not), then per vector the previous block's codes of that vector (from the block buffers, before they are
         overwritten), a prefetch of the next block's inputs, decode m and v (the code squared, times scale), the
         update in fp32 with ATen's fmas and a multiply by 1/bias_correction, the param store, m and v into block
         buffers with lane maxima; then each buffer's scale, its codes left to the next block (or lb_finish: a
@@ -56,7 +57,8 @@ class TestPrintedKernels(TestCase):
         source = emit_step(_adamw(), FAST).source
         kernel = _kernel(source)
         job = source[source.index("static const int LB_N_JOBS"):source.index("static void lb_step_block")]
-        self.assertExpectedInline(job + _vector_loop(kernel) + kernel[kernel.rindex("  }\n  job.len"):], """\
+        after_tail = kernel.index("\n  }", kernel.index("    if (i < len) {")) + 1  # the lane loop's end
+        self.assertExpectedInline(job + _vector_loop(kernel) + kernel[after_tail:], """\
 static const int LB_N_JOBS = 2;
 struct lb_job {  // its codes: the next block's lane loop writes them, or lb_finish
   int64_t len;  // 0: none pending
@@ -123,7 +125,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const vf q_mult_exp_avg = lb_splat(job.mult[0]);
   uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
   const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
-  {
+  const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
     int64_t i = 0;
     int64_t prev_i = -1;  // the lane vector whose late part is pending
     vf prev_v_param = {};
@@ -183,7 +185,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
       if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
     }
-  }
+  };
+  lb_versions(lanes0, fuse, c_lerp_small);
   job.len = len;
   job.codes[0] = p_exp_avg_codes;
   job.rand[0] = lb_rand{};
@@ -240,7 +243,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
     }
   }
   lb_vsqrt(len, sq0);
-  {
+  const auto lanes1 = [&](auto c_lerp_small) LB_INLINE_LAMBDA {
     int64_t i = 0;
     int64_t prev_i = -1;  // the lane vector whose late part is pending
     vf prev_v_param = {};
@@ -309,7 +312,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
       if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
     }
-  }
+  };
+  lb_versions(lanes1, c_lerp_small);
 }""")
 
     def test_each_format_changes_only_its_decode_and_encode(self):
@@ -352,6 +356,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
 -  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
 -  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
+-  const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
++  const auto lanes0 = [&](auto c_lerp_small) LB_INLINE_LAMBDA {
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -      if (fuse) {
@@ -454,6 +460,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
 -  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
 -  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
+-  const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
++  const auto lanes0 = [&](auto c_lerp_small) LB_INLINE_LAMBDA {
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -      if (fuse) {

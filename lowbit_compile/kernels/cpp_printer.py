@@ -61,6 +61,10 @@ _LONG_LATENCY = re.compile(r" / |\blb_sqrt\(")
 # permutes, two fmas and a floor per vector) runs slower that way than in a loop of its own
 # (bench/results/cpu_fused_encode.md).
 _FUSED_ENCODES = frozenset({"int8", "sqrt8", "fp8_e4m3", "fp8_e5m2"})
+# Per-block bools (a fused encode pending, lerp's weight test) the lane loop is compiled for each
+# combination of (lb_versions): without their tests inside, GCC schedules the loop as one block. At most
+# this many, 2^n copies of the loop.
+_MAX_SWITCHES = 3
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,7 @@ class CppPrinter:
         self.late: list[str] = []  # the param's write-backs (_pipeline may run them one lane vector late)
         self.staged: list[tuple[str, str]] = []  # (buffer, the lane value whose sqrt it takes)
         self.bf16_of: dict[str, str] = {}  # a lane vector rounded to bf16 -> the fp32 operand it rounds
+        self.switches: list[str] = []  # per-block bools that pick a lane operand: the lane loop's versions
         self.names: set[str] = set()
 
     # ---- inputs ---------------------------------------------------------------------------------
@@ -497,9 +502,11 @@ class CppPrinter:
         dtype = a.dtype if a.dtype == b.dtype else torch.float32
         if _kind(cond, a, b) is Kind.SCALAR:
             return Value(f"{_operand(cond)} ? {_operand(a)} : {_operand(b)}", dtype, Kind.SCALAR, atomic=False)
-        # a lane mask selects lane by lane; a scalar condition picks one operand (GCC tests it in the
-        # loop: a branch that always goes one way is cheaper than a blend on the busy vector units)
+        # a lane mask selects lane by lane; a scalar condition picks one operand, and a named one is a
+        # parameter of the lane loop's versions (_versioned: no test or blend inside the loop)
         if cond.kind is Kind.SCALAR:
+            if re.fullmatch(r"[A-Za-z_]\w*", cond.text) and cond.text not in self.switches:
+                self.switches.append(cond.text)
             return Value(f"({_operand(cond)} ? {self._vec(a)} : {self._vec(b)})", dtype, Kind.ELEMENT)
         return Value(f"{_operand(cond)} ? {self._vec(a)} : {self._vec(b)}", dtype, Kind.ELEMENT, atomic=False)
 
@@ -634,7 +641,12 @@ class CppPrinter:
             # The lane body appears twice, for whole vectors and for the tail, with no closure: values
             # that live across iterations (scalars, top-K accumulators) stay in registers.
             piped = lane_body if isinstance(lane_body, _Pipelined) else None
-            out.append(f"{ind}{{")
+            text = "\n".join(lane_body.early + lane_body.late if piped else lane_body)
+            switches = (["fuse"] if k == 0 and fused else []) + [
+                name for name in self.switches if re.search(rf"\b{name}\b", text)]
+            switches = switches[:_MAX_SWITCHES]
+            params = ", ".join(f"auto {name}" for name in switches)
+            out.append(f"{ind}const auto lanes{k} = [&]({params}) LB_INLINE_LAMBDA {{" if switches else f"{ind}{{")
             out.append(f"{ind}  int64_t i = 0;")
             if piped:
                 out.append(f"{ind}  int64_t prev_i = -1;  // the lane vector whose late part is pending")
@@ -664,7 +676,9 @@ class CppPrinter:
             out.append(f"{ind}    const int64_t r = len - i;")
             out += _indent(lane_body, ind + "    ")
             out.append(f"{ind}  }}")
-            out.append(f"{ind}}}")
+            out.append(f"{ind}}}" if not switches else f"{ind}}};")
+            if switches:
+                out.append(f"{ind}lb_versions(lanes{k}, {', '.join(switches)});")
             if k == 0 and len(passes) > 1:
                 out += [f"{ind}lb_vsqrt(len, {buf});" for buf, _ in self.staged]
         if written:

@@ -37,6 +37,21 @@ typedef uint8_t vb __attribute__((vector_size(LB_W)));
 typedef int8_t vc __attribute__((vector_size(LB_W)));
 
 #define LB_INLINE static inline __attribute__((always_inline))
+#define LB_INLINE_LAMBDA __attribute__((always_inline))
+
+// A runtime bool as a compile-time one: lb_versions calls f once per combination of its bools' values,
+// each call a copy of f with those tests folded away (a lane loop per kind of block).
+template <bool B>
+struct lb_const {
+  constexpr operator bool() const { return B; }
+};
+template <class F>
+LB_INLINE void lb_versions(const F& f) { f(); }
+template <class F, class... B>
+LB_INLINE void lb_versions(const F& f, bool b, B... rest) {
+  if (b) lb_versions([&](auto... c) LB_INLINE_LAMBDA { f(lb_const<true>{}, c...); }, rest...);
+  else lb_versions([&](auto... c) LB_INLINE_LAMBDA { f(lb_const<false>{}, c...); }, rest...);
+}
 
 // A broadcast: the integer form, because (vf){} + x is an add GCC may not drop (-0 + 0 is +0) and,
 // re-materialized inside a loop short of registers, costs an add and a shuffle per use.
