@@ -720,10 +720,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sections = result["sections"]
-    rows = max(len(s["rows"]) for s in sections)
-    fig, axes = plt.subplots(1, len(sections), figsize=(4.2 * len(sections) + 2.5, 0.28 * rows + 1.4),
-                             sharey=True, squeeze=False)
     names = [r["contender"] for r in max(sections, key=lambda s: len(s["rows"]))["rows"]]
+    fig, axes = plt.subplots(1, len(sections), figsize=(4.2 * len(sections) + 2.5, 0.28 * len(names) + 1.4),
+                             sharey=True, squeeze=False)
     colors = {"torch": "tab:gray", "bitsandbytes": "tab:orange", "torchao": "tab:red", "lowbit": "tab:blue",
               "floor": "black"}
     for ax, s in zip(axes[0], sections):

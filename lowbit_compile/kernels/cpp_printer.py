@@ -53,6 +53,7 @@ _LOAD = {torch.float32: "lb_ld", torch.bfloat16: "lb_ld_bf16", torch.float16: "l
 _STORE = {torch.float32: "lb_st", torch.bfloat16: "lb_st_bf16", torch.float16: "lb_st_f16"}
 _ROUND = {torch.bfloat16: "lb_round_bf16", torch.float16: "lb_round_f16"}
 _LANE_NAME = re.compile(r"\bv_\w+")
+_IDENT = re.compile(r"[A-Za-z_]\w*")  # a C++ name: a value bound to one
 _LANE_TYPE = re.compile(r"(?:const )?(vf|vi) ")  # a lane statement's declared type
 _PER_LANE = re.compile(r"\b(?:i|r|full)\b")  # a statement that reads memory at the lane vector's index
 _LONG_LATENCY = re.compile(r" / |\blb_sqrt\(")
@@ -397,7 +398,7 @@ class CppPrinter:
         self.late.append("{\n" + "\n".join(f"  {line}" for line in lines) + "\n}")
 
     def bind(self, value: Value, name: str) -> Value:
-        if value.atomic and (value.literal is not None or re.fullmatch(r"[A-Za-z_]\w*", value.text)):
+        if value.atomic and (value.literal is not None or _IDENT.fullmatch(value.text)):
             return value
         ctype = ("bool" if value.kind is Kind.SCALAR else "vi") if value.dtype == torch.bool else (
             "float" if value.kind is Kind.SCALAR else "vf")
@@ -503,9 +504,9 @@ class CppPrinter:
         if _kind(cond, a, b) is Kind.SCALAR:
             return Value(f"{_operand(cond)} ? {_operand(a)} : {_operand(b)}", dtype, Kind.SCALAR, atomic=False)
         # a lane mask selects lane by lane; a scalar condition picks one operand, and a named one is a
-        # parameter of the lane loop's versions (_versioned: no test or blend inside the loop)
+        # parameter of the lane loop's versions (lb_versions, _MAX_SWITCHES: no test inside the loop)
         if cond.kind is Kind.SCALAR:
-            if re.fullmatch(r"[A-Za-z_]\w*", cond.text) and cond.text not in self.switches:
+            if _IDENT.fullmatch(cond.text) and cond.text not in self.switches:
                 self.switches.append(cond.text)
             return Value(f"({_operand(cond)} ? {self._vec(a)} : {self._vec(b)})", dtype, Kind.ELEMENT)
         return Value(f"{_operand(cond)} ? {self._vec(a)} : {self._vec(b)}", dtype, Kind.ELEMENT, atomic=False)
@@ -638,8 +639,9 @@ class CppPrinter:
                 if w.rand:
                     out.append(f"{ind}const lb_rand q_rand_{w.key} = job.rand[{j}];")
         for k, lane_body in enumerate(passes):
-            # The lane body appears twice, for whole vectors and for the tail, with no closure: values
-            # that live across iterations (scalars, top-K accumulators) stay in registers.
+            # The lane body appears twice, for whole vectors and for the tail, inline (where it has
+            # versions, in a lambda forced inline into each): values that live across iterations
+            # (scalars, top-K accumulators) stay in registers.
             piped = lane_body if isinstance(lane_body, _Pipelined) else None
             text = "\n".join(lane_body.early + lane_body.late if piped else lane_body)
             switches = (["fuse"] if k == 0 and fused else []) + [
