@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import checkpoint, master, sharding
 from . import rounding as counter
@@ -66,7 +67,8 @@ class _Wrapped:
         self.previous_step = previous_step
         self.hooks = hooks
         self.names: dict[torch.Tensor, str] = {}
-        self.prepared: dict[torch.Tensor, Prepared] = {}  # per parameter, reused while valid
+        # per parameter, reused while valid; weak, so a parameter the optimizer lets go of is freed
+        self.prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.plan: StepPlan | None = None  # the last step's bound launches, reused while they fit
 
 

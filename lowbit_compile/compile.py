@@ -95,8 +95,14 @@ def step_request(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
            tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
            master.tag() if master is not None else None, opmath, tuple(sorted(stochastic)))
     return StepRequest(key, [s.get(tgroup) for s in slots],
-                       lambda: _Builder(skeleton(opt), tgroup, slots, dtype, param.device, example, schema, formats,
-                                        config.backend, master, opmath, stochastic))
+                       lambda: _Builder(skeleton(opt), _without_params(tgroup), slots, dtype, param.device, example,
+                                        schema, formats, config.backend, master, opmath, stochastic))
+
+
+def _without_params(tgroup: dict) -> dict:
+    """What a builder keeps of a group (a branching step's builder lives as long as its kernel, in the
+    process-wide cache): not the group's parameters."""
+    return {k: v for k, v in tgroup.items() if k != "params"}
 
 
 def compile_steps(requests: Sequence[StepRequest]) -> list[CompiledStep]:

@@ -1,6 +1,6 @@
-"""Run a step: bind each parameter's tensors to its compiled step's inputs (once, refreshing only
-the grad and hyperparameters on later steps) and launch every parameter of a group that shares a
-kernel in one call."""
+"""Run a step: bind each parameter's tensors to its compiled step's inputs (the states once; the
+param, grad and hyperparameters for each step, and let go when it ends) and launch every parameter
+of a group that shares a kernel in one call."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def bind_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: t
             if copied:
                 write_back.append((tensor, flat))
             args.append(flat)
-        elif role is Role.GRAD:
-            args.append(grad.reshape(-1))
+        elif role is Role.GRAD:  # in the param's shape: the launch flattens it (a strided one for that run)
+            args.append(grad)
         elif role is Role.SCALAR_STATE:
             args.append(state[key])
         elif role is Role.STATE_PART:
@@ -115,31 +115,33 @@ class _Bucket:
     group: dict
     rows: list[list] = field(default_factory=list)
     launch: Launch | None = None
+    param_index: int = -1
     grad_index: int = -1
     hypers: tuple = ()  # (row index, param-group slot) of each hyperparameter input
 
 
 @dataclass
 class _Member:
-    """One parameter of the plan: where its row is, and what must still hold for the row to be right."""
+    """One parameter of the plan: where its row is, and what must still hold for the row to be right.
+    It holds no tensor of the parameter's: its storage is checked by pointer, its grad found anew."""
 
-    param: torch.Tensor
     state: dict
-    entries: tuple  # the ids of the state's values
+    entries: tuple  # the ids of the state's values (the rows hold the values, so the ids stay theirs)
     shape: torch.Size
+    dtype: torch.dtype
     ptr: int  # the param's data pointer (of its local shard: a DTensor's is its local tensor's)
     sharded: bool
     bucket: _Bucket
     row: int
-    grad: torch.Tensor
 
 
 class StepPlan:
     """One optimizer's step as its last full preparation bound it: every parameter's row, and one
     prepared launch per group and compiled step. A later step that finds the same groups, params,
-    storage, states, config and guards (:meth:`refresh`) only re-points the grads that are new
-    tensors and reads the hyperparameters' current values, then runs (:meth:`run`): a few attribute
-    checks per parameter instead of a preparation."""
+    storage, states, config and guards (:meth:`refresh`) binds each parameter's current grad and the
+    hyperparameters' current values, then runs (:meth:`run`): a few attribute checks per parameter
+    instead of a preparation. Between steps the rows hold only the optimizer's states: no param
+    storage, grad or hyperparameter tensor outlives the step that used it."""
 
     def __init__(self, opt: torch.optim.Optimizer, config: Config,
                  items: list[tuple[Prepared, dict, torch.Tensor, torch.Tensor, dict]]) -> None:
@@ -153,13 +155,14 @@ class StepPlan:
             if bucket is None:
                 roles = compiled.inputs
                 bucket = self.buckets[id(compiled), id(group)] = _Bucket(
-                    compiled, group, grad_index=next(i for i, (role, _) in enumerate(roles) if role is Role.GRAD),
+                    compiled, group, param_index=next(i for i, (role, _) in enumerate(roles) if role is Role.PARAM),
+                    grad_index=next(i for i, (role, _) in enumerate(roles) if role is Role.GRAD),
                     hypers=tuple((i, key) for i, (role, key) in enumerate(roles) if role is Role.HYPERPARAMETER))
             args, write_back = bind_param(compiled, group, param, grad, state)
             self.write_back += write_back
-            members[id(param)] = _Member(param, state, tuple(map(id, state.values())), param.shape,
+            members[id(param)] = _Member(state, tuple(map(id, state.values())), param.shape, grad.dtype,
                                          sharding.local(param).data_ptr(), sharding.is_sharded(param), bucket,
-                                         len(bucket.rows), grad)
+                                         len(bucket.rows))
             bucket.rows.append(args)
         for bucket in self.buckets.values():
             bucket.launch = bucket.compiled.kernel.launch(bucket.rows)
@@ -171,7 +174,14 @@ class StepPlan:
         self.reusable = not self.write_back and not any(b.compiled.fresh for b in self.buckets.values())
 
     def refresh(self, opt: torch.optim.Optimizer, config: Config) -> bool:
-        """Whether this plan still binds ``opt``'s step; if so, its rows now hold the current grads."""
+        """Whether this plan still binds ``opt``'s step; if so, its rows now hold the current params,
+        grads and hyperparameters (until :meth:`run` ends)."""
+        if self._bind(opt, config):
+            return True
+        self._release()
+        return False
+
+    def _bind(self, opt: torch.optim.Optimizer, config: Config) -> bool:
         if config is not self.config or len(opt.param_groups) != len(self.groups):
             return False
         state_of = opt.state
@@ -189,14 +199,12 @@ class StepPlan:
                     continue
                 storage = p._local_tensor if m.sharded else p
                 if (grad is None or state_of.get(p) is not m.state or storage.data_ptr() != m.ptr
+                        or grad.layout is not torch.strided or grad.shape != m.shape or grad.dtype is not m.dtype
                         or tuple(map(id, m.state.values())) != m.entries):  # a state entry replaced
                     return False
-                if grad is not m.grad:
-                    if grad.layout is not torch.strided or grad.shape != m.shape:
-                        return False
-                    m.grad = grad
-                    m.bucket.rows[m.row][m.bucket.grad_index] = grad._local_tensor if m.sharded else grad
-                    m.bucket.launch.changed(m.row, m.bucket.grad_index)
+                row = m.bucket.rows[m.row]
+                row[m.bucket.param_index] = storage
+                row[m.bucket.grad_index] = grad._local_tensor if m.sharded else grad
             for bucket in self.buckets.values():
                 if bucket.group is group:
                     if not bucket.compiled.guard(values):
@@ -208,11 +216,23 @@ class StepPlan:
         return True
 
     def grads(self) -> list[torch.Tensor]:
-        return [m.grad for *_, members in self.groups for m in members if m is not None]
+        """The grads bound for this step (between :meth:`refresh` or construction and :meth:`run`)."""
+        return [row[b.grad_index] for b in self.buckets.values() for row in b.rows]
 
     def run(self) -> None:
-        for bucket in self.buckets.values():
-            bucket.launch.run()
-        for dst, flat in self.write_back:
-            dst.copy_(flat.view(dst.shape))
+        try:
+            for bucket in self.buckets.values():
+                bucket.launch.run()
+            for dst, flat in self.write_back:
+                dst.copy_(flat.view(dst.shape))
+        finally:
+            self._release()
 
+    def _release(self) -> None:
+        """Take this step's params, grads and tensor hyperparameters out of the rows."""
+        for bucket in self.buckets.values():
+            tensors = [i for i, _ in bucket.hypers if isinstance(bucket.rows[0][i], torch.Tensor)]
+            for row in bucket.rows:
+                row[bucket.param_index] = row[bucket.grad_index] = None
+                for i in tensors:
+                    row[i] = None

@@ -71,11 +71,9 @@ class CpuStep:
         every buffer checked and its pointer in the call's table."""
         return CpuLaunch(self, rows)
 
-    def check(self, row: Sequence[object], i: int, n: int, spec: PointerInput, dtypes: frozenset,
-              keep: list[torch.Tensor]) -> int:
+    def check(self, row: Sequence[object], i: int, n: int, spec: PointerInput, dtypes: frozenset) -> int:
         """The data pointer of input ``i`` of a row of ``n`` elements, after checking its dtype, length
-        and layout (a wrong binding must fail here, not write out of bounds); a strided read-only input
-        is read from a contiguous copy, kept alive in ``keep``."""
+        and layout (a wrong binding must fail here, not write out of bounds)."""
         t = row[i]
         blocks = -(-n // self.emitted.block)
         expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0,
@@ -84,42 +82,45 @@ class CpuStep:
             raise ValueError(f"input {spec.name!r}: expected {expected} elements of {spec.dtype}, got "
                              f"{t.numel()} of {t.dtype}")
         if not t.is_contiguous():
-            if spec.written:
-                raise ValueError(f"input {spec.name!r} must be contiguous (it is written in place)")
-            t = t.contiguous()
-            keep.append(t)
+            raise ValueError(f"input {spec.name!r} must be contiguous (it is bound once, by its pointer)")
         return t.data_ptr()
 
 
 class CpuLaunch:
     """Kernel calls over fixed rows (one parameter's inputs each), kept between steps: each call's
-    pointer table is built once; a step re-points the grads that are new objects (:meth:`set_grad`)
-    and reads the rows' hyperparameters as they are when it runs (:meth:`run`). The prologue runs
-    once per call, on its first row, and the other rows' scalar states are set to its result."""
+    pointer table is built once, but for the grads, which :meth:`run` reads from the rows and points
+    to on every run (a strided grad through a copy made for that run); it reads the rows'
+    hyperparameters as they are when it runs. The prologue runs once per call, on its first row, and
+    the other rows' scalar states are set to its result. The param's pointer stays in the table: the
+    caller checks its ``data_ptr()`` before each run."""
 
     def __init__(self, step: CpuStep, rows: Sequence[list]) -> None:
         self.step = step
         self.rows = rows
-        self.grad_check = next((c for c in step.checks if c[0] == step.grad_arg), None)
         self.grad_arg = step.grad_arg
+        grad_check = next((c for c in step.checks if c[0] == step.grad_arg), None)
+        self.grad_dtypes = grad_check[1] if grad_check is not None else frozenset()
+        self.sizes = [row[step.param_arg].numel() for row in rows]
+        self.pointers = [self._pointers(row, n) for row, n in zip(rows, self.sizes)]
         self._build()
+
+    def _pointers(self, row: Sequence[object], n: int) -> list[int]:
+        """Row ``row``'s pointers in table order, the grad's as 0 (bound by each run)."""
+        step = self.step
+        return [0 if i == self.grad_arg else step.check(row, i, n, spec, dtypes) for i, dtypes, spec in step.checks]
 
     def _build(self) -> None:
         step = self.step
+        grad_slot = next((k for k, (i, _, _) in enumerate(step.checks) if i == self.grad_arg), None)
         self.calls: list[tuple[list[int], array]] = []
-        self.where: dict[int, tuple[array, int]] = {}  # row -> (its call's table, the slot of its grad pointer)
-        self.keep: dict[int, list[torch.Tensor]] = {}
+        self.grad_slots: list[tuple[array, int, int]] = []  # (a call's table, the slot of a grad pointer, row)
         for members in same_scalar_states(self.rows, step.scalar_states):
             table = array("q")
             for r in members:
-                row, keep = self.rows[r], []
-                n = row[step.param_arg].numel()
-                table.append(n)
-                for i, dtypes, spec in step.checks:
-                    if i == self.grad_arg:
-                        self.where[r] = (table, len(table))
-                    table.append(step.check(row, i, n, spec, dtypes, keep))
-                self.keep[r] = keep
+                if grad_slot is not None:
+                    self.grad_slots.append((table, len(table) + 1 + grad_slot, r))
+                table.append(self.sizes[r])
+                table.extend(self.pointers[r])
             self.calls.append((members, table))
         self.scalar_tensors = [self.rows[r][k] for r in range(len(self.rows)) for k in step.scalar_states]
         self.versions = self._versions()
@@ -128,21 +129,25 @@ class CpuLaunch:
         """In-place writes to the scalar states since our own (someone reset a step count)."""
         return [t._version for t in self.scalar_tensors]
 
-    def changed(self, r: int, i: int) -> None:
-        """``rows[r][i]`` is a new tensor: the grad is re-pointed; any other input needs a new launch."""
-        if i != self.grad_arg:
-            raise ValueError(f"only the grad of a prepared launch may change, not input {i}")
-        row = self.rows[r]
-        table, slot = self.where[r]
-        _, dtypes, spec = self.grad_check
-        keep: list[torch.Tensor] = []
-        table[slot] = self.step.check(row, i, row[self.step.param_arg].numel(), spec, dtypes, keep)
-        self.keep[r] = keep
+    def _bind_grads(self, copies: list[torch.Tensor]) -> None:
+        """Point every table at its rows' current grads, checked; strided ones through fresh copies."""
+        rows, sizes, dtypes, gi = self.rows, self.sizes, self.grad_dtypes, self.grad_arg
+        for table, slot, r in self.grad_slots:
+            grad = rows[r][gi]
+            if grad.dtype not in dtypes or grad.numel() != sizes[r]:
+                raise ValueError(f"the grad of row {r}: expected {sizes[r]} elements of {sorted(map(str, dtypes))}, "
+                                 f"got {grad.numel()} of {grad.dtype}")
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+                copies.append(grad)
+            table[slot] = grad.data_ptr()
 
     def run(self) -> None:
         step = self.step
         if step.scalar_states and self._versions() != self.versions:
             self._build()  # the step counts were changed from outside: group the rows again
+        copies: list[torch.Tensor] = []  # this run's contiguous copies of strided grads: freed on return
+        self._bind_grads(copies)
         for members, table in self.calls:
             first = self.rows[members[0]]
             outputs = step.prologue(*(first[i] for i in step.prologue_args))

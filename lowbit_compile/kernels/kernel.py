@@ -11,6 +11,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch.fx import GraphModule
+
+from .contract import Role, role_of
 
 
 class BuildError(RuntimeError):
@@ -20,13 +23,12 @@ class BuildError(RuntimeError):
 class Launch(Protocol):
     """Kernel calls over fixed rows (the top-level inputs of the split step graph for one parameter
     each: param, grad, states or their storage parts, hyperparameters, in graph order), prepared once
-    and run on every step the rows stay bound: the caller updates the rows in place (new grads, the
-    hyperparameters' current values) and says which tensors are new objects."""
+    and run on every step the rows stay bound. The caller owns the rows: before each run it puts in
+    them that step's param and grad (in the param's shape, any strides) and hyperparameters, and
+    takes them out after, so nothing of a step outlives it; a launch keeps no reference to a grad (nor
+    a copy of one) once :meth:`run` returns. The states and their storage parts stay bound."""
 
     rows: Sequence[list]
-
-    def changed(self, r: int, i: int) -> None:
-        """``rows[r][i]`` is a new grad (in the param's shape): re-check and re-point it."""
 
     def run(self) -> None:
         """Step every row with the rows' current values."""
@@ -43,17 +45,27 @@ class StepKernel(Protocol):
 
 
 class RowLaunch:
-    """A launch that runs its rows through ``run`` each time (nothing to prepare)."""
+    """A launch that runs its rows through ``run`` each time (nothing to prepare). The inputs at
+    ``flat`` (the param and grad, which the caller binds in the param's shape) are passed as flat
+    contiguous views, as the step graph is traced: a strided grad through a copy made for that run."""
 
-    def __init__(self, run: Callable[[Sequence[list]], None], rows: Sequence[list]) -> None:
+    def __init__(self, run: Callable[[Sequence[list]], None], rows: Sequence[list], flat: Sequence[int] = ()) -> None:
         self._run = run
         self.rows = rows
-
-    def changed(self, r: int, i: int) -> None:
-        self.rows[r][i] = self.rows[r][i].reshape(-1)  # the step graph is traced on flat tensors
+        self.flat = frozenset(flat)
 
     def run(self) -> None:
-        self._run(self.rows)
+        if not self.flat:
+            self._run(self.rows)
+            return
+        self._run([[v.reshape(-1).contiguous() if i in self.flat else v for i, v in enumerate(row)]
+                   for row in self.rows])
+
+
+def per_step_inputs(step: GraphModule) -> tuple[int, ...]:
+    """The positions of a split step's param and grad among its top-level inputs."""
+    top = [n for n in step.graph.nodes if n.op == "placeholder"]
+    return tuple(i for i, n in enumerate(top) if role_of(n) in (Role.PARAM, Role.GRAD))
 
 
 def same_scalar_states(rows: Sequence[Sequence[object]], indices: Sequence[int]) -> list[list[int]]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch.fx import GraphModule
 
-from .kernel import RowLaunch
+from .kernel import RowLaunch, per_step_inputs
 
 
 class ReferenceStep:
@@ -22,9 +22,10 @@ class ReferenceStep:
 
     def __init__(self, step: GraphModule) -> None:
         self.step = step
+        self.flat = per_step_inputs(step)
 
     def launch(self, rows: Sequence[list]) -> RowLaunch:
-        return RowLaunch(self._run, rows)
+        return RowLaunch(self._run, rows, self.flat)
 
     def _run(self, rows: Sequence[list]) -> None:
         for row in rows:

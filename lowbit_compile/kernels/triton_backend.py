@@ -25,7 +25,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from . import blockquant
 from .backends import interpreting
 from .formats import StateFormat, dynamic_level_table
-from .kernel import BuildError, RowLaunch
+from .kernel import BuildError, RowLaunch, per_step_inputs
 from .lowering import Target
 from .triton_printer import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
 
@@ -266,9 +266,10 @@ class TritonStep:
         root.body = FusedStepBody(kernel)
         self.kernel = kernel
         self.graph = GraphModule(root, copy.deepcopy(step.graph), "FusedStep")
+        self.flat = per_step_inputs(step)
 
     def launch(self, rows: Sequence[list]) -> RowLaunch:
-        return RowLaunch(self._run, rows)
+        return RowLaunch(self._run, rows, self.flat)
 
     def _run(self, rows: Sequence[list]) -> None:
         for row in rows:
