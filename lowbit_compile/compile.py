@@ -32,7 +32,7 @@ from .passes.signs import NonnegProof, prove_nonneg
 from .passes.split import split_prologue
 from .passes.trace import BranchFlipped, HyperSlot, TracedStep, check_branch, hyper_slots
 from .state_schema import StateSchema, example_state
-from .trace_cache import TRACE_LOCK, skeleton, trace_example, trace_group, trace_key, traced
+from .trace_cache import TRACE_LOCK, LruCache, skeleton, trace_example, trace_group, trace_key, traced
 
 
 @dataclass
@@ -50,7 +50,7 @@ class CompiledStep:
     fresh: tuple[tuple[str, StateFormat, torch.dtype], ...] = ()
 
 
-_compiled: dict[tuple, list[CompiledStep]] = {}
+_compiled: LruCache = LruCache()  # signature -> its compiled steps (one per guard)
 COUNTER_KEYS = (*MASTER_KEYS, ROUNDING_SEED)  # states of ours, not the stock step's: never traced
 
 

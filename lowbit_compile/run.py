@@ -15,7 +15,7 @@ from .kernels.contract import Role
 from .kernels.kernel import Launch
 from .passes.trace import hyper_slots, static_group_items, tensor_meta
 from .state_schema import filled
-from .trace_cache import trace_group
+from .trace_cache import LruCache, trace_group
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -68,7 +68,7 @@ def group_signature(group: dict) -> tuple[tuple, list]:
     return _signatures.setdefault(sig, sig), [s.get(tgroup) for s in slots]
 
 
-_signatures: dict[tuple, tuple] = {}  # one object per distinct group signature: compared by identity
+_signatures: LruCache = LruCache()  # one object per distinct group signature: compared by identity
 
 
 @dataclass

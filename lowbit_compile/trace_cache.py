@@ -8,6 +8,7 @@ the compile path holds for the whole of a signature's trace-rewrite-build.
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any
 
@@ -21,7 +22,33 @@ from .state import QuantizedState
 _IMPL_FLAGS = {"foreach": False, "fused": False}
 
 TRACE_LOCK = threading.RLock()
-_traces: dict[tuple, list[TracedStep]] = {}
+
+
+class LruCache(collections.OrderedDict):
+    """A process-wide cache of the ``limit`` signatures used last: a run whose signatures keep
+    changing (a new group entry each step) evicts old ones instead of growing without bound."""
+
+    def __init__(self, limit: int = 256) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        self[key] = default
+        if len(self) > self.limit:
+            self.popitem(last=False)
+        return default
+
+
+_traces: LruCache = LruCache()  # signature -> its traces (one per way its guards can go)
 
 
 def trace_group(group: dict) -> dict:

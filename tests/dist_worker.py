@@ -12,6 +12,7 @@ import datetime
 import os
 import sys
 import traceback
+import weakref
 from pathlib import Path
 
 import torch
@@ -74,6 +75,16 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed: 
         opt.zero_grad()
 
 
+def assert_grads_die(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    """The optimizer keeps no grad shard past its step: ``zero_grad(set_to_none=True)`` frees each."""
+    gen = torch.Generator().manual_seed(seed)
+    model(torch.randn(16, 10, generator=gen)).backward()
+    storages = [weakref.ref(p.grad._local_tensor.untyped_storage()) for p in model.parameters()]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert all(r() is None for r in storages), "a grad shard outlived its step"
+
+
 def full(model: torch.nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
 
@@ -130,6 +141,8 @@ def fsdp(rank: int, world: int, workdir: Path) -> None:
         train(net, opt, 2, seed=1)
     assert bitwise(full(nets[0]), full(nets[1])), "fp32 on FSDP2 shards differs from stock AdamW"
     stock_dcp_into_wrapped(nets[1], opts[1], workdir)
+    for _ in range(2):  # the first step prepares, the second replays the plan
+        assert_grads_die(nets[0], opts[0], seed=3)
 
     net = fsdp_net()
     opt = lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **CONFIG)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -79,11 +80,17 @@ class HyperSlot:
 
     def get(self, group: dict) -> Any:
         value = group[self.key]
-        return value if self.index is None else value[self.index]
+        if self.index is not None:
+            value = value[self.index]
+        return value if type(value) is float or self.is_tensor else float(value)  # a numpy float, a Fraction
 
 
 def _dynamic(value: object) -> bool:
-    return (type(value) is float) or isinstance(value, torch.Tensor)
+    """A value a schedule may change: a tensor, or a real number that is not an integer (a Python or
+    numpy float, a Fraction; bools and ints are flags and counts, baked into the trace)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
 
 
 _slot = functools.cache(HyperSlot)  # one object per slot: built once, not on every step's signature
