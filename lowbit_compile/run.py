@@ -127,8 +127,6 @@ class _Member:
 
     state: dict
     entries: tuple  # the ids of the state's values (the rows hold the values, so the ids stay theirs)
-    shape: torch.Size
-    dtype: torch.dtype
     ptr: int  # the param's data pointer (of its local shard: a DTensor's is its local tensor's)
     sharded: bool
     bucket: _Bucket
@@ -160,9 +158,8 @@ class StepPlan:
                     hypers=tuple((i, key) for i, (role, key) in enumerate(roles) if role is Role.HYPERPARAMETER))
             args, write_back = bind_param(compiled, group, param, grad, state)
             self.write_back += write_back
-            members[id(param)] = _Member(state, tuple(map(id, state.values())), param.shape, grad.dtype,
-                                         sharding.local(param).data_ptr(), sharding.is_sharded(param), bucket,
-                                         len(bucket.rows))
+            members[id(param)] = _Member(state, tuple(map(id, state.values())), sharding.local(param).data_ptr(),
+                                         sharding.is_sharded(param), bucket, len(bucket.rows))
             bucket.rows.append(args)
         for bucket in self.buckets.values():
             bucket.launch = bucket.compiled.kernel.launch(bucket.rows)
@@ -198,8 +195,9 @@ class StepPlan:
                         return False
                     continue
                 storage = p._local_tensor if m.sharded else p
+                # the grad's dtype, size and layout are checked by the launch, which binds it
                 if (grad is None or state_of.get(p) is not m.state or storage.data_ptr() != m.ptr
-                        or grad.layout is not torch.strided or grad.shape != m.shape or grad.dtype is not m.dtype
+                        or grad.layout is not torch.strided
                         or tuple(map(id, m.state.values())) != m.entries):  # a state entry replaced
                     return False
                 row = m.bucket.rows[m.row]

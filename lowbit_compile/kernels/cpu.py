@@ -99,7 +99,7 @@ class CpuLaunch:
         self.rows = rows
         self.grad_arg = step.grad_arg
         grad_check = next((c for c in step.checks if c[0] == step.grad_arg), None)
-        self.grad_dtypes = grad_check[1] if grad_check is not None else frozenset()
+        self.grad_dtype = grad_check[2].dtype if grad_check is not None else None
         self.sizes = [row[step.param_arg].numel() for row in rows]
         self.pointers = [self._pointers(row, n) for row, n in zip(rows, self.sizes)]
         self._build()
@@ -131,11 +131,11 @@ class CpuLaunch:
 
     def _bind_grads(self, copies: list[torch.Tensor]) -> None:
         """Point every table at its rows' current grads, checked; strided ones through fresh copies."""
-        rows, sizes, dtypes, gi = self.rows, self.sizes, self.grad_dtypes, self.grad_arg
+        rows, sizes, dtype, gi = self.rows, self.sizes, self.grad_dtype, self.grad_arg
         for table, slot, r in self.grad_slots:
             grad = rows[r][gi]
-            if grad.dtype not in dtypes or grad.numel() != sizes[r]:
-                raise ValueError(f"the grad of row {r}: expected {sizes[r]} elements of {sorted(map(str, dtypes))}, "
+            if grad.dtype is not dtype or grad.numel() != sizes[r]:
+                raise ValueError(f"the grad of row {r}: expected {sizes[r]} elements of {dtype}, "
                                  f"got {grad.numel()} of {grad.dtype}")
             if not grad.is_contiguous():
                 grad = grad.contiguous()

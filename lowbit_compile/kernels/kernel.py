@@ -58,8 +58,13 @@ class RowLaunch:
         if not self.flat:
             self._run(self.rows)
             return
-        self._run([[v.reshape(-1).contiguous() if i in self.flat else v for i, v in enumerate(row)]
-                   for row in self.rows])
+        flat_rows = []
+        for row in self.rows:
+            first, *rest = (row[i] for i in self.flat)  # the param and its grad: one dtype and size
+            if any(t.dtype != first.dtype or t.numel() != first.numel() for t in rest):
+                raise ValueError(f"a grad does not match its param: {[(t.dtype, t.numel()) for t in (first, *rest)]}")
+            flat_rows.append([v.reshape(-1).contiguous() if i in self.flat else v for i, v in enumerate(row)])
+        self._run(flat_rows)
 
 
 def per_step_inputs(step: GraphModule) -> tuple[int, ...]:
