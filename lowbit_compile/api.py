@@ -230,22 +230,43 @@ def _check_optimizer(opt: object) -> None:
                 "each parameter, so it cannot run one block at a time (leave this optimizer unwrapped)"
             )
     for i, group in enumerate(opt.param_groups):
-        if group.get("differentiable"):
-            raise ValueError(
-                f"param_groups[{i}] has differentiable=True, which lowbit_compile does not support "
-                "(quantized states cannot carry autograd history); construct the optimizer with "
-                "differentiable=False"
-            )
-        for p in group["params"]:
-            if torch.is_complex(p):
-                raise TypeError(f"param_groups[{i}] holds a complex parameter; lowbit_compile supports real "
-                                "floating-point parameters only")
-            if not p.is_floating_point():
-                raise TypeError(f"param_groups[{i}] holds a {p.dtype} parameter; parameters must be floating point")
+        _check_group(f"param_groups[{i}]", group)
     if not isinstance(opt, SUPPORTED):  # one's own optimizer: trace its step now, to refuse it here if need be
         for group in opt.param_groups:
             for param in {p.dim(): p for p in group["params"]}.values():
                 probe_schema(opt, group, param)
+
+
+def _check_group(where: str, group: dict) -> None:
+    if group.get("differentiable"):
+        raise ValueError(
+            f"{where} has differentiable=True, which lowbit_compile does not support (quantized states "
+            "cannot carry autograd history); use differentiable=False"
+        )
+    for p in group["params"]:
+        if torch.is_complex(p):
+            raise TypeError(f"{where} holds a complex parameter; lowbit_compile supports real "
+                            "floating-point parameters only")
+        if not p.is_floating_point():
+            raise TypeError(f"{where} holds a {p.dtype} parameter; parameters must be floating point")
+
+
+def check_new_group(opt: torch.optim.Optimizer, param_group: dict) -> None:
+    """Refuse a group ``add_param_group`` would add to a wrapped ``opt`` that ``lowbit_compile`` would
+    refuse (before anything changes); a one-shot iterable of params is listed in place, as stock does."""
+    params = param_group["params"]
+    param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+    group = {**opt.defaults, **param_group}
+    _check_group(f"the new param group (param_groups[{len(opt.param_groups)}])", group)
+    if not isinstance(opt, SUPPORTED):
+        for param in {p.dim(): p for p in group["params"]}.values():
+            probe_schema(opt, group, param)
+    backend = getattr(opt, _ATTR).config.backend
+    for p in group["params"]:
+        try:
+            resolve(backend, p.device.type)
+        except BackendError as err:
+            raise ValueError(f"the new param group holds a {p.device.type} parameter: {err}") from None
 
 
 def check_backend(opt: torch.optim.Optimizer, config: Config) -> None:

@@ -99,6 +99,11 @@ def _make_class(base: type[torch.optim.Optimizer], module: str) -> type[torch.op
         super(cls, self).__init__(*args, **kwargs)
         api.lowbit_compile(self, **options)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if api.is_wrapped(self):  # the constructor's groups are checked by lowbit_compile itself
+            api.check_new_group(self, param_group)
+        super(cls, self).add_param_group(param_group)
+
     def __repr__(self) -> str:
         return f"{describe(self)}\n{super(cls, self).__repr__()}"
 
@@ -149,7 +154,7 @@ def _make_class(base: type[torch.optim.Optimizer], module: str) -> type[torch.op
         "__doc__": f"{base.__qualname__} with block-quantized 8-bit states: ``lowbit_compile({base.__qualname__}"
                    "(...), **options)`` as one class.\n\n" + (base.__doc__ or ""),
         "__init__": __init__, "__repr__": __repr__, "__getstate__": __getstate__, "__setstate__": __setstate__,
-        "__reduce_ex__": __reduce_ex__,
+        "__reduce_ex__": __reduce_ex__, "add_param_group": add_param_group,
     }
     cls = type(base.__name__, (base,), namespace)
     return cls

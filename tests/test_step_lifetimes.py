@@ -165,3 +165,22 @@ def test_a_strided_grad_updated_in_place_is_read_as_it_is_now(backend):
         stock.step()
         assert all(torch.equal(p, q) for p, q in zip(params, twin)), step
 
+
+
+# add_param_group after wrapping ----------------------------------------------------------------------
+@pytest.mark.parametrize("group", [
+    pytest.param(lambda: {"params": [torch.nn.Parameter(torch.randn(10))], "differentiable": True}, id="differentiable"),
+    pytest.param(lambda: {"params": [torch.nn.Parameter(torch.randn(10, dtype=torch.complex64))]}, id="complex"),
+    pytest.param(lambda: {"params": iter([torch.nn.Parameter(torch.randn(10, dtype=torch.complex64))])}, id="iterator"),
+])
+def test_add_param_group_after_wrapping_is_checked_like_the_constructor(group):
+    """A group the constructor path would refuse is refused by ``add_param_group`` on a wrapped
+    optimizer, before it is added: the optimizer keeps its groups and still steps."""
+    params = _params()
+    opt = wrap(torch.optim.AdamW(params))
+    with pytest.raises((ValueError, TypeError), match="lowbit_compile"):
+        opt.add_param_group(group())
+    assert len(opt.param_groups) == 1
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
