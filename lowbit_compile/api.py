@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import threading
 import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -70,6 +71,9 @@ class _Wrapped:
         # per parameter, reused while valid; weak, so a parameter the optimizer lets go of is freed
         self.prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.plan: StepPlan | None = None  # the last step's bound launches, reused while they fit
+        # one step at a time: two threads stepping one optimizer take turns (stock's step is not
+        # atomic either, but ours binds rows that a second step would rebind under the first)
+        self.lock = threading.RLock()
 
 
 def lowbit_compile(
@@ -361,13 +365,20 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
         with torch.enable_grad():
             loss = closure()
     wrapped: _Wrapped = getattr(opt, _ATTR)
+    with wrapped.lock:
+        _locked_step(opt, wrapped)
+    return loss
+
+
+def _locked_step(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
+    """The update itself, under the optimizer's lock: bind (or prepare) the plan, unscale, run."""
     config = wrapped.config
     # torch.amp.GradScaler hands an optimizer whose _step_supports_amp_scaling is True (fused=True)
     # still-scaled grads plus these two tensors, and expects it to skip or unscale as the fused
     # stock step does (which also writes the unscaled grad back).
     found_inf = getattr(opt, "found_inf", None)
     if found_inf is not None and found_inf.item():
-        return loss
+        return
     grad_scale = getattr(opt, "grad_scale", None)
     plan, on_meta = wrapped.plan, []
     if plan is None or not plan.refresh(opt, config):
@@ -379,7 +390,6 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     plan.run()
     if on_meta:
         _stock_step(opt, on_meta)
-    return loss
 
 
 def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:

@@ -55,3 +55,31 @@ def test_first_steps_in_many_threads_match_a_sequential_run(monkeypatch, backend
         for a, b in zip(results[k], _run(cls, kwargs, seed, backend)):
             assert torch.equal(a, b), (cls.__name__, seed)
     assert trace_count() - traced_before == traces  # the sequential reruns found every trace cached
+
+
+def test_one_optimizer_stepped_from_two_threads_loses_no_step():
+    """Two threads stepping one wrapped optimizer take turns: every step counts (the step counts and
+    params are those of 2 x 40 sequential steps with the same constant grads)."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in range(60, 300, 8)]
+    twin = [torch.nn.Parameter(torch.zeros(n)) for n in range(60, 300, 8)]
+    for p, q in zip(params, twin):
+        p.grad, q.grad = torch.ones(p.shape), torch.ones(p.shape)
+    opt = lowbit_compile(torch.optim.Adam(params, lr=0.01), "fp32")
+    stock = torch.optim.Adam(twin, lr=0.01, foreach=False)
+    opt.step()
+    barrier = threading.Barrier(2)
+
+    def work():
+        barrier.wait()
+        for _ in range(40):
+            opt.step()
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for _ in range(81):
+        stock.step()
+    assert [float(opt.state[p]["step"]) for p in params] == [81.0] * len(params)
+    assert all(torch.equal(p, q) for p, q in zip(params, twin))
