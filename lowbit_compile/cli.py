@@ -185,8 +185,15 @@ def _check_target(target: tuple[str, str]) -> None:
 
 
 def _signal_number(name: str) -> int:
+    """The signal ``name`` names, if it is one a user sends on purpose: not one that cannot be caught
+    (KILL, STOP), one a fault raises (a handler that returns would hang on SEGV), INT (Ctrl-C must still
+    interrupt) or TERM (a stop request must still stop)."""
     upper = name.upper()
     number = getattr(signal, upper if upper.startswith("SIG") else f"SIG{upper}", None)
     if not isinstance(number, signal.Signals):
         raise ValueError(f"--restore-on-signal: unknown signal {name!r} (e.g. USR1, USR2)")
+    allowed = {signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}
+    if number not in allowed and not signal.SIGRTMIN <= number <= signal.SIGRTMAX:
+        raise ValueError(f"--restore-on-signal: {number.name} cannot be used; use USR1, USR2, HUP or a "
+                         "real-time signal (kill -USR2 PID)")
     return int(number)
