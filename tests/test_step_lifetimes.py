@@ -184,3 +184,21 @@ def test_add_param_group_after_wrapping_is_checked_like_the_constructor(group):
     for p in params:
         p.grad = torch.randn(p.shape)
     opt.step()
+
+
+def test_fp16_params_step_in_fp32_so_stock_fp16_non_finite_values_may_become_finite():
+    """The README's fp16 statement: the 8-bit formats compute an fp16 param's update in fp32, so where
+    stock fp16 AdamW's own arithmetic overflows or divides by an eps that rounds to 0 in fp16, ours
+    stays finite; no element stock keeps finite becomes non-finite."""
+    gen = torch.Generator().manual_seed(0)
+    ours = torch.nn.Parameter(torch.randn(8192, generator=gen).half())
+    twin = torch.nn.Parameter(ours.detach().clone())
+    opt = wrap(torch.optim.AdamW([ours]), "int8")
+    stock = torch.optim.AdamW([twin], foreach=False)
+    for _ in range(3):
+        g = (torch.randn(8192, generator=gen) * torch.logspace(-8, 2, 8192)).half()
+        ours.grad, twin.grad = g, g.clone()
+        opt.step()
+        stock.step()
+    assert not torch.isfinite(twin).all()  # stock fp16's own step leaves inf/NaN here
+    assert torch.isfinite(ours).all()
