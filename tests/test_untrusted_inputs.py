@@ -8,6 +8,8 @@ from __future__ import annotations
 import builtins
 import copy
 import logging
+import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -237,3 +239,129 @@ def test_no_key_reaches_the_generated_cpp(marker, monkeypatch):
     for source in sources:
         assert identifier(state_key) in source and identifier(hyper_key) in source
         assert "system" not in source and "#include \"" not in source and "touch" not in source
+
+
+# ---- the kernel cache ----------------------------------------------------------------------------------
+ANSWER = 'extern "C" int lowbit_answer(void) {{ return {}; }}\n'
+
+
+@pytest.fixture
+def fresh_builds(monkeypatch):
+    """No library loaded in this process; $LOWBIT_COMPILE_CACHE_DIR unset (a test sets what it needs)."""
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.delenv("LOWBIT_COMPILE_CACHE_DIR", raising=False)
+
+
+def planted_library(tmp_path: Path, marker: Path) -> bytes:
+    """A library another user could plant: its constructor runs when it is loaded, and leaves ``marker``."""
+    src = tmp_path / "planted.cpp"
+    src.write_text(f'#include <cstdio>\n__attribute__((constructor)) static void planted() {{ '
+                   f'std::fclose(std::fopen("{marker}", "w")); }}\n' + ANSWER.format(666))
+    import subprocess
+
+    subprocess.run([cpu_build.compiler(), "-shared", "-fPIC", str(src), "-o", str(tmp_path / "planted.so")],
+                   check=True)
+    return (tmp_path / "planted.so").read_bytes()
+
+
+def answer(source: str) -> tuple[int, int]:
+    """What the library built from ``source`` answers, and how many compilations that took."""
+    before = cpu_build.compile_count
+    return cpu_build.load(source).lowbit_answer(), cpu_build.compile_count - before
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_the_default_cache_is_private_under_xdg_cache_home(fresh_builds, tmp_path, monkeypatch):
+    """Made 0700 whatever the umask, under $XDG_CACHE_HOME (never /tmp); library 0700, source and key 0600."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    old = os.umask(0)
+    try:
+        assert answer(ANSWER.format(1)) == (1, 1)
+    finally:
+        os.umask(old)
+    root = tmp_path / "xdg" / "lowbit_compile"
+    assert cpu_build.cache_dir() == root and mode(root) == 0o700
+    key = cpu_build.cache_key(ANSWER.format(1))
+    [lib] = root.glob(f"{key}.*.so")
+    assert mode(lib) == 0o700 and mode(root / f"{key}.cpp") == 0o600 and mode(root / "hmac.key") == 0o600
+    cpu_build._loaded.clear()
+    assert answer(ANSWER.format(1)) == (1, 0)  # a fresh process would load it without compiling
+
+
+def refused(configured: Path, match: str) -> Path:
+    """The cache a process uses when ``configured`` is refused: a warning names it and why, and the
+    kernels go to a fresh private directory elsewhere."""
+    with pytest.warns(UserWarning, match=rf"not using the kernel cache {re.escape(str(configured))}: {match}"):
+        used = cpu_build.cache_dir()
+    assert used != configured and mode(used) == 0o700 and used.stat().st_uid == os.geteuid()
+    return used
+
+
+def test_a_cache_dir_others_can_write_is_refused_and_what_they_planted_never_loads(fresh_builds, tmp_path,
+                                                                                    monkeypatch):
+    """A world-writable directory made before us (another user's trap in a shared /tmp), holding a
+    library under the name a key gives: refused with a warning; the kernel is built elsewhere."""
+    marker = tmp_path / "ran"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    source = ANSWER.format(2)
+    key, planted = cpu_build.cache_key(source), planted_library(tmp_path, marker)
+    for name in (f"{key}.so", f"{key}.{'0' * 64}.so"):  # this library's old name, and its new form
+        (shared / name).write_bytes(planted)
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(shared))
+    refused(shared, "others can write to it")
+    assert answer(source) == (2, 1)
+    assert not marker.exists()
+    assert sorted(p.name for p in shared.iterdir()) == sorted([f"{key}.so", f"{key}.{'0' * 64}.so"])
+
+
+def test_a_cache_dir_of_another_user_or_under_one_others_can_write_is_refused(fresh_builds, tmp_path, monkeypatch):
+    """Owned by uid 65534 (tests run as root: root trusts only what root owns; as another user, the
+    root-owned / stands in); and a private directory inside a world-writable, not sticky one, whose
+    other users could rename it away and put their own in its place."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)
+    else:
+        theirs = Path("/")
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(theirs))
+    refused(theirs, r"it is owned by uid \d+, not by this user")
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(open_parent / "cache"))
+    refused(open_parent / "cache", rf"others can write to {re.escape(str(open_parent))}, above it")
+    sticky = tmp_path / "sticky"  # like /tmp: others cannot rename what is ours
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(sticky / "cache"))
+    assert cpu_build.cache_dir() == sticky / "cache"
+
+
+def test_a_changed_or_foreign_library_is_not_loaded_but_rebuilt(fresh_builds, tmp_path, monkeypatch):
+    """In the private cache: a library whose bytes changed after it was written (here: replaced by
+    one that runs code when loaded), then one of another owner (as root; else one others can write):
+    each is removed with a warning and built again; nothing planted runs."""
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    source = ANSWER.format(3)
+    assert answer(source) == (3, 1)
+    [lib] = (tmp_path / "cache").glob("*.so")
+    lib.write_bytes(planted_library(tmp_path, marker))
+    cpu_build._loaded.clear()
+    with pytest.warns(UserWarning, match=rf"not loading the kernel library {re.escape(str(lib))}: its bytes"):
+        assert answer(source) == (3, 1)
+    assert not marker.exists()
+    [lib] = (tmp_path / "cache").glob("*.so")
+    if os.geteuid() == 0:
+        os.chown(lib, 65534, 65534)
+    else:
+        lib.chmod(0o766)
+    cpu_build._loaded.clear()
+    with pytest.warns(UserWarning, match=r"not a file of this user's that only it can use"):
+        assert answer(source) == (3, 1)
