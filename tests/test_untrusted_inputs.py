@@ -241,6 +241,21 @@ def test_no_key_reaches_the_generated_cpp(marker, monkeypatch):
         assert "system" not in source and "#include \"" not in source and "touch" not in source
 
 
+def test_no_key_reaches_the_generated_triton():
+    """The same optimizer's Triton kernel (printed for CUDA; run by the GPU tests) names the state's
+    storage and the hyperparameter by their identifiers, and holds nothing of the keys."""
+    printer = pytest.importorskip("lowbit_compile.kernels.triton_printer")
+    from lowbit_compile.kernels.lowering import Target
+
+    from .graphs import body
+
+    state_key, hyper_key = 'm"""; import os; os.system("x"); """', "beta):\n    import os\n#"
+    opt = Hostile([torch.nn.Parameter(torch.randn(64))], state_key, hyper_key)
+    source = printer.emit_kernel(body(opt, "int8"), "hostile_step", Target("cuda")).source
+    assert f"{identifier(state_key)}_codes_ptr" in source and f"hp_{identifier(hyper_key)}" in source
+    assert "import os" not in source and "system" not in source and '"""' not in source
+
+
 # ---- the kernel cache ----------------------------------------------------------------------------------
 ANSWER = 'extern "C" int lowbit_answer(void) {{ return {}; }}\n'
 
