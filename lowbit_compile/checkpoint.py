@@ -396,26 +396,56 @@ def _map_version(packed: dict[str, Any], fmt: StateFormat) -> int:
 
 
 class _Header(NamedTuple):
-    """The text fields of a packed state, read."""
+    """The fields of a packed state, read and checked against each other and its tables."""
 
     fmt: StateFormat
     shape: torch.Size
     dtype: torch.dtype
-    row_splits: list[int]
+    row_splits: torch.Tensor  # int64, on the CPU
 
 
-def _header(packed: dict[str, Any]) -> _Header:
-    """The text fields of a packed state, parsed."""
-    text = {name: _text(packed[name]) for name in _TEXT}
-    fmt = StateFormat.from_tag(text["lowbit_format"])
-    dtype = getattr(torch, text["dtype"], None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"unknown or non-floating-point dtype {text['dtype']!r}")
+# A header field is at most this many bytes: all that pack() writes (but a long uneven row_splits) and all
+# that a weights-only torch.load reads in an int. Checked before a field is decoded.
+_FIELD_BYTES = 255
+_FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
+                 if isinstance(d, torch.dtype) and d.is_floating_point}
+_MAX_EMPTY_SHARDS = 1 << 16  # even row splits of a parameter without elements: more shards than this are refused
+
+
+class _OtherParameter(ValueError):
+    """A packed state saved for a parameter of another shape (``args[0]``)."""
+
+
+def _field(packed: dict[str, Any], name: str, limit: int = _FIELD_BYTES) -> str:
+    """Header field ``name`` as text, refused before it is decoded unless it is an int of at most ``limit`` bytes."""
+    value = packed[name]
+    if type(value) is not int or value < 0:
+        raise ValueError(f"its {name!r} is a {type(value).__name__}, not a header field")
+    if value.bit_length() > 8 * limit:
+        raise ValueError(f"its {name!r} is {(value.bit_length() + 7) // 8} bytes long, more than the {limit} it can be")
+    return _text(value)
+
+
+def _header(packed: dict[str, Any], shape: torch.Size | None = None) -> tuple[StateFormat, torch.Size, torch.dtype]:
+    """The format, shape and dtype of a packed state, each field checked before it is used. ``shape``
+    is the parameter's where there is one: a state saved for another shape is refused here
+    (:class:`_OtherParameter`), before anything whose size the file claims is read."""
+    tag = _field(packed, "lowbit_format")
+    fmt = StateFormat.from_tag(tag)
+    if fmt.blockwise and not (1 <= fmt.block_size <= 32768 and 0 <= fmt.outliers <= min(fmt.block_size, 64)):
+        raise ValueError(f"format {tag!r} has a block size or outlier count no lowbit_compile writes")
+    dtype = _FLOAT_DTYPES.get(name := _field(packed, "dtype"))
+    if dtype is None:
+        raise ValueError(f"unknown or non-floating-point dtype {name!r}")
     missing = {"codes", *(_TABLES if fmt.blockwise else ())} - packed.keys()
     if missing:
         raise ValueError(f"it lacks {sorted(missing)}")
-    shape = torch.Size(int(n) for n in text["shape"].split(",") if n)
-    return _Header(fmt, shape, dtype, _parse_splits(text["row_splits"], _rows(shape)[0]))
+    dims = tuple(int(n) for n in _field(packed, "shape").split(",") if n)
+    if shape is not None and dims != tuple(shape):
+        raise _OtherParameter(dims)
+    if any(not 0 <= n < 2**63 for n in dims):
+        raise ValueError(f"shape {dims} is not the shape of a tensor")
+    return fmt, torch.Size(dims), dtype
 
 
 def _splits_text(splits: list[int]) -> str:
@@ -428,28 +458,60 @@ def _splits_text(splits: list[int]) -> str:
     return f"*{step}" if len(listed) > 255 and even else listed
 
 
-def _parse_splits(text: str, rows: int) -> list[int]:
+def _parse_splits(packed: dict[str, Any], rows: int, width: int) -> torch.Tensor:
+    """The row splits, at most as many as the parameter's rows allow (a list of them as long as its text,
+    which is bounded by the rows; every ``step`` rows only when those shards are no more than its
+    elements), never as many as the file claims."""
+    text = _field(packed, "row_splits", max(_FIELD_BYTES, (rows + 1) * (len(str(rows)) + 1)))
     if text.startswith("*"):
         step = int(text[1:])
         if step <= 0:
             raise ValueError(f"row_splits {text!r} split the rows every {step}")
-        return [*range(0, rows, step), rows]
-    return [int(n) for n in text.split(",")]
+        if -(-rows // step) > max(rows * width, _MAX_EMPTY_SHARDS):
+            raise ValueError(f"row_splits {text!r} split the {rows} rows into more shards than the parameter has "
+                             "elements")
+        return torch.cat([torch.arange(0, rows, min(step, max(rows, 1))), torch.tensor([rows])])
+    splits = [int(n) for n in text.split(",")]
+    if any(not 0 <= n <= rows for n in splits):
+        raise ValueError(f"row_splits {_brief(splits)} do not split the {rows} rows of the parameter")
+    return torch.tensor(splits, dtype=torch.int64)
 
 
-def _checked_header(packed: dict[str, Any]) -> _Header:
-    """The header, after checking that the row splits split the rows and every table has the shape
-    its layout gives it (so a truncated or mismatched tensor fails here, before any is read)."""
-    header = _header(packed)
+def _brief(splits: torch.Tensor | list[int]) -> str:
+    """Row splits for a message: all of them when there are few."""
+    values = splits.tolist() if isinstance(splits, torch.Tensor) else splits
+    if len(values) <= 8:
+        return str(values)
+    return f"[{values[0]}, {values[1]}, ..., {values[-1]}] ({len(values)} of them)"
+
+
+def _checked_header(packed: dict[str, Any], shape: torch.Size | None = None) -> _Header:
+    """The header (see :func:`_header`), after checking that the codes have the saved shape's rows, that
+    the row splits split them, and that every table has the shape its layout gives it (so a truncated
+    or mismatched tensor fails here, before any is read)."""
+    fmt, shape, dtype = _header(packed, shape)
+    rows, width = _rows(shape)
+    _check_table(packed, "codes", (rows, width * fmt.code_dtype.itemsize), fmt, shape)
+    header = _Header(fmt, shape, dtype, _parse_splits(packed, rows, width))
     _check_splits(header)
-    _check_table_shapes(packed, header)
+    if fmt.blockwise:
+        saved, padded = _n_saved_blocks(header, width), _capacity(rows * width, fmt.block_size)
+        scales = packed["block_scales"]
+        if not isinstance(scales, torch.Tensor):
+            raise ValueError(f"its 'block_scales' is a {type(scales).__name__}, not a tensor")
+        if scales.dim() == 3:
+            lead = (rows, _slots(width, fmt.block_size))
+        else:  # by block, or gathered and padded
+            lead = (padded if scales.shape[0] == padded >= saved else saved,)
+        for name, w in zip(_TABLES, _record_widths(fmt)):
+            _check_table(packed, name, (*lead, w), fmt, shape)
     return header
 
 
 def _check_splits(header: _Header) -> None:
     splits, rows = header.row_splits, _rows(header.shape)[0]
-    if splits[0] != 0 or splits[-1] != rows or any(a > b for a, b in zip(splits, splits[1:])):
-        raise ValueError(f"row_splits {splits} do not split the {rows} rows of the parameter")
+    if splits[0] != 0 or splits[-1] != rows or bool((splits[1:] < splits[:-1]).any()):
+        raise ValueError(f"row_splits {_brief(splits)} do not split the {rows} rows of the parameter")
 
 
 def _record_widths(fmt: StateFormat) -> tuple[int, int, int]:
@@ -457,44 +519,37 @@ def _record_widths(fmt: StateFormat) -> tuple[int, int, int]:
     return 4, 2 * fmt.patches, 2 * fmt.patches
 
 
-def _check_table_shapes(packed: dict[str, Any], header: _Header) -> None:
-    fmt, shape = header.fmt, header.shape
-    rows, width = _rows(shape)
-    expected = {"codes": (rows, width * fmt.code_dtype.itemsize)}
-    if fmt.blockwise:
-        saved, padded = _n_saved_blocks(header, width), _capacity(rows * width, fmt.block_size)
-        if packed["block_scales"].dim() == 3:
-            lead = (rows, _slots(width, fmt.block_size))
-        else:  # by block, or gathered and padded
-            lead = (padded if packed["block_scales"].shape[0] == padded >= saved else saved,)
-        expected.update({name: (*lead, w) for name, w in zip(_TABLES, _record_widths(fmt))})
-    for name, want in expected.items():
-        t = packed[name]
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"its {name!r} is a {type(t).__name__}, not a tensor")
-        if tuple(t.shape) != want:
-            raise ValueError(f"its {name!r} has shape {tuple(t.shape)}, not {want} (the {fmt.tag()} state of a "
-                             f"{tuple(shape)} parameter): the checkpoint is truncated or corrupt")
+def _check_table(packed: dict[str, Any], name: str, want: tuple[int, ...], fmt: StateFormat,
+                 shape: torch.Size) -> None:
+    t = packed[name]
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"its {name!r} is a {type(t).__name__}, not a tensor")
+    if tuple(t.shape) != want:
+        raise ValueError(f"its {name!r} has shape {tuple(t.shape)}, not {want} (the {fmt.tag()} state of a "
+                         f"{tuple(shape)} parameter): the checkpoint is truncated or corrupt")
+
+
+_UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, UnicodeDecodeError, OverflowError)
 
 
 def _read_header(packed: dict[str, Any], param: torch.Tensor, key: str) -> _Header:
-    """The header of a packed state, after checking it can be read and belongs to ``param``."""
-    unreadable = (ValueError, TypeError, AttributeError, KeyError, UnicodeDecodeError, OverflowError)
+    """The header of a packed state, after checking it can be read and belongs to ``param``: every field
+    is checked against the parameter before anything whose size the file claims is read."""
     try:
-        header = _header(packed)
-    except unreadable as err:
+        _header(packed, param.shape)
+    except _OtherParameter as err:
+        raise ValueError(
+            f"state {key!r} was saved for a parameter of shape {err.args[0]}, not "
+            f"{tuple(param.shape)}; the optimizer state does not belong to these parameters"
+        ) from None
+    except _UNREADABLE as err:
         raise ValueError(
             f"state {key!r} of a parameter of shape {tuple(param.shape)} is not a lowbit_compile state "
             f"this version can read ({type(err).__name__}: {err})"
         ) from err
-    if header.shape != param.shape:
-        raise ValueError(
-            f"state {key!r} was saved for a parameter of shape {tuple(header.shape)}, not "
-            f"{tuple(param.shape)}; the optimizer state does not belong to these parameters"
-        )
     try:
-        return _checked_header(packed)
-    except unreadable as err:
+        return _checked_header(packed, param.shape)
+    except _UNREADABLE as err:
         raise ValueError(f"state {key!r} of a parameter of shape {tuple(param.shape)}: {err}") from err
 
 
@@ -528,7 +583,7 @@ def _codes(packed: dict[str, Any], fmt: StateFormat, start: int, stop: int, rows
 
 def _n_saved_blocks(header: _Header, width: int) -> int:
     b, splits = header.fmt.block_size, header.row_splits
-    return sum(-(-(hi - lo) * width // b) for lo, hi in zip(splits, splits[1:]))
+    return int(((splits[1:] - splits[:-1]) * width + b - 1).div(b, rounding_mode="floor").sum())
 
 
 def _records(tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -563,10 +618,10 @@ def _blocks_listed(packed: dict, header: _Header, start: int, stop: int, width: 
     return _Blocks(*(t[keep] for t in blocks))
 
 
-def _listed(splits: list[int], width: int, block_size: int, scales: torch.Tensor, patch_values: torch.Tensor,
-            patch_index: torch.Tensor) -> _Blocks:
+def _listed(splits: torch.Tensor | list[int], width: int, block_size: int, scales: torch.Tensor,
+            patch_values: torch.Tensor, patch_index: torch.Tensor) -> _Blocks:
     """Records of blocks listed in order, each shard's counted from its first element, as blocks."""
-    b, splits = block_size, torch.tensor(splits) * width
+    b, splits = block_size, torch.as_tensor(splits) * width
     count = -(-(splits[1:] - splits[:-1]) // b)
     shard = torch.repeat_interleave(torch.arange(count.numel()), count)
     within = torch.arange(int(count.sum())) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
@@ -577,7 +632,8 @@ def _listed(splits: list[int], width: int, block_size: int, scales: torch.Tensor
 
 def _blocks_by_row(packed: dict, header: _Header, start: int, stop: int, width: int) -> _Blocks:
     """The saved blocks of a by-row table (per row, every block that intersects it)."""
-    b, rows, splits = header.fmt.block_size, header.row_splits[-1], torch.tensor(header.row_splits)
+    b, splits = header.fmt.block_size, header.row_splits
+    rows = int(splits[-1])
     tables = [_rows_of(packed[name], start, stop, rows) for name in _TABLES]
     row = torch.arange(start, stop)
     shard = torch.searchsorted(splits, row, right=True) - 1

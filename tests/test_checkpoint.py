@@ -257,6 +257,18 @@ CORRUPTIONS = {
     "a dense state of the wrong shape": (lambda d: torch.zeros(3, 3),
                                          r"'exp_avg' of a parameter of shape \(67, 33\) has shape \(3, 3\)"),
     "a state that is not a tensor": (lambda d: "garbage", r"'exp_avg' is a str, not a tensor"),
+    # headers that claim more than the parameter holds: refused before anything of that size is read
+    "a claim of 1e12 rows": (lambda d: {**d, "shape": text("1000000000000,33"), "row_splits": text("*1")},
+                             r"'exp_avg' was saved for a parameter of shape \(1000000000000, 33\)"),
+    "a row split per row": (lambda d: {**d, "row_splits": text("*1")},
+                            r"'exp_avg'.*'block_scales' has shape \(35, 4\), not \(67, 4\)"),
+    "row splits past the rows": (lambda d: {**d, "row_splits": text("0," + "9" * 40)},
+                                 r"'exp_avg'.*row_splits \[0, 9+\] do not split the 67 rows"),
+    "a block size no version writes": (lambda d: {**d, "lowbit_format": text("int8:1000000000000:2:s")},
+                                       r"'exp_avg'.*block size or outlier count"),
+    "a header field longer than any written": (lambda d: {**d, "dtype": text("float32" + " " * 300)},
+                                               r"'exp_avg'.*'dtype' is 307 bytes long, more than the 255"),
+    "a header field that is a float": (lambda d: {**d, "shape": 67.0}, r"'exp_avg'.*'shape' is a float"),
 }
 
 
@@ -342,6 +354,53 @@ def test_the_row_splits_of_many_shards_survive_a_weights_only_load():
     state = checkpoint.unpack(loaded, torch.empty(1498, 64))
     assert torch.equal(state.codes, torch.cat([s.codes for s in shards]))
     assert torch.equal(state.dequantize(), torch.cat([s.dequantize() for s in shards]))
+
+
+def _peak_rss_growth(fn) -> int:
+    """Bytes the resident set's high-water mark grows while ``fn`` runs (Linux: reset through clear_refs)."""
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark starts again from the current resident set
+    before = status("VmRSS:")
+    fn()
+    return status("VmHWM:") - before
+
+
+@pytest.mark.parametrize("rows", [10**12, 3 * 10**7])
+def test_a_header_that_claims_a_huge_parameter_costs_less_to_refuse_than_a_valid_load(rows):
+    """A packed state that claims ``rows`` rows split every row (``*1``: a list of ``rows`` splits, which
+    read as claimed took 1.5 GB for 3e7 rows before its shape was compared): refused naming the shape,
+    and the refusal grows the peak resident set no more than loading the valid state of that parameter."""
+    fmt = StateFormat("int8", 256, 2, False)
+    param = torch.empty(2048, 256)
+    valid = checkpoint.pack(QuantizedState.from_dense(torch.randn(param.shape), fmt), param)
+    hostile = {**valid, "shape": text(f"{rows},256"), "row_splits": text("*1")}
+    checkpoint.unpack(valid, param)  # warm: the first load pays for imports and caches
+    loading = _peak_rss_growth(lambda: checkpoint.unpack(valid, param))
+    with pytest.raises(ValueError, match=rf"saved for a parameter of shape \({rows}, 256\), not \(2048, 256\)"):
+        checkpoint.unpack(hostile, param)
+
+    def refuse():
+        with pytest.raises(ValueError):
+            checkpoint.unpack(hostile, param)
+
+    # 1 MiB: a page or two of the allocator's (a warm valid load reuses freed memory and can grow by 0);
+    # the 3e7-row claim read as claimed grew it by 1.2 GB, the 1e12-row one raised MemoryError
+    assert _peak_rss_growth(refuse) <= loading + 2**20
+
+
+def test_an_export_refuses_row_splits_of_more_shards_than_elements():
+    """Without a parameter to compare with (``stock_state_dict``), the saved codes bound the rows; a
+    parameter without elements has codes of no bytes whatever rows it claims, and a split per row of
+    1e12 rows is refused before any split is listed."""
+    fmt = StateFormat("bf16")
+    claim = {"lowbit_format": text(fmt.tag()), "shape": text("1000000000000,0"), "dtype": text("float32"),
+             "row_splits": text("*1"), "codes": torch.empty(10**12, 0, dtype=torch.uint8)}
+    with pytest.raises(ValueError, match=r"row_splits '\*1' split the 1000000000000 rows into more shards"):
+        checkpoint.stock_state_dict({"state": {0: {"exp_avg": claim}}})
 
 
 def test_a_loader_that_bypasses_load_state_dict_is_caught_at_the_next_step():

@@ -10,6 +10,8 @@ every backend read it with the accessors here (never by string keys of their own
 from __future__ import annotations
 
 import enum
+import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,21 @@ class GraphInput:
     role: Role
     key: Any = None
     part: Part | None = None
+
+
+_PLAIN_KEY = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)*")
+_HASHED_KEY = re.compile(r"k[0-9a-f]{32}")
+
+
+def identifier(key: object) -> str:
+    """The name generated code (the graph's Python, the C++ and Triton kernels) gives a state or
+    hyperparameter ``key``: the key itself where it is a short lower-case name (``exp_avg``, ``lr``),
+    else ``k`` and 128 bits of a hash of it. Keys come from param groups and checkpoints, so nothing
+    else of one reaches source; no plain key has the hashed form, so two keys never share a name."""
+    if (isinstance(key, str) and len(key) <= 48 and _PLAIN_KEY.fullmatch(key)
+            and not _HASHED_KEY.fullmatch(key)):
+        return key
+    return "k" + hashlib.sha256(repr(key).encode("utf-8", "backslashreplace")).hexdigest()[:32]
 
 
 _INPUT = "lowbit_input"
@@ -152,10 +169,10 @@ def state_part_inputs(graph: Graph, key: str, after: Node | None = None) -> tupl
     parts = []
     for part in PARTS:
         if after is None:
-            node = graph.placeholder(f"{key}_{part.value}")
+            node = graph.placeholder(f"{identifier(key)}_{part.value}")
         else:
             with graph.inserting_after(after):
-                node = graph.placeholder(f"{key}_{part.value}")
+                node = graph.placeholder(f"{identifier(key)}_{part.value}")
             after = node
         set_input(node, GraphInput(Role.STATE_PART, key, part))
         set_per_element(node, True)
@@ -210,7 +227,7 @@ def add_step_counter(graph: Graph, key: str, after: Node, before: Node) -> Node:
     modulo ``SEED_PERIOD`` (so it stays an exact integer), just before ``before``; its readers read the
     value from before the step."""
     with graph.inserting_after(after):
-        seed = graph.placeholder(f"state_{key}")
+        seed = graph.placeholder(f"state_{identifier(key)}")
     seed.meta["val"] = torch.empty((), dtype=torch.float32)
     set_input(seed, GraphInput(Role.SCALAR_STATE, key))
     with graph.inserting_before(before):

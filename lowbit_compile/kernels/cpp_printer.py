@@ -29,7 +29,17 @@ from string import Template
 import torch
 from torch.fx import GraphModule, Node
 
-from .contract import PARTS, MasterAccess, Part, Role, StateAccess, input_of, master_access, state_access
+from .contract import (
+    PARTS,
+    MasterAccess,
+    Part,
+    Role,
+    StateAccess,
+    identifier,
+    input_of,
+    master_access,
+    state_access,
+)
 from .formats import (
     DYNAMIC_LEVEL_FIELDS,
     FORMAT_IDS,
@@ -186,9 +196,10 @@ def _kind(*values: Value) -> Kind:
 
 @dataclass
 class _State:
-    """A quantized state of the body: its storage inputs and format."""
+    """A quantized state of the body: its name in the C++ (``contract.identifier`` of its key, never
+    the key), its storage inputs and format."""
 
-    key: str
+    ident: str
     fmt: StateFormat
     parts: dict[Part, Node]
     reads: bool = False
@@ -213,7 +224,8 @@ class CppPrinter:
         for access in map(state_access, self.graph.nodes):
             if access is None:
                 continue
-            state = self.states.setdefault(access.key, _State(access.key, access.fmt, dict(zip(PARTS, access.parts))))
+            state = self.states.setdefault(access.key, _State(identifier(access.key), access.fmt,
+                                                                dict(zip(PARTS, access.parts))))
             state.reads |= access.reads
             state.writes |= not access.reads
         self.pointers, self.scalars = self._classify_inputs()
@@ -324,7 +336,7 @@ class CppPrinter:
         put in the lanes they fall on."""
         state = self.states[access.key]
         name = self._name("v", f"{access.node.name}_decoded")
-        k, codes = state.key, state.ptr(Part.CODES)
+        k, codes = state.ident, state.ptr(Part.CODES)
         if state.fmt.name == "bf16":
             self._lane(name, f"vf {name} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);")
             return Value(name, torch.float32, Kind.ELEMENT)
@@ -343,7 +355,7 @@ class CppPrinter:
         state = self.states[access.key]
         x = self._vec(value)
         if seed is not None:
-            state.rand = self._name("h", f"{state.key}_rand")
+            state.rand = self._name("h", f"{state.ident}_rand")
             self.pre.append(f"const lb_rand {state.rand} = {{lb_hash32_s((uint32_t){_operand(seed)} ^ "
                             f"({access.stream}u << 24)), start}};")
         if state.fmt.name == "bf16":
@@ -356,8 +368,8 @@ class CppPrinter:
             self.stores.append(f"if (full) lb_st_bf16({codes} + i, {v}); else lb_st_bf16_n({codes} + i, {v}, r);")
             return
         state.value = x
-        self.stores += [f"if (full) lb_st(buf_{state.key} + i, {x}); else lb_st_n(buf_{state.key} + i, {x}, r);",
-                        f"acc_{state.key} = lb_vmax(acc_{state.key}, lb_key_masked({x}, r));"]
+        self.stores += [f"if (full) lb_st(buf_{state.ident} + i, {x}); else lb_st_n(buf_{state.ident} + i, {x}, r);",
+                        f"acc_{state.ident} = lb_vmax(acc_{state.ident}, lb_key_masked({x}, r));"]
 
     def master_read(self, master: MasterAccess) -> Value:
         fmt = master.fmt
@@ -523,8 +535,8 @@ class CppPrinter:
                 s.root = next((name for name, stmt in self.lane
                                if name and stmt == f"const vf {name} = lb_sqrt({s.value});"), None)
                 if s.root is not None:
-                    self.stores.append(f"if (full) lb_st(root_{s.key} + i, {s.root}); "
-                                       f"else lb_st_n(root_{s.key} + i, {s.root}, r);")
+                    self.stores.append(f"if (full) lb_st(root_{s.ident} + i, {s.root}); "
+                                       f"else lb_st_n(root_{s.ident} + i, {s.root}, r);")
 
     def emitted(self) -> EmittedStep:
         self._share_roots()
@@ -592,8 +604,8 @@ class CppPrinter:
             "",
         ]
         written = [s for s in blockwise if s.writes]
-        slot = {s.key: b for b, s in enumerate(blockwise)}  # a state's buffer, then its root's, in scratch
-        slot.update({f"root_{s.key}": len(blockwise) + b for b, s in enumerate(rooted)})
+        slot = {s.ident: b for b, s in enumerate(blockwise)}  # a state's buffer, then its root's, in scratch
+        slot.update({f"root_{s.ident}": len(blockwise) + b for b, s in enumerate(rooted)})
         if written:
             out += self._job(written, slot)
         out += [
@@ -609,9 +621,9 @@ class CppPrinter:
                        f" + {offset};")
         out += [f"{ind}{line}" for line in self.pre]
         for s in blockwise:
-            out.append(f"{ind}float* __restrict buf_{s.key} = scratch + {slot[s.key]} * LB_BLOCK;")
+            out.append(f"{ind}float* __restrict buf_{s.ident} = scratch + {slot[s.ident]} * LB_BLOCK;")
             if s.reads:
-                k = s.key
+                k = s.ident
                 out.append(f"{ind}const vf SC_{k} = lb_splat(__builtin_fabsf(*{s.ptr(Part.SCALES)}));")
                 out.append(f"{ind}const bool FL_{k} = __builtin_signbit(*{s.ptr(Part.SCALES)});  // a flagged block")
                 if s.fmt.patches:
@@ -622,9 +634,9 @@ class CppPrinter:
                     out.append(f"{ind}int PA_{k} = 0;")
                     out.append(f"{ind}int64_t PN_{k} = PC_{k} ? PI_{k}[0] : LB_NO_PATCH;")
             if s.writes:
-                out.append(f"{ind}vi acc_{s.key} = lb_splat_i(-1);")
+                out.append(f"{ind}vi acc_{s.ident} = lb_splat_i(-1);")
         for s in rooted:
-            out.append(f"{ind}float* __restrict root_{s.key} = scratch + {slot['root_' + s.key]} * LB_BLOCK;")
+            out.append(f"{ind}float* __restrict root_{s.ident} = scratch + {slot['root_' + s.ident]} * LB_BLOCK;")
         for b, (buf, _) in enumerate(self.staged):
             out.append(f"{ind}float* __restrict {buf} = scratch + {len(blockwise) + len(rooted) + b} * LB_BLOCK;")
         fused = bool(written) and all(w.fmt.name in _FUSED_ENCODES for w in written)
@@ -634,10 +646,10 @@ class CppPrinter:
             out.append(f"{ind}const bool fuse = job.len == len && len % LB_W == 0 && {fusable};")
             out.append(f"{ind}if (!fuse) lb_finish(job, scratch);")
             for j, w in enumerate(written):
-                out.append(f"{ind}uint8_t* __restrict q_codes_{w.key} = job.codes[{j}];")
-                out.append(f"{ind}const vf q_mult_{w.key} = lb_splat(job.mult[{j}]);")
+                out.append(f"{ind}uint8_t* __restrict q_codes_{w.ident} = job.codes[{j}];")
+                out.append(f"{ind}const vf q_mult_{w.ident} = lb_splat(job.mult[{j}]);")
                 if w.rand:
-                    out.append(f"{ind}const lb_rand q_rand_{w.key} = job.rand[{j}];")
+                    out.append(f"{ind}const lb_rand q_rand_{w.ident} = job.rand[{j}];")
         for k, lane_body in enumerate(passes):
             # The lane body appears twice, for whole vectors and for the tail, inline (where it has
             # versions, in a lambda forced inline into each): values that live across iterations
@@ -687,11 +699,11 @@ class CppPrinter:
             out.append(f"{ind}job.len = len;")
         for j, w in enumerate(written):  # each state's scale; its codes: the next block's loop writes them
             parts = ", ".join(w.ptr(part) for part in PARTS)
-            extra = [w.rand or "{}", f"root_{w.key}"] if w.root else [w.rand] if w.rand else []
+            extra = [w.rand or "{}", f"root_{w.ident}"] if w.root else [w.rand] if w.rand else []
             out.append(f"{ind}job.codes[{j}] = {w.ptr(Part.CODES)};")
             out.append(f"{ind}job.rand[{j}] = {w.rand or 'lb_rand{}'};")
             out.append(f"{ind}job.enc[{j}] = lb_quantize_scale<{self._template(w)}, {w.fmt.patches}"
-                       f"{', true' if w.rand else ''}>(acc_{w.key}, buf_{w.key}, len, LB_BLOCK, "
+                       f"{', true' if w.rand else ''}>(acc_{w.ident}, buf_{w.ident}, len, LB_BLOCK, "
                        f"{', '.join([parts, f'&job.mult[{j}]', *extra])});")
         if written and not fused:
             out.append(f"{ind}lb_finish(job, scratch);")
@@ -716,7 +728,7 @@ class CppPrinter:
                f"{ind}const int64_t len = job.len;",
                f"{ind}job.len = 0;"]
         for j, w in enumerate(written):
-            k = w.key
+            k = w.ident
             out.append(f"{ind}const float* buf_{k} = scratch + {slot[k]} * LB_BLOCK;")
             if w.root:
                 out.append(f"{ind}const float* root_{k} = scratch + {slot['root_' + k]} * LB_BLOCK;")
@@ -727,18 +739,18 @@ class CppPrinter:
                 out.append(f"{ind}const lb_rand {w.rand} = job.rand[{j}];")
 
         def args(s: _State) -> list[str]:
-            return [f"buf_{s.key}", f"root_{s.key}" if s.root else "nullptr", f"mult_{s.key}", s.ptr(Part.CODES),
+            return [f"buf_{s.ident}", f"root_{s.ident}" if s.root else "nullptr", f"mult_{s.ident}", s.ptr(Part.CODES),
                     s.rand or "{}"]
 
         def single(s: _State) -> str:
             buf, root, mult, codes, rand = args(s)
-            return (f"if (enc_{s.key}) lb_encode_block<{self._template(s)}, false, {_cbool(s.rand)}>({buf}, {root}, "
+            return (f"if (enc_{s.ident}) lb_encode_block<{self._template(s)}, false, {_cbool(s.rand)}>({buf}, {root}, "
                     f"len, {mult}, {codes}, {rand});")
 
         for a, b in zip(written[::2], written[1::2]):
             flags = [f"{self._template(a)}, {_cbool(a.rand)}, {_cbool(a.root)}",
                      f"{self._template(b)}, {_cbool(b.rand)}, {_cbool(b.root)}"]
-            out.append(f"{ind}if (enc_{a.key} && enc_{b.key}) {{")
+            out.append(f"{ind}if (enc_{a.ident} && enc_{b.ident}) {{")
             out.append(f"{ind}  lb_encode_pair<{', '.join(flags)}>({', '.join(args(a) + args(b))}, len);")
             out.append(f"{ind}}} else {{")
             out += [f"{ind}  {single(a)}", f"{ind}  {single(b)}", f"{ind}}}"]
@@ -752,7 +764,7 @@ class CppPrinter:
         with this block's arithmetic instead of running in a loop of their own."""
         lines = []
         for w in written:
-            k = w.key
+            k = w.ident
             root = f"root_{k}" if w.root else "nullptr"
             rand = f"q_rand_{k}" if w.rand else "{}"
             lines.append(f"  lb_st_codes(q_codes_{k} + i, lb_encode_at<{self._template(w)}, false, false, "

@@ -33,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..kernels.contract import GraphInput, Role, set_input
+from ..kernels.contract import GraphInput, Role, identifier, set_input
 from .canonicalize import elementwise_forms
 
 if TYPE_CHECKING:
@@ -370,7 +370,7 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
         if slot.is_tensor:
             fake_hypers.append(fake_mode.from_tensor(value))
         else:
-            fake_hypers.append(sym_float(slot.name, value))
+            fake_hypers.append(sym_float(f"hp_{identifier(slot.name)}", value))
 
     step_fn = unhooked_step(type(opt))
     n_state, n_fresh = len(tensor_keys), len(fresh_keys)
@@ -408,12 +408,16 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
     _trace_count += 1
 
     state_keys = tensor_keys + fresh_keys
-    names = ["param", "grad", *(f"state_{k}" for k in state_keys), *(f"hp_{s.name}" for s in slots)]
+    # the graph's own names for its inputs, never a key itself: keys come from checkpoints, and the
+    # generated Python (and the kernels printed from the graph) name inputs after these
+    names = ["param", "grad", *(f"state_{identifier(k)}" for k in state_keys),
+             *(f"hp_{identifier(s.name)}" for s in slots)]
     inputs = [GraphInput(Role.PARAM), GraphInput(Role.GRAD), *(GraphInput(Role.STATE, k) for k in state_keys),
               *(GraphInput(Role.HYPERPARAMETER, s) for s in slots)]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name, desc in zip(placeholders, names, inputs):
-        node.name = node.target = name
+        node._rename(name)  # through the graph's namespace, which keeps names distinct
+        node.target = node.name
         set_input(node, desc)
     gm.recompile()
     gm = elementwise_forms(gm)
