@@ -71,7 +71,8 @@ def trace_key(opt: torch.optim.Optimizer, tgroup: dict, slots: tuple[HyperSlot, 
         dtype, device.type,
         # per-element states by dtype only: the trace is 1-D and elementwise, so one serves every shape
         tuple((k, (v.dtype, v.device.type) if k in per_element else tensor_meta(v))
-              if isinstance(v, torch.Tensor) else (k, type(v)) for k, v in sorted(example.items())),
+              if isinstance(v, torch.Tensor) else (k, type(v))
+              for k, v in sorted(example.items(), key=lambda item: repr(item[0]))),  # keys of any type
     )
 
 

@@ -31,7 +31,7 @@ def payload(marker: Path) -> str:
     return f"open({str(marker)!r}, 'w').close() or setattr(__import__('builtins'), {SENTINEL!r}, 1)"
 
 
-def hostile_keys(marker: Path) -> list[str]:
+def hostile_keys(marker: Path) -> list[object]:
     code = payload(marker)
     return [
         f"x={code}",  # a default argument of the generated forward (the attack that worked)
@@ -43,6 +43,7 @@ def hostile_keys(marker: Path) -> list[str]:
         "k" * 100_000,  # very long
         "a-b", "a b", "a.b", "a_b", "a_b_1",  # one name after FX's sanitizing
         "betas_0", "param", "grad", "self", "def", "print", "hp_lr", "state_step",  # names the graph makes
+        7, ("x", 1),  # not strings (a weights-only load gives them too)
     ]
 
 
@@ -65,7 +66,7 @@ def set_grads(params: list[torch.Tensor], seed: int) -> None:
         p.grad = torch.randn(p.shape, generator=g)
 
 
-def crafted_checkpoint(keys: list[str]) -> dict:
+def crafted_checkpoint(keys: list[object]) -> dict:
     """A stock AdamW checkpoint after one step, with every key in each param group (a float: a
     hyperparameter slot of the trace) and in each parameter's state (a scalar and a per-element tensor)."""
     params = make_params()

@@ -114,7 +114,7 @@ def static_group_items(group: dict, slots: tuple[HyperSlot, ...]) -> tuple:
     ``hyper_slots`` (every caller has them already): part of its key."""
     dynamic = {s.key for s in slots}
     items = []
-    for key, value in sorted(group.items()):
+    for key, value in sorted(group.items(), key=lambda item: repr(item[0])):  # keys of any type
         if key == "params" or key in dynamic:
             continue
         try:
