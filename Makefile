@@ -3,12 +3,28 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
+# the oldest supported pair, pyproject.toml's lower bounds (PyPI's torch 2.11.0 is its CUDA build);
+# `make test` runs the suite on it too, in its own venv
+OLDEST ?= .venv-oldest
+OLDEST_TORCH := 2.11.0
+OLDEST_TRITON := 3.6.0
+OLDEST_PIN := torch==$(OLDEST_TORCH) triton==$(OLDEST_TRITON)
+# hypothesis's "ci" profile (tests/conftest.py): a failing example is reported as found, not shrunk
+PYTEST := -m pytest -q -p no:cacheprovider --hypothesis-profile=ci
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e ".[test]" $(TORCH_PIN)
+	touch $@
+
+$(OLDEST)/.installed: pyproject.toml Makefile
+	python3 -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST)/bin/python -m pip install -q -e ".[test]" $(OLDEST_PIN)
+	$(OLDEST)/bin/python -c "import torch, triton; v = torch.__version__.split('+')[0], triton.__version__; \
+		assert v == ('$(OLDEST_TORCH)', '$(OLDEST_TRITON)'), v"  # pip kept the pins
 	touch $@
 
 $(VENV)/.demo: $(VENV)/.installed
@@ -23,9 +39,10 @@ $(VENV)/.peers: $(VENV)/.installed
 demo: $(VENV)/.demo
 	$(PY) examples/demo.py
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(OLDEST)/.installed
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) $(PYTEST)
+	$(OLDEST)/bin/python $(PYTEST)
 
 bench-deps: $(VENV)/.peers
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file fr
 import torch  # noqa: E402
 
 from lowbit_compile import lowbit_compile  # noqa: E402
-from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS  # noqa: E402
+from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS  # noqa: E402
 from lowbit_compile.kernels import blockquant, triton_backend  # noqa: E402
 from lowbit_compile.kernels.formats import StateFormat  # noqa: E402
 
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"{name:24s} {int(size):.0e} {str(dtype)[6:]:9s} {row['median_ms']:9.3f} ms "
                           f"{row['GBps']:7.0f} GB/s {row['pct_of_copy']:5.1f}%")
     add_speedups(report["timing"])
+    report["model"] = time_model(device, args, deadline)
     report["launch_sweep"] = sweep_launches(device, args, report["copy_GBps"], deadline)
     report["seconds"] = time.perf_counter() - started
     print(table(report))
@@ -100,12 +101,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles happen here)")
     p.add_argument("--skip-peers", action="store_true", help="time only torch's fused AdamW and ours")
     p.add_argument("--budget", type=float, default=420.0, help="seconds after which timing stops")
+    p.add_argument("--model-steps", type=int, help="timed training steps of the Llama (default 10; dry run 2)")
     p.add_argument("--out", help="write the JSON report here")
     args = p.parse_args(argv)
     if args.sizes is None:
         args.sizes = [4396] if args.dry_run else [1e9, 1e8]
     if args.steps is None:
         args.steps = 2 if args.dry_run else 15
+    if args.model_steps is None:
+        args.model_steps = 2 if args.dry_run else 10
     if args.dry_run:
         args.warmup = min(args.warmup, 1)
     args.copy_bytes = 2**20 if args.dry_run else 2**32
@@ -305,6 +309,82 @@ def time_method(name: str, make: Callable, size: int, dtype: torch.dtype, device
             "pct_of_copy": 100 * gbps / copy_gbps}
 
 
+# a real model --------------------------------------------------------------------------------------
+# a 0.95B-parameter Llama (untied 32k embeddings, 16 layers of width 2048), or a tiny one for the dry run
+LLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
+         "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 1024}
+LLAMA_TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64}
+
+
+def model_methods(args: argparse.Namespace) -> list[tuple[str, Callable]]:
+    """Stock fused AdamW, ours with the default format, and the peers (where they import)."""
+    out: list[tuple[str, Callable]] = [
+        ("torch_adamw_fused", lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)),
+        (f"lowbit_{DEFAULT_FMT}", _ours(DEFAULT_FMT)),
+    ]
+    if not args.skip_peers:
+        out += [("bnb_adamw8bit", _bnb), ("torchao_adamw8bit", _torchao("AdamW8bit")),
+                ("torchao_adamw_fp8", _torchao("AdamWFp8"))]
+    return out
+
+
+def time_model(device: torch.device, args: argparse.Namespace, deadline: float) -> list[dict]:
+    """Training steps of a transformers Llama built from its config (no download) under bf16 autocast,
+    with fp32 and with bf16 params: the optimizer step's median ms (after warm-up steps) and the peak
+    memory allocated over a whole training step (forward, backward, step; CUDA only), per method."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**(LLAMA_TINY if args.dry_run else LLAMA))
+    batch, seq = (2, 16) if args.dry_run else (4, 512)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, make in model_methods(args):
+            label = f"llama {name} {str(dtype)[6:]}"
+            if time.perf_counter() > deadline:
+                rows.append({"method": name, "param_dtype": str(dtype)[6:], "skipped": "time budget spent"})
+                continue
+            if device.type != "cuda" and not (name.startswith("lowbit") or name == "torch_adamw_fused"):
+                rows.append({"method": name, "param_dtype": str(dtype)[6:], "skipped": "peers run on CUDA only"})
+                continue
+            model = opt = None
+            try:
+                torch.manual_seed(0)
+                model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+                opt = make(list(model.parameters()))
+                tokens = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+                step_ms, losses = [], []
+                for i in range(args.warmup + args.model_steps):
+                    if device.type == "cuda" and i == args.warmup:
+                        torch.cuda.reset_peak_memory_stats(device)
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        loss = model(input_ids=tokens, labels=tokens).loss
+                    loss.backward()
+                    ms = timed(opt.step, 1, device)[0]
+                    model.zero_grad(set_to_none=True)
+                    losses.append(float(loss.detach()))
+                    if i >= args.warmup:
+                        step_ms.append(ms)
+                row = {"method": name, "param_dtype": str(dtype)[6:],
+                       "params": sum(p.numel() for p in model.parameters()), "step_ms": statistics.median(step_ms),
+                       "peak_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+                       "first_loss": losses[0], "last_loss": losses[-1]}
+                peak = f"{row['peak_GiB']:.2f} GiB" if row["peak_GiB"] is not None else "-"
+                print(f"{label:40s} step {row['step_ms']:8.3f} ms, peak {peak}, "
+                      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+            except Exception as e:  # a peer that is missing or fails is reported, the run goes on
+                row = {"method": name, "param_dtype": str(dtype)[6:],
+                       "skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+                print(f"{label}: skipped: {row['skipped']}")
+            finally:
+                model = opt = None
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            rows.append(row)
+    return rows
+
+
 def add_speedups(rows: list[dict]) -> None:
     """Each row's speedup over torch's fused AdamW with fp32 params at the same size."""
     base = {r["size"]: r["median_ms"] for r in rows
@@ -322,6 +402,15 @@ def table(report: dict) -> str:
                      f"{r['bytes_per_param']:.2f} | {r['GBps']:.0f} | {r['pct_of_copy']:.1f} | "
                      f"{r.get('speedup_vs_torch_fused_fp32', float('nan')):.2f} |")
     lines += [f"skipped: {s}" for s in report["skipped"]]
+    lines += ["", "| Llama step | params | param dtype | optimizer step ms | peak GiB | loss first -> last |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for r in report.get("model", []):
+        if "skipped" in r:
+            lines.append(f"| {r['method']} | | {r['param_dtype']} | skipped: {r['skipped']} | | |")
+            continue
+        peak = f"{r['peak_GiB']:.2f}" if r["peak_GiB"] is not None else "-"
+        lines.append(f"| {r['method']} | {r['params']:.3g} | {r['param_dtype']} | {r['step_ms']:.3f} | {peak} | "
+                     f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
     return "\n".join(lines)
 
 
@@ -357,7 +446,8 @@ def _kwargs(kwargs: dict, device: torch.device) -> dict:
 def check_correctness(device: torch.device, args: argparse.Namespace) -> list[dict]:
     """Each case: three steps of the fused kernel and of the reference lowering from the same param,
     grads and states; states must be bit-identical, params within the bound of tests/test_triton_step.py.
-    Then the standalone state kernels against blockquant, and a step past 2**31 elements (GPU only)."""
+    Then the standalone state kernels against blockquant, and a long param's last blocks (past 2**31
+    elements on a GPU)."""
     results = []
     n = args.check_numel
     for case in args.cases:
@@ -371,8 +461,8 @@ def check_correctness(device: torch.device, args: argparse.Namespace) -> list[di
                 results.append({"check": label, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 print(f"  {label:28s} ERROR {results[-1]['error']}")
     results += check_state_kernels(device, n)
-    if device.type == "cuda":
-        results.append(check_past_two_to_the_31(device))
+    numel = 2**31 + 4396 if device.type == "cuda" else 4 * DEFAULT_BLOCK_SIZE + 4396
+    results.append(check_tail_blocks(device, numel))
     return results
 
 
@@ -433,36 +523,42 @@ def check_state_kernels(device: torch.device, n: int) -> list[dict]:
     return results
 
 
-def check_past_two_to_the_31(device: torch.device) -> dict:
-    """One fused step of a 2**31 + 4396 element param (about 22 GB with grads and states) against the
-    same kernel on its last blocks alone (the step is blockwise and the tail block-aligned), so only
-    the 64-bit index arithmetic differs between the two."""
-    numel, tail = 2**31 + 4396, 4396
+def check_tail_blocks(device: torch.device, numel: int, tail: int = 4396) -> dict:
+    """One fused step of a ``numel``-element param (2**31 + 4396 on a GPU: about 22 GB with grads and
+    states; the dry run's is small) against the same kernel on its last blocks alone (the step is
+    blockwise and the tail block-aligned), so only the index arithmetic differs between the two."""
+    label = f"step of {numel} elements, tail alone"
+    if (numel - tail) % DEFAULT_BLOCK_SIZE:
+        raise ValueError(f"the tail must start at a block boundary: numel - tail = {numel - tail}")
+    big = small = opt_big = opt_small = None
     try:
         torch.manual_seed(0)
         big = torch.nn.Parameter(torch.empty(numel, device=device).normal_())
         big.grad = torch.empty_like(big).normal_()
         small = torch.nn.Parameter(big.detach()[-tail:].clone())
         small.grad = big.grad[-tail:].clone()
-        opt_big = lowbit_compile(torch.optim.AdamW([big]), fmt="int8", backend="triton")
+        opt_big = lowbit_compile(torch.optim.AdamW([big]), fmt="int8", min_8bit_size=0, backend="triton")
         opt_small = lowbit_compile(torch.optim.AdamW([small]), fmt="int8", min_8bit_size=0, backend="triton")
         opt_big.step()
         opt_small.step()
-        blocks = -(-tail // 2048)
+        blocks = -(-tail // DEFAULT_BLOCK_SIZE)  # the format's block size, as both optimizers use
         mismatches = int((big.detach()[-tail:] != small.detach()).sum())
         for key in ("exp_avg", "exp_avg_sq"):
             a, b = opt_big.state[big][key], opt_small.state[small][key]
+            if b.scales.numel() != blocks:
+                raise AssertionError(f"{key}: {b.scales.numel()} scales for the tail, expected {blocks}")
             mismatches += int((bits(a.codes[-tail:]) != bits(b.codes)).sum())
             mismatches += int((bits(a.scales[-blocks:]) != bits(b.scales)).sum())
             mismatches += int((bits(a.patch_index[-blocks:]) != bits(b.patch_index)).sum())
-        result = {"check": "step past 2**31 elements", "mismatches": mismatches, "ok": mismatches == 0}
+        result = {"check": label, "mismatches": mismatches, "ok": mismatches == 0}
     except torch.OutOfMemoryError as e:
-        result = {"check": "step past 2**31 elements", "ok": False, "error": str(e)[:200]}
+        result = {"check": label, "ok": False, "error": str(e)[:200]}
     finally:
         big = small = opt_big = opt_small = None
         gc.collect()
-        torch.cuda.empty_cache()
-    print(f"  step past 2**31 elements: {result}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"  {label}: {result}")
     return result
 
 

@@ -4,6 +4,7 @@ initial state built from it (per-element states created directly in their low-bi
 from __future__ import annotations
 
 import collections
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -133,6 +134,8 @@ def _probe(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor, shape:
     probe = values(0.75, 1.5)
     shell = shell_optimizer(opt, tgroup, probe, {})
     shell.state = collections.defaultdict(_RecordingState)
+    for key, value in _constructed_state(opt, tgroup, probe).items():
+        shell.state[probe][key] = value
     snapshots = []
     with torch.no_grad():
         for grad in (values(0.125, 0.25), values(-0.375, 0.5)):
@@ -141,6 +144,18 @@ def _probe(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor, shape:
             state = shell.state[probe]
             snapshots.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
     return _ProbeRun(shell.state[probe].initial, snapshots[0], snapshots[1], probe)
+
+
+def _constructed_state(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor) -> dict[str, Any]:
+    """The state the constructor of the ``torch.optim`` class ``opt`` derives from gives ``param``:
+    torch <= 2.11's Adagrad fills ``sum`` and ``step`` there, not on the first step (empty for most)."""
+    stock = next((c for c in type(opt).__mro__ if c.__module__.startswith("torch.optim.")
+                  and c is not torch.optim.Optimizer), None)
+    if stock is None:
+        return {}
+    accepted = inspect.signature(stock.__init__).parameters
+    fresh = stock([param], **{k: v for k, v in tgroup.items() if k in accepted and k != "params"})
+    return dict(fresh.state.get(param, {}))
 
 
 def _same(a: object, b: object) -> bool:

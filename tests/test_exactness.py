@@ -155,3 +155,36 @@ def test_fp32_is_bitwise_stock_when_params_skip_steps(cls, kwargs, backend):
             assert torch.equal(p, q), (step, tuple(p.shape))
     counts = {opt.state[p]["step"].item() for p in ours}
     assert len(counts) > 3  # the params did go through different numbers of steps
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_fp32_is_bitwise_stock_with_tensor_hyperparameters_changing_in_place(cls):
+    """Tensor ``lr``/``betas`` changed in place every step (beta1 through 0, beta2 through 1 - 2**-24):
+    stock bit for bit for 40 steps, params at their first step beside params far past it, without a
+    trace per step. Torch <= 2.11 decides ``step == 1.0`` inside ``beta ** step``'s fake kernel; taken
+    as a guard, it made the read-back step a constant of the graph (wrong from the second step on)."""
+    from lowbit_compile import trace_count
+
+    kwargs = {"lr": torch.tensor(0.01), "betas": (torch.tensor(0.9), torch.tensor(0.999)), "weight_decay": 0.1}
+    a, b, opt_a, opt_b = _twins(cls, kwargs, {"foreach": False})
+    lowbit_compile(opt_a, "fp32")
+    beta1s, beta2s, lrs = [0.9, 0.0, 0.5, 0.99], [0.999, 0.5, 1 - 2**-24], [0.01, 0.003, 0.02]
+    before = trace_count()
+    for step in range(40):
+        for opt in (opt_a, opt_b):
+            for group in opt.param_groups:
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(lrs[step % 3])
+                group["betas"][0].fill_(beta1s[step % 4])
+                group["betas"][1].fill_(beta2s[step % 3])
+        gen = torch.Generator().manual_seed(step)
+        for i, (p, q) in enumerate(zip(a, b)):
+            if i == 1 and step < 20:  # this param's first step is step 20
+                continue
+            p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=gen))
+            q.grad = torch.empty_like(q).copy_(p.grad)
+        opt_a.step()
+        opt_b.step()
+        for p, q in zip(a, b):
+            assert torch.equal(p, q), step
+    assert trace_count() - before <= 6  # per signature (param dtype, layouts, groups), not per step

@@ -225,6 +225,32 @@ def test_bf16_format_is_round_to_nearest(nonneg):
     assert fmt.patches == 0 and blockquant.quantize(x, fmt).scales.numel() == 0
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_encode_is_the_nearest_code_ties_to_even_by_the_formats_own_arithmetic(name):
+    """fp8 codes are the nearest of the format's finite values (decoded by the library), ties to the
+    even code, -0 kept: every midpoint and its fp32 neighbours, every value, random magnitudes over
+    the whole range. Defined by the library's arithmetic, not a torch version's float8 cast (which
+    torch 2.11 and 2.13 agree with on CPU)."""
+    fmt = StateFormat.make(name, 256, 0, False)
+    values = decode(torch.arange(256, dtype=torch.uint8).view(fmt.code_dtype), fmt).double()
+    finite = torch.isfinite(values) & ((torch.arange(256) < 128) | (values != 0))  # +0 once
+    table, codes = values[finite].sort()
+    codes = torch.arange(256)[finite][codes]
+    mids = ((table[1:] + table[:-1]) / 2).float()
+    gen = torch.Generator().manual_seed(0)
+    rand = (torch.randn(20000, generator=gen) * torch.exp2(torch.randint(-28, 18, (20000,), generator=gen).float()))
+    x = torch.cat([mids, mids.nextafter(torch.tensor(float("inf"))), mids.nextafter(torch.tensor(-float("inf"))),
+                   table.float(), rand.clamp(-fmt.qmax, fmt.qmax), torch.tensor([0.0, -0.0])])
+    dist = (x.double()[:, None] - table[None, :]).abs()
+    nearest = dist == dist.min(dim=1, keepdim=True).values
+    even = nearest & (codes[None, :] % 2 == 0)
+    pick = torch.where(nearest.sum(dim=1, keepdim=True) > 1, even, nearest).float().argmax(dim=1)
+    want = codes[pick]
+    want = torch.where((table[pick] == 0) & x.signbit(), 0x80, want)  # rounding to zero keeps the sign: -0
+    got = encode(x, fmt).view(torch.uint8).long()
+    assert torch.equal(got, want)
+
+
 def test_ties_in_magnitude_go_to_the_lowest_offset():
     fmt = StateFormat("int8", 8, 2, False)
     x = torch.tensor([1.0, -3.0, 2.0, 3.0, -3.0, 0.5, 0.0, 1.0])

@@ -296,6 +296,19 @@ def domain_bound(fmt: StateFormat, bound: float) -> float:
     return math.sqrt(bound) if fmt.name == "sqrt8" else bound
 
 
+def round_fp8(y: torch.Tensor, mantissa_bits: int, min_exponent: int) -> torch.Tensor:
+    """fp32 ``y`` (within the format's range, or NaN) rounded to the nearest fp8 value, ties to even,
+    subnormals included, held exactly in fp32: the formats' own rounding (``triton_lib.round_to_fp8``,
+    the CPU kernel's ``lb_encode_fp8``), not whatever a torch version's float8 cast does. ``y`` is
+    scaled by a power of two to integer resolution, rounded, and scaled back."""
+    bits = y.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF).clamp(min=127 + min_exponent)
+    to_units = ((254 + mantissa_bits - exponent) << 23).view(torch.float32)
+    unit = ((exponent - mantissa_bits) << 23).view(torch.float32)
+    magnitude = torch.round(y.abs() * to_units) * unit
+    return torch.where(bits < 0, -magnitude, magnitude)
+
+
 def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = None,
            bits: torch.Tensor | None = None) -> torch.Tensor:
     """Encode normalized values (:func:`normalize`: divided by their block scale, |x| <= qmax; sqrt8's
@@ -344,7 +357,9 @@ def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = Non
         y = x.clamp(-fmt.qmax, fmt.qmax) if name != "bf16" else x
         if fmt.nonneg:
             y = torch.where(y > 0, y.clamp(min=fmt.min_positive), y)
-        return round_bf16(y) if name == "bf16" else y.to(fmt.code_dtype)
+        if name == "bf16":
+            return round_bf16(y)
+        return round_fp8(y.float(), fmt.mantissa_bits, fmt.min_exponent).to(fmt.code_dtype)  # an exact cast
     if name == "fp32":
         return x.float()
     raise AssertionError(name)

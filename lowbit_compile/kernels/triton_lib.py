@@ -46,6 +46,16 @@ def rne(x):
 
 
 @triton.jit
+def neg(x):
+    """``-x`` with IEEE's sign of zero, the sign bit flipped (NaNs too, as ATen's neg): Triton before 3.8
+    compiles a float's ``-x`` as ``0 - x``, which is +0.0 for +0.0."""
+    if x.dtype == tl.float32:
+        return (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
+    else:
+        return -x
+
+
+@triton.jit
 def bf16_bits_to_f32(bits):
     """The fp32 value of bf16 bit patterns held in int16 (exact, subnormals included)."""
     return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
@@ -111,7 +121,7 @@ def round_to_fp8(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     to_units = ((127 + 127 + MANTISSA_BITS - exponent) << 23).to(tl.float32, bitcast=True)
     unit = ((exponent - MANTISSA_BITS) << 23).to(tl.float32, bitcast=True)
     magnitude = rne(tl.abs(y) * to_units) * unit
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude)
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, neg(magnitude), magnitude)
 
 
 @triton.jit
@@ -170,7 +180,7 @@ def dynamic8_code(y, levels_ptr, NONNEG: tl.constexpr):
     if NONNEG:
         code = tl.where(y > 0, tl.maximum(p, 1.0), 0.0).to(tl.int32)  # a positive value never becomes 0
     else:
-        code = 127 + tl.where(y < 0, -p, p).to(tl.int32)
+        code = 127 + tl.where(y < 0, neg(p), p).to(tl.int32)
     return tl.where(y != y, 255, code).to(tl.uint8)
 
 
@@ -183,7 +193,7 @@ def dynamic8_value(codes, levels_ptr):
     level = tl.minimum(tl.maximum((p.to(tl.int32, bitcast=True) >> 23) - 127, 0), 7)
     v = p * tl.load(levels_ptr + _SPACING + level) + tl.load(levels_ptr + _OFFSET + level)  # exact
     v = tl.where(s == 0, 0.0, v)
-    return tl.where(s < 0, -v, v)
+    return tl.where(s < 0, neg(v), v)
 
 
 @triton.jit
@@ -205,7 +215,7 @@ def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.cons
             return tl.where((y > 0) & (c == 0), 1.0, c).to(tl.uint8)
         else:
             c = rne(tl.minimum(tl.abs(y), QMAX**0.5))
-            return tl.where(y < 0, -c, c).to(tl.int8)
+            return tl.where(y < 0, neg(c), c).to(tl.int8)
     elif FMT == DYNAMIC8:
         return dynamic8_code(y, bounds_ptr, NONNEG)
     elif FMT == BF16_CODES:
@@ -439,7 +449,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
         absmax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
         if NEG_QMAX != 0.0:
             scale_p, inverse_p = scale_and_inverse(tl.max(tl.where(finite & (x > 0), x, 0.0), axis=1), QMAX, INV_QMAX)
-            scale_n, inverse_n = scale_and_inverse(tl.max(tl.where(finite & (x < 0), -x, 0.0), axis=1), NEG_QMAX,
+            scale_n, inverse_n = scale_and_inverse(tl.max(tl.where(finite & (x < 0), neg(x), 0.0), axis=1), NEG_QMAX,
                                                    INV_NEG_QMAX)
             negative = scale_n > scale_p
             scale = tl.where(negative, scale_n, scale_p)
@@ -456,7 +466,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
                 y = tl.sqrt_rn(tl.maximum(x, 0.0)) * tl.sqrt_rn(inverse)[:, None]
             else:
                 y = tl.sqrt_rn(tl.abs(x)) * tl.sqrt_rn(inverse)[:, None]
-                y = tl.where(x < 0, -y, y)
+                y = tl.where(x < 0, neg(y), y)
             y = tl.where(flagged & finite, tl.minimum(tl.maximum(y, -(FLAGGED_QMAX**0.5)), FLAGGED_QMAX**0.5), y)
         else:
             y = x * inverse[:, None]

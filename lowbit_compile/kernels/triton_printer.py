@@ -333,7 +333,7 @@ class TritonPrinter:
     def neg(self, a: Value) -> Value:
         if a.literal is not None:
             return self.constant(-a.literal, a.dtype)
-        return Value(f"-{_operand(a)}", a.dtype, a.kind, a.host, atomic=False)
+        return Value(f"lb.neg({a.text})", a.dtype, a.kind, a.host)  # not -x: the sign of zero (triton_lib.neg)
 
     def abs(self, a: Value) -> Value:
         return _call("tl.abs", a, dtype=a.dtype)

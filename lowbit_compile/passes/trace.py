@@ -57,6 +57,10 @@ class BranchFlipped(RuntimeError):
     """A value the step computed took the other side of a branch than when it was traced."""
 
 
+class _NeedsReadBacks(Exception):
+    """The step decides on a value it read back, traced without its value: trace again with hints."""
+
+
 def check_branch(value: Any, expected: Any) -> None:
     """The graph node of one branch on a computed value: the step continues only the way it was traced."""
     if value != expected:
@@ -241,7 +245,6 @@ def _step_shape_env() -> type:
         def __init__(self) -> None:
             super().__init__()
             self.read_backs: set[sympy.Symbol] = set()
-            self.branch_guards: set[int] = set()  # indices into self.guards that a branch node checks
             self._checked: set[sympy.Basic] = set()
 
         def _get_stack_summary(self, is_debug: bool = False, framework_loc: str | None = None):
@@ -249,16 +252,30 @@ def _step_shape_env() -> type:
             imports torch.export (and networkx), seconds of a fresh process's first step."""
             from torch.fx.experimental.symbolic_shapes import SLoc
 
-            return SLoc(framework_loc, None), ""
+            return SLoc(framework_loc or "lowbit_compile trace", None), ""  # torch <= 2.12 formats no None
 
         def evaluate_sym_node(self, sym_node, size_oblivious=False, fallback_value=None):
-            before, expr = len(self.guards), sym_node.expr  # (the decision may simplify the expression)
-            result = super().evaluate_sym_node(sym_node, size_oblivious, fallback_value)
-            if expr.free_symbols & self.read_backs:
-                self.branch_guards.update(range(before, len(self.guards)))
-                if expr not in self._checked:  # a decision taken twice (inside ``x ** y``) is checked once
-                    self._checked.add(expr)
-                    _insert_branch_check(sym_node, result)
+            """Decisions on read-back values are the trace's, not torch's: torch would record them as
+            guards (and torch <= 2.11, deciding ``step == 1.0`` inside ``pow``'s fake kernel, replaces the
+            symbol by its value for the rest of the trace); an unknown one asks for a retrace with hints."""
+            import sympy
+            from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+            expr = sym_node.expr
+            if not (expr.free_symbols & self.read_backs or not sym_node.has_hint()):
+                return super().evaluate_sym_node(sym_node, size_oblivious, fallback_value)
+            if fallback_value is not None:  # guard_or_true/false: the caller is right either way
+                return sympy.true if fallback_value else sympy.false
+            in_kernel = get_proxy_mode() is None  # inside an op's fake kernel: the graph runs the op itself
+            if not sym_node.has_hint():
+                if in_kernel and sym_node.is_bool():  # torch >= 2.12's statically_known_true there
+                    return sympy.false
+                raise _NeedsReadBacks(expr)
+            hint = sym_node.hint
+            result = (sympy.true if hint else sympy.false) if sym_node.is_bool() else sympy.sympify(hint)
+            if not in_kernel and expr not in self._checked:  # a decision taken twice is checked once
+                self._checked.add(expr)
+                _insert_branch_check(sym_node, result)
             return result
 
     return _StepShapeEnv
@@ -320,11 +337,9 @@ def trace_step(
     Read-back values are first left unknown (most steps only compute with them); a step that
     branches on one is traced again with them backed by their current values.
     """
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
     try:
         return _trace(opt, group, param_dtype, device, state, per_element, None)
-    except GuardOnDataDependentSymNode:
+    except _NeedsReadBacks:
         hints = read_back_hints(opt, group, param_dtype, device, state, per_element)
         return _trace(opt, group, param_dtype, device, state, per_element, hints)
 
@@ -462,10 +477,8 @@ def _compile_guards(
     """One predicate over the hyperparameter values: the branches the traced step took on them.
     Branches on read-back values are ``check_branch`` nodes in the graph instead."""
     exprs = []
-    for i, guard in enumerate(shape_env.guards):
+    for guard in shape_env.guards:
         expr = guard.expr
-        if i in shape_env.branch_guards:
-            continue
         unknown = expr.free_symbols - set(symbols)
         if unknown:
             raise NotImplementedError(
