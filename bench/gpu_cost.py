@@ -177,7 +177,9 @@ def cubin_figures(cubin: bytes) -> dict:
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     instructions = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s+\S", line)]
     # the padding after the final EXIT (BRA to itself, NOPs) is never run
-    last = max(i for i, line in enumerate(instructions) if re.search(r"\bEXIT\b", line))
+    # and the slow-path subroutines placed after it (div.rn's and sqrt.rn's out-of-range operands) rarely are
+    last = max((i for i, line in enumerate(instructions) if re.search(r"\bEXIT\b", line)),
+               default=len(instructions) - 1)
     body = instructions[:last + 1]
     return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "local_bytes": int(fields["LOCAL"]),
             "cubin_shared": int(fields["SHARED"]), "sass": len(body),

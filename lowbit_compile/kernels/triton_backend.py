@@ -141,13 +141,15 @@ _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16
 
 def _warps(e: EmittedKernel) -> int:
     tile = e.block * e.rows
+    if e.approximate:  # 8 elements per thread, at most 16 warps (bench/gpu_cost.py)
+        return min(16, max(1, tile // 256))
     return 4 if tile <= 1024 else 8 if tile <= 4096 else 16
 
 
 def launch_options(e: EmittedKernel) -> dict[str, Any]:
     """The compile options of ``e``'s launches (and of its offline builds): warps per program, and fp
-    contraction off (``triton_lib.rne`` and the eager fma pattern need it)."""
-    return {"num_warps": LAUNCH_OPTIONS["num_warps"] or _warps(e), "enable_fp_fusion": False}
+    contraction only in kernels of 8-bit states (bit-identical kernels write every fma eager ATen uses)."""
+    return {"num_warps": LAUNCH_OPTIONS["num_warps"] or _warps(e), "enable_fp_fusion": e.approximate}
 
 
 def compile_for_target(graph: GraphModule, arch: int = 90, fp8_native: bool | None = None,
