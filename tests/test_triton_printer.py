@@ -64,22 +64,22 @@ def adam_step(
     lerp = tl.fma(tl.where(lerp_small, sub, sub - 1.0), lerp_diff, tl.where(lerp_small, dequantize_default, grad))
     mul = dequantize_default_1 * hp_betas_1
     addcmul = tl.where(sub_1 == 1.0, tl.fma(grad, grad, mul), tl.fma(sub_1, grad * grad, mul))
-    sqrt = tl.sqrt_rn(addcmul)
-    div = sqrt * tl.math.div_rn(1.0, pow_3)
+    sqrt = tl.sqrt(addcmul)
+    div = sqrt * (1.0 / pow_3)
     add_1 = div + hp_eps
-    addcdiv_q = tl.math.div_rn(lerp, add_1)
+    addcdiv_q = lerp / add_1
     addcdiv = tl.where(neg == 1.0, param + addcdiv_q, tl.fma(neg, addcdiv_q, param))
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
     # sqrt8:512:0:s
     lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, None, rows, cols, offsets, mask, row_mask,
                 FMT=lb.SQRT8, NONNEG=False, K=0, QMAX=16129.0, MIN_POSITIVE=1.0, INV_QMAX=6.200012285262346e-05,
                 FLAGGED_QMAX=15876.0, INV_FLAGGED_QMAX=6.29881615168415e-05, POS_INF_CODE=127, NEG_INF_CODE=129,
-                NAN_CODE=128)
+                NAN_CODE=128, APPROXIMATE=True)
     # sqrt8:512:0:u
     lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, None, rows, cols, offsets, mask,
                 row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0,
                 INV_QMAX=1.537870048196055e-05, FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=1.5747040379210375e-05,
-                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
+                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True)
 """)
 
     def test_adamw(self):
@@ -124,22 +124,22 @@ def adamw_step(
     lerp = tl.fma(tl.where(lerp_small, sub_1, sub_1 - 1.0), lerp_diff, tl.where(lerp_small, dequantize_default, grad))
     mul_2 = dequantize_default_1 * hp_betas_1
     addcmul = tl.where(sub_2 == 1.0, tl.fma(grad, grad, mul_2), tl.fma(sub_2, grad * grad, mul_2))
-    sqrt = tl.sqrt_rn(addcmul)
-    div = sqrt * tl.math.div_rn(1.0, pow_3)
+    sqrt = tl.sqrt(addcmul)
+    div = sqrt * (1.0 / pow_3)
     add_1 = div + hp_eps
-    addcdiv_q = tl.math.div_rn(lerp, add_1)
+    addcdiv_q = lerp / add_1
     addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
     lb.store_elements(param_ptr, offsets, addcdiv, mask, lb.F32)
     # sqrt8:512:0:s
     lb.quantize(lerp, exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, None, rows, cols, offsets, mask, row_mask,
                 FMT=lb.SQRT8, NONNEG=False, K=0, QMAX=16129.0, MIN_POSITIVE=1.0, INV_QMAX=6.200012285262346e-05,
                 FLAGGED_QMAX=15876.0, INV_FLAGGED_QMAX=6.29881615168415e-05, POS_INF_CODE=127, NEG_INF_CODE=129,
-                NAN_CODE=128)
+                NAN_CODE=128, APPROXIMATE=True)
     # sqrt8:512:0:u
     lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, None, rows, cols, offsets, mask,
                 row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0,
                 INV_QMAX=1.537870048196055e-05, FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=1.5747040379210375e-05,
-                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
+                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True)
 """)
 
     def test_cpu_flavor_differs_only_where_eager_cpu_rounds_differently(self):
@@ -152,21 +152,23 @@ def adamw_step(
 +++ cpu
 -    addcmul = tl.where(sub_2 == 1.0, tl.fma(grad, grad, mul_2), tl.fma(sub_2, grad * grad, mul_2))
 +    addcmul = tl.fma(sub_2 * grad, grad, mul_2)
--    div = sqrt * tl.math.div_rn(1.0, pow_3)
-+    div = tl.math.div_rn(sqrt, pow_3)
--    addcdiv_q = tl.math.div_rn(lerp, add_1)
+-    div = sqrt * (1.0 / pow_3)
++    div = sqrt / pow_3
+-    addcdiv_q = lerp / add_1
 -    addcdiv = tl.where(neg == 1.0, mul_1 + addcdiv_q, tl.fma(neg, addcdiv_q, mul_1))
-+    addcdiv = mul_1 + tl.math.div_rn(neg * lerp, add_1)
++    addcdiv = mul_1 + ((neg * lerp) / add_1)
 -                FMT=lb.SQRT8, NONNEG=False, K=0, QMAX=16129.0, MIN_POSITIVE=1.0, INV_QMAX=6.200012285262346e-05,
 -                FLAGGED_QMAX=15876.0, INV_FLAGGED_QMAX=6.29881615168415e-05, POS_INF_CODE=127, NEG_INF_CODE=129,
--                NAN_CODE=128)
+-                NAN_CODE=128, APPROXIMATE=True)
 +                FMT=lb.SQRT8, NONNEG=False, K=0, QMAX=16129.0, MIN_POSITIVE=1.0, INV_QMAX=0.0,
-+                FLAGGED_QMAX=15876.0, INV_FLAGGED_QMAX=0.0, POS_INF_CODE=127, NEG_INF_CODE=129, NAN_CODE=128)
++                FLAGGED_QMAX=15876.0, INV_FLAGGED_QMAX=0.0, POS_INF_CODE=127, NEG_INF_CODE=129, NAN_CODE=128,
++                APPROXIMATE=True)
 -                row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0,
 -                INV_QMAX=1.537870048196055e-05, FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=1.5747040379210375e-05,
--                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)
+-                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True)
 +                row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0, INV_QMAX=0.0,
-+                FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254)""")
++                FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254,
++                APPROXIMATE=True)""")
 
 
 def test_an_op_without_a_lowering_is_an_error_naming_it():

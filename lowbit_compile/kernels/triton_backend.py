@@ -84,13 +84,9 @@ class TritonKernel:
         e = self.emitted
         args = [p.dtype if p.dtype is not None else 1.0 for p in e.params]
         try:
-            self.fn.warmup(*args, 1 << 20, 0, BLOCK=e.block, ROWS=e.rows, grid=(1,),
-                           num_warps=self._num_warps(), enable_fp_fusion=False)
+            self.fn.warmup(*args, 1 << 20, 0, BLOCK=e.block, ROWS=e.rows, grid=(1,), **launch_options(e))
         except Exception as err:  # triton's compile errors have no common base class
             raise BuildError(f"compiling the Triton kernel {e.name} for {device} failed: {err}") from err
-
-    def _num_warps(self) -> int:
-        return LAUNCH_OPTIONS["num_warps"] or _warps(self.emitted)
 
     def split(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
         """The body inputs ``inputs`` (in graph order) as the op's (written, read, numbers) lists."""
@@ -129,9 +125,8 @@ class TritonKernel:
         blocks = triton.cdiv(n, e.block) - first_block
         if blocks <= 0:
             return
-        self.fn[(triton.cdiv(blocks, e.rows),)](
-            *args, n, first_block, BLOCK=e.block, ROWS=e.rows, num_warps=self._num_warps(), enable_fp_fusion=False,
-        )
+        self.fn[(triton.cdiv(blocks, e.rows),)](*args, n, first_block, BLOCK=e.block, ROWS=e.rows,
+                                                **launch_options(e))
 
     def _list_of(self, p: KernelParam) -> str:
         if not p.tensor:
@@ -146,7 +141,15 @@ _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16
 
 def _warps(e: EmittedKernel) -> int:
     tile = e.block * e.rows
+    if e.approximate:  # 8 elements per thread, at most 16 warps (bench/gpu_cost.py)
+        return min(16, max(1, tile // 256))
     return 4 if tile <= 1024 else 8 if tile <= 4096 else 16
+
+
+def launch_options(e: EmittedKernel) -> dict[str, Any]:
+    """The compile options of ``e``'s launches (and of its offline builds): warps per program, and fp
+    contraction only in kernels of 8-bit states (bit-identical kernels write every fma eager ATen uses)."""
+    return {"num_warps": LAUNCH_OPTIONS["num_warps"] or _warps(e), "enable_fp_fusion": e.approximate}
 
 
 def compile_for_target(graph: GraphModule, arch: int = 90, fp8_native: bool | None = None,
@@ -155,19 +158,23 @@ def compile_for_target(graph: GraphModule, arch: int = 90, fp8_native: bool | No
     compute capability ``arch`` would run it, FP8 path included (``fp8_native`` forces one), and compile it
     without a GPU (Triton's bundled ptxas): GPU-only compile errors show on any machine. Not available
     under the interpreter."""
+    native = arch >= FP8_NATIVE_ARCH if fp8_native is None else fp8_native
+    return compile_emitted(emit_kernel(graph, name, Target("cuda", fp8_native=native)), arch)
+
+
+def compile_emitted(emitted: EmittedKernel, arch: int = 90):
+    """Compile ``emitted`` for a GPU of compute capability ``arch`` with the options its launches use,
+    without a GPU: the compiled kernel (its ``asm`` holds the PTX and the cubin)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if interpreting():
-        raise RuntimeError("compile_for_target needs TRITON_INTERPRET unset: it builds real Triton kernels")
-    native = arch >= FP8_NATIVE_ARCH if fp8_native is None else fp8_native
-    emitted = emit_kernel(graph, name, Target("cuda", fp8_native=native))
+        raise RuntimeError("compiling for a target needs TRITON_INTERPRET unset: it builds real Triton kernels")
     signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else "fp32" for p in emitted.params}
     signature.update(n_elements="i64", first_block="i64", BLOCK="constexpr", ROWS="constexpr")
     fn = _compile(emitted.source, emitted.name, kernel_key(emitted))
     source = ASTSource(fn, signature, constexprs={"BLOCK": emitted.block, "ROWS": emitted.rows})
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": _warps(emitted), "enable_fp_fusion": False})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=launch_options(emitted))
 
 
 def kernel_key(emitted: EmittedKernel) -> str:

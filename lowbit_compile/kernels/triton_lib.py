@@ -7,8 +7,11 @@ IEEE fp32 arithmetic or integer bit arithmetic, so a kernel gives the same bits 
 truncates, fp32 to fp8 loses the carry into the exponent, bf16 subnormals go wrong both ways). Two
 rules for kernels that use these helpers:
 
-* compile them with ``enable_fp_fusion=False``: :func:`rne` relies on ``(x + C) - C`` not being
-  contracted with the product that feeds it, and the emitter writes every fma ATen uses explicitly;
+* compile bit-identical kernels with ``enable_fp_fusion=False``: :func:`rne` relies on ``(x + C) - C``
+  not being contracted with the product that feeds it, and the emitter writes every fma ATen uses
+  explicitly. Kernels of 8-bit states (``APPROXIMATE``) keep the contract of quantized formats instead
+  (README, "GPU kernels") and compile with contraction: there ``rne(a * b)`` rounds the exact product
+  once, and the approximate roots and divisions move a code by at most one step;
 * import this module only after ``TRITON_INTERPRET`` has its final value: ``triton.jit`` reads it when
   it decorates, and an interpreted kernel cannot call compiled helpers (nor the reverse).
 
@@ -320,15 +323,27 @@ def state_bits(seed, offsets, STREAM: tl.constexpr):
 
 
 @triton.jit
-def scale_and_inverse(absmax, QMAX: tl.constexpr, INV_QMAX: tl.constexpr):
+def root_of(x, APPROXIMATE: tl.constexpr):
+    """The square root of ``x >= 0``: correctly rounded, or the GPU's approximate one (``sqrt.approx``)."""
+    if APPROXIMATE:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
+@triton.jit
+def scale_and_inverse(absmax, QMAX: tl.constexpr, INV_QMAX: tl.constexpr, APPROXIMATE: tl.constexpr = False):
     """``blockquant._scale_and_inverse`` per row: ``absmax / qmax`` and ``(1 / absmax) * qmax``; a nonzero
     block below ``qmax * 2^-126`` gets the scale 2^-126 and the multiplier 2^126, an inf scale (qmax < 1)
     the multiplier ``1 / FLT_MAX``, and a scale whose largest code would decode to inf loses one ulp.
     ``INV_QMAX`` mirrors how ``absmax / qmax`` runs on the device: CUDA multiplies by the fp32 reciprocal
-    of a CPU scalar divisor (INV_QMAX is that reciprocal), the CPU divides (0.0)."""
+    of a CPU scalar divisor (INV_QMAX is that reciprocal), the CPU divides (0.0). ``APPROXIMATE``: the
+    multiplier by one approximate division."""
     nonzero = absmax > 0
-    # qmax / absmax in the reference is Tensor.__rtruediv__: reciprocal, then times qmax
-    inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.where(nonzero, absmax, 1.0)) * QMAX, 0.0)
+    if APPROXIMATE:
+        inverse = tl.where(nonzero, QMAX / tl.where(nonzero, absmax, 1.0), 0.0)
+    else:  # qmax / absmax in the reference is Tensor.__rtruediv__: reciprocal, then times qmax
+        inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.where(nonzero, absmax, 1.0)) * QMAX, 0.0)
     if INV_QMAX != 0.0:
         scale = absmax * INV_QMAX
     else:
@@ -387,12 +402,16 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
             codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
             values = fp8_value(codes, 2, -14)
         scale = tl.load(scales_ptr + rows, mask=row_mask, other=0.0)
-        flagged = (scale.to(tl.int32, bitcast=True) < 0)[:, None]
         scaled = values * tl.abs(scale)[:, None]
-        bits = code_bits(codes, FMT, FP8_NATIVE)
-        special = tl.where(bits == NAN_CODE, float("nan"), tl.where(bits == POS_INF_CODE, float("inf"), float("-inf")))
-        is_special = flagged & ((bits == POS_INF_CODE) | (bits == NEG_INF_CODE) | (bits == NAN_CODE))
-        values = tl.where(is_special, special, tl.where(flagged & ~(tl.abs(values) < float("inf")), values, scaled))
+        if tl.max((scale.to(tl.int32, bitcast=True) < 0).to(tl.int32), axis=0) != 0:  # rare: a flagged block
+            flagged = (scale.to(tl.int32, bitcast=True) < 0)[:, None]
+            bits = code_bits(codes, FMT, FP8_NATIVE)
+            special = tl.where(bits == NAN_CODE, float("nan"),
+                               tl.where(bits == POS_INF_CODE, float("inf"), float("-inf")))
+            is_special = flagged & ((bits == POS_INF_CODE) | (bits == NEG_INF_CODE) | (bits == NAN_CODE))
+            scaled = tl.where(is_special, special,
+                              tl.where(flagged & ~(tl.abs(values) < float("inf")), values, scaled))
+        values = scaled
         for k in tl.static_range(K):
             index = tl.load(patch_index_ptr + rows * K + k, mask=row_mask, other=-1).to(tl.int32)
             bits = tl.load(patch_values_ptr + rows * K + k, mask=row_mask, other=0.0).to(tl.int16, bitcast=True)
@@ -406,7 +425,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
              MIN_POSITIVE: tl.constexpr, INV_QMAX: tl.constexpr, FP8_NATIVE: tl.constexpr = True,
              NEG_QMAX: tl.constexpr = 0.0, INV_NEG_QMAX: tl.constexpr = 0.0, FLAGGED_QMAX: tl.constexpr = 0.0,
              INV_FLAGGED_QMAX: tl.constexpr = 0.0, POS_INF_CODE: tl.constexpr = 0, NEG_INF_CODE: tl.constexpr = 0,
-             NAN_CODE: tl.constexpr = 0, seed=0.0, STREAM: tl.constexpr = 0):
+             NAN_CODE: tl.constexpr = 0, seed=0.0, STREAM: tl.constexpr = 0, APPROXIMATE: tl.constexpr = False):
     """``blockquant.quantize_into`` of one tile: per row (block) the K largest finite magnitudes become
     bf16 patches (ties to the lowest offset; a non-finite value only where fewer than K are finite), the
     finite rest sets the scale (``scale_and_inverse``: the absmax over ``QMAX``, or where a ``NEG_QMAX``
@@ -416,6 +435,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
     ``FLAGGED_QMAX`` and its inf and NaN take the special codes. The ``INV_*`` are the fp32 reciprocals
     of the divisors on CUDA, 0.0 on the CPU (``scale_and_inverse``). A nonzero ``STREAM`` rounds codes and
     patches stochastically with the bits of counter ``seed`` in that stream (:func:`state_bits`).
+    ``APPROXIMATE`` takes sqrt8's root with the GPU's approximate square root (codes within one step).
     """
     x = tl.where(mask, x, 0.0)  # the reference pads a partial last block with zeros
     if STREAM != 0:
@@ -444,43 +464,56 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
             tl.store(patch_index_ptr + rows * K + k, index.to(tl.int16), mask=row_mask)
             magnitude = tl.where(hit, -2.0, magnitude)
             x = tl.where(hit, 0.0, x)
-        finite = tl.abs(x) < float("inf")
-        flagged = tl.max(tl.where(finite, 0, 1), axis=1) > 0
-        absmax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
+        # one reduction finds both: magnitudes order as their bits, and inf and NaN lie above every finite one
+        top = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+        flagged = top >= 0x7F800000
+        absmax = top.to(tl.float32, bitcast=True)
+        any_flagged = tl.max(flagged.to(tl.int32), axis=0) != 0  # rare: the tile's fix-ups are skipped otherwise
+        if any_flagged:
+            absmax = tl.max(tl.where(tl.abs(x) < float("inf"), tl.abs(x), 0.0), axis=1)
         if NEG_QMAX != 0.0:
-            scale_p, inverse_p = scale_and_inverse(tl.max(tl.where(finite & (x > 0), x, 0.0), axis=1), QMAX, INV_QMAX)
+            finite = tl.abs(x) < float("inf")
+            scale_p, inverse_p = scale_and_inverse(tl.max(tl.where(finite & (x > 0), x, 0.0), axis=1), QMAX, INV_QMAX,
+                                                   APPROXIMATE)
             scale_n, inverse_n = scale_and_inverse(tl.max(tl.where(finite & (x < 0), neg(x), 0.0), axis=1), NEG_QMAX,
-                                                   INV_NEG_QMAX)
+                                                   INV_NEG_QMAX, APPROXIMATE)
             negative = scale_n > scale_p
             scale = tl.where(negative, scale_n, scale_p)
             inverse = tl.where(negative, inverse_n, inverse_p)
         else:
-            scale, inverse = scale_and_inverse(absmax, QMAX, INV_QMAX)
-        scale_f, inverse_f = scale_and_inverse(absmax, FLAGGED_QMAX, INV_FLAGGED_QMAX)
+            scale, inverse = scale_and_inverse(absmax, QMAX, INV_QMAX, APPROXIMATE)
+        scale_f, inverse_f = scale_and_inverse(absmax, FLAGGED_QMAX, INV_FLAGGED_QMAX, APPROXIMATE)
         negated = (scale_f.to(tl.int32, bitcast=True) | -2147483648).to(tl.float32, bitcast=True)  # -0.0 too
         tl.store(scales_ptr + rows, tl.where(flagged, negated, scale), mask=row_mask)
         inverse = tl.where(flagged, inverse_f, inverse)
         flagged = flagged[:, None]
         if FMT == SQRT8:  # the root domain (formats.normalize), which never underflows
             if NONNEG:
-                y = tl.sqrt_rn(tl.maximum(x, 0.0)) * tl.sqrt_rn(inverse)[:, None]
+                root = root_of(tl.maximum(x, 0.0), APPROXIMATE)
+                # a flushed subnormal root must still give a positive value a nonzero code
+                y = tl.where((x > 0) & (root == 0), 2.0**-149, root * root_of(inverse, APPROXIMATE)[:, None])
             else:
-                y = tl.sqrt_rn(tl.abs(x)) * tl.sqrt_rn(inverse)[:, None]
+                y = root_of(tl.abs(x), APPROXIMATE) * root_of(inverse, APPROXIMATE)[:, None]
                 y = tl.where(x < 0, neg(y), y)
-            y = tl.where(flagged & finite, tl.minimum(tl.maximum(y, -(FLAGGED_QMAX**0.5)), FLAGGED_QMAX**0.5), y)
+            if any_flagged:
+                y = tl.where(flagged & (tl.abs(x) < float("inf")),
+                             tl.minimum(tl.maximum(y, -(FLAGGED_QMAX**0.5)), FLAGGED_QMAX**0.5), y)
         else:
             y = x * inverse[:, None]
             if NONNEG:  # x * inverse may underflow to 0; the zero-point rule needs it positive
                 y = tl.where((x > 0) & (y < 2.0**-149), 2.0**-149, y)
-            y = tl.where(flagged & finite, tl.minimum(tl.maximum(y, -FLAGGED_QMAX), FLAGGED_QMAX), y)
+            if any_flagged:
+                y = tl.where(flagged & (tl.abs(x) < float("inf")),
+                             tl.minimum(tl.maximum(y, -FLAGGED_QMAX), FLAGGED_QMAX), y)
         codes = encode(y, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
         code = code_bits(codes, FMT, FP8_NATIVE)
         if STREAM != 0:  # from the value (sqrt8: the root's square)
             if FMT == SQRT8:
                 y = y * tl.abs(y)
             code = round_stochastic(y, code, bits, bounds_ptr, FMT, NONNEG, QMAX)
-        special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
-        code = tl.where(flagged & ~finite, special, code)
+        if any_flagged:
+            special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
+            code = tl.where(flagged & ~(tl.abs(x) < float("inf")), special, code)
         tl.store(codes_ptr + offsets, code.to(codes.dtype, bitcast=True), mask=mask)
 
 

@@ -68,7 +68,9 @@ class EmittedKernel:
     """Generated Triton source and how to call it: ``params`` then ``n_elements, first_block`` and the
     constexprs ``BLOCK`` (elements per row: the quantization block) and ``ROWS`` (rows per program).
     ``numel_input`` is the body input whose numel is the element count; ``written`` the body inputs
-    the kernel stores into."""
+    the kernel stores into. ``approximate``: the kernel stores 8-bit states, so it takes the contract of
+    quantized formats (README, "GPU kernels") instead of bit-identity: approximate division and square
+    roots, fp contraction on."""
 
     name: str
     source: str
@@ -77,6 +79,7 @@ class EmittedKernel:
     written: frozenset[int]
     block: int
     rows: int
+    approximate: bool = False
 
 
 def emit_kernel(body: GraphModule, name: str, target: Target) -> EmittedKernel:
@@ -144,6 +147,8 @@ class TritonPrinter:
         self.used_inputs: dict[Node, torch.dtype | None] = {}
         self.written: set[Node] = set()
         self.tables: list[KernelParam] = []
+        # 8-bit states round to a code anyway: such kernels need not reproduce eager arithmetic's bits
+        self.approximate = any(a.fmt.blockwise for a in map(state_access, graph.nodes) if a is not None)
         self.block, self.rows = self._tiling()
 
     # layout ------------------------------------------------------------------------------------
@@ -156,6 +161,11 @@ class TritonPrinter:
                 "tiles by one quantization block, so give every state of a parameter the same block_size"
             )
         block = sizes.pop() if sizes else DEFAULT_TILE
+        if any(a.fmt.blockwise for a in accesses):
+            # one block per program: every thread works on one block, so its per-block work (reductions,
+            # scale, inverse) is not repeated per row of a taller tile (bench/gpu_cost.py: 235 -> 177 SASS
+            # instructions per element for the default step on sm_90)
+            return block, 1
         return block, max(1, DEFAULT_TILE // block)
 
     def kernel(self) -> EmittedKernel:
@@ -166,7 +176,8 @@ class TritonPrinter:
         if numel_input is None:
             raise LoweringError("the step graph has no per-element tensor input to size the kernel by")
         written = frozenset(self.index[n] for n in self.written)
-        return EmittedKernel(self.name, self._source(params), params, numel_input, written, self.block, self.rows)
+        return EmittedKernel(self.name, self._source(params), params, numel_input, written, self.block, self.rows,
+                             self.approximate)
 
     def _source(self, params: tuple[KernelParam, ...]) -> str:
         signature = [p.name for p in params] + ["n_elements", "first_block", "BLOCK: tl.constexpr",
@@ -272,6 +283,7 @@ class TritonPrinter:
             table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_format_id(fmt)}",
             f"NONNEG={fmt.nonneg}", f"K={fmt.patches}", f"QMAX={fmt.qmax!r}", f"MIN_POSITIVE={fmt.min_positive!r}",
             f"INV_QMAX={inv(fmt.qmax)!r}", *self._fp8_path(fmt), *flags,
+            *(["APPROXIMATE=True"] if self.approximate and fmt.blockwise else []),
             *([f"seed={seed.text}", f"STREAM={state.stream}"] if seed is not None else [])])
 
     def _fp8_path(self, fmt: StateFormat) -> list[str]:
@@ -322,13 +334,15 @@ class TritonPrinter:
         return _infix(a, "*", b)
 
     def div(self, a: Value, b: Value) -> Value:
+        if self.approximate:  # div.full.f32: 2 ulp, a fraction of div.rn's instructions
+            return _infix(a, "/", b)
         return _call("tl.math.div_rn", a, b)
 
     def fma(self, a: Value, b: Value, c: Value) -> Value:
         return _call("tl.fma", a, b, c)
 
     def sqrt(self, a: Value) -> Value:
-        return _call("tl.sqrt_rn", a)
+        return _call("tl.sqrt" if self.approximate else "tl.sqrt_rn", a)
 
     def neg(self, a: Value) -> Value:
         if a.literal is not None:
