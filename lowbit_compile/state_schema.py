@@ -153,8 +153,10 @@ def _constructed_state(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Te
                   and c is not torch.optim.Optimizer), None)
     if stock is None:
         return {}
-    accepted = inspect.signature(stock.__init__).parameters
-    fresh = stock([param], **{k: v for k, v in tgroup.items() if k in accepted and k != "params"})
+    keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = {name for name, p in list(inspect.signature(stock.__init__).parameters.items())[1:]
+                if p.kind in keywords and name != "params"}  # never self: a group may hold any key
+    fresh = stock([param], **{k: v for k, v in tgroup.items() if k in accepted})
     return dict(fresh.state.get(param, {}))
 
 
