@@ -157,6 +157,49 @@ def test_hostile_keys_in_param_groups_run_nothing(marker):
                 expected)
 
 
+class SquaresEma(torch.optim.Optimizer):
+    """RMSprop's second moment with its decay in a tuple, as Adam's betas."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.01, "decays": (0.9, 0.99)})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["v"] = torch.zeros_like(p)
+                v = state["v"]
+                v.mul_(group["decays"][1]).addcmul_(p.grad, p.grad, value=1 - group["decays"][1])
+                p.addcdiv_(p.grad, v.sqrt().add_(1e-8), value=-group["lr"])
+
+
+def test_a_key_named_like_a_tuple_slot_does_not_stand_in_for_it_in_a_guard():
+    """A group key "decays_1" (as a checkpoint can add) beside decays: the unsigned second moment's
+    proof assumes decays[1] in [0, 1], and the step checks decays[1] itself, not the key of the same
+    name: decays[1] = 1.5 (which can make v negative) turns v signed and keeps its negative values,
+    as without that key."""
+    def run(extra: dict) -> tuple[list[torch.Tensor], bool]:
+        params = make_params()
+        opt = lowbit_compile(SquaresEma(params), "int8", backend="reference")
+        opt.param_groups[0].update(extra)
+        for s in range(3):
+            set_grads(params, seed=1 + s)
+            opt.step()
+            opt.param_groups[0]["decays"] = (0.9, 1.5)
+        v = opt.state[params[0]]["v"]
+        return [v.dequantize()], v.fmt.nonneg  # (the params are NaN by now, as stock's)
+
+    with pytest.warns(UserWarning, match="square root"):
+        plain, unsigned = run({})
+    assert not unsigned
+    with pytest.warns(UserWarning, match="square root"):
+        colliding, unsigned = run({"decays_1": 0.5})
+    assert not unsigned
+    assert_same(colliding, plain)
+
+
 SCRIPT = """
 import sys
 import torch
