@@ -184,14 +184,15 @@ class _Builder:
         guard = trace.guard
         quantized = {k for k, f in self.formats.items() if not f.passthrough}
         if quantized:
-            named = {s.name: v for s, v in zip(self.slots, values)}
-            proof = prove_nonneg(roles, named)
+            # by slot, not by name: two keys of a param group can give one name ("betas_1", betas[1])
+            proof = prove_nonneg(roles, dict(zip(self.slots, values)))
             unsigned = {k for k in quantized if self.formats[k].nonneg}
             if unsigned - proof.states:
                 raise RuntimeError(
                     f"lowbit-compile stores {sorted(unsigned - proof.states)} unsigned (it proved them never "
                     f"negative on the first steps), but this step of {type(self.opt).__name__} with "
-                    f"{named} can make them negative; restore() the optimizer and wrap it again")
+                    f"{ {s.name: v for s, v in zip(self.slots, values)} } can make them negative; restore() the "
+                    "optimizer and wrap it again")
             if unsigned:
                 guard = _and(trace.guard, self.slots, proof)
             for _, states in proof.fragile_roots:
@@ -239,8 +240,7 @@ def _and(guard: Callable, slots: tuple[HyperSlot, ...], proof: NonnegProof) -> C
     """``guard`` and the hyperparameter ranges a non-negativity proof assumed."""
     if not proof.assumptions:
         return guard
-    names = [s.name for s in slots]
-    return lambda values: guard(values) and proof.holds(dict(zip(names, values)))
+    return lambda values: guard(values) and proof.holds(dict(zip(slots, values)))
 
 
 class _BranchingRun:

@@ -205,7 +205,7 @@ def _infer_nonneg(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor,
     if any(kind == "computed" for _, (kind, *_) in init):
         examples.append({k: (torch.empty(0, dtype=v.dtype, device=param.device) if k in per_element else v)
                          for k, v in after_first.items()})
-    values = {s.name: s.get(tgroup) for s in hyper_slots(tgroup)}
+    values = {s: s.get(tgroup) for s in hyper_slots(tgroup)}
     proven = {k for k, (kind, *rest) in init if k in per_element and (kind != "fill" or rest[0] >= 0)}
     for example in examples:
         trace = traced(opt, tgroup, param.dtype, param.device, example, per_element)

@@ -157,6 +157,49 @@ def test_hostile_keys_in_param_groups_run_nothing(marker):
                 expected)
 
 
+class SquaresEma(torch.optim.Optimizer):
+    """RMSprop's second moment with its decay in a tuple, as Adam's betas."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.01, "decays": (0.9, 0.99)})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["v"] = torch.zeros_like(p)
+                v = state["v"]
+                v.mul_(group["decays"][1]).addcmul_(p.grad, p.grad, value=1 - group["decays"][1])
+                p.addcdiv_(p.grad, v.sqrt().add_(1e-8), value=-group["lr"])
+
+
+def test_a_key_named_like_a_tuple_slot_does_not_stand_in_for_it_in_a_guard():
+    """A group key "decays_1" (as a checkpoint can add) beside decays: the unsigned second moment's
+    proof assumes decays[1] in [0, 1], and the step checks decays[1] itself, not the key of the same
+    name: decays[1] = 1.5 (which can make v negative) turns v signed and keeps its negative values,
+    as without that key."""
+    def run(extra: dict) -> tuple[list[torch.Tensor], bool]:
+        params = make_params()
+        opt = lowbit_compile(SquaresEma(params), "int8", backend="reference")
+        opt.param_groups[0].update(extra)
+        for s in range(3):
+            set_grads(params, seed=1 + s)
+            opt.step()
+            opt.param_groups[0]["decays"] = (0.9, 1.5)
+        v = opt.state[params[0]]["v"]
+        return [v.dequantize()], v.fmt.nonneg  # (the params are NaN by now, as stock's)
+
+    with pytest.warns(UserWarning, match="square root"):
+        plain, unsigned = run({})
+    assert not unsigned
+    with pytest.warns(UserWarning, match="square root"):
+        colliding, unsigned = run({"decays_1": 0.5})
+    assert not unsigned
+    assert_same(colliding, plain)
+
+
 SCRIPT = """
 import sys
 import torch
@@ -195,22 +238,25 @@ def test_hostile_keys_through_the_run_command_run_nothing(marker, tmp_path, monk
     assert_same(torch.load(tmp_path / "out.pt"), stepped(stock, crafted_checkpoint(keys)))
 
 
-class Hostile(torch.optim.Optimizer):
-    """An optimizer of one's own whose state and hyperparameter keys are C++ (and Python) source."""
+def hostile_optimizer(state_key: str, hyper_key: str) -> type[torch.optim.Optimizer]:
+    """An optimizer of one's own whose state and hyperparameter keys are C++ (and Python) source (a
+    class per pair: what a class's step keeps is probed once per class)."""
 
-    def __init__(self, params, state_key: str, hyper_key: str):
-        super().__init__(params, {"lr": 0.1, hyper_key: 0.9})
-        self.state_key, self.hyper_key = state_key, hyper_key
+    class Hostile(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1, hyper_key: 0.9})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state[self.state_key] = torch.zeros_like(p)
-                state[self.state_key].mul_(group[self.hyper_key]).add_(p.grad)
-                p.sub_(state[self.state_key], alpha=group["lr"])
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state[p]
+                    if not state:
+                        state[state_key] = torch.zeros_like(p)
+                    state[state_key].mul_(group[hyper_key]).add_(p.grad)
+                    p.sub_(state[state_key], alpha=group["lr"])
+
+    return Hostile
 
 
 def test_no_key_reaches_the_generated_cpp(marker, monkeypatch):
@@ -230,7 +276,7 @@ def test_no_key_reaches_the_generated_cpp(marker, monkeypatch):
     results = []
     for backend in ("cpu", "reference"):
         p = torch.nn.Parameter(torch.linspace(-1, 1, 5000))
-        opt = lowbit_compile(Hostile([p], state_key, hyper_key), "int8", backend=backend)
+        opt = lowbit_compile(hostile_optimizer(state_key, hyper_key)([p]), "int8", backend=backend)
         for s in range(2):
             set_grads([p], seed=s)
             opt.step()
@@ -251,7 +297,7 @@ def test_no_key_reaches_the_generated_triton():
     from .graphs import body
 
     state_key, hyper_key = 'm"""; import os; os.system("x"); """', "beta):\n    import os\n#"
-    opt = Hostile([torch.nn.Parameter(torch.randn(64))], state_key, hyper_key)
+    opt = hostile_optimizer(state_key, hyper_key)([torch.nn.Parameter(torch.randn(64))])
     source = printer.emit_kernel(body(opt, "int8"), "hostile_step", Target("cuda")).source
     assert f"{identifier(state_key)}_codes_ptr" in source and f"hp_{identifier(hyper_key)}" in source
     assert "import os" not in source and "system" not in source and '"""' not in source

@@ -23,11 +23,15 @@ import math
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import GraphModule, Node
 
 from ..kernels.contract import Role, input_of, role_of
+
+if TYPE_CHECKING:
+    from .trace import HyperSlot
 
 aten = torch.ops.aten
 INF = math.inf
@@ -65,12 +69,12 @@ class NonnegProof:
     """
 
     states: frozenset[str]
-    assumptions: tuple[tuple[str, Interval], ...]
+    assumptions: tuple[tuple[HyperSlot, Interval], ...]
     fragile_roots: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
-    def holds(self, values: Mapping[str, float | torch.Tensor]) -> bool:
-        """Whether these hyperparameter values (by slot name) are inside every assumed range."""
-        return all(float(values[name]) in interval for name, interval in self.assumptions)
+    def holds(self, values: Mapping[HyperSlot, float | torch.Tensor]) -> bool:
+        """Whether these hyperparameter values (by slot) are inside every assumed range."""
+        return all(float(values[slot]) in interval for slot, interval in self.assumptions)
 
 
 def natural_range(value: float) -> Interval:
@@ -86,22 +90,23 @@ def natural_range(value: float) -> Interval:
     return Interval(-INF, -1.0)
 
 
-def prove_nonneg(gm: GraphModule, hyper_values: Mapping[str, float]) -> NonnegProof:
+def prove_nonneg(gm: GraphModule, hyper_values: Mapping[HyperSlot, float]) -> NonnegProof:
     """The per-element states of the role-labelled step graph ``gm`` that stay >= 0 whenever they
-    start >= 0, given float hyperparameters (by slot name) in their natural ranges; the ranges
+    start >= 0, given float hyperparameters (by slot) in their natural ranges; the ranges
     the proof needs are returned with it."""
     written = _written_states(gm)
-    ranges = {name: natural_range(float(v)) for name, v in hyper_values.items()
+    ranges = {slot: natural_range(float(v)) for slot, v in hyper_values.items()
               if isinstance(v, float) or (isinstance(v, torch.Tensor) and v.numel() == 1)}
     proven = _fixpoint(gm, written, ranges)
     # square roots are judged optimistically, with step counts >= 0 (not a proof: what decides a warning)
     hopeful = _fixpoint(gm, written, ranges, scalar_states=NONNEG)
     env = _ranges(gm, set(hopeful), ranges, scalar_states=NONNEG)
-    for name in list(ranges):  # drop every range the proof does not need
-        trial = {k: v for k, v in ranges.items() if k != name}
+    for slot in list(ranges):  # drop every range the proof does not need
+        trial = {k: v for k, v in ranges.items() if k != slot}
         if _fixpoint(gm, written, trial) == proven:
             ranges = trial
-    return NonnegProof(proven, tuple(sorted(ranges.items())), _fragile_roots(gm, env))
+    return NonnegProof(proven, tuple(sorted(ranges.items(), key=lambda item: str(item[0].name))),
+                       _fragile_roots(gm, env))
 
 
 def _fragile_roots(gm: GraphModule, env: dict[Node, Interval]) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -130,7 +135,7 @@ def _written_states(gm: GraphModule) -> dict[str, Node]:
     return out
 
 
-def _fixpoint(gm: GraphModule, written: dict[str, Node], ranges: Mapping[str, Interval],
+def _fixpoint(gm: GraphModule, written: dict[str, Node], ranges: Mapping[HyperSlot, Interval],
               scalar_states: Interval = ANY) -> frozenset[str]:
     assumed = set(written)
     while True:
@@ -141,7 +146,7 @@ def _fixpoint(gm: GraphModule, written: dict[str, Node], ranges: Mapping[str, In
         assumed = keep
 
 
-def _ranges(gm: GraphModule, assumed: set[str], ranges: Mapping[str, Interval],
+def _ranges(gm: GraphModule, assumed: set[str], ranges: Mapping[HyperSlot, Interval],
             scalar_states: Interval = ANY) -> dict[Node, Interval]:
     env: dict[Node, Interval] = {}
 
@@ -158,7 +163,7 @@ def _ranges(gm: GraphModule, assumed: set[str], ranges: Mapping[str, Interval],
             if desc.role is Role.PER_ELEMENT_STATE and desc.key in assumed:
                 env[node] = NONNEG
             elif desc.role is Role.HYPERPARAMETER:
-                env[node] = ranges.get(desc.key.name, ANY)
+                env[node] = ranges.get(desc.key, ANY)
             elif desc.role is Role.SCALAR_STATE:
                 env[node] = scalar_states
             else:
