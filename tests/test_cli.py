@@ -196,3 +196,43 @@ def test_the_plain_example_runs_under_the_runner(runner):
     code, out, err = runner("--override", "*embed*=fp32", str(example), "--steps", "3")
     assert code == 0, err
     assert "final loss (EMA)" in out and "lowbit-compile: 1 optimizer(s) rewritten" in err
+
+
+LIGHTNING_SCRIPT = '''
+import lightning as L
+import torch
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.embed(batch[0])).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+model = Model()
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 64, (24, 8))), batch_size=8)
+trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, data)
+opt = trainer.optimizers[0]
+print("formats", {n: getattr(opt.state[p]["exp_avg"], "fmt", None) and opt.state[p]["exp_avg"].fmt.name
+                  for n, p in model.named_parameters()})
+'''
+
+
+def test_lightning_closure_loop_takes_name_overrides_and_the_monitor_names_modules(runner, tmp_path):
+    """The issue's command: Lightning steps a stock AdamW with a closure that runs the forward, so the
+    names are learned inside the step; the override applies and the monitor names module parameters."""
+    pytest.importorskip("lightning")
+    (tmp_path / "fit.py").write_text(LIGHTNING_SCRIPT)
+    code, out, err = runner("--override", "*embed*=fp32", "--min-8bit-size", "16", "--monitor", "1", "fit.py")
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("formats"))
+    assert line == f"formats {{'embed.weight': None, 'head.weight': '{DEFAULT_FMT}', 'head.bias': '{DEFAULT_FMT}'}}"
+    samples = [line for line in err.splitlines() if "worst round-trip error" in line]
+    assert len(samples) == 2 and all("of head." in s and "group0" not in s for s in samples), err
