@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import pathlib
 import re
 import signal
@@ -150,10 +151,22 @@ def test_bad_options_fail_before_the_script_runs(runner, args, error):
     assert err.splitlines()[-1].startswith("python -m lowbit_compile run: error: ")
 
 
-def test_a_missing_script_fails_cleanly_in_a_fresh_interpreter(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "lowbit_compile", "run", "missing.py"], cwd=tmp_path, text=True,
-                          capture_output=True, timeout=300)
-    assert done.returncode == 2 and "Traceback" not in done.stderr and "no such script" in done.stderr
+@pytest.mark.parametrize("args,error", [
+    (["run", "missing.py"], "no such script: 'missing.py'"),
+    (["run", "--block-size", "x", "train.py"], "--block-size: invalid int value: 'x'"),
+    (["run", "--no-such-flag", "train.py"], "unrecognized arguments: --no-such-flag"),
+    (["run", "-m", "no_such_module"], "no module named 'no_such_module'"),
+    (["estimate", "--params", "7X"], "--params: not a parameter count: '7X' (examples: 7e9, 7B"),
+])
+def test_argument_errors_come_before_torch_loads_in_a_fresh_interpreter(tmp_path, args, error):
+    """``python -m lowbit_compile`` with a bad command line exits 2 with argparse's message, without
+    importing torch (which takes seconds): the check runs with torch made unimportable."""
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "torch.py").write_text("raise ImportError('torch was imported')")
+    package = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "lowbit_compile", *args], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{package}"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr and error in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("args,error", [
