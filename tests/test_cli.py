@@ -249,3 +249,15 @@ def test_lightning_closure_loop_takes_name_overrides_and_the_monitor_names_modul
     assert line == f"formats {{'embed.weight': None, 'head.weight': '{DEFAULT_FMT}', 'head.bias': '{DEFAULT_FMT}'}}"
     samples = [line for line in err.splitlines() if "worst round-trip error" in line]
     assert len(samples) == 2 and all("of head." in s and "group0" not in s for s in samples), err
+
+
+def test_the_help_states_the_library_defaults(capsys):
+    """The runner's parser is built before torch loads, so it writes the defaults out; they are the library's."""
+    from lowbit_compile.config import BACKENDS, DEFAULT_MIN_8BIT_SIZE
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"({DEFAULT_FMT}, the default;" in text and f"(default {DEFAULT_BLOCK_SIZE})" in text
+    assert f"(default {DEFAULT_OUTLIERS})" in text and f"(default {DEFAULT_MIN_8BIT_SIZE})" in text
+    assert all(name in text for name in BACKENDS)
