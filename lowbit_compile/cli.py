@@ -86,7 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run.error("give the script to run (script.py or -m module)")
         return _run(args, target, script_args, run)
     args = parser.parse_args(argv)
-    from .estimate import estimate  # torch loads here, after the command line was read
+    from . import _load
+
+    _load()  # torch loads here, after the command line was read
+    from .estimate import estimate
 
     try:
         options = _given(fmt=_parse_fmt(args.fmt) if args.fmt is not None else None, block_size=args.block_size,
@@ -157,19 +160,22 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
         if args.log_every is not None and args.log_every < 0:
             raise ValueError(f"--log-every must be a non-negative int (0: no progress lines), got {args.log_every}")
         signum = _signal_number(args.restore_on_signal) if args.restore_on_signal else None
+        fmt = _parse_fmt(args.fmt) if args.fmt is not None else None
+        rounding = _parse_fmt(args.rounding, "--rounding")
         _check_target(target)
     except ValueError as err:
         parser.error(_as_flags(str(err)))
     from . import _load
-    from .enable import Scope
 
     _load()  # torch loads here, after the command line and the script were checked
+    from .enable import Scope
+
     try:
-        scope = Scope(**_given(fmt=_parse_fmt(args.fmt) if args.fmt is not None else None, block_size=args.block_size,
-                               outliers=args.outliers, min_8bit_size=args.min_8bit_size, backend=args.backend),
+        scope = Scope(**_given(fmt=fmt, block_size=args.block_size, outliers=args.outliers,
+                               min_8bit_size=args.min_8bit_size, backend=args.backend),
                       overrides=overrides or None, restore_at_step=args.restore_at_step,
-                      master_weights=args.master_weights, rounding=_parse_fmt(args.rounding, "--rounding"),
-                      monitor=args.monitor, log_every=args.log_every or None)
+                      master_weights=args.master_weights, rounding=rounding, monitor=args.monitor,
+                      log_every=args.log_every or None)
     except (ValueError, TypeError, NotImplementedError) as err:
         parser.error(_as_flags(str(err)))
     handler = logging.StreamHandler(sys.stderr)
