@@ -282,6 +282,16 @@ class Scope(contextlib.ContextDecorator):
                 "have no known name, so the name-pattern overrides cannot be applied to them; run the "
                 "model's forward inside the scope before the first step, or pass model= to enable()"
             )
+        if self._names is None:
+            try:
+                self.config.check_patterns(names.values())
+            except ValueError as err:
+                raise RuntimeError(
+                    f"lowbit_compile.enable: {err}. The names were learned from the modules run in scope, within "
+                    "the outermost one that was called or created in scope (a model created outside whose own "
+                    "forward is not called, as Lightning calls training_step, names only its submodules' "
+                    "parameters): pass model= to enable(), or create the model inside the scope"
+                ) from None
         # every known name, not only this optimizer's: patterns are checked against the whole model
         return [(name, p) for p, name in names.items()]
 

@@ -304,6 +304,34 @@ def test_a_failing_closure_leaves_the_optimizer_undecided():
     assert isinstance(opt.state[model.weight]["exp_avg"], QuantizedState)
 
 
+def test_names_learned_within_a_module_created_in_scope_whose_forward_is_not_called():
+    """Lightning calls ``training_step``, not the LightningModule's forward: a model created in scope
+    still names its submodules' parameters from the root; one created outside says how to fix it."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64)
+
+        def loss(self):
+            return self.head(self.embed(torch.arange(8))).square().mean()
+
+    def train(model):
+        opt = torch.optim.AdamW(model.parameters())
+        model.loss().backward()
+        opt.step()
+        return opt
+
+    with enable(overrides={"embed.*": "fp32"}, min_8bit_size=0):
+        model = Model()
+        opt = train(model)
+    assert type(opt.state[model.embed.weight]["exp_avg"]) is torch.Tensor
+    assert isinstance(opt.state[model.head.weight]["exp_avg"], QuantizedState)
+    model = Model()
+    with enable(overrides={"embed.*": "fp32"}), pytest.raises(RuntimeError, match="pass model= to enable"):
+        train(model)
+
+
 def test_name_patterns_without_a_forward_or_model_fail_loudly():
     params, opt = make()
     with enable(overrides={"*embed*": "fp32"}), pytest.raises(RuntimeError, match="no known name"):
