@@ -203,18 +203,21 @@ class Scope(contextlib.ContextDecorator):
         def closure_then_convert() -> Any:
             try:
                 loss = closure()
-                self._convert(opt)
             except BaseException:
-                self._decided.discard(opt)  # not converted: decide again at its next step
-                self._drop_monitor(opt)
+                self._forget(opt)
                 raise
+            self._convert(opt)
             return loss
 
         return stock_step_runs_rewritten(opt, (opt,), {"closure": closure_then_convert})
 
     def _convert(self, opt: torch.optim.Optimizer) -> None:
         """Wrap ``opt`` with the scope's options and the parameter names known now."""
-        lowbit_compile(opt, **self._options, model=self._names_of(opt))
+        try:
+            lowbit_compile(opt, **self._options, model=self._names_of(opt))
+        except BaseException:
+            self._forget(opt)
+            raise
         n_params = sum(p.numel() for group in opt.param_groups for p in group["params"])
         record = Rewritten(f"{type(opt).__name__} #{len(self.rewritten) + 1}", n_params)
         self.rewritten.append(record)
@@ -225,7 +228,9 @@ class Scope(contextlib.ContextDecorator):
         self._stop_learning_names()
         _log.info("rewrote %s (%s params) with low-bit states", record.label, f"{n_params:,}")
 
-    def _drop_monitor(self, opt: torch.optim.Optimizer) -> None:
+    def _forget(self, opt: torch.optim.Optimizer) -> None:
+        """``opt`` was not converted (its step failed first): decide again at its next step."""
+        self._decided.discard(opt)
         for mon in [m for m in self.monitors if m.opt is opt]:
             mon.remove()
             self.monitors.remove(mon)
