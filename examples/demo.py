@@ -27,7 +27,9 @@ from tasks import CharGPT, Hyper, train
 from lowbit_compile import lowbit_compile, memory_report
 
 STOCK = "fp32"
-PNG = Path(__file__).resolve().parents[1] / "bench" / "results" / "demo.png"
+# outside the tracked tree (results/ is git-ignored); the README's figure is bench/results/demo.png,
+# rewritten only when asked: --png bench/results/demo.png
+PNG = Path(__file__).resolve().parents[1] / "results" / "demo.png"
 
 
 def make_task(steps: int) -> CharGPT:
@@ -153,7 +155,7 @@ def main() -> None:
     parser.add_argument("--fmt", nargs="+", default=["sqrt8", "dynamic8", "int8"],
                         help="low-bit formats to compare (sqrt8 is the library default)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs at a time, 1 thread each")
-    parser.add_argument("--png", type=Path, default=PNG)
+    parser.add_argument("--png", type=Path, default=PNG, help=f"where the plot goes (default {PNG})")
     args = parser.parse_args()
     fmts = [STOCK, *args.fmt]
     n_params = sum(p.numel() for p in make_task(args.steps).model(0).parameters())
@@ -172,6 +174,7 @@ def main() -> None:
                   flush=True)
     print()
     print(report(runs, fmts, args.seeds))
+    args.png.parent.mkdir(parents=True, exist_ok=True)
     plot(runs, fmts, args.seeds, args.png)
     print(f"\nloss curves: {args.png}   ({time.perf_counter() - start:.0f} s in all)")
 

@@ -1,5 +1,9 @@
 """``python -m lowbit_compile``: ``run`` an unmodified training script with low-bit optimizer states,
-or ``estimate`` the training memory of a model size with and without them."""
+or ``estimate`` the training memory of a model size with and without them.
+
+The command line is parsed, and the script looked for, before torch loads (seconds): options the
+library validates (format names, backends) are checked right after, before the script runs.
+"""
 
 from __future__ import annotations
 
@@ -12,21 +16,21 @@ import runpy
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from .config import BACKENDS, DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_MIN_8BIT_SIZE, DEFAULT_OUTLIERS, FmtSpec
-from .enable import Scope
-from .estimate import PARAM_DTYPES, estimate, parse_count
+if TYPE_CHECKING:
+    from .config import FmtSpec
 
 # The runner's own options, as (flags, argparse keywords); everything from the script path (or
 # -m MODULE) on belongs to the script. The list also tells the splitter which flags take a value.
+# An option left out (None) takes the library's default.
 _RUN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
-    (("--fmt",), dict(default=DEFAULT_FMT, help="state format (sqrt8, dynamic8, int8, fp8_e4m3, fp8_e5m2, "
-                                                  "bf16, fp32) or per state: exp_avg=int8,exp_avg_sq=dynamic8")),
-    (("--block-size",), dict(type=int, default=DEFAULT_BLOCK_SIZE, help="elements per scale")),
-    (("--outliers",), dict(type=int, default=DEFAULT_OUTLIERS, help="bf16 outlier patches per block")),
-    (("--min-8bit-size",), dict(type=int, default=DEFAULT_MIN_8BIT_SIZE,
-                                help="tensors with fewer elements keep stock fp32 states")),
-    (("--backend",), dict(default="auto", help=f"one of {', '.join(BACKENDS)}")),
+    (("--fmt",), dict(help="state format (sqrt8, the default; dynamic8, int8, fp8_e4m3, fp8_e5m2, "
+                           "bf16, fp32) or per state: exp_avg=int8,exp_avg_sq=dynamic8")),
+    (("--block-size",), dict(type=int, help="elements per scale (default 512)")),
+    (("--outliers",), dict(type=int, help="bf16 outlier patches per block (default 0)")),
+    (("--min-8bit-size",), dict(type=int, help="tensors with fewer elements keep stock fp32 states (default 4096)")),
+    (("--backend",), dict(help="auto (the default: the fused kernel for the device), cpu, triton or reference")),
     (("--override",), dict(action="append", default=[], metavar="PATTERN=FMT",
                            help="format for parameters whose name matches the glob, e.g. '*embed*=fp32' "
                                 "(repeatable; first match wins; names come from the modules run)")),
@@ -63,13 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         run.add_argument(*flags, **kwargs)
     est = sub.add_parser("estimate", help="training memory of a model size, stock AdamW vs low-bit states")
     est.add_argument("--params", required=True, type=parse_count, help="parameter count: 7e9, 7B, 125M")
-    est.add_argument("--param-dtype", default="fp32", choices=tuple(PARAM_DTYPES))
+    est.add_argument("--param-dtype", default="fp32", help="fp32, bf16 or fp16")
     est.add_argument("--master-weights", nargs="?", const="fp32", choices=("fp32", "exact", "8bit"),
                      help="the fp32 master of 16-bit params: fp32 (a copy, also the stock column; the default "
                           "when given without a value), exact or 8bit (our residual in the low-bit column)")
-    est.add_argument("--fmt", default=DEFAULT_FMT, help="low-bit state format, as for run")
-    est.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    est.add_argument("--outliers", type=int, default=DEFAULT_OUTLIERS)
+    est.add_argument("--fmt", help="low-bit state format, as for run")
+    est.add_argument("--block-size", type=int)
+    est.add_argument("--outliers", type=int)
     est.add_argument("--shards", type=int, default=1, help="devices the sharded components are split over")
     est.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
                      help="what --shards splits: 1 states, 2 +grads, 3 +params (FSDP full shard)")
@@ -82,14 +86,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             run.error("give the script to run (script.py or -m module)")
         return _run(args, target, script_args, run)
     args = parser.parse_args(argv)
+    from . import _load
+
+    _load()  # torch loads here, after the command line was read
+    from .estimate import estimate
+
     try:
-        fmt = _parse_fmt(args.fmt)
-        print(estimate(args.params, param_dtype=args.param_dtype, master_weights=args.master_weights, fmt=fmt,
-                       block_size=args.block_size, outliers=args.outliers, shards=args.shards,
-                       zero_stage=args.zero_stage, amsgrad=args.amsgrad))
+        options = _given(fmt=_parse_fmt(args.fmt) if args.fmt is not None else None, block_size=args.block_size,
+                         outliers=args.outliers)
+        print(estimate(args.params, param_dtype=args.param_dtype, master_weights=args.master_weights,
+                       shards=args.shards, zero_stage=args.zero_stage, amsgrad=args.amsgrad, **options))
     except ValueError as err:
         est.error(_as_flags(str(err)))
     return 0
+
+
+def parse_count(text: str) -> int:
+    """A parameter count: ``7e9``, ``7000000000``, ``7B``, ``1.3b``, ``125M``, ``350k`` (``--params``); an
+    argparse error, which it prints as is, says what one looks like."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (examples: 7e9, 7B, 1.3b, 125M, 350k)")
+    count = round(float(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[match.group(2)])
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"the parameter count must be positive, got {text!r}")
+    return count
+
+
+def _given(**options: Any) -> dict[str, Any]:
+    """The options given on the command line (the library's defaults for the others)."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def _as_flags(message: str) -> str:
@@ -133,13 +159,23 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
             raise ValueError(f"--override takes PATTERN=FMT, got {args.override}")
         if args.log_every is not None and args.log_every < 0:
             raise ValueError(f"--log-every must be a non-negative int (0: no progress lines), got {args.log_every}")
-        scope = Scope(_parse_fmt(args.fmt), block_size=args.block_size, outliers=args.outliers,
-                      min_8bit_size=args.min_8bit_size, backend=args.backend, overrides=overrides or None,
-                      restore_at_step=args.restore_at_step, master_weights=args.master_weights,
-                      rounding=_parse_fmt(args.rounding, "--rounding"), monitor=args.monitor,
-                      log_every=args.log_every or None)
         signum = _signal_number(args.restore_on_signal) if args.restore_on_signal else None
+        fmt = _parse_fmt(args.fmt) if args.fmt is not None else None
+        rounding = _parse_fmt(args.rounding, "--rounding")
         _check_target(target)
+    except ValueError as err:
+        parser.error(_as_flags(str(err)))
+    from . import _load
+
+    _load()  # torch loads here, after the command line and the script were checked
+    from .enable import Scope
+
+    try:
+        scope = Scope(**_given(fmt=fmt, block_size=args.block_size, outliers=args.outliers,
+                               min_8bit_size=args.min_8bit_size, backend=args.backend),
+                      overrides=overrides or None, restore_at_step=args.restore_at_step,
+                      master_weights=args.master_weights, rounding=rounding, monitor=args.monitor,
+                      log_every=args.log_every or None)
     except (ValueError, TypeError, NotImplementedError) as err:
         parser.error(_as_flags(str(err)))
     handler = logging.StreamHandler(sys.stderr)

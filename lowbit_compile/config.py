@@ -182,18 +182,26 @@ def _fmt_key(fmt: object, what: str) -> str | tuple[tuple[str, str], ...]:
 def _spec_key(spec: object, what: str, choices: tuple[str, ...]) -> str | tuple[tuple[str, str], ...]:
     """A validated, hashable form of an option given as one of ``choices`` or a dict from state name to one."""
     if isinstance(spec, Mapping):
-        for key, value in spec.items():
+        for key in spec:
             if not isinstance(key, str):
                 raise TypeError(f"{what} keys must be state names (str), got {key!r}")
-            _check_choice(value, f"{what}[{key!r}]", choices)
-        return tuple(sorted(spec.items()))
-    _check_choice(spec, what, choices)
-    return spec
+        return tuple(sorted((key, _choice(value, f"{what}[{key!r}]", choices)) for key, value in spec.items()))
+    return _choice(spec, what, choices)
 
 
-def _check_choice(value: object, what: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{what} must be one of {choices}, got {value!r}")
+def _choice(value: object, what: str, choices: tuple[str, ...]) -> str:
+    """``value`` as the one of ``choices`` it names, in any case ("INT8" is "int8"); else an error that
+    suggests the choices it starts (``"fp8"``: fp8_e4m3 or fp8_e5m2) or resembles."""
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in choices:
+            return name
+        close = [c for c in choices if c.startswith(name)] if name else []
+        close = close or difflib.get_close_matches(name, choices, n=2, cutoff=0.6)
+        if close:
+            raise ValueError(f"{what} must be one of {choices}, got {value!r} (did you mean "
+                             f"{' or '.join(map(repr, close))}?)")
+    raise ValueError(f"{what} must be one of {choices}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:

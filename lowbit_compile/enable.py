@@ -123,7 +123,9 @@ class Scope(contextlib.ContextDecorator):
         self._restore_requested = False
         self._tokens: list[contextvars.Token] = []
         self._seen_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-        self._module_hook: Any = None
+        # submodule -> its parent, for the submodules registered in scope
+        self._parents: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+        self._module_hooks: list = []
 
     # entering and leaving ---------------------------------------------------------------------
     def __enter__(self) -> Scope:
@@ -131,11 +133,16 @@ class Scope(contextlib.ContextDecorator):
         _acquire_hooks()
         self._tokens.append(_active.set((*_active.get(), self)))
         wants_names = self.config.uses_names or self.monitor_every is not None
-        if wants_names and self._names is None and self._module_hook is None:
+        if wants_names and self._names is None and not self._module_hooks:
             # Name patterns (or a monitor's messages) without model=: learn names from the modules
-            # that run forward in scope.
-            self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                lambda module, args: self._seen_modules.add(module))
+            # that run forward in scope, named in the outermost module that holds them (a parent
+            # registered in scope counts even if only its children are called, as Lightning calls
+            # training_step, not forward).
+            modules = torch.nn.modules.module
+            self._module_hooks = [
+                modules.register_module_forward_pre_hook(lambda module, args: self._seen_modules.add(module)),
+                modules.register_module_module_registration_hook(self._learn_parent),
+            ]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -184,17 +191,49 @@ class Scope(contextlib.ContextDecorator):
         return True
 
     def _rewrite(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        lowbit_compile(opt, **self._options, model=self._names_of(opt))
+        if self.monitor_every is not None:
+            self.monitors.append(sample_health(opt, self.monitor_every))  # names given in _convert
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None or not self._names_pending(opt):
+            self._convert(opt)
+            return stock_step_runs_rewritten(opt, args, kwargs)
+
+        # A step with a closure (Lightning's loop) runs the forward that names the parameters inside
+        # it: run the closure first, as the stock step would, then convert and run the rewritten update.
+        def closure_then_convert() -> Any:
+            try:
+                loss = closure()
+            except BaseException:
+                self._forget(opt)
+                raise
+            self._convert(opt)
+            return loss
+
+        return stock_step_runs_rewritten(opt, (opt,), {"closure": closure_then_convert})
+
+    def _convert(self, opt: torch.optim.Optimizer) -> None:
+        """Wrap ``opt`` with the scope's options and the parameter names known now."""
+        try:
+            lowbit_compile(opt, **self._options, model=self._names_of(opt))
+        except BaseException:
+            self._forget(opt)
+            raise
         n_params = sum(p.numel() for group in opt.param_groups for p in group["params"])
         record = Rewritten(f"{type(opt).__name__} #{len(self.rewritten) + 1}", n_params)
         self.rewritten.append(record)
         self._records[opt] = record
-        if self.monitor_every is not None:
-            named = self._known_names(opt)
-            self.monitors.append(sample_health(opt, self.monitor_every, model=named))
+        for mon in self.monitors:
+            if mon.opt is opt:
+                mon.names = {p: name for name, p in self._known_names(opt)}
         self._stop_learning_names()
         _log.info("rewrote %s (%s params) with low-bit states", record.label, f"{n_params:,}")
-        return stock_step_runs_rewritten(opt, args, kwargs)
+
+    def _forget(self, opt: torch.optim.Optimizer) -> None:
+        """``opt`` was not converted (its step failed first): decide again at its next step."""
+        self._decided.discard(opt)
+        for mon in [m for m in self.monitors if m.opt is opt]:
+            mon.remove()
+            self.monitors.remove(mon)
 
     def _post_step(self, opt: torch.optim.Optimizer) -> bool:
         """Count a step of an optimizer this scope rewrote; False if it is not one of ours."""
@@ -239,7 +278,7 @@ class Scope(contextlib.ContextDecorator):
     def _names_of(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]] | None:
         if not self.config.uses_names:
             return None
-        names = self._names if self._names is not None else _outermost_names(self._seen_modules)
+        names = self._names if self._names is not None else self._learned_names()
         params = [p for group in opt.param_groups for p in group["params"]]
         missing = sum(p not in names for p in params)
         if missing:
@@ -248,18 +287,41 @@ class Scope(contextlib.ContextDecorator):
                 "have no known name, so the name-pattern overrides cannot be applied to them; run the "
                 "model's forward inside the scope before the first step, or pass model= to enable()"
             )
+        if self._names is None:
+            try:
+                self.config.check_patterns(names.values())
+            except ValueError as err:
+                raise RuntimeError(
+                    f"lowbit_compile.enable: {err}. The names were learned from the modules run in scope, within "
+                    "the outermost one that was called or created in scope (a model created outside whose own "
+                    "forward is not called, as Lightning calls training_step, names only its submodules' "
+                    "parameters): pass model= to enable(), or create the model inside the scope"
+                ) from None
         # every known name, not only this optimizer's: patterns are checked against the whole model
         return [(name, p) for p, name in names.items()]
 
+    def _names_pending(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether names are wanted (patterns, a monitor) and some of ``opt``'s parameters have none yet."""
+        if self._names is not None or not (self.config.uses_names or self.monitor_every is not None):
+            return False
+        names = self._learned_names()
+        return any(p not in names for group in opt.param_groups for p in group["params"])
+
     def _known_names(self, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
         """The names of ``opt``'s parameters known so far (``model=``, or modules run in scope)."""
-        names = self._names if self._names is not None else _outermost_names(self._seen_modules)
+        names = self._names if self._names is not None else self._learned_names()
         return [(names[p], p) for group in opt.param_groups for p in group["params"] if p in names]
 
+    def _learn_parent(self, parent: torch.nn.Module, name: str, sub: torch.nn.Module | None) -> None:
+        if sub is not None:
+            self._parents[sub] = weakref.ref(parent)
+
+    def _learned_names(self) -> dict[torch.Tensor, str]:
+        return _outermost_names(_with_parents(self._seen_modules, self._parents))
+
     def _stop_learning_names(self) -> None:
-        if self._module_hook is not None:
-            self._module_hook.remove()
-            self._module_hook = None
+        while self._module_hooks:
+            self._module_hooks.pop().remove()
 
     # reporting --------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -317,6 +379,18 @@ def _summary_row(label: str, params: int, steps: int, stock: int, held: int) -> 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
+
+
+def _with_parents(modules: Iterable[torch.nn.Module],
+                  parents: Mapping[torch.nn.Module, weakref.ref]) -> list[torch.nn.Module]:
+    """``modules`` and every ancestor ``parents`` knows of."""
+    found: dict[int, torch.nn.Module] = {}
+    for module in modules:
+        while module is not None and id(module) not in found:
+            found[id(module)] = module
+            ref = parents.get(module)
+            module = ref() if ref is not None else None
+    return list(found.values())
 
 
 def _outermost_names(modules: Iterable[torch.nn.Module]) -> dict[torch.Tensor, str]:

@@ -10,7 +10,6 @@ larger than a block (each tensor's last, partial block adds at most one block pe
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -67,18 +66,6 @@ class Estimate:
             lines.append(f"per parameter: {self.stock_total / self.params:.3f} B stock, "
                          f"{self.lowbit_total / self.params:.3f} B low-bit")
         return "\n".join(lines)
-
-
-def parse_count(text: str) -> int:
-    """A parameter count: ``7e9``, ``7000000000``, ``7B``, ``1.3b``, ``125M``, ``350k``."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*", text.lower())
-    if not match:
-        raise ValueError(f"not a parameter count: {text!r} (examples: 7e9, 7B, 125M)")
-    scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[match.group(2)]
-    count = round(float(match.group(1)) * scale)
-    if count <= 0:
-        raise ValueError(f"the parameter count must be positive, got {text!r}")
-    return count
 
 
 def estimate(

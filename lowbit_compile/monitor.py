@@ -105,11 +105,13 @@ class Monitor:
         """Sample on every ``every``-th step, once the gradients exist: a step with a closure
         (Lightning's) computes them inside the step, so the sample runs right after the closure."""
         self.steps += 1
-        if self.steps % self.every or not api.is_wrapped(opt):
-            return None
         in_kwargs = "closure" in kwargs
         closure = kwargs["closure"] if in_kwargs else args[1] if len(args) > 1 else None
-        if isinstance(closure, api.RunRewritten):  # enable() redirected this stock step to the rewritten one
+        redirected = isinstance(closure, api.RunRewritten)  # enable() redirected this stock step to the rewritten one
+        # (which may wrap ``opt`` only after the caller's closure ran: see enable's Scope._rewrite)
+        if self.steps % self.every or not (redirected or api.is_wrapped(opt)):
+            return None
+        if redirected:
             closure.closure = self._sampling(closure.closure)
             return None
         sampling = self._sampling(closure)
@@ -120,7 +122,7 @@ class Monitor:
         def sample_after_closure() -> Any:
             loss = closure() if closure is not None else None
             found_inf = getattr(self.opt, "found_inf", None)  # GradScaler is about to skip this step
-            if found_inf is None or not found_inf.item():
+            if api.is_wrapped(self.opt) and (found_inf is None or not found_inf.item()):
                 self.check()
             return loss
 

@@ -241,7 +241,11 @@ def _untouched(opt, params, states):
     ("kwargs", "error", "match"),
     [
         ({"fmt": "int4"}, ValueError, "fmt must be one of"),
+        ({"fmt": "fp8"}, ValueError, r"got 'fp8' \(did you mean 'fp8_e4m3' or 'fp8_e5m2'\?\)"),
+        ({"fmt": "dynamic"}, ValueError, r"\(did you mean 'dynamic8'\?\)"),
+        ({"rounding": "stochastc"}, ValueError, r"\(did you mean 'stochastic'\?\)"),
         ({"fmt": {"exp_avg": "fp4"}}, ValueError, r"fmt\['exp_avg'\]"),
+        ({"fmt": {"exp_avg": "FP8"}}, ValueError, r"fmt\['exp_avg'\] .*did you mean 'fp8_e4m3' or 'fp8_e5m2'"),
         ({"block_size": 100}, ValueError, "block_size must be a positive power of two"),
         ({"block_size": 0}, ValueError, "block_size"),
         ({"block_size": True}, ValueError, "block_size"),
@@ -258,6 +262,16 @@ def test_bad_options_fail_early_and_leave_the_optimizer_untouched(kwargs, error,
     with pytest.raises(error, match=match):
         lowbit_compile(opt, **kwargs)
     _untouched(opt, params, states)
+
+
+def test_format_and_rounding_names_are_case_insensitive():
+    params = [torch.nn.Parameter(torch.randn(64, 64))]
+    opt = lowbit_compile(torch.optim.AdamW(params), fmt={"exp_avg": "INT8", "exp_avg_sq": " Sqrt8"},
+                         rounding="Stochastic", min_8bit_size=0)
+    _step(opt, params)
+    assert opt.state[params[0]]["exp_avg"].fmt.name == "int8"
+    assert opt.state[params[0]]["exp_avg_sq"].fmt.name == "sqrt8"
+    assert lowbit_compile(opt, fmt="FP8_E4M3", min_8bit_size=0).state[params[0]]["exp_avg"].fmt.name == "fp8_e4m3"
 
 
 def test_unsupported_optimizer_is_named():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import pathlib
 import re
 import signal
@@ -154,10 +155,22 @@ def test_bad_options_fail_before_the_script_runs(runner, args, error):
     assert err.splitlines()[-1].startswith("python -m lowbit_compile run: error: ")
 
 
-def test_a_missing_script_fails_cleanly_in_a_fresh_interpreter(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "lowbit_compile", "run", "missing.py"], cwd=tmp_path, text=True,
-                          capture_output=True, timeout=300)
-    assert done.returncode == 2 and "Traceback" not in done.stderr and "no such script" in done.stderr
+@pytest.mark.parametrize("args,error", [
+    (["run", "missing.py"], "no such script: 'missing.py'"),
+    (["run", "--block-size", "x", "train.py"], "--block-size: invalid int value: 'x'"),
+    (["run", "--no-such-flag", "train.py"], "unrecognized arguments: --no-such-flag"),
+    (["run", "-m", "no_such_module"], "no module named 'no_such_module'"),
+    (["estimate", "--params", "7X"], "--params: not a parameter count: '7X' (examples: 7e9, 7B"),
+])
+def test_argument_errors_come_before_torch_loads_in_a_fresh_interpreter(tmp_path, args, error):
+    """``python -m lowbit_compile`` with a bad command line exits 2 with argparse's message, without
+    importing torch (which takes seconds): the check runs with torch made unimportable."""
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "torch.py").write_text("raise ImportError('torch was imported')")
+    package = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "lowbit_compile", *args], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{package}"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr and error in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("args,error", [
@@ -200,3 +213,55 @@ def test_the_plain_example_runs_under_the_runner(runner):
     code, out, err = runner("--override", "*embed*=fp32", str(example), "--steps", "3")
     assert code == 0, err
     assert "final loss (EMA)" in out and "lowbit-compile: 1 optimizer(s) rewritten" in err
+
+
+LIGHTNING_SCRIPT = '''
+import lightning as L
+import torch
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.embed(batch[0])).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+model = Model()
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 64, (24, 8))), batch_size=8)
+trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(model, data)
+opt = trainer.optimizers[0]
+print("formats", {n: getattr(opt.state[p]["exp_avg"], "fmt", None) and opt.state[p]["exp_avg"].fmt.name
+                  for n, p in model.named_parameters()})
+'''
+
+
+def test_lightning_closure_loop_takes_name_overrides_and_the_monitor_names_modules(runner, tmp_path):
+    """The issue's command: Lightning steps a stock AdamW with a closure that runs the forward, so the
+    names are learned inside the step; the override applies and the monitor names module parameters."""
+    pytest.importorskip("lightning")
+    (tmp_path / "fit.py").write_text(LIGHTNING_SCRIPT)
+    code, out, err = runner("--override", "*embed*=fp32", "--min-8bit-size", "16", "--monitor", "1", "fit.py")
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("formats"))
+    assert line == f"formats {{'embed.weight': None, 'head.weight': '{DEFAULT_FMT}', 'head.bias': '{DEFAULT_FMT}'}}"
+    samples = [line for line in err.splitlines() if "worst round-trip error" in line]
+    assert len(samples) == 2 and all("of head." in s and "group0" not in s for s in samples), err
+
+
+def test_the_help_states_the_library_defaults(capsys):
+    """The runner's parser is built before torch loads, so it writes the defaults out; they are the library's."""
+    from lowbit_compile.config import BACKENDS, DEFAULT_MIN_8BIT_SIZE
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"({DEFAULT_FMT}, the default;" in text and f"(default {DEFAULT_BLOCK_SIZE})" in text
+    assert f"(default {DEFAULT_OUTLIERS})" in text and f"(default {DEFAULT_MIN_8BIT_SIZE})" in text
+    assert all(name in text for name in BACKENDS)

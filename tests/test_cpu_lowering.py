@@ -356,6 +356,16 @@ def test_auto_picks_the_cpu_kernel():
     assert resolve("auto", "cpu") == "cpu"
 
 
+def test_auto_on_cuda_without_triton_says_it_runs_the_reference_and_how_to_fix_it(monkeypatch):
+    """triton is an extra (lowbit-compile[gpu]): a CUDA torch installed without it still steps, and is told why
+    the step is not fused."""
+    from lowbit_compile.kernels import backends
+
+    monkeypatch.setattr(backends, "triton_available", lambda: False)
+    with pytest.warns(UserWarning, match=r"pip install 'lowbit-compile\[gpu\]'"):
+        assert resolve("auto", "cuda") == "reference"
+
+
 def test_fp16_params_match_reference_bit_for_bit():
     """fp16 params and states: every op rounds to fp16 as aten's does (the same rules as bf16)."""
     ref, ours = _twins("dynamic8", *ADAMW, torch.float16, BF16_SIZES)

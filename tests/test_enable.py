@@ -251,10 +251,94 @@ def test_name_patterns_learn_names_from_the_forward_in_scope():
     assert formats["2.weight"] is None  # 64 elements, stock fp32
 
 
+def test_name_patterns_and_monitor_names_when_the_forward_runs_in_the_steps_closure(caplog):
+    """``opt.step(closure)`` (Lightning's loop): the forward that names the parameters runs inside the
+    step, after the step pre-hook; the closure runs first, then the patterns apply and the monitor
+    names module parameters, from the first step on."""
+    import logging
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("embed", torch.nn.Embedding(64, 32))
+    model.add_module("proj", torch.nn.Linear(32, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = model(torch.arange(8)).square().mean()
+        loss.backward()
+        return loss
+
+    with caplog.at_level(logging.INFO, logger="lowbit_compile"), \
+            enable(overrides={"*embed*": "fp32"}, min_8bit_size=16, monitor=1) as scope:
+        losses = [opt.step(closure) for _ in range(3)]
+        assert scope.monitors[0].names == {p: n for n, p in model.named_parameters()}
+    assert len(calls) == 3 and all(isinstance(loss, torch.Tensor) for loss in losses)
+    assert scope.rewritten[0].steps == 3
+    assert type(opt.state[model.embed.weight]["exp_avg"]) is torch.Tensor  # the override
+    for p in model.proj.parameters():
+        assert opt.state[p]["exp_avg"].fmt.name == DEFAULT_FMT
+    samples = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(samples) == 2 and all("of proj." in line and "group0" not in line for line in samples)
+
+
+def test_a_failing_closure_leaves_the_optimizer_undecided():
+    """A closure that raises on the first step leaves the optimizer stock and unconverted; its next
+    step in scope converts it."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def closure(fail: bool):
+        if fail:
+            raise KeyError("boom")
+        model(torch.ones(4)).sum().backward()
+
+    with enable(overrides={"bias": "fp32"}, min_8bit_size=0):
+        with pytest.raises(KeyError, match="boom"):
+            opt.step(lambda: closure(True))
+        assert not is_wrapped(opt) and not opt.state
+        opt.step(lambda: closure(False))
+    assert is_wrapped(opt) and type(opt.state[model.bias]["exp_avg"]) is torch.Tensor
+    assert isinstance(opt.state[model.weight]["exp_avg"], QuantizedState)
+
+
+def test_names_learned_within_a_module_created_in_scope_whose_forward_is_not_called():
+    """Lightning calls ``training_step``, not the LightningModule's forward: a model created in scope
+    still names its submodules' parameters from the root; one created outside says how to fix it."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64)
+
+        def loss(self):
+            return self.head(self.embed(torch.arange(8))).square().mean()
+
+    def train(model):
+        opt = torch.optim.AdamW(model.parameters())
+        model.loss().backward()
+        opt.step()
+        return opt
+
+    with enable(overrides={"embed.*": "fp32"}, min_8bit_size=0):
+        model = Model()
+        opt = train(model)
+    assert type(opt.state[model.embed.weight]["exp_avg"]) is torch.Tensor
+    assert isinstance(opt.state[model.head.weight]["exp_avg"], QuantizedState)
+    model = Model()
+    with enable(overrides={"embed.*": "fp32"}), pytest.raises(RuntimeError, match="pass model= to enable"):
+        train(model)
+
+
 def test_name_patterns_without_a_forward_or_model_fail_loudly():
     params, opt = make()
-    with enable(overrides={"*embed*": "fp32"}), pytest.raises(RuntimeError, match="no known name"):
-        step(opt, params)
+    with enable(overrides={"*embed*": "fp32"}):
+        for _ in range(2):  # every step fails: none falls back to the stock step silently
+            with pytest.raises(RuntimeError, match="no known name"):
+                step(opt, params)
+    assert not is_wrapped(opt) and not opt.state
 
 
 def test_name_patterns_with_model_given():

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 import torch
 
 from lowbit_compile import lowbit_compile, memory_report
-from lowbit_compile.cli import main
+from lowbit_compile.cli import main, parse_count
 from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS
-from lowbit_compile.estimate import estimate, parse_count
+from lowbit_compile.estimate import estimate
 
 N7B = 7_000_000_000
 
@@ -111,7 +112,7 @@ def test_parse_count(text, count):
 
 @pytest.mark.parametrize("text", ["", "seven", "7 GB", "-5", "0"])
 def test_parse_count_refuses_non_counts(text):
-    with pytest.raises(ValueError):
+    with pytest.raises(argparse.ArgumentTypeError, match="parameter count"):
         parse_count(text)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import zipfile
@@ -21,6 +22,14 @@ def test_wheel_has_one_top_level_name_and_imports(tmp_path):
     assert top == {"lowbit_compile"}
     assert "lowbit_compile/passes/trace.py" in names and "lowbit_compile/kernels/formats.py" in names
     assert "lowbit_compile/py.typed" in names  # PEP 561: type checkers read the package's hints
+    assert "lowbit_compile/kernels/cpu_prelude.h" in names  # the C++ prelude the CPU kernels include
+    info = next(n.rsplit("/", 1)[0] for n in names if n.endswith(".dist-info/METADATA"))
+    assert f"{info}/licenses/LICENSE" in names
+    metadata = zipfile.ZipFile(wheel).read(f"{info}/METADATA").decode()
+    assert "License-Expression: BSD-3-Clause" in metadata.splitlines()
+    requires = [line.removeprefix("Requires-Dist: ") for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    # triton only with the gpu extra: a CPU-only torch install is not handed a triton it cannot use
+    assert [r for r in requires if r.startswith("triton")] == ["triton>=3.2; platform_system == \"Linux\" and extra == \"gpu\""]
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
@@ -36,6 +45,14 @@ def test_wheel_has_one_top_level_name_and_imports(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "QuantizedState"
+
+
+def test_the_changelog_names_the_version_of_the_package():
+    import lowbit_compile
+
+    (version,) = re.findall(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert lowbit_compile.__version__ == version
+    assert f"## [{version}] - " in (ROOT / "CHANGELOG.md").read_text()
 
 
 def test_no_directory_at_the_repository_root_shadows_kernels_or_passes():

@@ -66,7 +66,11 @@ def resolve(backend: str, device_type: str) -> str:
     backend = canonical(backend)
     if backend == "auto":
         if device_type == "cuda":
-            return "triton" if triton_available() else "reference"
+            if triton_available():
+                return "triton"
+            warnings.warn("lowbit_compile: triton is not installed, so CUDA parameters step with the eager "
+                          "reference (correct, but not fused); pip install 'lowbit-compile[gpu]'", stacklevel=2)
+            return "reference"
         return "cpu" if device_type == "cpu" else "reference"
     if backend == "cpu" and device_type != "cpu":
         raise BackendError(f"backend='cpu' runs CPU tensors, not {device_type} ones; use backend='auto'")
