@@ -322,6 +322,13 @@ def root_of(x, APPROXIMATE: tl.constexpr):
 
 
 @triton.jit
+def any_set(flags):
+    """Whether any block of the tile is flagged (holds inf or NaN): the one tile-uniform condition of the
+    rare fix-ups, a branch the common tile skips instead of a select per element."""
+    return tl.max(flags.to(tl.int32), axis=0) != 0
+
+
+@triton.jit
 def scale_and_inverse(absmax, QMAX: tl.constexpr, INV_QMAX: tl.constexpr, APPROXIMATE: tl.constexpr = False):
     """``blockquant._scale_and_inverse`` per row: ``absmax / qmax`` and ``(1 / absmax) * qmax``; a nonzero
     block below ``qmax * 2^-126`` gets the scale 2^-126 and the multiplier 2^126, an inf scale (qmax < 1)
@@ -393,7 +400,7 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
             values = fp8_value(codes, 2, -14)
         scale = tl.load(scales_ptr + rows, mask=row_mask, other=0.0)
         scaled = values * tl.abs(scale)[:, None]
-        if tl.max((scale.to(tl.int32, bitcast=True) < 0).to(tl.int32), axis=0) != 0:  # rare: a flagged block
+        if any_set(scale.to(tl.int32, bitcast=True) < 0):  # a flagged block
             flagged = (scale.to(tl.int32, bitcast=True) < 0)[:, None]
             bits = code_bits(codes, FMT, FP8_NATIVE)
             special = tl.where(bits == NAN_CODE, float("nan"),
@@ -458,7 +465,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
         top = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
         flagged = top >= 0x7F800000
         absmax = top.to(tl.float32, bitcast=True)
-        any_flagged = tl.max(flagged.to(tl.int32), axis=0) != 0  # rare: the tile's fix-ups are skipped otherwise
+        any_flagged = any_set(flagged)
         if any_flagged:
             absmax = tl.max(tl.where(tl.abs(x) < float("inf"), tl.abs(x), 0.0), axis=1)
         if NEG_QMAX != 0.0:
