@@ -200,7 +200,7 @@ def occupancy(arch: int, registers: int, shared: int, warps: int) -> dict:
     return {"blocks_per_sm": blocks, "occupancy": blocks * warps / warps_sm, "limited_by": limiter}
 
 
-_ANY_SET = "    return tl.max(flags.to(tl.int32), axis=0) != 0\n"
+_ANY_SET = "    return tl.max(flags.to(tl.int32)) != 0\n"
 
 
 @functools.cache

@@ -323,9 +323,9 @@ def root_of(x, APPROXIMATE: tl.constexpr):
 
 @triton.jit
 def any_set(flags):
-    """Whether any block of the tile is flagged (holds inf or NaN): the one tile-uniform condition of the
-    rare fix-ups, a branch the common tile skips instead of a select per element."""
-    return tl.max(flags.to(tl.int32), axis=0) != 0
+    """Whether any of a tile's ``flags`` is set (a block holding inf or NaN, an exact bf16 tie): the
+    tile-uniform condition of a rare fix-up, a branch the common tile skips instead of work per element."""
+    return tl.max(flags.to(tl.int32)) != 0
 
 
 @triton.jit
@@ -538,13 +538,13 @@ def master_read(param_ptr, residual_ptr, ties_ptr, offsets, mask, PARAM: tl.cons
     exact bf16 tie takes its side from bit ``e % 32`` of tie word ``e // 32``)."""
     code = tl.load(residual_ptr + offsets, mask=mask, other=0).to(tl.int32)
     if EXACT:
+        d = code
         if PARAM == BF16:
             tie = code == -32768
-            word = tl.load(ties_ptr + (offsets >> 5), mask=mask & tie, other=0)
-            up = ((word >> (offsets & 31).to(tl.int32)) & 1) != 0
-            d = tl.where(tie, tl.where(up, -32768, 32768), code)
-        else:
-            d = code
+            if any_set(tie):
+                word = tl.load(ties_ptr + (offsets >> 5), mask=mask & tie, other=0)
+                up = ((word >> (offsets & 31).to(tl.int32)) & 1) != 0
+                d = tl.where(tie, tl.where(up, -32768, 32768), code)
     else:
         d = code * (1 << SHIFT)
     if PARAM == BF16:
@@ -578,9 +578,10 @@ def master_write(x, param_ptr, residual_ptr, ties_ptr, seed, offsets, mask, PARA
         d = tl.where(finite, rne(tl.where(finite, (x - p) * inverse, 0.0)), 0.0).to(tl.int32)
     if EXACT:
         if PARAM == BF16:
-            bit = (1 << (offsets & 31)).to(tl.int32)
-            tl.atomic_or(ties_ptr + (offsets >> 5), bit, mask=mask & (d == -32768))
-            tl.atomic_and(ties_ptr + (offsets >> 5), ~bit, mask=mask & (d == 32768))
+            if any_set(mask & ((d == 32768) | (d == -32768))):
+                bit = (1 << (offsets & 31)).to(tl.int32)
+                tl.atomic_or(ties_ptr + (offsets >> 5), bit, mask=mask & (d == -32768))
+                tl.atomic_and(ties_ptr + (offsets >> 5), ~bit, mask=mask & (d == 32768))
             d = tl.where((d == 32768) | (d == -32768), -32768, d)
         tl.store(residual_ptr + offsets, d.to(tl.int16), mask=mask)
     else:
