@@ -13,7 +13,9 @@ prints a table, writes ``bench/results/gpu_cost_<time>.json``. Run with ``TRITON
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import inspect
 import json
 import os
 import re
@@ -198,16 +200,55 @@ def occupancy(arch: int, registers: int, shared: int, warps: int) -> dict:
     return {"blocks_per_sm": blocks, "occupancy": blocks * warps / warps_sm, "limited_by": limiter}
 
 
+_ANY_SET = "    return tl.max(flags.to(tl.int32)) != 0\n"
+
+
+@functools.cache
+def common_path_lib() -> str | None:
+    """A copy of ``triton_lib`` whose ``any_set`` is False, imported as a module of that name: kernels
+    built on it hold only the path a tile without inf or NaN runs (the static count holds the rare
+    fix-ups too, which such a tile branches over)."""
+    import linecache
+    import sys
+    import types
+
+    from lowbit_compile.kernels import triton_lib
+
+    source = inspect.getsource(triton_lib)
+    if "def any_set" not in source:
+        return None
+    assert source.count(_ANY_SET) == 1, "triton_lib.any_set changed: update bench/gpu_cost.py"
+    source = source.replace(_ANY_SET, "    return False\n")
+    source = source.replace("from .formats", "from lowbit_compile.kernels.formats")
+    name = "lowbit_triton_lib_common_path"
+    filename = f"<{name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module
+    exec(compile(source, filename, "exec"), module.__dict__)
+    return name
+
+
 def compile_case(case: Case, arch: int) -> dict:
     from lowbit_compile.kernels import triton_backend
 
     graph, emitted = emitted_for(case, arch)
-    compiled = triton_backend.compile_emitted(emitted, arch)
+    compiled = triton_backend.compile_emitted(emitted, arch, aligned=True)
     options = triton_backend.launch_options(emitted)
     elements = emitted.block * emitted.rows / (options["num_warps"] * 32)
-    return {"kernel": case.name, "block": emitted.block, "rows": emitted.rows, **options,
-            "elements_per_thread": elements, "bytes_per_element": round(bytes_per_element(graph, emitted), 4),
-            **figures(compiled, arch, options["num_warps"], elements)}
+    row = {"kernel": case.name, "block": emitted.block, "rows": emitted.rows, **options,
+           "elements_per_thread": elements, "bytes_per_element": round(bytes_per_element(graph, emitted), 4),
+           **figures(compiled, arch, options["num_warps"], elements)}
+    lib = common_path_lib()
+    fig = row
+    if lib is not None:  # kernels without rare fix-ups (before any_set) run their whole static path
+        lib_import = "from lowbit_compile.kernels import triton_lib as lb"
+        common = dataclasses.replace(emitted, source=emitted.source.replace(lib_import, f"import {lib} as lb"))
+        fig = cubin_figures(triton_backend.compile_emitted(common, arch, aligned=True).asm["cubin"])
+    row["sass_common"] = fig["sass"]
+    row["sass_common_per_element"] = round(fig["sass"] / elements, 1)
+    return row
 
 
 def figures(compiled, arch: int, warps: int, elements: float) -> dict:
@@ -222,7 +263,9 @@ def compile_floor(arch: int) -> dict:
                  "vs_ptr": "*fp32", "n": "i64", **{k: "fp32" for k in ("lr", "beta1", "beta2", "eps", "decay", "bc1",
                                                                        "bc2_root")},
                  "BLOCK": "constexpr", "ROWS": "constexpr"}
-    source = ASTSource(floor_adamw8, signature, constexprs={"BLOCK": FLOOR_BLOCK, "ROWS": FLOOR_ROWS})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
+             if kind.startswith("*") or kind == "i64"}
+    source = ASTSource(floor_adamw8, signature, constexprs={"BLOCK": FLOOR_BLOCK, "ROWS": FLOOR_ROWS}, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": FLOOR_WARPS,
                                                                                     "enable_fp_fusion": True})
     elements = FLOOR_BLOCK * FLOOR_ROWS / (FLOOR_WARPS * 32)
@@ -244,13 +287,15 @@ def main() -> None:
     rows = []
     for arch in args.arch:
         floor = compile_floor(arch)
-        rows.append({"arch": arch, **floor, "x_floor_sass": 1.0})
+        rows.append({"arch": arch, **floor, "sass_common": floor["sass"],
+                     "sass_common_per_element": floor["sass_per_element"], "x_floor_sass": 1.0, "x_floor_common": 1.0})
         for case in cases():
             if args.only and not re.search(args.only, case.name):
                 continue
             t = time.perf_counter()
             row = {"arch": arch, **compile_case(case, arch)}
             row["x_floor_sass"] = round(row["sass_per_element"] / floor["sass_per_element"], 2)
+            row["x_floor_common"] = round(row["sass_common_per_element"] / floor["sass_per_element"], 2)
             row["compile_s"] = round(time.perf_counter() - t, 1)
             rows.append(row)
             print_row(row, header=len(rows) == 2)
@@ -269,6 +314,7 @@ def main() -> None:
 COLUMNS = [("arch", "sm", 3), ("kernel", "kernel", 42), ("registers", "regs", 5), ("local_bytes", "local", 6),
            ("shared_bytes", "smem", 6), ("num_warps", "warps", 5), ("elements_per_thread", "el/thr", 6),
            ("sass", "SASS", 6), ("sass_per_element", "SASS/el", 7), ("x_floor_sass", "xfloor", 6),
+           ("sass_common_per_element", "common/el", 9), ("x_floor_common", "xfloor", 6),
            ("occupancy", "occ", 5), ("bytes_per_element", "B/el", 6)]
 
 

@@ -381,11 +381,12 @@ def test_exact_is_the_recipe_on_the_triton_kernel(name, fmt, dtype):
 
 
 @torch.no_grad()
-def test_both_ties_of_an_even_bf16_value_survive_steps_and_a_checkpoint():
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_both_ties_of_an_even_bf16_value_survive_steps_and_a_checkpoint(backend):
     """Masters exactly halfway between two bf16 values: 1 + 2**-8 (kept at 1.0) and 1 + 3 * 2**-8
     (rounded up to 1 + 2**-6), both stored at even params; the tie bit tells them apart."""
     p = torch.nn.Parameter(torch.tensor([1.0, 1.0 + 2**-7, 3.0, -1.0 - 2**-7] * 20, dtype=BF16))
-    opt = lowbit_compile(torch.optim.SGD([p], lr=1.0), "fp32", master_weights="exact", backend="cpu")
+    opt = lowbit_compile(torch.optim.SGD([p], lr=1.0), "fp32", master_weights="exact", backend=backend)
     p.grad = torch.tensor([-(2**-8), -(2**-8), 0.0, 2**-8] * 20, dtype=BF16)
     opt.step()
     expected = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 3.0, -1 - 3 * 2**-8] * 20)
@@ -395,7 +396,7 @@ def test_both_ties_of_an_even_bf16_value_survive_steps_and_a_checkpoint():
     saved = io.BytesIO()
     torch.save(opt.state_dict(), saved)
     q = torch.nn.Parameter(p.detach().clone())
-    again = lowbit_compile(torch.optim.SGD([q], lr=1.0), "fp32", master_weights="exact", backend="cpu")
+    again = lowbit_compile(torch.optim.SGD([q], lr=1.0), "fp32", master_weights="exact", backend=backend)
     saved.seek(0)
     again.load_state_dict(torch.load(saved, weights_only=True))
     assert torch.equal(master_params(again)[0], expected)

@@ -100,7 +100,8 @@ def test_the_integer_fp8_path_types_codes_uint8_and_says_so_at_each_state_call()
     lb.quantize(x, x_codes_ptr, x_scales_ptr, None, None, None, rows, cols, offsets, mask, row_mask,
                 FMT=lb.FP8_E4M3, NONNEG=True, K=0, QMAX=448.0, MIN_POSITIVE=0.001953125,
                 INV_QMAX=0.0022321429569274187, FP8_NATIVE=False, FLAGGED_QMAX=416.0,
-                INV_FLAGGED_QMAX=0.0024038462433964014, POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127)
+                INV_FLAGGED_QMAX=0.0024038462433964014, POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127,
+                APPROXIMATE=True)
     dequantize_default = lb.dequantize(state_codes_ptr, state_scales_ptr, None, None, None, rows, cols, offsets,
                                        mask, row_mask, FMT=lb.FP8_E4M3, K=0, FP8_NATIVE=False, POS_INF_CODE=126,
                                        NEG_INF_CODE=254, NAN_CODE=127)

@@ -162,9 +162,11 @@ def compile_for_target(graph: GraphModule, arch: int = 90, fp8_native: bool | No
     return compile_emitted(emit_kernel(graph, name, Target("cuda", fp8_native=native)), arch)
 
 
-def compile_emitted(emitted: EmittedKernel, arch: int = 90):
+def compile_emitted(emitted: EmittedKernel, arch: int = 90, aligned: bool = False):
     """Compile ``emitted`` for a GPU of compute capability ``arch`` with the options its launches use,
-    without a GPU: the compiled kernel (its ``asm`` holds the PTX and the cubin)."""
+    without a GPU: the compiled kernel (its ``asm`` holds the PTX and the cubin). ``aligned``: as Triton
+    specializes a launch whose pointers and integers are multiples of 16 (a large tensor's), else for
+    any arguments."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -173,7 +175,9 @@ def compile_emitted(emitted: EmittedKernel, arch: int = 90):
     signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else "fp32" for p in emitted.params}
     signature.update(n_elements="i64", first_block="i64", BLOCK="constexpr", ROWS="constexpr")
     fn = _compile(emitted.source, emitted.name, kernel_key(emitted))
-    source = ASTSource(fn, signature, constexprs={"BLOCK": emitted.block, "ROWS": emitted.rows})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
+             if aligned and (kind.startswith("*") or kind == "i64")}
+    source = ASTSource(fn, signature, constexprs={"BLOCK": emitted.block, "ROWS": emitted.rows}, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=launch_options(emitted))
 
 

@@ -332,6 +332,13 @@ def root_of(x, APPROXIMATE: tl.constexpr):
 
 
 @triton.jit
+def any_set(flags):
+    """Whether any of a tile's ``flags`` is set (a block holding inf or NaN, an exact bf16 tie): the
+    tile-uniform condition of a rare fix-up, a branch the common tile skips instead of work per element."""
+    return tl.max(flags.to(tl.int32)) != 0
+
+
+@triton.jit
 def scale_and_inverse(absmax, QMAX: tl.constexpr, INV_QMAX: tl.constexpr, APPROXIMATE: tl.constexpr = False):
     """``blockquant._scale_and_inverse`` per row: ``absmax / qmax`` and ``(1 / absmax) * qmax``; a nonzero
     block below ``qmax * 2^-126`` gets the scale 2^-126 and the multiplier 2^126, an inf scale (qmax < 1)
@@ -403,7 +410,7 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
             values = fp8_value(codes, 2, -14)
         scale = tl.load(scales_ptr + rows, mask=row_mask, other=0.0)
         scaled = values * tl.abs(scale)[:, None]
-        if tl.max((scale.to(tl.int32, bitcast=True) < 0).to(tl.int32), axis=0) != 0:  # rare: a flagged block
+        if any_set(scale.to(tl.int32, bitcast=True) < 0):  # a flagged block
             flagged = (scale.to(tl.int32, bitcast=True) < 0)[:, None]
             bits = code_bits(codes, FMT, FP8_NATIVE)
             special = tl.where(bits == NAN_CODE, float("nan"),
@@ -468,7 +475,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
         top = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
         flagged = top >= 0x7F800000
         absmax = top.to(tl.float32, bitcast=True)
-        any_flagged = tl.max(flagged.to(tl.int32), axis=0) != 0  # rare: the tile's fix-ups are skipped otherwise
+        any_flagged = any_set(flagged)
         if any_flagged:
             absmax = tl.max(tl.where(tl.abs(x) < float("inf"), tl.abs(x), 0.0), axis=1)
         if NEG_QMAX != 0.0:
@@ -541,13 +548,13 @@ def master_read(param_ptr, residual_ptr, ties_ptr, offsets, mask, PARAM: tl.cons
     exact bf16 tie takes its side from bit ``e % 32`` of tie word ``e // 32``)."""
     code = tl.load(residual_ptr + offsets, mask=mask, other=0).to(tl.int32)
     if EXACT:
+        d = code
         if PARAM == BF16:
             tie = code == -32768
-            word = tl.load(ties_ptr + (offsets >> 5), mask=mask & tie, other=0)
-            up = ((word >> (offsets & 31).to(tl.int32)) & 1) != 0
-            d = tl.where(tie, tl.where(up, -32768, 32768), code)
-        else:
-            d = code
+            if any_set(tie):
+                word = tl.load(ties_ptr + (offsets >> 5), mask=mask & tie, other=0)
+                up = ((word >> (offsets & 31).to(tl.int32)) & 1) != 0
+                d = tl.where(tie, tl.where(up, -32768, 32768), code)
     else:
         d = code * (1 << SHIFT)
     if PARAM == BF16:
@@ -581,9 +588,10 @@ def master_write(x, param_ptr, residual_ptr, ties_ptr, seed, offsets, mask, PARA
         d = tl.where(finite, rne(tl.where(finite, (x - p) * inverse, 0.0)), 0.0).to(tl.int32)
     if EXACT:
         if PARAM == BF16:
-            bit = (1 << (offsets & 31)).to(tl.int32)
-            tl.atomic_or(ties_ptr + (offsets >> 5), bit, mask=mask & (d == -32768))
-            tl.atomic_and(ties_ptr + (offsets >> 5), ~bit, mask=mask & (d == 32768))
+            if any_set(mask & ((d == 32768) | (d == -32768))):
+                bit = (1 << (offsets & 31)).to(tl.int32)
+                tl.atomic_or(ties_ptr + (offsets >> 5), bit, mask=mask & (d == -32768))
+                tl.atomic_and(ties_ptr + (offsets >> 5), ~bit, mask=mask & (d == 32768))
             d = tl.where((d == 32768) | (d == -32768), -32768, d)
         tl.store(residual_ptr + offsets, d.to(tl.int16), mask=mask)
     else:
