@@ -191,6 +191,8 @@ def _compile(source: str, name: str, key: str) -> Callable:
     """Exec the generated module, registered with linecache so ``triton.jit`` can read its source."""
     from . import triton_lib  # first imported here, so that TRITON_INTERPRET is read when kernels are built
 
+    if interpreting():
+        _interpreter_fma_rounds_once()
     if isinstance(triton_lib.rne, InterpretedFunction) != interpreting():
         raise RuntimeError(
             "TRITON_INTERPRET changed after the first lowbit-compile Triton kernel was built; set it once, "
@@ -307,3 +309,44 @@ def dequantize(q: blockquant.Quantized, fmt: StateFormat, dtype: torch.dtype = t
     kernel = _state_kernel("dequantize", fmt, dtype, target_of(out.device))
     dequantize_op(kernel.key, *kernel.split((*q, out)))
     return out
+
+
+def _fma_fp32(x: Any, y: Any, z: Any) -> Any:
+    """fp32 ``x * y + z`` of numpy arrays rounded once: the product is exact in float64, the sum rounded
+    to odd there (53 bits, more than fp32's 24 + 2), so the one rounding to fp32 is the fma's."""
+    import numpy as np
+
+    p = x.astype(np.float64) * y.astype(np.float64)
+    zz = z.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = p + zz
+        t = s - p
+        err = (p - (s - t)) + (zz - t)  # the exact error of s (TwoSum)
+    bits = s.view(np.int64)
+    inexact = np.isfinite(err) & (err != 0) & ((bits & 1) == 0)
+    bits = np.where(inexact, bits + np.where((err > 0) == (s > 0), 1, -1), bits)
+    return bits.view(np.float64).astype(np.float32)
+
+
+@functools.cache
+def _interpreter_fma_rounds_once() -> None:
+    """The interpreter of Triton < 3.9 computes ``tl.fma`` as a multiply and an add, rounding twice; the
+    kernels' fma is the GPU's, rounded once, so the interpreter gets that one. Decided by what the
+    interpreter computes: (1 + 2**-12)**2 - 1 is 2**-11 + 2**-24 rounded once, 2**-11 rounded twice."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    one = lambda v: interpreter.TensorHandle(np.array([v], dtype=np.float32), tl.float32)  # noqa: E731
+    x = np.float32(1 + 2**-12)
+    if builder.create_fma(object.__new__(builder), one(x), one(x), one(-1.0)).data[0] == 2**-11 + 2**-24:
+        return
+    plain = builder.create_fma
+
+    def create_fma(self, x, y, z):
+        if z.data.dtype != np.float32:
+            return plain(self, x, y, z)
+        return interpreter.TensorHandle(_fma_fp32(*np.broadcast_arrays(x.data, y.data, z.data)), z.dtype.scalar)
+
+    builder.create_fma = create_fma
