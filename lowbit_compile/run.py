@@ -5,6 +5,7 @@ of a group that shares a kernel in one call."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import is_not
 
 import torch
 
@@ -126,11 +127,12 @@ class _Member:
     It holds no tensor of the parameter's: its storage is checked by pointer, its grad found anew."""
 
     state: dict
-    entries: tuple  # the ids of the state's values (the rows hold the values, so the ids stay theirs)
+    entries: tuple  # the state's values (which the rows hold anyway), compared by identity
     ptr: int  # the param's data pointer (of its local shard: a DTensor's is its local tensor's)
     sharded: bool
-    bucket: _Bucket
-    row: int
+    row: list  # its row of its bucket's launch
+    param_index: int  # where the row takes the param and the grad
+    grad_index: int
 
 
 class StepPlan:
@@ -158,8 +160,8 @@ class StepPlan:
                     hypers=tuple((i, key) for i, (role, key) in enumerate(roles) if role is Role.HYPERPARAMETER))
             args, write_back = bind_param(compiled, group, param, grad, state)
             self.write_back += write_back
-            members[id(param)] = _Member(state, tuple(map(id, state.values())), sharding.local(param).data_ptr(),
-                                         sharding.is_sharded(param), bucket, len(bucket.rows))
+            members[id(param)] = _Member(state, tuple(state.values()), sharding.local(param).data_ptr(),
+                                         sharding.is_sharded(param), args, bucket.param_index, bucket.grad_index)
             bucket.rows.append(args)
         for bucket in self.buckets.values():
             bucket.launch = bucket.compiled.kernel.launch(bucket.rows)
@@ -197,20 +199,21 @@ class StepPlan:
                 storage = p._local_tensor if m.sharded else p
                 # the grad's dtype, size and layout are checked by the launch, which binds it
                 if (grad is None or state_of.get(p) is not m.state or storage.data_ptr() != m.ptr
-                        or grad.layout is not torch.strided
-                        or tuple(map(id, m.state.values())) != m.entries):  # a state entry replaced
+                        or grad.layout is not torch.strided or len(m.state) != len(m.entries)
+                        or any(map(is_not, m.state.values(), m.entries))):  # a state entry replaced
                     return False
-                row = m.bucket.rows[m.row]
-                row[m.bucket.param_index] = storage
-                row[m.bucket.grad_index] = grad._local_tensor if m.sharded else grad
+                row = m.row
+                row[m.param_index] = storage
+                row[m.grad_index] = grad._local_tensor if m.sharded else grad
             for bucket in self.buckets.values():
                 if bucket.group is group:
                     if not bucket.compiled.guard(values):
                         return False
                     for i, slot in bucket.hypers:
                         value = slot.get(group)
-                        for row in bucket.rows:
-                            row[i] = value
+                        if bucket.rows[0][i] is not value:  # every row holds the same: rewritten together
+                            for row in bucket.rows:
+                                row[i] = value
         return True
 
     def grads(self) -> list[torch.Tensor]:
