@@ -4,6 +4,7 @@ of a group that shares a kernel in one call."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import is_not
 
@@ -14,7 +15,7 @@ from .compile import CompiledStep
 from .config import Config
 from .kernels.contract import Role
 from .kernels.kernel import Launch
-from .passes.trace import hyper_slots, static_group_items, tensor_meta
+from .passes.trace import hyper_slots, static_group_items, tensor_meta, unhooked_step
 from .state_schema import filled
 from .trace_cache import LruCache, trace_group
 
@@ -58,14 +59,14 @@ def bind_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: t
     return args, write_back
 
 
-def group_signature(group: dict) -> tuple[tuple, list]:
+def group_signature(group: dict, step: Callable | None = None) -> tuple[tuple, list]:
     """What of a param group a prepared step depends on (its flags, which hyperparameters are
-    tensors), and the hyperparameter values its guards are checked on. Computed once per group and
-    step."""
+    tensors; of ``step``'s traced, the entries it reads), and the hyperparameter values its guards are
+    checked on. Computed once per group and step."""
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
     meta = tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots)
-    sig = (static_group_items(tgroup, slots), meta)
+    sig = (static_group_items(tgroup, slots, step), meta)
     return _signatures.setdefault(sig, sig), [s.get(tgroup) for s in slots]
 
 
@@ -166,7 +167,8 @@ class StepPlan:
         for bucket in self.buckets.values():
             bucket.launch = bucket.compiled.kernel.launch(bucket.rows)
         # the params of each group in order, with their member (None: stepped without a grad)
-        self.groups = [(group, group["params"], len(group["params"]), group_signature(group)[0],
+        step = unhooked_step(type(opt))
+        self.groups = [(group, group["params"], len(group["params"]), group_signature(group, step)[0],
                         [members.get(id(p)) for p in group["params"]]) for group in opt.param_groups]
         # strided params and states are bound through copies; a step that creates states (SGD's
         # first, momentum_buffer = grad) is followed by another trace, so neither is replayed
@@ -183,11 +185,11 @@ class StepPlan:
     def _bind(self, opt: torch.optim.Optimizer, config: Config) -> bool:
         if config is not self.config or len(opt.param_groups) != len(self.groups):
             return False
-        state_of = opt.state
+        state_of, step = opt.state, unhooked_step(type(opt))
         for group, (planned, params, count, sig, members) in zip(opt.param_groups, self.groups):
             if group is not planned or group["params"] is not params or len(params) != count:
                 return False
-            group_sig, values = group_signature(group)
+            group_sig, values = group_signature(group, step)
             if group_sig is not sig:
                 return False
             for p, m in zip(params, members):
