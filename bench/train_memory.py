@@ -222,7 +222,8 @@ def main() -> None:
             continue
         rows.append(run(c, args, batches))
         r = rows[-1]
-        print(f"{r['name']}: peak {r['peak_bytes'] / 1e6:.1f} MB, states {r['state_b_per_param']:.3f} B/param", flush=True)
+        print(f"{r['name']}: peak {r['peak_bytes'] / 1e6:.1f} MB, states {r['state_b_per_param']:.3f} B/param",
+              flush=True)
     for r in rows:
         stock = next((s for s in rows if s["stock"] and s["param_dtype"] == r["param_dtype"]), None)
         if stock is None:
@@ -235,7 +236,8 @@ def main() -> None:
     lines = [head, "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         stock = next((s for s in rows if s["stock"] and s["param_dtype"] == "float32"), rows[0])
-        lines.append(f"| {r['name']} | {r['param_dtype']} | {r['state_b_per_param']:.3f} | {r['peak_bytes'] / 1e6:.1f} | "
+        lines.append(f"| {r['name']} | {r['param_dtype']} | {r['state_b_per_param']:.3f} | "
+                     f"{r['peak_bytes'] / 1e6:.1f} | "
                      f"{r['peak_bytes'] / stock['peak_bytes']:.3f} | "
                      + (f"{r['expected_bytes'] / 1e6:.1f} | {r['ratio_to_expected']:.4f} |" if "expected_bytes" in r
                         else "- | - |"))
