@@ -33,7 +33,7 @@ from .config import (
 from .kernels.backends import BackendError, resolve
 from .kernels.formats import StateFormat
 from .kernels.rounding import SEED as ROUNDING_SEED
-from .passes.trace import unhooked_step
+from .passes.trace import entries_read, unhooked_step
 from .run import Prepared, StepPlan, group_signature
 from .state_schema import StateSchema, init_state, probe_schema
 
@@ -398,11 +398,35 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
     convert the states of the parameters stepped for the first time, and bind them all. Also the
     params on the ``meta`` device, which the stock update steps."""
     config = wrapped.config
+    while True:  # once more if a trace found the step reads group entries the signatures left out
+        seen = entries_read()
+        ready, todo, requests, on_meta = _requests(opt, wrapped)
+        compiled_steps = compile_steps(requests)  # the kernels of all signatures compile at once
+        if entries_read() == seen:
+            break
+    # Then create or convert the states of the parameters stepped for the first time, and run.
+    for compiled, (schema, formats, mformat, group, group_sig, param, grad, position) in zip(compiled_steps, todo):
+        state = opt.state[param]
+        if not state.keys() - set(COUNTER_KEYS):
+            state.update(init_state(param, schema, formats))
+        # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
+        checkpoint.conform(param, state, formats)
+        _apply(state, master.conformed(param, state, mformat, schema, position))
+        _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
+        prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
+        ready.append((prepared, group, param, grad, state))
+    return StepPlan(opt, config, ready), on_meta
+
+
+def _requests(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[list, list, list, list]:
+    """The parameters whose prepared step still holds, and the step requests of the others (with what
+    their states need once built); the params on the ``meta`` device apart."""
+    config = wrapped.config
     ready, todo, requests = [], [], []
     on_meta: list[tuple[dict, torch.Tensor]] = []
     positions = _positions(opt)
     for group in opt.param_groups:
-        group_sig, values = group_signature(group)
+        group_sig, values = group_signature(group, unhooked_step(type(opt)))
         guards: dict[int, bool] = {}
         for param in group["params"]:
             grad = param.grad
@@ -427,19 +451,7 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
             formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
             requests.append(step_request(opt, group, param, state, schema, formats, config, mformat))
             todo.append((schema, formats, mformat, group, group_sig, param, grad, positions[id(param)]))
-    compiled_steps = compile_steps(requests)  # the kernels of all signatures compile at once
-    # Then create or convert the states of the parameters stepped for the first time, and run.
-    for compiled, (schema, formats, mformat, group, group_sig, param, grad, position) in zip(compiled_steps, todo):
-        state = opt.state[param]
-        if not state.keys() - set(COUNTER_KEYS):
-            state.update(init_state(param, schema, formats))
-        # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
-        checkpoint.conform(param, state, formats)
-        _apply(state, master.conformed(param, state, mformat, schema, position))
-        _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
-        prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
-        ready.append((prepared, group, param, grad, state))
-    return StepPlan(opt, config, ready), on_meta
+    return ready, todo, requests, on_meta
 
 
 def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tensor]]) -> None:

@@ -4,7 +4,9 @@ of a group that shares a kernel in one call."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import is_not
 
 import torch
 
@@ -13,7 +15,7 @@ from .compile import CompiledStep
 from .config import Config
 from .kernels.contract import Role
 from .kernels.kernel import Launch
-from .passes.trace import hyper_slots, static_group_items, tensor_meta
+from .passes.trace import hyper_slots, static_group_items, tensor_meta, unhooked_step
 from .state_schema import filled
 from .trace_cache import LruCache, trace_group
 
@@ -57,14 +59,14 @@ def bind_param(compiled: CompiledStep, group: dict, param: torch.Tensor, grad: t
     return args, write_back
 
 
-def group_signature(group: dict) -> tuple[tuple, list]:
+def group_signature(group: dict, step: Callable | None = None) -> tuple[tuple, list]:
     """What of a param group a prepared step depends on (its flags, which hyperparameters are
-    tensors), and the hyperparameter values its guards are checked on. Computed once per group and
-    step."""
+    tensors; of ``step``'s traced, the entries it reads), and the hyperparameter values its guards are
+    checked on. Computed once per group and step."""
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
     meta = tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots)
-    sig = (static_group_items(tgroup, slots), meta)
+    sig = (static_group_items(tgroup, slots, step), meta)
     return _signatures.setdefault(sig, sig), [s.get(tgroup) for s in slots]
 
 
@@ -126,11 +128,12 @@ class _Member:
     It holds no tensor of the parameter's: its storage is checked by pointer, its grad found anew."""
 
     state: dict
-    entries: tuple  # the ids of the state's values (the rows hold the values, so the ids stay theirs)
+    entries: tuple  # the state's values (which the rows hold anyway), compared by identity
     ptr: int  # the param's data pointer (of its local shard: a DTensor's is its local tensor's)
     sharded: bool
-    bucket: _Bucket
-    row: int
+    row: list  # its row of its bucket's launch
+    param_index: int  # where the row takes the param and the grad
+    grad_index: int
 
 
 class StepPlan:
@@ -158,13 +161,14 @@ class StepPlan:
                     hypers=tuple((i, key) for i, (role, key) in enumerate(roles) if role is Role.HYPERPARAMETER))
             args, write_back = bind_param(compiled, group, param, grad, state)
             self.write_back += write_back
-            members[id(param)] = _Member(state, tuple(map(id, state.values())), sharding.local(param).data_ptr(),
-                                         sharding.is_sharded(param), bucket, len(bucket.rows))
+            members[id(param)] = _Member(state, tuple(state.values()), sharding.local(param).data_ptr(),
+                                         sharding.is_sharded(param), args, bucket.param_index, bucket.grad_index)
             bucket.rows.append(args)
         for bucket in self.buckets.values():
             bucket.launch = bucket.compiled.kernel.launch(bucket.rows)
         # the params of each group in order, with their member (None: stepped without a grad)
-        self.groups = [(group, group["params"], len(group["params"]), group_signature(group)[0],
+        step = unhooked_step(type(opt))
+        self.groups = [(group, group["params"], len(group["params"]), group_signature(group, step)[0],
                         [members.get(id(p)) for p in group["params"]]) for group in opt.param_groups]
         # strided params and states are bound through copies; a step that creates states (SGD's
         # first, momentum_buffer = grad) is followed by another trace, so neither is replayed
@@ -181,11 +185,11 @@ class StepPlan:
     def _bind(self, opt: torch.optim.Optimizer, config: Config) -> bool:
         if config is not self.config or len(opt.param_groups) != len(self.groups):
             return False
-        state_of = opt.state
+        state_of, step = opt.state, unhooked_step(type(opt))
         for group, (planned, params, count, sig, members) in zip(opt.param_groups, self.groups):
             if group is not planned or group["params"] is not params or len(params) != count:
                 return False
-            group_sig, values = group_signature(group)
+            group_sig, values = group_signature(group, step)
             if group_sig is not sig:
                 return False
             for p, m in zip(params, members):
@@ -197,20 +201,21 @@ class StepPlan:
                 storage = p._local_tensor if m.sharded else p
                 # the grad's dtype, size and layout are checked by the launch, which binds it
                 if (grad is None or state_of.get(p) is not m.state or storage.data_ptr() != m.ptr
-                        or grad.layout is not torch.strided
-                        or tuple(map(id, m.state.values())) != m.entries):  # a state entry replaced
+                        or grad.layout is not torch.strided or len(m.state) != len(m.entries)
+                        or any(map(is_not, m.state.values(), m.entries))):  # a state entry replaced
                     return False
-                row = m.bucket.rows[m.row]
-                row[m.bucket.param_index] = storage
-                row[m.bucket.grad_index] = grad._local_tensor if m.sharded else grad
+                row = m.row
+                row[m.param_index] = storage
+                row[m.grad_index] = grad._local_tensor if m.sharded else grad
             for bucket in self.buckets.values():
                 if bucket.group is group:
                     if not bucket.compiled.guard(values):
                         return False
                     for i, slot in bucket.hypers:
                         value = slot.get(group)
-                        for row in bucket.rows:
-                            row[i] = value
+                        if bucket.rows[0][i] is not value:  # every row holds the same: rewritten together
+                            for row in bucket.rows:
+                                row[i] = value
         return True
 
     def grads(self) -> list[torch.Tensor]:

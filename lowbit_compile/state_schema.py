@@ -64,7 +64,8 @@ def probe_schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor) -
     """
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
-    key = (type(opt), unhooked_step(type(opt)), static_group_items(tgroup, slots), param.dtype, param.device.type,
+    key = (type(opt), unhooked_step(type(opt)), static_group_items(tgroup, slots, unhooked_step(type(opt))),
+           param.dtype, param.device.type,
            param.dim(), tuple(_value_key(s.get(tgroup)) for s in slots))
     with TRACE_LOCK:
         cached = _schemas.get(key)

@@ -66,7 +66,7 @@ def trace_example(state: dict) -> dict:
 def trace_key(opt: torch.optim.Optimizer, tgroup: dict, slots: tuple[HyperSlot, ...], dtype: torch.dtype,
               device: torch.device, example: dict, per_element: tuple[str, ...]) -> tuple:
     return (
-        type(opt), unhooked_step(type(opt)), static_group_items(tgroup, slots),
+        type(opt), unhooked_step(type(opt)), static_group_items(tgroup, slots, unhooked_step(type(opt))),
         tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots),
         dtype, device.type,
         # per-element states by dtype only: the trace is 1-D and elementwise, so one serves every shape
@@ -89,6 +89,10 @@ def traced(opt: torch.optim.Optimizer, tgroup: dict, dtype: torch.dtype, device:
                 return trace
         trace = trace_step(opt, tgroup, dtype, device, example, per_element)
         traces.append(trace)
+        # a trace learns which group entries the step reads: the key without the others finds it too
+        known = _traces.setdefault(trace_key(opt, tgroup, slots, dtype, device, example, per_element), [])
+        if known is not traces:
+            known.append(trace)
         return trace
 
 

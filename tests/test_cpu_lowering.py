@@ -14,7 +14,7 @@ import torch
 
 from lowbit_compile import QuantizedState, compile, lowbit_compile
 from lowbit_compile.config import DEFAULT_FMT
-from lowbit_compile.kernels import cpp_printer, cpu, cpu_build
+from lowbit_compile.kernels import blockquant, cpp_printer, cpu, cpu_build
 from lowbit_compile.kernels.backends import resolve
 from lowbit_compile.kernels.blockquant import decode_scaled
 from lowbit_compile.kernels.formats import StateFormat, decode, encode
@@ -535,3 +535,71 @@ def test_the_step_after_one_that_creates_states_is_prepared_again(fmt):
     else:
         err = (buf.dequantize() - want).abs().max()
         assert err <= 4 * want.abs().max() / 127
+
+
+# Block quantization with K patches, as the kernels call it: each block written to a buffer while
+# its lanes' largest keys are kept, then lb_quantize_scale and lb_encode_block (int8, signed).
+_PATCH_COUNTS = (1, 7, 8, 9, 15, 16, 17, 32, 64)
+_PATCHES_HARNESS = r"""
+template <int K> static void quant(float* x, int64_t n, int64_t block, uint8_t* codes, float* scales,
+                                   uint16_t* values, int16_t* index) {
+  for (int64_t b = 0; b * block < n; ++b) {
+    const int64_t len = n - b * block < block ? n - b * block : block;
+    float* buf = x + b * block;
+    vi acc = lb_splat_i(-1);
+    for (int64_t i = 0; i < len; i += LB_W) {
+      const int64_t r = len - i < LB_W ? len - i : LB_W;
+      acc = lb_vmax(acc, lb_key_masked(r == LB_W ? lb_ld(buf + i) : lb_ld_n(buf + i, r), r));
+    }
+    float mult;
+    if (lb_quantize_scale<LB_INT8, false, K>(acc, buf, len, block, codes + b * block, scales + b, values + b * K,
+                                             index + b * K, &mult))
+      lb_encode_block<LB_INT8, false, false, false>(buf, nullptr, len, mult, codes + b * block, lb_rand{});
+  }
+}
+extern "C" void quant_k(int k, float* x, int64_t n, int64_t block, uint8_t* codes, float* scales,
+                        uint16_t* values, int16_t* index) {
+  switch (k) {
+""" + "".join(f"    case {k}: quant<{k}>(x, n, block, codes, scales, values, index); break;\n" for k in _PATCH_COUNTS) + """
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("build", ["native", "avx2", "x86-64-v2"])
+def test_patches_at_and_above_the_vector_width_quantize_as_the_reference(build):
+    """Patch counts around the vector width (8 or 16 lanes) and up to the config's 64, in blocks of 64
+    and 512 with a partial last block and a block holding inf, give the reference's codes, scales and
+    patches exactly (K >= the lane count has no lane bound: every element is a candidate)."""
+    lib = cpu_build.load(cpp_printer.PRELUDE + _PATCHES_HARNESS, _BUILDS[build])
+    gen = torch.Generator().manual_seed(5)
+    for block in (64, 512):
+        n = 3 * block + 37
+        x = torch.randn(n, generator=gen) * (1 + 50 * (torch.rand(n, generator=gen) < 0.05))
+        x[block + 3] = float("inf")
+        for k in _PATCH_COUNTS:
+            if k > block:
+                continue
+            fmt = StateFormat("int8", block, k, False)
+            want = blockquant.quantize(x, fmt)
+            blocks = -(-n // block)
+            codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(blocks)
+            values, index = torch.empty(blocks * k, dtype=torch.int16), torch.empty(blocks * k, dtype=torch.int16)
+            buf = x.clone()
+            lib.quant_k(k, *(ctypes.c_void_p(t.data_ptr()) for t in (buf,)), ctypes.c_int64(n), ctypes.c_int64(block),
+                        *(ctypes.c_void_p(t.data_ptr()) for t in (codes, scales, values, index)))
+            assert torch.equal(codes, want.codes.view(torch.uint8)), (block, k)
+            assert torch.equal(scales.view(torch.int32), want.scales.view(torch.int32)), (block, k)
+            assert torch.equal(values, want.patch_values.view(torch.int16).reshape(-1)), (block, k)
+            assert torch.equal(index, want.patch_index.reshape(-1)), (block, k)
+
+
+@pytest.mark.parametrize("block_size, outliers", [(64, 64), (512, 32)])
+def test_whole_step_with_patches_above_the_vector_width_matches(block_size, outliers):
+    """The whole step with as many patches as the config accepts (once crashed, once wrote NaN)."""
+    ref, ours = _twins(DEFAULT_FMT, *ADAMW, torch.float32, [2 * block_size + 100, 64, 7], block_size=block_size,
+                       outliers=outliers)
+    _assert_same_states(ref, ours)
+    for a, b in zip(ref[0], ours[0]):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)

@@ -167,6 +167,35 @@ def test_a_strided_grad_updated_in_place_is_read_as_it_is_now(backend):
 
 
 
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_grad_restrided_in_place_at_the_same_address_is_read_as_it_is_now(backend):
+    """The same grad objects, at the same data pointers, transposed in place (``t_``) between steps
+    and written in place: a launch that skips checking a grad it saw before still reads the grad's
+    current layout, and a grad shrunk in place (``resize_``) is refused, not read past its end."""
+    params = _params([(48, 48), (64, 64)])
+    twin, stock = _stock_twin(params)
+    opt = wrap(torch.optim.AdamW(params, weight_decay=0.1), "fp32", backend=backend)
+    gen = torch.Generator().manual_seed(4)
+    for p, q in zip(params, twin):
+        p.grad, q.grad = torch.zeros(p.shape), torch.zeros(p.shape)
+    for step in range(4):
+        for p, q in zip(params, twin):
+            ptr = p.grad.data_ptr()
+            if step:
+                p.grad.t_()
+                q.grad.t_()
+            g = torch.randn(p.shape, generator=gen)
+            p.grad.copy_(g)
+            q.grad.copy_(g)
+            assert p.grad.data_ptr() == ptr
+        opt.step()
+        stock.step()
+        assert all(torch.equal(p, q) for p, q in zip(params, twin)), step
+    params[1].grad.resize_(63, 64)
+    with pytest.raises((ValueError, RuntimeError)):
+        opt.step()
+
 # add_param_group after wrapping ----------------------------------------------------------------------
 @pytest.mark.parametrize("group", [
     pytest.param(lambda: {"params": [torch.nn.Parameter(torch.randn(10))], "differentiable": True}, id="differentiable"),

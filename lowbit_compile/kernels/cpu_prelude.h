@@ -994,7 +994,8 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
                               uint16_t* patch_values, int16_t* patch_index, float* mult, lb_rand rnd = {},
                               float* root = nullptr) {
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
-  // the K+1 largest elements all reach it, and one pass collects them exactly.
+  // the K+1 largest elements all reach it, and one pass collects them exactly. With K+1 > LB_W lanes
+  // there is no such bound: every element is offered (-1).
   const int32_t top = lb_hmax(lane_max);
   if (__builtin_expect(top >= 0x7F800000, 0)) {
     lb_quantize_nonfinite<F, U, K, SR>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd);
@@ -1004,7 +1005,7 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
   if (K > 0) {
     int32_t bound = K < LB_W ? top : -1;
     vi lm = lane_max;
-    for (int j = 1; j <= K && j < LB_W; ++j) {  // set aside one lane holding the j-th largest, take the next
+    for (int j = 1; j <= K && K < LB_W; ++j) {  // set aside one lane holding the j-th largest, take the next
       lm[__builtin_ctz(lb_hits(lm == lb_splat_i(bound)))] = INT32_MIN;
       bound = lb_hmax(lm);
     }

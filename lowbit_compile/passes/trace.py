@@ -113,13 +113,16 @@ def hyper_slots(group: dict) -> tuple[HyperSlot, ...]:
     return tuple(slots)
 
 
-def static_group_items(group: dict, slots: tuple[HyperSlot, ...]) -> tuple:
+def static_group_items(group: dict, slots: tuple[HyperSlot, ...], step: Callable | None = None) -> tuple:
     """The group entries baked into a trace (flags such as amsgrad, maximize), given its
-    ``hyper_slots`` (every caller has them already): part of its key."""
+    ``hyper_slots`` (every caller has them already): part of its key. Once ``step`` (an unhooked step
+    function) has been traced, only the entries its traces read: a user's own entry (an epoch count
+    written every step) is no part of the step."""
     dynamic = {s.key for s in slots}
+    reads = _READS.get(step)
     items = []
     for key, value in sorted(group.items(), key=lambda item: repr(item[0])):  # keys of any type
-        if key == "params" or key in dynamic:
+        if key == "params" or key in dynamic or (reads is not None and key not in reads):
             continue
         try:
             hash(value)
@@ -127,6 +130,58 @@ def static_group_items(group: dict, slots: tuple[HyperSlot, ...]) -> tuple:
             value = repr(value)
         items.append((key, value))
     return tuple(items)
+
+
+_READS: dict[Callable, set[str]] = {}  # an unhooked step function -> the group entries its traces read
+
+
+def entries_read() -> int:
+    """How many group entries the steps traced so far read, over all step functions: a step prepared
+    while this grew may have keyed a signature on too few entries, and is prepared again."""
+    return sum(map(len, _READS.values()))
+
+
+class _ReadRecorder(dict):
+    """A param group that notes which of its entries the step reads (all of them, if it iterates)."""
+
+    def __init__(self, group: dict, reads: set[str]) -> None:
+        super().__init__(group)
+        self.reads = reads
+
+    def __getitem__(self, key: Any) -> Any:
+        self.reads.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.reads.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.reads.add(key)
+        return super().__contains__(key)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self.reads.add(key)
+        return super().setdefault(key, default)
+
+    def _everything(self) -> None:
+        self.reads.update(super().keys())
+
+    def __iter__(self):
+        self._everything()
+        return super().__iter__()
+
+    def keys(self):
+        self._everything()
+        return super().keys()
+
+    def items(self):
+        self._everything()
+        return super().items()
+
+    def values(self):
+        self._everything()
+        return super().values()
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
@@ -406,7 +461,9 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
         try:
             with _SymbolicScalarTensors(), (_BackedReadBacks(shape_env, hints) if hints is not None
                                             else contextlib.nullcontext()):
-                step_fn(shell_optimizer(opt, fake_group, param, st))
+                shell = shell_optimizer(opt, fake_group, param, st)
+                shell.param_groups[0] = _ReadRecorder(shell.param_groups[0], _READS.setdefault(step_fn, {"params"}))
+                step_fn(shell)
         finally:
             param.grad = None
         for key, before in zip(tensor_keys, states):

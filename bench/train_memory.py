@@ -1,0 +1,256 @@
+"""Peak memory of a real training step: a transformers Llama built from a small LlamaConfig, bf16
+autocast, trained a few steps with stock AdamW (fused where the device has it, else foreach), ours
+(default states; and bf16 params with ``master_weights="exact"`` beside stock AdamW on bf16 params)
+and bitsandbytes AdamW8bit when it imports, one after the other in one process, each from the same
+weights on the same batches.
+
+The peak covers the whole step (forward, backward, ``opt.step()``, ``opt.zero_grad()``). On CPU it is
+the peak of live tensor bytes, each storage counted once: the storages alive when a step starts
+(every tensor the garbage collector finds: params, grads, optimizer states, and whatever else still
+holds a tensor) plus every storage an op makes during it, counted until the last tensor that holds it
+dies (``LiveBytes``); on CUDA ``torch.cuda.max_memory_allocated``. Memory a
+kernel allocates outside torch (our CPU kernel's per-thread block scratch, a few KB) is not counted.
+
+Expected figure: a step's peak is params + grads + optimizer states + what forward/backward hold at
+that moment (activations, autocast's bf16 weight copies, temporaries). The last is measured on the
+stock run (its peak minus its params, grads and states); ours is expected at params + grads + our
+states + the same, and the ratio of measured to expected is printed (one stock run per param dtype).
+
+    python bench/train_memory.py                       # 27M params, 4 x 256 tokens, CPU
+    python bench/train_memory.py --hidden 2048 --layers 16 --device cuda --batch 8 --seq 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+RESULTS = Path(__file__).parent / "results"
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live tensor bytes and their peak: each storage counted once (by its data pointer), from the
+    first tensor seen holding it until the last such tensor dies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, list[int]] = {}  # data pointer -> [tensors holding it, bytes]
+        self.tensors: set[int] = set()
+        self.live = 0
+        self.peak = 0
+
+    def track_all_live(self) -> None:
+        """Every tensor alive now with a Python object (params, grads, states, and anything that still
+        holds one, such as an optimizer's reference to a grad), each storage once."""
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor):
+                self.track(obj)
+
+    def track(self, t: object) -> None:
+        if not isinstance(t, torch.Tensor) or id(t) in self.tensors or t.is_meta or isinstance(t, FakeTensor):
+            return
+        if hasattr(t, "__tensor_flatten__"):  # a wrapper (a quantized state): its inner tensors hold the bytes
+            for name in t.__tensor_flatten__()[0]:
+                self.track(getattr(t, name))
+            return
+        storage = t.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if not nbytes:
+            return
+        self.tensors.add(id(t))
+        weakref.finalize(t, self._drop, id(t), key)
+        held = self.storages.get(key)
+        if held is None:
+            self.storages[key] = [1, nbytes]
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        else:
+            held[0] += 1
+
+    def _drop(self, tid: int, key: int) -> None:
+        self.tensors.discard(tid)
+        held = self.storages[key]
+        held[0] -= 1
+        if not held[0]:
+            del self.storages[key]
+            self.live -= held[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self.track(t)
+        return out
+
+
+def inner(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``t``'s bytes (a quantized state's codes, scales and patches)."""
+    if hasattr(t, "__tensor_flatten__"):
+        return [x for name in t.__tensor_flatten__()[0] for x in inner(getattr(t, name))]
+    return [t]
+
+
+def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor the optimizer's state holds."""
+    return [x for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+            for x in inner(v)]
+
+
+def unique_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+@dataclass
+class Contender:
+    name: str
+    param_dtype: torch.dtype
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    stock: bool = False  # the stock run of its param dtype: gives the forward/backward figure
+
+
+def contenders(device: str, lr: float) -> list[Contender]:
+    from lowbit_compile import lowbit_compile
+
+    fused = device == "cuda" or hasattr(torch._C, "_has_mkldnn")  # torch's CPU fused AdamW (>= 2.4)
+    flag = {"fused": True} if fused else {"foreach": True}
+    label = "fused" if fused else "foreach"
+    out = [
+        Contender(f"stock AdamW ({label})", torch.float32, lambda p: torch.optim.AdamW(p, lr=lr, **flag), True),
+        Contender("ours (default)", torch.float32, lambda p: lowbit_compile(torch.optim.AdamW(p, lr=lr))),
+        Contender(f"stock AdamW ({label}), bf16 params", torch.bfloat16,
+                  lambda p: torch.optim.AdamW(p, lr=lr, **flag), True),
+        Contender('ours, bf16 params, master_weights="exact"', torch.bfloat16,
+                  lambda p: lowbit_compile(torch.optim.AdamW(p, lr=lr), master_weights="exact")),
+    ]
+    try:
+        import bitsandbytes as bnb
+
+        out.append(Contender("bitsandbytes AdamW8bit", torch.float32, lambda p: bnb.optim.AdamW8bit(p, lr=lr)))
+    except ImportError:
+        print("bitsandbytes not importable: its row is left out")
+    return out
+
+
+def build_model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, max_position_embeddings=args.seq,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(args.device, dtype)
+    model.config.use_cache = False
+    return model
+
+
+def run(c: Contender, args: argparse.Namespace, batches: list[torch.Tensor]) -> dict:
+    gc.collect()  # the previous contender's model and optimizer, if a cycle held them
+    model = build_model(args, c.param_dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = c.make(params)
+    cuda = args.device == "cuda"
+    losses, peaks = [], []
+
+    def step(x: torch.Tensor) -> None:
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+
+    step(batches[0])  # the states exist from here on
+    for x in batches[1:]:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            step(x)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+        else:
+            gc.collect()
+            mode = LiveBytes()
+            mode.track_all_live()
+            with mode:
+                step(x)
+            peaks.append(mode.peak)
+            del mode
+    n = sum(p.numel() for p in params)
+    states = unique_bytes(state_tensors(opt))
+    pbytes = unique_bytes(params)
+    return {"name": c.name, "param_dtype": str(c.param_dtype).removeprefix("torch."), "params": n,
+            "param_bytes": pbytes, "grad_bytes": pbytes, "state_bytes": states, "state_b_per_param": states / n,
+            "peak_bytes": max(peaks), "peaks": peaks, "losses": losses, "stock": c.stock}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--intermediate", type=int, default=1376)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="measured steps, after one that creates the states")
+    ap.add_argument("--only", default="", help="comma-separated substrings of contender names to run")
+    ap.add_argument("--out", default=str(RESULTS / "train_memory.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
+               for _ in range(args.steps + 1)]
+    rows = []
+    for c in contenders(args.device, 1e-4):
+        if args.only and not any(s in c.name for s in args.only.split(",")):
+            continue
+        rows.append(run(c, args, batches))
+        r = rows[-1]
+        print(f"{r['name']}: peak {r['peak_bytes'] / 1e6:.1f} MB, states {r['state_b_per_param']:.3f} B/param",
+              flush=True)
+    for r in rows:
+        stock = next((s for s in rows if s["stock"] and s["param_dtype"] == r["param_dtype"]), None)
+        if stock is None:
+            continue
+        fwd_bwd = stock["peak_bytes"] - stock["param_bytes"] - stock["grad_bytes"] - stock["state_bytes"]
+        r["expected_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["state_bytes"] + fwd_bwd
+        r["fwd_bwd_bytes"] = fwd_bwd
+        r["ratio_to_expected"] = r["peak_bytes"] / r["expected_bytes"]
+    head = "| optimizer | param dtype | states B/param | peak step MB | x stock | expected MB | measured / expected |"
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        stock = next((s for s in rows if s["stock"] and s["param_dtype"] == "float32"), rows[0])
+        lines.append(f"| {r['name']} | {r['param_dtype']} | {r['state_b_per_param']:.3f} | "
+                     f"{r['peak_bytes'] / 1e6:.1f} | "
+                     f"{r['peak_bytes'] / stock['peak_bytes']:.3f} | "
+                     + (f"{r['expected_bytes'] / 1e6:.1f} | {r['ratio_to_expected']:.4f} |" if "expected_bytes" in r
+                        else "- | - |"))
+    n = rows[0]["params"]
+    print(f"\nLlama {n / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), batch {args.batch} x "
+          f"{args.seq} tokens, bf16 autocast, {args.device}; peak of a whole step (max over {args.steps} steps)")
+    print("\n".join(lines))
+    out = {"args": vars(args), "machine": {"torch": torch.__version__, "cpu": platform.processor(),
+                                          "threads": torch.get_num_threads()}, "rows": rows, "table": lines}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
