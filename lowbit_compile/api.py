@@ -153,6 +153,7 @@ def lowbit_compile(
             opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
             opt.register_state_dict_post_hook(master.pack_state_dict),
             opt.register_state_dict_post_hook(counter.pack_state_dict),
+            opt.register_state_dict_post_hook(checkpoint.mark_state_dict),
             opt.register_load_state_dict_pre_hook(_before_load),
             opt.register_load_state_dict_post_hook(checkpoint.finish_load),
             opt.register_step_pre_hook(_redirect_stock_step),
@@ -401,6 +402,7 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
         if not state.keys() - set(COUNTER_KEYS):
             state.update(init_state(param, schema, formats))
         # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
+        _apply(state, checkpoint.step_restored(state))
         checkpoint.conform(param, state, formats)
         _apply(state, master.conformed(param, state, mformat, schema, position))
         _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
@@ -447,7 +449,7 @@ def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[
                 continue
             mformat = master.format_for(param, config)
             schema = _schema(opt, group, param, mformat)
-            changes = {}
+            changes = checkpoint.step_restored(state)
             formats = dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
             for key, fmt in formats.items():
                 new = checkpoint.converted(param, key, state.get(key), fmt)
