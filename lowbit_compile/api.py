@@ -386,6 +386,7 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
                     "optimizer unwrapped, for sparse gradients"
                 )
             state = opt.state.get(param, {})
+            _apply(state, checkpoint.step_restored(state))  # a loader that bypasses load_state_dict (ZeRO)
             prepared = wrapped.prepared.get(param)
             if prepared is not None and prepared.still_valid(state, param, config, group_sig, guards, values):
                 ready.append((prepared, group, param, grad, state))
@@ -402,7 +403,6 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, l
         if not state.keys() - set(COUNTER_KEYS):
             state.update(init_state(param, schema, formats))
         # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
-        _apply(state, checkpoint.step_restored(state))
         checkpoint.conform(param, state, formats)
         _apply(state, master.conformed(param, state, mformat, schema, position))
         _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))

@@ -449,7 +449,8 @@ def _release_hooks() -> None:
         if _hook_users == 0:
             while _hook_handles:
                 _hook_handles.pop().remove()
-            torch.optim.Optimizer.load_state_dict = _stock_load_state_dict
+            if torch.optim.Optimizer.load_state_dict is _load_state_dict:  # unless someone replaced it since
+                torch.optim.Optimizer.load_state_dict = _stock_load_state_dict
 
 
 # an optimizer stepped in scope is rewritten (or refused) by Scope._pre_step, not by the stock-step guard
