@@ -325,6 +325,10 @@ def test_a_saved_low_bit_entry_keeps_its_step_aside_and_loads_back_exactly():
                 assert "lowbit_step" not in loaded and torch.equal(loaded["step"], opt.state[p]["step"])
     with pytest.raises(ValueError, match="lowbit_compile.restore"):
         torch.optim.AdamW(params, lr=1e-2).load_state_dict(saved)
+    fp32 = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "fp32")
+    train(fp32, params, 1, seed=3)
+    assert all(type(e) is dict and set(e) == {"step", "exp_avg", "exp_avg_sq"} and type(e["step"]) is torch.Tensor
+               for e in saved_and_loaded(fp32.state_dict())["state"].values())
     assert torch.optim.Optimizer.load_state_dict is stock_load  # the scope put torch's back
 
 
