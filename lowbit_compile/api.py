@@ -159,6 +159,7 @@ def lowbit_compile(
             opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
             opt.register_state_dict_post_hook(master.pack_state_dict),
             opt.register_state_dict_post_hook(counter.pack_state_dict),
+            opt.register_state_dict_post_hook(checkpoint.mark_state_dict),
             opt.register_load_state_dict_pre_hook(_before_load),
             opt.register_load_state_dict_post_hook(checkpoint.finish_load),
             opt.register_step_pre_hook(_redirect_stock_step),
@@ -442,6 +443,7 @@ def _requests(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[list, list
                     "optimizer unwrapped, for sparse gradients"
                 )
             state = opt.state.get(param, {})
+            _apply(state, checkpoint.step_restored(state))  # a loader that bypasses load_state_dict (ZeRO)
             prepared = wrapped.prepared.get(param)
             if prepared is not None and prepared.still_valid(state, param, config, group_sig, guards, values):
                 ready.append((prepared, group, param, grad, state))
@@ -492,7 +494,7 @@ def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[
                 continue
             mformat = master.format_for(param, config)
             schema = _schema(opt, group, param, mformat)
-            changes = {}
+            changes = checkpoint.step_restored(state)
             formats = dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
             for key, fmt in formats.items():
                 new = checkpoint.converted(param, key, state.get(key), fmt)

@@ -45,6 +45,7 @@ before anything changes, so a checkpoint that cannot be read leaves the optimize
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import weakref
@@ -65,6 +66,13 @@ _PENDING = "_lowbit_pending"
 _TABLES = ("block_scales", "block_patch_values", "block_patch_index")
 _TEXT = ("lowbit_format", "shape", "dtype", "row_splits")
 _RECORD_DTYPES = (torch.float32, blockquant.PATCH_VALUE_DTYPE, blockquant.PATCH_INDEX_DTYPE)
+LOWBIT_STEP = "lowbit_step"
+STOCK_REFUSAL = (
+    b"this is a lowbit_compile low-bit optimizer state, which a stock optimizer cannot load. Resume it with "
+    b"lowbit_compile(opt, ...) (or inside lowbit_compile.enable()) before load_state_dict, and call "
+    b"lowbit_compile.restore(opt) for stock fp32 states; or load "
+    b"lowbit_compile.checkpoint.stock_state_dict(checkpoint) into the stock optimizer"
+)
 
 
 def is_packed(value: object) -> bool:
@@ -73,6 +81,49 @@ def is_packed(value: object) -> bool:
 
 
 # state_dict() ---------------------------------------------------------------------------------------
+class _Refused(dict):
+    """A saved entry with low-bit states: itself in memory, pickled with its step as :data:`STOCK_REFUSAL`
+    (the step under ``lowbit_step``), as an ``OrderedDict`` (which a weights-only ``torch.load`` reads)."""
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        saved = {**self, "step": STOCK_REFUSAL, LOWBIT_STEP: self["step"]}
+        return collections.OrderedDict, (), None, None, iter(saved.items())
+
+
+def mark_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``Optimizer.state_dict`` post hook, the last: every entry with a low-bit state (a packed dict)
+    and a step pickles with its step refused (see the module docstring); fp32-only entries stay stock."""
+    state_dict["state"] = {idx: (_Refused(entry) if "step" in entry and any(isinstance(v, dict) for v in entry.values())
+                                 else entry) for idx, entry in state_dict["state"].items()}
+    return state_dict
+
+
+def unmarked(entry: Mapping) -> Mapping:
+    """A saved entry with its own step back where a pickled low-bit entry had :data:`STOCK_REFUSAL`."""
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("step"), bytes):
+        return entry
+    if LOWBIT_STEP not in entry:
+        raise ValueError("a saved entry's step is bytes without its 'lowbit_step': the checkpoint is corrupt")
+    kept = {k: v for k, v in entry.items() if k != LOWBIT_STEP}
+    return {**kept, "step": entry[LOWBIT_STEP]}
+
+
+def step_restored(state: Mapping) -> dict:
+    """The changes (None: removed) that put back the step of a live state a loader left as pickled
+    (``ZeroRedundancyOptimizer`` copies entries into its inner optimizer's state itself)."""
+    if not isinstance(state.get("step"), bytes):
+        return {}
+    return {"step": unmarked(state)["step"], LOWBIT_STEP: None}
+
+
+def unmarked_state_dict(state_dict: dict) -> dict:
+    """``state_dict`` with every entry :func:`unmarked` (the same object if none was marked)."""
+    state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    if not isinstance(state, Mapping) or all(unmarked(e) is e for e in state.values()):
+        return state_dict
+    return {**state_dict, "state": {idx: unmarked(entry) for idx, entry in state.items()}}
+
+
 def pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
     """``Optimizer.state_dict`` post hook: replace every quantized state by its packed form."""
     guard_stock_steps()
@@ -220,6 +271,7 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: Forma
     master's entries never reach the stock loader (dropped for a param without master weights).
     """
     guard_stock_steps()
+    state_dict = unmarked_state_dict(state_dict)
     groups, saved_groups = opt.param_groups, state_dict["param_groups"]
     if len(groups) != len(saved_groups):
         raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved_groups)}) "
@@ -702,7 +754,7 @@ def stock_state_dict(source: torch.optim.Optimizer | dict) -> dict:
     The residuals of master weights are left out: with ``master.master_params`` (the fp32 masters) this
     is the checkpoint of the fp32 master recipe.
     """
-    state_dict = source.state_dict() if isinstance(source, torch.optim.Optimizer) else source
+    state_dict = unmarked_state_dict(source.state_dict() if isinstance(source, torch.optim.Optimizer) else source)
     state = {idx: {k: (_dense(v) if is_packed(v) else v) for k, v in entry.items()
                    if k not in MASTER_KEYS and k != ROUNDING_SEED}
              for idx, entry in state_dict["state"].items()}

@@ -2,9 +2,12 @@
 optimizer that steps is rewritten by ``lowbit_compile`` on its first step, whoever created it and
 whoever calls ``step``.
 
-It is built on torch's process-wide optimizer step hooks, not on patching classes; they are
-registered when the first scope is entered and removed when the last one is left (importing the
-package registers nothing). The pre-hook runs
+It is built on torch's process-wide optimizer step hooks; they are registered when the first scope
+is entered and removed when the last one is left (importing the package registers nothing). For the
+same span ``Optimizer.load_state_dict`` is replaced by one that, in scope, gives a stock optimizer
+a low-bit checkpoint with its steps in place (torch has no process-wide load hook, and outside
+lowbit_compile such a checkpoint is refused: ``checkpoint.STOCK_REFUSAL``); the first step converts
+the packed states the stock loader keeps. The pre-hook runs
 *inside* the stock ``Adam.step`` wrapper, before the per-optimizer pre-hooks and the stock update,
 and may only replace the step's ``(args, kwargs)``. On an optimizer's first step in scope the hook
 converts it (from then on its ``step`` is the rewritten one) and, through
@@ -21,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import functools
 import logging
 import threading
 import time
@@ -416,12 +420,25 @@ def _global_post_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
             return
 
 
+_stock_load_state_dict = torch.optim.Optimizer.load_state_dict
+
+
+@functools.wraps(_stock_load_state_dict)
+def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict) -> None:
+    """``Optimizer.load_state_dict`` while a scope is open: in scope, a low-bit checkpoint's steps are
+    put back first (a wrapped optimizer's own loader does the same), so a stock optimizer takes it."""
+    if _active.get():
+        state_dict = checkpoint.unmarked_state_dict(state_dict)
+    return _stock_load_state_dict(self, state_dict)
+
+
 def _acquire_hooks() -> None:
     global _hook_users
     with _hook_lock:
         if _hook_users == 0:
             _hook_handles.append(register_optimizer_step_pre_hook(_global_pre_hook))
             _hook_handles.append(register_optimizer_step_post_hook(_global_post_hook))
+            torch.optim.Optimizer.load_state_dict = _load_state_dict
         _hook_users += 1
 
 
@@ -432,6 +449,8 @@ def _release_hooks() -> None:
         if _hook_users == 0:
             while _hook_handles:
                 _hook_handles.pop().remove()
+            if torch.optim.Optimizer.load_state_dict is _load_state_dict:  # unless someone replaced it since
+                torch.optim.Optimizer.load_state_dict = _stock_load_state_dict
 
 
 # an optimizer stepped in scope is rewritten (or refused) by Scope._pre_step, not by the stock-step guard

@@ -195,39 +195,46 @@ FRESH_STOCK_STEP = """
 import sys, torch
 saved = torch.load(sys.argv[1], weights_only=True)
 params = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
-opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+opt = getattr(torch.optim, saved["name"])(params, **saved["kwargs"])
 before = [p.detach().clone() for p in params]
+phase = "load"
 try:
     opt.load_state_dict(saved["optimizer"])
+    phase = "step"
     for p, g in zip(params, saved["grads"]):
         p.grad = g.clone()
     opt.step()
     error = None
 except Exception as err:
-    error = f"{type(err).__name__}: {err}"
-torch.save({"params": [p.detach() for p in params], "before": before, "error": error,
-            "state": opt.state_dict()["state"]}, sys.argv[2])
+    error = f"{phase}: {type(err).__name__}: {err}"
+torch.save({"params": [p.detach() for p in params], "before": before, "error": error}, sys.argv[2])
 """
 
 
-def _stock_step_in_a_fresh_process(tmp_path, optimizer_state: dict, params: list[torch.Tensor],
-                                   grads: list[torch.Tensor]) -> dict:
+def _stock_step_in_a_fresh_process(tmp_path, name: str, kwargs: dict, optimizer_state: dict,
+                                   params: list[torch.Tensor], grads: list[torch.Tensor]) -> dict:
+    """What a stock ``torch.optim.<name>(**kwargs)`` in a fresh process does with ``optimizer_state``
+    saved to a file: its ``load_state_dict``, then one step with ``grads``."""
     import subprocess
     import sys
 
     (tmp_path / "lowbit_compile.py").write_text("raise ImportError('this process must not import lowbit_compile')")
     (tmp_path / "step.py").write_text(FRESH_STOCK_STEP)
-    torch.save({"optimizer": optimizer_state, "params": [p.detach() for p in params], "grads": grads},
-               tmp_path / "in.pt")
+    torch.save({"name": name, "kwargs": kwargs, "optimizer": optimizer_state, "params": [p.detach() for p in params],
+                "grads": grads}, tmp_path / "in.pt")
     done = subprocess.run([sys.executable, "step.py", "in.pt", "out.pt"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     return torch.load(tmp_path / "out.pt", weights_only=True)
 
 
-def _trained_for_export() -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], list[torch.Tensor]]:
-    params = make_params()
-    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), "int8", **OPTIONS)
+ADAMW = ("AdamW", {"lr": 1e-2, "weight_decay": 0.1})
+
+
+def _trained_for_export(name: str = ADAMW[0], kwargs: dict = ADAMW[1], shapes=SHAPES, **options: object
+                        ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], list[torch.Tensor]]:
+    params = make_params(shapes)
+    opt = lowbit_compile(getattr(torch.optim, name)(params, **kwargs), "int8", **{**OPTIONS, **options})
     train(opt, params, 2, seed=1)
     gen = torch.Generator().manual_seed(3)
     return opt, params, [torch.randn(p.shape, generator=gen) for p in params]
@@ -237,7 +244,7 @@ def test_the_stock_export_loads_and_steps_in_a_process_without_lowbit_compile(tm
     """``stock_state_dict`` is a checkpoint for tools that never heard of lowbit_compile: a stock
     AdamW in a fresh process loads it (weights-only) and steps exactly as ``restore(opt)`` does here."""
     opt, params, grads = _trained_for_export()
-    out = _stock_step_in_a_fresh_process(tmp_path, checkpoint.stock_state_dict(opt), params, grads)
+    out = _stock_step_in_a_fresh_process(tmp_path, *ADAMW, checkpoint.stock_state_dict(opt), params, grads)
     assert out["error"] is None
     restore(opt)
     for p, g in zip(params, grads):
@@ -247,15 +254,82 @@ def test_the_stock_export_loads_and_steps_in_a_process_without_lowbit_compile(tm
         assert torch.equal(ours.detach(), theirs)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open (issue 37, item 2): torch's stock load_state_dict has no check a checkpoint's content can trip "
-    "(the zero-code paths need it to take the byte tensors), so a stock AdamW in a process without "
-    "lowbit_compile takes a low-bit checkpoint and its step fails after updating the first parameter"))
-def test_a_low_bit_checkpoint_is_refused_by_a_stock_optimizer_before_anything_changes(tmp_path):
-    opt, params, grads = _trained_for_export()
-    out = _stock_step_in_a_fresh_process(tmp_path, opt.state_dict(), params, grads)
-    assert out["error"] is not None and "lowbit_compile" in out["error"]
+@pytest.mark.parametrize("name, kwargs", [ADAMW, ("RAdam", {"lr": 1e-2, "weight_decay": 0.1}),
+                                          ("Adagrad", {"lr": 1e-2, "weight_decay": 0.1})])
+def test_a_low_bit_checkpoint_is_refused_by_a_stock_optimizer_before_anything_changes(tmp_path, name, kwargs):
+    """A stock step-bearing optimizer in a fresh process refuses the saved low-bit checkpoint in its
+    ``load_state_dict`` (the saved step is text it cannot read as a number), naming the fix, before
+    any step; in memory the step is the stock one."""
+    opt, params, grads = _trained_for_export(name, kwargs)
+    sd = opt.state_dict()
+    assert all(type(entry["step"]) is torch.Tensor for entry in sd["state"].values())
+    out = _stock_step_in_a_fresh_process(tmp_path, name, kwargs, sd, params, grads)
+    assert out["error"] is not None and out["error"].startswith("load: ValueError")
+    assert "lowbit_compile.restore" in out["error"] and "stock_state_dict" in out["error"]
     assert all(torch.equal(a, b) for a, b in zip(out["params"], out["before"]))
+
+
+SGD = ("SGD", {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.1})
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_stock_sgd_fails_on_a_low_bit_momentum_before_its_first_parameter_changes(tmp_path, foreach):
+    """SGD saves no step to refuse: a stock SGD loads the checkpoint, and its step fails on the first
+    parameter's packed momentum, before it updates it (one-by-one and foreach paths)."""
+    name, kwargs = SGD[0], {**SGD[1], "foreach": foreach}
+    opt, params, grads = _trained_for_export(name, kwargs)
+    assert checkpoint.is_packed(opt.state_dict()["state"][0]["momentum_buffer"])
+    out = _stock_step_in_a_fresh_process(tmp_path, name, kwargs, opt.state_dict(), params, grads)
+    assert out["error"] is not None and out["error"].startswith("step: ")  # torch's own error, a dict for a tensor
+    assert all(torch.equal(a, b) for a, b in zip(out["params"], out["before"]))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open (issue 37, item 2): SGD keeps no step for a checkpoint to make its load fail, so a stock SGD whose "
+    "first parameter's momentum is fp32 (below min_8bit_size) updates it before failing on a packed one"))
+def test_a_stock_sgd_whose_first_momentum_is_fp32_changes_nothing(tmp_path):
+    opt, params, grads = _trained_for_export(*SGD, shapes=[(8,), (64, 64)], min_8bit_size=64)
+    assert [checkpoint.is_packed(e["momentum_buffer"]) for e in opt.state_dict()["state"].values()] == [False, True]
+    out = _stock_step_in_a_fresh_process(tmp_path, *SGD, opt.state_dict(), params, grads)
+    assert out["error"] is not None
+    assert all(torch.equal(a, b) for a, b in zip(out["params"], out["before"]))
+
+
+def test_a_saved_low_bit_entry_keeps_its_step_aside_and_loads_back_exactly():
+    """Pickled (torch.save, deepcopy), an entry with low-bit states has the refusal as its step and
+    the step under ``lowbit_step``; our loader, ``stock_state_dict`` and a stock optimizer loading
+    in an ``enable()`` scope put it back. An fp32-only entry is saved as stock's."""
+    import copy
+
+    stock_load = torch.optim.Optimizer.load_state_dict
+    params = make_params()
+    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), {"exp_avg": "int8", "exp_avg_sq": "fp32"},
+                         **{**OPTIONS, "min_8bit_size": 300})
+    train(opt, params, 2, seed=1)
+    for saved in (saved_and_loaded(opt.state_dict()), copy.deepcopy(opt.state_dict())):
+        for idx, p in enumerate(params):
+            entry, packed = saved["state"][idx], checkpoint.is_packed(saved["state"][idx]["exp_avg"])
+            assert packed == (p.numel() >= 300)
+            if packed:
+                assert entry["step"] == checkpoint.STOCK_REFUSAL and torch.equal(entry["lowbit_step"], opt.state[p]["step"])
+            else:
+                assert set(entry) == {"step", "exp_avg", "exp_avg_sq"} and type(entry["step"]) is torch.Tensor
+        again = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "int8", **OPTIONS)
+        again.load_state_dict(saved)
+        exported = checkpoint.stock_state_dict(saved)["state"]
+        stock = torch.optim.AdamW(params, lr=1e-2)
+        with enable(**OPTIONS):
+            stock.load_state_dict(saved)
+        for idx, p in enumerate(params):
+            for loaded in (again.state[p], exported[idx], stock.state[p]):
+                assert "lowbit_step" not in loaded and torch.equal(loaded["step"], opt.state[p]["step"])
+    with pytest.raises(ValueError, match="lowbit_compile.restore"):
+        torch.optim.AdamW(params, lr=1e-2).load_state_dict(saved)
+    fp32 = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "fp32")
+    train(fp32, params, 1, seed=3)
+    assert all(type(e) is dict and set(e) == {"step", "exp_avg", "exp_avg_sq"} and type(e["step"]) is torch.Tensor
+               for e in saved_and_loaded(fp32.state_dict())["state"].values())
+    assert torch.optim.Optimizer.load_state_dict is stock_load  # the scope put torch's back
 
 
 def test_restore_after_loading_gives_a_stock_optimizer_with_fp32_states():
@@ -517,7 +591,7 @@ def test_distributed_state_dict_api_in_one_process():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_state_a_stock_loader_stored_is_restored_exactly_at_the_rewrite(dtype):
     """Under enable() a framework loads the checkpoint into the stock optimizer before its first
-    step rewrites it: the stock loader casts every packed tensor to the parameter's dtype. The
+    step rewrites it (the scope puts the saved steps back for it): the stock loader casts every packed tensor to the parameter's dtype. The
     bytes survive any float cast, so the rewrite restores the states bit for bit."""
     params = [torch.nn.Parameter(p.detach().to(dtype)) for p in make_params()]
     opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "int8", outliers=2, **OPTIONS)
@@ -527,9 +601,9 @@ def test_a_state_a_stock_loader_stored_is_restored_exactly_at_the_rewrite(dtype)
 
     resumed = [torch.nn.Parameter(p) for p in sd["params"]]
     stock = torch.optim.AdamW(resumed, lr=1e-2)
-    stock.load_state_dict(sd["optim"])
-    assert stock.state[resumed[0]]["exp_avg"]["codes"].dtype == dtype  # what the stock loader did
-    with enable("int8", outliers=2, **OPTIONS):
+    with enable("int8", outliers=2, **OPTIONS):  # in scope, where the framework's resume runs
+        stock.load_state_dict(sd["optim"])
+        assert stock.state[resumed[0]]["exp_avg"]["codes"].dtype == dtype  # what the stock loader did
         train(stock, resumed, 2, seed=2)
     assert_same([p.detach() for p in params], [p.detach() for p in resumed])
     assert_same(state_bits(opt, params), state_bits(stock, resumed))

@@ -731,7 +731,7 @@ def test_a_corrupt_master_checkpoint_is_refused_and_changes_nothing(case):
 
 @pytest.mark.parametrize("mode", ["exact", "8bit"])
 def test_a_checkpoint_a_stock_loader_stored_resumes_under_enable(mode):
-    """``enable()`` wraps at the first step, after a stock ``load_state_dict`` stored the checkpoint (the
+    """``enable()`` wraps at the first step, after a stock ``load_state_dict`` in scope stored the checkpoint (the
     residual, its tie table and counter as saved, the counter cast to bf16): that step reads them back
     and steps on as the run that saved it does."""
     params = model_params(BF16)
@@ -742,9 +742,9 @@ def test_a_checkpoint_a_stock_loader_stored_resumes_under_enable(mode):
     again = twin(params)
     stock = torch.optim.AdamW(again)
     saved.seek(0)
-    stock.load_state_dict(torch.load(saved, weights_only=True))
     train(params, opt, 2, seed=2)
-    with enable(master_weights=mode, min_8bit_size=0):
+    with enable(master_weights=mode, min_8bit_size=0):  # in scope, where a framework's resume loads
+        stock.load_state_dict(torch.load(saved, weights_only=True))
         train(again, stock, 2, seed=2)
     assert all(same_bits(p.detach(), q.detach()) for p, q in zip(params, again))
     assert all(same_bits(m, n) for m, n in zip(master_params(opt), master_params(stock)))
