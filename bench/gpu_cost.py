@@ -7,7 +7,7 @@ SASS instructions per element (the cubin's instructions, ``cuobjdump -sass``, ov
 thread handles), the occupancy registers, shared memory and warps allow, and the bytes per element the
 kernel must move. Beside them the same for ``floor_adamw8``, a plain blockwise 8-bit AdamW kernel (the
 GPU's floor, the counterpart of the CPU memory floor). ``python -m bench.gpu_cost [--arch 90 80]``:
-prints a table, writes ``bench/results/gpu_cost_<time>.json``. Run with ``TRITON_INTERPRET`` unset.
+prints a table, writes ``bench/results/gpu_cost.json`` (``--out`` another path). Run with ``TRITON_INTERPRET`` unset.
 """
 
 from __future__ import annotations
@@ -279,7 +279,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SM_LIMITS))
     parser.add_argument("--only", default="", help="a regex: compile only the kernels whose name matches")
-    parser.add_argument("--tag", default="", help="appended to the JSON file's name")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu_cost.json",
+                        help="where to write the JSON (default: the one current result, bench/results/gpu_cost.json)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("unset TRITON_INTERPRET: this compiles real Triton kernels")
@@ -302,7 +303,7 @@ def main() -> None:
     print()
     print_table(rows)
     import lowbit_compile
-    out = Path(__file__).parent / "results" / f"gpu_cost_{time.strftime('%Y%m%d-%H%M%S')}{args.tag}.json"
+    out = args.out
     out.parent.mkdir(exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(lowbit_compile.__file__).parent).stdout.strip()

@@ -4,12 +4,14 @@ last blocks, several blocks per program, and element offsets past 2**31."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
 import torch
 
 from lowbit_compile import lowbit_compile
+from lowbit_compile.kernels.kernel import RowLaunch
 
 from .quantized_contract import assert_codes_within_one_step, assert_params_within_bound
 
@@ -124,6 +126,8 @@ def test_offsets_past_two_to_the_31(tmp_path, monkeypatch):
         calls.append((self, before, [t.clone() for t in written], list(numbers)))
 
     monkeypatch.setattr(triton_backend.TritonKernel, "launch", recording_launch)
+    # the per-tensor kernel, whose launch takes a first block (the batched one shares its offsets code)
+    monkeypatch.setattr(triton_backend.TritonStep, "launch", lambda self, rows: RowLaunch(self._run, rows, self.flat))
     param, opt = make(torch.optim.AdamW, "int8", torch.float32, tail, block, {}, "triton")
     for _ in range(2):
         param.grad = torch.randn(tail)
@@ -150,3 +154,45 @@ def test_offsets_past_two_to_the_31(tmp_path, monkeypatch):
     original(kernel, big_written, big_read, numbers, first_block=blocks - tail_blocks)
     for big, small in zip(big_written, expected):
         assert torch.equal(bits(big[big.shape[0] - small.shape[0]:]), bits(small))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp32"])
+def test_many_small_tensors_step_in_one_launch_with_the_bits_of_one_launch_each(monkeypatch, fmt):
+    """Seven params of odd sizes (one element, partial blocks, several blocks) in one group: the batched
+    launch gives the bits of one launch per tensor, in one kernel call per step (fp32: also stock's bits)."""
+    sizes = [1, 7, 255, 256, 257, 1000, 3 * 256 + 5]
+
+    def launches() -> int:  # step kernels are cached per signature, across optimizers: count them all
+        return sum(o.launches for o in gc.get_objects() if isinstance(o, triton_backend.TritonStep))
+
+    def run(per_tensor: bool):
+        torch.manual_seed(0)
+        before = launches()
+        params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+        stock = torch.optim.AdamW([p.detach().clone().requires_grad_() for p in params], weight_decay=0.1)
+        opt = lowbit_compile(torch.optim.AdamW(params, weight_decay=0.1), fmt=fmt, block_size=256,
+                             min_8bit_size=0, backend="triton")
+        with monkeypatch.context() as m:
+            if per_tensor:
+                m.setattr(triton_backend.TritonStep, "launch", lambda self, rows: RowLaunch(self._run, rows, self.flat))
+            for step in range(3):
+                for p, q in zip(params, stock.param_groups[0]["params"]):
+                    p.grad = torch.randn(p.numel()) * (step + 1)
+                    q.grad = p.grad.clone()
+                opt.step()
+                stock.step()
+        return params, opt, stock, launches() - before
+
+    batched, opt_b, stock, launches_b = run(per_tensor=False)
+    single, opt_s, _, launches_s = run(per_tensor=True)
+    assert launches_s == 3 * len(sizes)
+    assert launches_b == 3  # one step kernel, one call per step
+    for pb, ps, q in zip(batched, single, stock.param_groups[0]["params"]):
+        assert torch.equal(bits(pb.detach()), bits(ps.detach()))
+        if fmt == "fp32":
+            assert torch.equal(bits(pb.detach()), bits(q.detach()))
+        for key, ours in opt_b.state[pb].items():
+            theirs = opt_s.state[ps][key]
+            parts = zip(ours.storage_parts, theirs.storage_parts) if hasattr(ours, "storage_parts") else [(ours, theirs)]
+            for a, b in parts:
+                assert torch.equal(bits(a.reshape(-1)), bits(b.reshape(-1))), key

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import operator
 import os
 import weakref
 from array import array
@@ -28,7 +27,7 @@ from torch.fx import GraphModule
 from . import cpu_build
 from .contract import Role, role_of
 from .cpp_printer import ENTRY, EmittedStep, PointerInput, emit_step
-from .kernel import same_scalar_states
+from .kernel import body_sources, same_scalar_states
 from .lowering import Target
 
 
@@ -44,17 +43,7 @@ class CpuStep:
         self.prologue = step.prologue.forward
         top = [n for n in step.graph.nodes if n.op == "placeholder"]
         index = {n: i for i, n in enumerate(top)}
-        call_pro = next(n for n in step.graph.nodes if n.op == "call_module" and n.target == "prologue")
-        call_body = next(n for n in step.graph.nodes if n.op == "call_module" and n.target == "body")
-        self.prologue_args = tuple(index[a] for a in call_pro.args)
-        # Where each body input comes from: ("arg", i) a top-level input, ("pro", j) a prologue output.
-        sources = []
-        for a in call_body.args:
-            if a.op == "placeholder":
-                sources.append(("arg", index[a]))
-            else:
-                assert a.target is operator.getitem and a.args[0] is call_pro
-                sources.append(("pro", a.args[1]))
+        self.prologue_args, sources = body_sources(step)
         self.pointer_args = tuple(sources[p.index][1] for p in emitted.pointers)
         # codes travel as bytes: any 1-byte dtype (int8, uint8, float8) is the same buffer
         one_byte = frozenset({torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2})

@@ -7,6 +7,7 @@ in advance.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -71,6 +72,23 @@ def per_step_inputs(step: GraphModule) -> tuple[int, ...]:
     """The positions of a split step's param and grad among its top-level inputs."""
     top = [n for n in step.graph.nodes if n.op == "placeholder"]
     return tuple(i for i, n in enumerate(top) if role_of(n) in (Role.PARAM, Role.GRAD))
+
+
+def body_sources(step: GraphModule) -> tuple[tuple[int, ...], tuple[tuple[str, int], ...]]:
+    """Where a split step's prologue takes its inputs (top-level input positions), and where each body
+    input comes from: ``("arg", i)`` top-level input ``i``, ``("pro", j)`` the prologue's output ``j``."""
+    top = [n for n in step.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(top)}
+    call_pro = next(n for n in step.graph.nodes if n.op == "call_module" and n.target == "prologue")
+    call_body = next(n for n in step.graph.nodes if n.op == "call_module" and n.target == "body")
+    sources = []
+    for a in call_body.args:
+        if a.op == "placeholder":
+            sources.append(("arg", index[a]))
+        else:
+            assert a.target is operator.getitem and a.args[0] is call_pro
+            sources.append(("pro", a.args[1]))
+    return tuple(index[a] for a in call_pro.args), tuple(sources)
 
 
 def same_scalar_states(rows: Sequence[Sequence[object]], indices: Sequence[int]) -> list[list[int]]:

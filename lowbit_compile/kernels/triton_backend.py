@@ -24,8 +24,9 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from . import blockquant
 from .backends import interpreting
+from .contract import Role, role_of
 from .formats import StateFormat, dynamic_level_table
-from .kernel import BuildError, RowLaunch, per_step_inputs
+from .kernel import BuildError, RowLaunch, body_sources, per_step_inputs, same_scalar_states
 from .lowering import Target
 from .triton_printer import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
 
@@ -262,7 +263,9 @@ class FusedStepBody(torch.nn.Module):
 
 class TritonStep:
     """A split step whose body is one Triton kernel, emitted and built when this is made; the scalar
-    prologue runs on the host, as in the reference. One launch per parameter."""
+    prologue runs on the host, as in the reference. A launch steps all its rows in one kernel call per
+    set of rows with equal scalar states (:class:`BatchedLaunch`), or one call per row where a row's
+    storage is not 16-byte aligned."""
 
     backend = "triton"
 
@@ -272,21 +275,142 @@ class TritonStep:
                 f"the triton backend runs {device.type} tensors only under TRITON_INTERPRET=1, set before the "
                 "first kernel is built; use backend='cpu' or 'auto' for CPU tensors"
             )
-        kernel = kernel_for(emit_kernel(step.body, "lowbit_step", target_of(device)))
+        target = target_of(device)
+        kernel = kernel_for(emit_kernel(step.body, "lowbit_step", target))
         kernel.build(device)
+        self.batched = kernel_for(emit_kernel(step.body, "lowbit_step_batched", target, batched=True))
+        self.batched.build(device)
         root = torch.nn.Module()
         root.prologue = step.prologue
         root.body = FusedStepBody(kernel)
         self.kernel = kernel
         self.graph = GraphModule(root, copy.deepcopy(step.graph), "FusedStep")
         self.flat = per_step_inputs(step)
+        self.prologue = step.prologue.forward
+        self.prologue_args, self.sources = body_sources(step)
+        top = [n for n in step.graph.nodes if n.op == "placeholder"]
+        roles = [role_of(n) for n in top]
+        self.scalar_states = tuple(i for i, r in enumerate(roles) if r is Role.SCALAR_STATE)
+        self.param_arg = roles.index(Role.PARAM)
+        self.grad_arg = roles.index(Role.GRAD) if Role.GRAD in roles else None
+        bound = (Role.PARAM, Role.PER_ELEMENT_STATE, Role.STATE_PART, Role.MASTER_PART)
+        # body inputs bound for as long as the rows (the param's storage is checked by the caller)
+        self.bound_inputs = frozenset(k for k, (kind, i) in enumerate(self.sources)
+                                      if kind == "arg" and roles[i] in bound)
+        self.launches = 0  # kernel calls, for tests
 
-    def launch(self, rows: Sequence[list]) -> RowLaunch:
+    def launch(self, rows: Sequence[list]) -> BatchedLaunch | RowLaunch:
+        if all(t.data_ptr() % 16 == 0 for row in rows for t in self._bound(row)):
+            return BatchedLaunch(self, rows)
         return RowLaunch(self._run, rows, self.flat)
+
+    def _bound(self, row: Sequence[object]) -> list[torch.Tensor]:
+        return [row[self.sources[p.index][1]] for p in self.batched.emitted.tensor_params
+                if p.index in self.bound_inputs]
 
     def _run(self, rows: Sequence[list]) -> None:
         for row in rows:
             self.graph(*row)
+            self.launches += 1
+
+
+class BatchedLaunch:
+    """Kernel calls over fixed rows, kept between steps: one call of the batched kernel per set of rows
+    with equal scalar states, over a 1-D grid of all their tiles. Each call's row table (first program,
+    element count and the tensor inputs' pointers per row) and program-to-row table are built once;
+    :meth:`run` rewrites the per-step pointers (grads, tensor hyperparameters and prologue results) and
+    uploads the row table only when a pointer changed. Like ``CpuLaunch``, the prologue runs once per
+    call on its first row and the other rows' scalar states are set to its result. No grad (nor a copy
+    of one) is referenced once :meth:`run` returns: the tables hold integers."""
+
+    def __init__(self, step: TritonStep, rows: Sequence[list]) -> None:
+        self.step = step
+        self.rows = rows
+        e = step.batched.emitted
+        self.device = rows[0][step.param_arg].device
+        self.sizes = [row[step.param_arg].numel() for row in rows]
+        tensor_params = e.tensor_params
+        self.stride = 2 + len(tensor_params)
+        self.static = [(k, p) for k, p in enumerate(tensor_params) if p.index in step.bound_inputs]
+        self.per_step = [(k, p) for k, p in enumerate(tensor_params) if p.index not in step.bound_inputs]
+        for row in rows:
+            for t in step._bound(row):
+                if not t.is_contiguous():
+                    raise ValueError("a state bound to a batched launch must be contiguous (it is bound by pointer)")
+        self._build()
+
+    def _build(self) -> None:
+        step, e = self.step, self.step.batched.emitted
+        self.calls = []  # (members, host row table, device row table, device program rows, programs)
+        for members in same_scalar_states(self.rows, step.scalar_states):
+            table, program_rows = [], []
+            for j, r in enumerate(members):
+                programs = triton.cdiv(triton.cdiv(self.sizes[r], e.block), e.rows)
+                entry = [len(program_rows), self.sizes[r]] + [0] * (self.stride - 2)
+                bound = {p.index: t for p, t in zip((p for _, p in self.static), step._bound(self.rows[r]))}
+                for k, p in self.static:
+                    entry[2 + k] = bound[p.index].data_ptr()
+                table += entry
+                program_rows += [j] * programs
+            program_rows_t = torch.tensor(program_rows, dtype=torch.int32).to(self.device)
+            self.calls.append([members, table, None, program_rows_t, len(program_rows)])
+        self.scalar_tensors = [self.rows[r][k] for r in range(len(self.rows)) for k in step.scalar_states]
+        self.versions = [t._version for t in self.scalar_tensors]
+
+    def run(self) -> None:
+        step = self.step
+        e = step.batched.emitted
+        if step.scalar_states and [t._version for t in self.scalar_tensors] != self.versions:
+            self._build()  # the step counts were changed from outside: group the rows again
+        keep: list[torch.Tensor] = []  # this run's copies (strided or unaligned grads, host hyperparameters)
+        for call in self.calls:
+            members, table, _, program_rows, programs = call
+            first = self.rows[members[0]]
+            outputs = step.prologue(*(first[i] for i in step.prologue_args))
+            if len(members) > 1 and step.scalar_states:
+                for k in step.scalar_states:
+                    torch._foreach_copy_([self.rows[r][k] for r in members[1:]], [first[k]] * (len(members) - 1))
+            new = list(table)
+            for j, r in enumerate(members):
+                row = self.rows[r]
+                for k, p in self.per_step:
+                    kind, i = step.sources[p.index]
+                    value = self._per_step_tensor(outputs[i] if kind == "pro" else row[i], i, r, kind, keep)
+                    new[j * self.stride + 2 + k] = value.data_ptr()
+            if new != table or call[2] is None:
+                call[1], call[2] = new, torch.tensor(new, dtype=torch.int64).to(self.device)
+            if programs == 0:
+                continue
+            args: list[Any] = []
+            for p in e.params:
+                if p.kind == "table":
+                    args.append(_table(p.table, p.nonneg, self.device))
+                elif not p.tensor:
+                    kind, i = step.sources[p.index]
+                    args.append(float(outputs[i] if kind == "pro" else first[i]))
+            step.batched.fn[(programs,)](*args, call[2], program_rows, BLOCK=e.block, ROWS=e.rows,
+                                         **launch_options(e))
+            step.launches += 1
+        if step.scalar_states:
+            self.versions = [t._version for t in self.scalar_tensors]
+
+    def _per_step_tensor(self, value: Any, i: int, r: int, kind: str, keep: list[torch.Tensor]) -> torch.Tensor:
+        """A per-step tensor input on the launch's device, flat, contiguous and 16-byte aligned (through a
+        copy kept for this run where it is not); a grad checked against its param."""
+        if kind == "arg" and i == self.step.grad_arg:
+            param = self.rows[r][self.step.param_arg]
+            if value.dtype != param.dtype or value.numel() != self.sizes[r]:
+                raise ValueError(f"the grad of row {r}: expected {self.sizes[r]} elements of {param.dtype}, "
+                                 f"got {value.numel()} of {value.dtype}")
+            value = value.reshape(-1)
+        if not isinstance(value, torch.Tensor):
+            value = torch.tensor(value, dtype=torch.float32)
+        if value.device != self.device:
+            value = value.to(self.device)
+        if not value.is_contiguous() or value.data_ptr() % 16:  # a clone is a fresh, aligned allocation
+            value = value.clone(memory_format=torch.contiguous_format)
+        keep.append(value)
+        return value
 
 
 # standalone state kernels --------------------------------------------------------------------------

@@ -42,7 +42,11 @@ DEFAULT_TILE = 2048  # elements per program instance when blocks are smaller (an
 
 _DTYPE_IDS = {torch.float32: "lb.F32", torch.bfloat16: "lb.BF16", torch.float16: "lb.F16"}
 _RESERVED = frozenset({"pid", "rows", "cols", "offsets", "mask", "row_mask", "n_elements", "first_block",
-                       "BLOCK", "ROWS", "lb", "tl", "triton"})
+                       "BLOCK", "ROWS", "lb", "tl", "triton", "entry", "n_total", "row_table_ptr", "program_rows_ptr"})
+_POINTEE = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
+            torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.int16: "tl.int16", torch.int32: "tl.int32",
+            torch.int64: "tl.int64", torch.bool: "tl.int8", torch.float8_e4m3fn: "tl.float8e4nv",
+            torch.float8_e5m2: "tl.float8e5"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,9 @@ class KernelParam:
 class EmittedKernel:
     """Generated Triton source and how to call it: ``params`` then ``n_elements, first_block`` and the
     constexprs ``BLOCK`` (elements per row: the quantization block) and ``ROWS`` (rows per program).
+    A ``batched`` kernel steps many tensors in one launch: its tensor params are not arguments but
+    read per program from a row table (:func:`emit_kernel`); its arguments are the number and table
+    params, then ``row_table_ptr, program_rows_ptr``.
     ``numel_input`` is the body input whose numel is the element count; ``written`` the body inputs
     the kernel stores into. ``approximate``: the kernel stores 8-bit states, so it takes the contract of
     quantized formats (README, "GPU kernels") instead of bit-identity: approximate division and square
@@ -80,14 +87,28 @@ class EmittedKernel:
     block: int
     rows: int
     approximate: bool = False
+    batched: bool = False
+
+    @property
+    def tensor_params(self) -> tuple[KernelParam, ...]:
+        """The tensor inputs, in the order of a batched kernel's row-table entries (after the entry's
+        first program and element count)."""
+        return tuple(p for p in self.params if p.kind == "input" and p.tensor)
 
 
-def emit_kernel(body: GraphModule, name: str, target: Target) -> EmittedKernel:
+def emit_kernel(body: GraphModule, name: str, target: Target, batched: bool = False) -> EmittedKernel:
     """Triton source for the elementwise ``body`` of a split, quantize-rewritten step, reproducing
-    the eager arithmetic of ``target``'s device."""
+    the eager arithmetic of ``target``'s device.
+
+    ``batched``: one launch steps many parameters (small tensors cost one launch, not one each).
+    Program ``pid`` reads its row ``r = program_rows[pid]``, and row ``r``'s entry of the int64 row
+    table: its first program, its element count, then one pointer per tensor input (16-byte aligned,
+    which the launcher checks). Tiles wholly inside their tensor run the body with a bound the
+    compiler knows is a multiple of the tile (vector loads and stores), the tensor's last tile with
+    its exact size."""
     printer = TritonPrinter(body.graph, name, target)
     lower_body(body, printer, target)
-    return printer.kernel()
+    return printer.kernel(batched)
 
 
 def quantize_graph(fmt: StateFormat, dtype: torch.dtype) -> GraphModule:
@@ -168,7 +189,7 @@ class TritonPrinter:
             return block, 1
         return block, max(1, DEFAULT_TILE // block)
 
-    def kernel(self) -> EmittedKernel:
+    def kernel(self, batched: bool = False) -> EmittedKernel:
         params = tuple([KernelParam(self._param_name(n), "input", index=self.index[n], tensor=_is_tensor_input(n),
                                     dtype=self.used_inputs[n])
                         for n in self.placeholders if n in self.used_inputs] + self.tables)
@@ -176,8 +197,9 @@ class TritonPrinter:
         if numel_input is None:
             raise LoweringError("the step graph has no per-element tensor input to size the kernel by")
         written = frozenset(self.index[n] for n in self.written)
-        return EmittedKernel(self.name, self._source(params), params, numel_input, written, self.block, self.rows,
-                             self.approximate)
+        source = self._batched_source(params) if batched else self._source(params)
+        return EmittedKernel(self.name, source, params, numel_input, written, self.block, self.rows,
+                             self.approximate, batched)
 
     def _source(self, params: tuple[KernelParam, ...]) -> str:
         signature = [p.name for p in params] + ["n_elements", "first_block", "BLOCK: tl.constexpr",
@@ -200,6 +222,39 @@ class TritonPrinter:
             "    row_mask = rows * BLOCK < n_elements",
         ]
         return "\n".join(head + ["    " + line for line in self.lines]) + "\n"
+
+    def _batched_source(self, params: tuple[KernelParam, ...]) -> str:
+        tensors = [p for p in params if p.kind == "input" and p.tensor]
+        signature = [p.name for p in params if not (p.kind == "input" and p.tensor)] + [
+            "row_table_ptr", "program_rows_ptr", "BLOCK: tl.constexpr", "ROWS: tl.constexpr"]
+        head = [
+            "import triton",
+            "import triton.language as tl",
+            "",
+            "from lowbit_compile.kernels import triton_lib as lb",
+            "",
+            "",
+            "@triton.jit",
+            f"def {self.name}(",
+            *_wrap(signature, "    "),
+            "):",
+            "    pid = tl.program_id(0).to(tl.int64)",
+            f"    entry = row_table_ptr + tl.load(program_rows_ptr + pid).to(tl.int64) * {2 + len(tensors)}",
+            "    first_block = (pid - tl.load(entry)) * ROWS",
+            "    n_total = tl.load(entry + 1)",
+            *(f"    {p.name} = tl.multiple_of(tl.load(entry + {2 + k}).to(tl.pointer_type({_POINTEE[p.dtype]}), "
+              "bitcast=True), 16)" for k, p in enumerate(tensors)),
+            "    rows = first_block + tl.arange(0, ROWS).to(tl.int64)",
+            "    cols = tl.arange(0, BLOCK)",
+            "    offsets = rows[:, None] * BLOCK + cols[None, :]",
+        ]
+        branches = []
+        for test, bound in (("if (first_block + ROWS) * BLOCK <= n_total:", "(first_block + ROWS) * BLOCK"),
+                            ("else:", "n_total")):
+            branches += [f"    {test}", f"        n_elements = {bound}", "        mask = offsets < n_elements",
+                         "        row_mask = rows * BLOCK < n_elements"]
+            branches += ["        " + line for line in self.lines]
+        return "\n".join(head + branches) + "\n"
 
     def _ident(self, name: str) -> str:
         if name not in self.names:
