@@ -201,20 +201,17 @@ class TritonPrinter:
         return EmittedKernel(self.name, source, params, numel_input, written, self.block, self.rows,
                              self.approximate, batched)
 
+    def _header(self, signature: list[str]) -> list[str]:
+        """The module's imports and the kernel's decorated signature, shared by both launch layouts."""
+        return ["import triton", "import triton.language as tl", "",
+                "from lowbit_compile.kernels import triton_lib as lb", "", "", "@triton.jit",
+                f"def {self.name}(", *_wrap(signature, "    "), "):"]
+
     def _source(self, params: tuple[KernelParam, ...]) -> str:
         signature = [p.name for p in params] + ["n_elements", "first_block", "BLOCK: tl.constexpr",
                                                 "ROWS: tl.constexpr"]
         head = [
-            "import triton",
-            "import triton.language as tl",
-            "",
-            "from lowbit_compile.kernels import triton_lib as lb",
-            "",
-            "",
-            "@triton.jit",
-            f"def {self.name}(",
-            *_wrap(signature, "    "),
-            "):",
+            *self._header(signature),
             "    rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)",
             "    cols = tl.arange(0, BLOCK)",
             "    offsets = rows[:, None] * BLOCK + cols[None, :]",
@@ -228,16 +225,7 @@ class TritonPrinter:
         signature = [p.name for p in params if not (p.kind == "input" and p.tensor)] + [
             "row_table_ptr", "program_rows_ptr", "BLOCK: tl.constexpr", "ROWS: tl.constexpr"]
         head = [
-            "import triton",
-            "import triton.language as tl",
-            "",
-            "from lowbit_compile.kernels import triton_lib as lb",
-            "",
-            "",
-            "@triton.jit",
-            f"def {self.name}(",
-            *_wrap(signature, "    "),
-            "):",
+            *self._header(signature),
             "    pid = tl.program_id(0).to(tl.int64)",
             f"    entry = row_table_ptr + tl.load(program_rows_ptr + pid).to(tl.int64) * {2 + len(tensors)}",
             "    first_block = (pid - tl.load(entry)) * ROWS",
