@@ -15,6 +15,7 @@ import torch
 from lowbit_compile import lowbit_compile
 from lowbit_compile.kernels import blockquant
 from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.kernels.kernel import RowLaunch
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before triton is imported
@@ -68,13 +69,21 @@ def test_a_launch_op_is_captured_in_a_full_graph():
     assert nonzero == (expected.codes != 0).sum()
 
 
-def test_the_profiler_shows_each_launch_by_name():
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_the_profiler_shows_each_kernel_call_by_name(monkeypatch, per_tensor):
+    """The four params of one group step in one batched kernel call, shown as one
+    ``lowbit::fused_step_batched`` range; where rows launch one by one, each is a ``lowbit::fused_step``."""
+    if per_tensor:
+        monkeypatch.setattr(triton_backend.TritonStep, "launch",
+                            lambda self, rows: RowLaunch(self._run, rows, self.flat))
     model, opt = model_and_optimizer()
     model(torch.randn(4, 32)).sum().backward()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         opt.step()
     names = [e.name for e in prof.events()]
-    assert names.count("lowbit::fused_step") == len(list(model.parameters()))
+    params = len(list(model.parameters()))
+    assert names.count("lowbit::fused_step") == (params if per_tensor else 0)
+    assert names.count("lowbit::fused_step_batched") == (0 if per_tensor else 1)
 
 
 def test_triton_on_cpu_tensors_without_the_interpreter_fails_at_wrap_time():

@@ -1,11 +1,13 @@
 """The Triton backend: compile the printed kernel of a step and launch it per parameter, plus
 standalone quantize/dequantize kernels of one state.
 
-Every launch goes through a ``torch.library`` custom op (``lowbit::fused_step``,
-``lowbit::quantize_triton``, ``lowbit::dequantize_triton``) with a fake implementation, so launches
-show by name in the profiler and a graph captured by ``torch.compile`` holds an opaque call it can
-run. On CUDA the kernels are compiled; CPU tensors run only under ``TRITON_INTERPRET=1`` (set before
-the first kernel is built: ``triton.jit`` reads it when it decorates), which the tests use.
+A per-parameter launch goes through a ``torch.library`` custom op (``lowbit::fused_step``,
+``lowbit::quantize_triton``, ``lowbit::dequantize_triton``) with a fake implementation, so a graph
+captured by ``torch.compile`` holds an opaque call it can run; a batched launch (many parameters in
+one kernel call) runs in a ``lowbit::fused_step_batched`` profiler range. Either way every kernel call
+shows by name in the profiler. On CUDA the kernels are compiled; CPU tensors run only under
+``TRITON_INTERPRET=1`` (set before the first kernel is built: ``triton.jit`` reads it when it
+decorates), which the tests use.
 """
 
 from __future__ import annotations
@@ -388,8 +390,9 @@ class BatchedLaunch:
                 elif not p.tensor:
                     kind, i = step.sources[p.index]
                     args.append(float(outputs[i] if kind == "pro" else first[i]))
-            step.batched.fn[(programs,)](*args, call[2], program_rows, BLOCK=e.block, ROWS=e.rows,
-                                         **launch_options(e))
+            with torch.profiler.record_function("lowbit::fused_step_batched"):
+                step.batched.fn[(programs,)](*args, call[2], program_rows, BLOCK=e.block, ROWS=e.rows,
+                                             **launch_options(e))
             step.launches += 1
         if step.scalar_states:
             self.versions = [t._version for t in self.scalar_tensors]
