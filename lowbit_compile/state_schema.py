@@ -17,7 +17,7 @@ from .passes.roles import NotElementwiseError, label_roles
 from .passes.signs import prove_nonneg
 from .passes.trace import hyper_slots, shell_optimizer, static_group_items, tensor_meta, unhooked_step
 from .state import QuantizedState
-from .trace_cache import TRACE_LOCK, trace_group, traced
+from .trace_cache import TRACE_LOCK, LruCache, trace_group, traced
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,7 @@ class _RecordingState(dict):
         super().__setitem__(key, value)
 
 
-_schemas: collections.OrderedDict[tuple, StateSchema] = collections.OrderedDict()
-_SCHEMA_CACHE = 256  # schemas depend on hyperparameter values (ASGD's eta starts at lr): keep the recent ones
+_schemas: LruCache = LruCache()  # schemas depend on hyperparameter values (ASGD's eta starts at lr)
 
 
 def probe_schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> StateSchema:
@@ -69,14 +68,7 @@ def probe_schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor) -
            param.dim(), tuple(_value_key(s.get(tgroup)) for s in slots))
     with TRACE_LOCK:
         cached = _schemas.get(key)
-        if cached is not None:
-            _schemas.move_to_end(key)
-            return cached
-        schema = _probe_schema(opt, tgroup, param)
-        _schemas[key] = schema
-        if len(_schemas) > _SCHEMA_CACHE:
-            _schemas.popitem(last=False)
-        return schema
+        return cached if cached is not None else _schemas.setdefault(key, _probe_schema(opt, tgroup, param))
 
 
 def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor) -> StateSchema:

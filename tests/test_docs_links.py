@@ -90,3 +90,12 @@ def test_the_checks_catch_a_broken_link_and_anchor(tmp_path: Path) -> None:
     page.write_text("[ok](there.md#a-heading-with-punctuation) [gone](missing.md) [bad](there.md#nope)\n"
                     "[web](https://example.com)\n```\n[in code](missing.md)\n```\n")
     assert broken_links(page) == ["missing.md", "there.md#nope"]
+
+
+@pytest.mark.parametrize("package", ["transformers", "lightning", "accelerate"])
+def test_the_readme_names_the_framework_versions_the_tests_ran_with(package: str) -> None:
+    """The README's tested-versions table is what this environment installed (the test extra)."""
+    from importlib.metadata import version
+
+    rows = dict(re.findall(r"^\| (\w+) \| ([\d.]+)\b", (ROOT / "README.md").read_text(), flags=re.M))
+    assert rows.get(package) == version(package), f"README's table: update {package}'s row to {version(package)}"

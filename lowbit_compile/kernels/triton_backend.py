@@ -156,13 +156,13 @@ def launch_options(e: EmittedKernel) -> dict[str, Any]:
 
 
 def compile_for_target(graph: GraphModule, arch: int = 90, fp8_native: bool | None = None,
-                       name: str = "lowbit_step"):
+                       name: str = "lowbit_step", batched: bool = False):
     """Emit the CUDA kernel of ``graph`` (a split step's body, or a standalone state graph) as a GPU of
-    compute capability ``arch`` would run it, FP8 path included (``fp8_native`` forces one), and compile it
-    without a GPU (Triton's bundled ptxas): GPU-only compile errors show on any machine. Not available
-    under the interpreter."""
+    compute capability ``arch`` would run it, FP8 path included (``fp8_native`` forces one), per tensor or
+    ``batched`` (a step's launch over many tensors), and compile it without a GPU (Triton's bundled
+    ptxas): GPU-only compile errors show on any machine. Not available under the interpreter."""
     native = arch >= FP8_NATIVE_ARCH if fp8_native is None else fp8_native
-    return compile_emitted(emit_kernel(graph, name, Target("cuda", fp8_native=native)), arch)
+    return compile_emitted(emit_kernel(graph, name, Target("cuda", fp8_native=native), batched=batched), arch)
 
 
 def compile_emitted(emitted: EmittedKernel, arch: int = 90, aligned: bool = False):
@@ -175,8 +175,12 @@ def compile_emitted(emitted: EmittedKernel, arch: int = 90, aligned: bool = Fals
 
     if interpreting():
         raise RuntimeError("compiling for a target needs TRITON_INTERPRET unset: it builds real Triton kernels")
-    signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else "fp32" for p in emitted.params}
-    signature.update(n_elements="i64", first_block="i64", BLOCK="constexpr", ROWS="constexpr")
+    params = [p for p in emitted.params if not (emitted.batched and p in emitted.tensor_params)]
+    signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else "fp32" for p in params}
+    if emitted.batched:  # the tensors' pointers are read from the row table (BatchedLaunch's int64/int32 tables)
+        signature.update(row_table_ptr="*i64", program_rows_ptr="*i32", BLOCK="constexpr", ROWS="constexpr")
+    else:
+        signature.update(n_elements="i64", first_block="i64", BLOCK="constexpr", ROWS="constexpr")
     fn = _compile(emitted.source, emitted.name, kernel_key(emitted))
     attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
              if aligned and (kind.startswith("*") or kind == "i64")}
