@@ -9,8 +9,9 @@ OLDEST ?= .venv-oldest
 OLDEST_TORCH := 2.11.0
 OLDEST_TRITON := 3.6.0
 OLDEST_PIN := torch==$(OLDEST_TORCH) triton==$(OLDEST_TRITON)
-# hypothesis's "ci" profile (tests/conftest.py): a failing example is reported as found, not shrunk
-PYTEST := -m pytest -q -p no:cacheprovider --hypothesis-profile=ci
+# hypothesis's "ci" profile (tests/conftest.py): a failing example is reported as found, not shrunk;
+# -X faulthandler: a crash after pytest's own handler is gone (at interpreter exit) still prints its stacks
+PYTEST := -X faulthandler -m pytest -q -p no:cacheprovider --hypothesis-profile=ci
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)

@@ -5,9 +5,11 @@ Compiles every step kernel users get (each format with fp32 and bf16 params, mas
 bundled ptxas, and reports per kernel: registers per thread, spill (local memory) bytes, shared memory,
 SASS instructions per element (the cubin's instructions, ``cuobjdump -sass``, over the elements one
 thread handles), the occupancy registers, shared memory and warps allow, and the bytes per element the
-kernel must move. Beside them the same for ``floor_adamw8``, a plain blockwise 8-bit AdamW kernel (the
-GPU's floor, the counterpart of the CPU memory floor). ``python -m bench.gpu_cost [--arch 90 80]``:
-prints a table, writes ``bench/results/gpu_cost.json`` (``--out`` another path). Run with ``TRITON_INTERPRET`` unset.
+kernel must move; for a step, also its batched kernel (one launch over many tensors, what aligned
+tensors get): registers, and the SASS per element of a full tile's path. Beside them the same for
+``floor_adamw8``, a plain blockwise 8-bit AdamW kernel (the GPU's floor, the counterpart of the CPU
+memory floor). ``python -m bench.gpu_cost [--arch 90 80]``: prints a table, writes
+``bench/results/gpu_cost.json`` (``--out`` another path). Run with ``TRITON_INTERPRET`` unset.
 """
 
 from __future__ import annotations
@@ -248,7 +250,39 @@ def compile_case(case: Case, arch: int) -> dict:
         fig = cubin_figures(triton_backend.compile_emitted(common, arch, aligned=True).asm["cubin"])
     row["sass_common"] = fig["sass"]
     row["sass_common_per_element"] = round(fig["sass"] / elements, 1)
+    if not case.state_kernel:  # the launch GPU users get for aligned tensors: BatchedLaunch's kernel
+        row.update(batched_figures(graph, emitted, arch, elements))
     return row
+
+
+FULL_TILE = "    if (first_block + ROWS) * BLOCK <= n_total:"
+
+
+def batched_figures(graph: torch.fx.GraphModule, emitted, arch: int, elements: float) -> dict:
+    """Registers and spills of the batched kernel (both of its tile branches), and the SASS per element
+    of the path a full tile runs (the kernel with its last-tile branch folded away): all of it, and
+    without the rare fix-ups (as ``sass_common``)."""
+    from lowbit_compile.kernels import triton_backend
+    from lowbit_compile.kernels.lowering import Target
+    from lowbit_compile.kernels.triton_printer import emit_kernel
+
+    target = Target("cuda", fp8_native=arch >= triton_backend.FP8_NATIVE_ARCH)
+    batched = emit_kernel(graph, "lowbit_step_batched", target, batched=True)
+    whole = cubin_figures(triton_backend.compile_emitted(batched, arch, aligned=True).asm["cubin"])
+    assert batched.source.count(FULL_TILE) == 1, "the batched kernel's tile test changed: update bench/gpu_cost.py"
+    full = dataclasses.replace(batched, source=batched.source.replace(FULL_TILE, "    if True:"))
+    path = cubin_figures(triton_backend.compile_emitted(full, arch, aligned=True).asm["cubin"])
+    lib = common_path_lib()
+    if lib is not None:
+        lib_import = "from lowbit_compile.kernels import triton_lib as lb"
+        full = dataclasses.replace(full, source=full.source.replace(lib_import, f"import {lib} as lb"))
+        path_common = cubin_figures(triton_backend.compile_emitted(full, arch, aligned=True).asm["cubin"])
+    else:
+        path_common = path
+    spills = whole["local_bytes"] > 0 or whole["stack_bytes"] > 0
+    return {"batched_registers": whole["registers"], "batched_spills": spills,
+            "batched_sass_per_element": round(path["sass"] / elements, 1),
+            "batched_common_per_element": round(path_common["sass"] / elements, 1)}
 
 
 def figures(compiled, arch: int, warps: int, elements: float) -> dict:
@@ -297,6 +331,8 @@ def main() -> None:
             row = {"arch": arch, **compile_case(case, arch)}
             row["x_floor_sass"] = round(row["sass_per_element"] / floor["sass_per_element"], 2)
             row["x_floor_common"] = round(row["sass_common_per_element"] / floor["sass_per_element"], 2)
+            if "batched_common_per_element" in row:
+                row["x_floor_batched"] = round(row["batched_common_per_element"] / floor["sass_per_element"], 2)
             row["compile_s"] = round(time.perf_counter() - t, 1)
             rows.append(row)
             print_row(row, header=len(rows) == 2)
@@ -316,7 +352,8 @@ COLUMNS = [("arch", "sm", 3), ("kernel", "kernel", 42), ("registers", "regs", 5)
            ("shared_bytes", "smem", 6), ("num_warps", "warps", 5), ("elements_per_thread", "el/thr", 6),
            ("sass", "SASS", 6), ("sass_per_element", "SASS/el", 7), ("x_floor_sass", "xfloor", 6),
            ("sass_common_per_element", "common/el", 9), ("x_floor_common", "xfloor", 6),
-           ("occupancy", "occ", 5), ("bytes_per_element", "B/el", 6)]
+           ("batched_registers", "b.regs", 6), ("batched_common_per_element", "b.common/el", 11),
+           ("x_floor_batched", "xfloor", 6), ("occupancy", "occ", 5), ("bytes_per_element", "B/el", 6)]
 
 
 def _cell(row: dict, key: str, width: int) -> str:

@@ -414,7 +414,12 @@ def test_a_changed_or_foreign_library_is_not_loaded_but_rebuilt(fresh_builds, tm
     source = ANSWER.format(3)
     assert answer(source) == (3, 1)
     [lib] = (tmp_path / "cache").glob("*.so")
-    lib.write_bytes(planted_library(tmp_path, marker))
+    # replaced, not written over: this process has the library mapped, and its pages would change under
+    # it (its code run at exit crashed the interpreter)
+    planted = tmp_path / "planted.so"
+    planted.write_bytes(planted_library(tmp_path, marker))
+    planted.chmod(lib.stat().st_mode)
+    os.replace(planted, lib)
     cpu_build._loaded.clear()
     with pytest.warns(UserWarning, match=rf"not loading the kernel library {re.escape(str(lib))}: its bytes"):
         assert answer(source) == (3, 1)
