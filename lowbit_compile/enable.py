@@ -11,7 +11,7 @@ the packed states the stock loader keeps. The pre-hook runs
 *inside* the stock ``Adam.step`` wrapper, before the per-optimizer pre-hooks and the stock update,
 and may only replace the step's ``(args, kwargs)``. On an optimizer's first step in scope the hook
 converts it (from then on its ``step`` is the rewritten one) and, through
-``api.stock_step_runs_rewritten``, turns the stock update of this very call into the rewritten
+``rewritten_step.stock_step_runs_rewritten``, turns the stock update of this very call into the rewritten
 one: the first step is already low-bit, and every per-optimizer hook still runs once, in order.
 
 Scopes are per context (a ``contextvars`` value): a step taken in another thread, or after the
@@ -38,7 +38,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import checkpoint
-from .api import SUPPORTED, _check_optimizer, is_wrapped, lowbit_compile, restore, stock_step_runs_rewritten
+from .api import SUPPORTED, _check_optimizer, is_wrapped, lowbit_compile, restore
 from .config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -52,6 +52,7 @@ from .config import (
 from .memory import memory_report
 from .monitor import Monitor
 from .monitor import monitor as sample_health
+from .rewritten_step import stock_step_runs_rewritten
 
 _log = logging.getLogger(__name__)
 _active: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar("lowbit_enable_scopes", default=())
