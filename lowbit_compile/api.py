@@ -1,31 +1,25 @@
 """``lowbit_compile(opt)`` and ``restore(opt)``: switch a stock optimizer to low-bit states and back.
 
 The optimizer object stays the same instance with the same ``param_groups``; its class becomes the
-low-bit subclass of its class (``lowbit_compile.optim``: still an instance of the stock class), its
-``step`` an instance attribute shadowing the class method, and its state tensors change.
+low-bit subclass of its class (``lowbit_class``, made here because its constructor wraps itself with
+``lowbit_compile``; ``lowbit_compile.optim`` names those of the stock classes), its ``step`` an
+instance attribute shadowing the class method (``rewritten_step``), and its state tensors change.
+The checks here run first: everything that can fail does so before the optimizer changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from . import checkpoint, master
-from .config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_FMT,
-    DEFAULT_MIN_8BIT_SIZE,
-    DEFAULT_OUTLIERS,
-    Config,
-    Overrides,
-    RoundingSpec,
-    param_names,
-)
+from .config import Config, param_names
 from .kernels.backends import BackendError, resolve
 from .memory import memory_report
+from .options import DEFAULT_FMT, FmtSpec, Options, args_doc, entry_signature, from_keywords
 from .rewritten_step import conform_updates, install, uninstall
 from .state import QuantizedState
 from .state_schema import probe_schema
@@ -47,19 +41,7 @@ REFUSED = {
 }
 
 
-def lowbit_compile(
-    opt: torch.optim.Optimizer,
-    fmt: str | Mapping[str, str] = DEFAULT_FMT,
-    *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    outliers: int = DEFAULT_OUTLIERS,
-    min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
-    backend: str = "auto",
-    overrides: Overrides | None = None,
-    model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
-    master_weights: str | None = None,
-    rounding: RoundingSpec = "nearest",
-) -> torch.optim.Optimizer:
+def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT, **options: Any) -> torch.optim.Optimizer:
     """Keep every per-element state of ``opt`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
     block-quantized, and run its step through the traced, rewritten update.
 
@@ -67,53 +49,23 @@ def lowbit_compile(
         opt: a ``torch.optim`` optimizer whose step is elementwise over each parameter (Adam, AdamW,
             SGD, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop, or a subclass of
             ``torch.optim.Optimizer`` of one's own); its existing fp32 state is converted.
-        fmt: ``"sqrt8"``, ``"dynamic8"``, ``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` or
-            ``"fp32"`` (stock, bit for bit), or a dict from state name to one of those. The default,
-            ``"sqrt8"`` in blocks of 512 without patches: as close to fp32 AdamW as ``"dynamic8"`` on
-            every quality task and within 1 lr of fp32 on the zero-point check (bench/quality.py,
-            bench/zero_point.py), and one square root to encode where dynamic8 searches its map, so
-            its CPU step is about twice as fast (bench/step_bench.py). ``"dynamic8"`` spans more
-            decades below a block's largest value (six against four).
-        block_size: elements sharing one scale; a power of two. 512 without patches beat 2048 with
-            2 patches for every format on the Zipf embedding task and kept the block buffers in L1
-            on CPU.
-        outliers: largest-magnitude values per block kept exactly in bf16 (patches); they help the
-            linear int8 grid, not the companded sqrt8 and dynamic8.
-        min_8bit_size: tensors with fewer elements keep stock fp32 states.
-        backend: one of ``lowbit_compile.config.BACKENDS``: ``"auto"`` (the fused lowering for the
-            parameters' device) or a named one, ``"reference"`` being the eager oracle.
-        overrides: per-parameter formats, first match wins: ``{pattern: fmt}`` or ``[(pattern, fmt)]``
-            where a pattern is a glob on the parameter name (``"*embed*"``), a compiled regex, or a
-            predicate ``(name, param) -> bool``; e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``.
-            Overrides win over ``min_8bit_size``; sizes and shapes are the full (unsharded) tensor's.
-        model: the module (or ``named_parameters()`` pairs) that gives name patterns their names.
-        master_weights: ``"exact"`` or ``"8bit"``: step each bf16/fp16 parameter through its fp32 master,
-            held as the param plus a residual state (``master_residual``): ``"exact"`` is bit for bit an
-            fp32 master copy stepped by the stock optimizer and the param refreshed from it (2.125
-            B/param), ``"8bit"`` keeps the master to 1/256 of the param's spacing, unbiased (1 B/param).
-            The stock states are then those of the fp32 step (then in ``fmt``). fp32 parameters are their
-            own master and stay as they are. See ``lowbit_compile.master``.
-        rounding: ``"nearest"`` or ``"stochastic"``, or a dict from state name to one of those: how a
-            quantized state's new values round to codes. Stochastic rounding picks one of the two
-            adjacent codes with probability proportional to proximity (unbiased), with random bits of
-            a per-parameter step counter (``rounding_seed``, saved with the state, so a resumed run is
-            bit for bit the uninterrupted one). See README, "Numerics".
+<OPTIONS>
 
     Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
     subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures; it
     never quantizes twice.
     """
-    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights, rounding)
+    (given,) = from_keywords("lowbit_compile()", {"fmt": fmt, **options}, Options)
+    config = Config.of(given)
     _check_optimizer(opt)
     check_backend(opt, config)
+    model = given.model
     known = param_names(model) if model is not None else None  # model may be a one-shot iterator
     if known is None and opt.param_groups and all("param_names" in g for g in opt.param_groups):
         # an optimizer built from named_parameters() knows its names
         known = {p: n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
     names = _names_for(opt, config, known)
     master.warn_if_no_effect(opt, config)
-    options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
-                   backend=backend, overrides=overrides, master_weights=master_weights, rounding=rounding)
     wrapped = wrapped_of(opt)
     if names is None:
         names = wrapped.names if wrapped is not None else {}
@@ -121,9 +73,15 @@ def lowbit_compile(
         config.check_patterns(known.values())
     _check_state_names(opt, config)
     updates = conform_updates(opt, config, names)  # everything that can fail, before anything changes
-    install(opt, config, options, names, updates)
+    install(opt, config, given.kept(), names, updates)
     opt.__class__ = lowbit_class(type(opt))
     return opt
+
+
+lowbit_compile.__signature__ = entry_signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("opt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.optim.Optimizer")], Options,
+    returns="torch.optim.Optimizer")
+lowbit_compile.__doc__ = lowbit_compile.__doc__.replace("<OPTIONS>", args_doc(Options))
 
 
 def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -234,8 +192,7 @@ def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
 
 
 # The keyword arguments of ``lowbit_compile`` the constructors take besides the stock ones.
-OPTIONS = ("fmt", "block_size", "outliers", "min_8bit_size", "backend", "overrides", "master_weights", "rounding",
-           "model")
+_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
 _STATE_KEY = "_lowbit_options"  # where __getstate__ keeps the options a copy is wrapped with
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -265,9 +222,7 @@ def describe(opt: torch.optim.Optimizer) -> str:
     wrapped = wrapped_of(opt)
     if wrapped is None:
         return f"{type(opt).__name__} (lowbit-compile, not wrapped: stock states)"
-    options = {k: v for k, v in wrapped.options.items()
-               if k not in ("overrides", "master_weights", "rounding") or (v and v != "nearest")}
-    head = "lowbit-compile: " + ", ".join(f"{k}={v!r}" for k, v in options.items())
+    head = "lowbit-compile: " + ", ".join(f"{k}={v!r}" for k, v in Options.shown(wrapped.options).items())
     per_state: dict[str, dict[str, int]] = {}
     stock_bytes = 0
     for group in opt.param_groups:
@@ -306,7 +261,7 @@ def _rebuild(cls: type[torch.optim.Optimizer], state: dict) -> torch.optim.Optim
 def _make_class(base: type[torch.optim.Optimizer], module: str) -> type[torch.optim.Optimizer]:
     stock_signature = inspect.signature(base.__init__)
     taken = set(stock_signature.parameters)
-    own = tuple(k for k in OPTIONS if k not in taken)  # an option the stock class also takes stays the stock one's
+    own = tuple(k for k in _OPTION_NAMES if k not in taken)  # one the stock class also takes stays the stock one
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = {k: kwargs.pop(k) for k in own if k in kwargs}
