@@ -72,3 +72,10 @@ def test_cli_flags_carry_the_schema_defaults_and_parsers(capsys):
     for field, flag in _OPTION_FLAGS:
         assert flag in text and field.metadata["cli"].split()[0] in text, flag
 
+
+def test_a_state_format_defaults_to_the_shipped_blocks():
+    from lowbit_compile.kernels.formats import StateFormat
+    from lowbit_compile.options import DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS
+
+    fmt = StateFormat("int8")
+    assert (fmt.block_size, fmt.outliers) == (DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS) == (512, 0)
