@@ -36,6 +36,7 @@ SHAPES = [(9216, 1024), (1024, 3072), (1024, 3072), (3072, 1024), (3072, 1024), 
 # (module, attribute, stage): the functions a first step goes through, wrapped where they are looked up
 STAGES = [
     ("lowbit_compile.api", "probe_schema", "probe"),
+    ("lowbit_compile.rewritten_step", "probe_schema", "probe"),
     ("lowbit_compile.trace_cache", "trace_step", "trace"),
     ("lowbit_compile.state_schema", "label_roles", "passes"),
     ("lowbit_compile.state_schema", "prove_nonneg", "passes"),
@@ -46,7 +47,7 @@ STAGES = [
     ("lowbit_compile.compile", "split_prologue", "passes"),
     ("lowbit_compile.kernels.cpu", "emit_step", "emit C++"),
     ("lowbit_compile.kernels.cpu_build", "load_async", "start C++ builds"),
-    ("lowbit_compile.api", "init_state", "create states"),
+    ("lowbit_compile.rewritten_step", "init_state", "create states"),
 ]
 ORDER = ["import torch", "import lowbit_compile", "probe", "trace", "passes", "emit C++", "start C++ builds",
          "wait for C++ builds", "create states", "rest (first run, lazy imports)", "first step", "second step",

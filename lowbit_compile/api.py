@@ -1,41 +1,29 @@
 """``lowbit_compile(opt)`` and ``restore(opt)``: switch a stock optimizer to low-bit states and back.
 
 The optimizer object stays the same instance with the same ``param_groups``; its class becomes the
-low-bit subclass of its class (``lowbit_compile.optim``: still an instance of the stock class), its
-``step`` an instance attribute shadowing the class method, and its state tensors change.
+low-bit subclass of its class (``lowbit_class``, made here because its constructor wraps itself with
+``lowbit_compile``; ``lowbit_compile.optim`` names those of the stock classes), its ``step`` an
+instance attribute shadowing the class method (``rewritten_step``), and its state tensors change.
+The checks here run first: everything that can fail does so before the optimizer changes.
 """
 
 from __future__ import annotations
 
-import collections
-import contextvars
-import threading
-import types
-from collections.abc import Callable, Iterable, Mapping
+import dataclasses
+import inspect
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from . import checkpoint, master, sharding
-from . import rounding as counter
-from .compile import COUNTER_KEYS, compile_steps, step_request
-from .config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_FMT,
-    DEFAULT_MIN_8BIT_SIZE,
-    DEFAULT_OUTLIERS,
-    Config,
-    Overrides,
-    RoundingSpec,
-    param_names,
-)
+from . import checkpoint, master
+from .config import Config, param_names
 from .kernels.backends import BackendError, resolve
-from .kernels.formats import StateFormat
-from .kernels.rounding import SEED as ROUNDING_SEED
-from .passes.trace import entries_read, unhooked_step
-from .run import Prepared, StepPlan, group_signature
-from .state_schema import StateSchema, init_state, probe_schema
+from .memory import memory_report
+from .options import DEFAULT_FMT, FmtSpec, Options, args_doc, entry_signature, from_keywords
+from .rewritten_step import conform_updates, install, uninstall
+from .state import QuantizedState
+from .state_schema import probe_schema
+from .wrapped import wrapped_of
 
 # The stock optimizers whose step is elementwise over each parameter: enable() rewrites these. Any
 # other torch.optim.Optimizer subclass is accepted by lowbit_compile() once its step is traced and
@@ -51,44 +39,9 @@ REFUSED = {
                            "the update by its norm",
     torch.optim.Muon: "it orthogonalizes each matrix update (Newton-Schulz iterations over the whole matrix)",
 }
-_ATTR = "_lowbit"
-# True while a rewritten ``step`` (the instance attribute) runs its hooks and update, so that the
-# redirect below can tell it from the class's stock ``step`` reached some other way.
-_IN_REWRITTEN_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("lowbit_in_rewritten_step", default=False)
 
 
-class _Wrapped:
-    """What ``lowbit_compile`` attaches to an optimizer: its config, the hooks it added, the
-    ``step`` instance attribute it replaced (e.g. an LR scheduler's wrapper), and the parameter
-    names that name-pattern overrides match against."""
-
-    def __init__(self, config: Config, options: dict[str, Any], previous_step: Any, hooks: list) -> None:
-        self.config = config
-        self.options = options  # as given (less model=): what a copy is wrapped with again
-        self.previous_step = previous_step
-        self.hooks = hooks
-        self.names: dict[torch.Tensor, str] = {}
-        # per parameter, reused while valid; weak, so a parameter the optimizer lets go of is freed
-        self.prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.plan: StepPlan | None = None  # the last step's bound launches, reused while they fit
-        # one step at a time: two threads stepping one optimizer take turns (stock's step is not
-        # atomic either, but ours binds rows that a second step would rebind under the first)
-        self.lock = threading.RLock()
-
-
-def lowbit_compile(
-    opt: torch.optim.Optimizer,
-    fmt: str | Mapping[str, str] = DEFAULT_FMT,
-    *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    outliers: int = DEFAULT_OUTLIERS,
-    min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
-    backend: str = "auto",
-    overrides: Overrides | None = None,
-    model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
-    master_weights: str | None = None,
-    rounding: RoundingSpec = "nearest",
-) -> torch.optim.Optimizer:
+def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT, **options: Any) -> torch.optim.Optimizer:
     """Keep every per-element state of ``opt`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
     block-quantized, and run its step through the traced, rewritten update.
 
@@ -96,84 +49,39 @@ def lowbit_compile(
         opt: a ``torch.optim`` optimizer whose step is elementwise over each parameter (Adam, AdamW,
             SGD, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop, or a subclass of
             ``torch.optim.Optimizer`` of one's own); its existing fp32 state is converted.
-        fmt: ``"sqrt8"``, ``"dynamic8"``, ``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` or
-            ``"fp32"`` (stock, bit for bit), or a dict from state name to one of those. The default,
-            ``"sqrt8"`` in blocks of 512 without patches: as close to fp32 AdamW as ``"dynamic8"`` on
-            every quality task and within 1 lr of fp32 on the zero-point check (bench/quality.py,
-            bench/zero_point.py), and one square root to encode where dynamic8 searches its map, so
-            its CPU step is about twice as fast (bench/step_bench.py). ``"dynamic8"`` spans more
-            decades below a block's largest value (six against four).
-        block_size: elements sharing one scale; a power of two. 512 without patches beat 2048 with
-            2 patches for every format on the Zipf embedding task and kept the block buffers in L1
-            on CPU.
-        outliers: largest-magnitude values per block kept exactly in bf16 (patches); they help the
-            linear int8 grid, not the companded sqrt8 and dynamic8.
-        min_8bit_size: tensors with fewer elements keep stock fp32 states.
-        backend: one of ``lowbit_compile.config.BACKENDS``: ``"auto"`` (the fused lowering for the
-            parameters' device) or a named one, ``"reference"`` being the eager oracle.
-        overrides: per-parameter formats, first match wins: ``{pattern: fmt}`` or ``[(pattern, fmt)]``
-            where a pattern is a glob on the parameter name (``"*embed*"``), a compiled regex, or a
-            predicate ``(name, param) -> bool``; e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``.
-            Overrides win over ``min_8bit_size``; sizes and shapes are the full (unsharded) tensor's.
-        model: the module (or ``named_parameters()`` pairs) that gives name patterns their names.
-        master_weights: ``"exact"`` or ``"8bit"``: step each bf16/fp16 parameter through its fp32 master,
-            held as the param plus a residual state (``master_residual``): ``"exact"`` is bit for bit an
-            fp32 master copy stepped by the stock optimizer and the param refreshed from it (2.125
-            B/param), ``"8bit"`` keeps the master to 1/256 of the param's spacing, unbiased (1 B/param).
-            The stock states are then those of the fp32 step (then in ``fmt``). fp32 parameters are their
-            own master and stay as they are. See ``lowbit_compile.master``.
-        rounding: ``"nearest"`` or ``"stochastic"``, or a dict from state name to one of those: how a
-            quantized state's new values round to codes. Stochastic rounding picks one of the two
-            adjacent codes with probability proportional to proximity (unbiased), with random bits of
-            a per-parameter step counter (``rounding_seed``, saved with the state, so a resumed run is
-            bit for bit the uninterrupted one). See README, "Numerics".
+<OPTIONS>
 
     Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
     subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures; it
     never quantizes twice.
     """
-    from .optim import lowbit_class  # optim builds its classes from this module
-
-    config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights, rounding)
+    (given,) = from_keywords("lowbit_compile()", {"fmt": fmt, **options}, Options)
+    config = Config.of(given)
     _check_optimizer(opt)
     check_backend(opt, config)
+    model = given.model
     known = param_names(model) if model is not None else None  # model may be a one-shot iterator
     if known is None and opt.param_groups and all("param_names" in g for g in opt.param_groups):
         # an optimizer built from named_parameters() knows its names
         known = {p: n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
     names = _names_for(opt, config, known)
     master.warn_if_no_effect(opt, config)
-    options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
-                   backend=backend, overrides=overrides, master_weights=master_weights, rounding=rounding)
-    wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+    wrapped = wrapped_of(opt)
     if names is None:
         names = wrapped.names if wrapped is not None else {}
     if known is not None and config.uses_names:
         config.check_patterns(known.values())
     _check_state_names(opt, config)
-    updates = _conform_updates(opt, config, names)  # everything that can fail, before anything changes
-    checkpoint.guard_stock_steps()
-    if wrapped is None:
-        previous = opt.__dict__.get("step")
-        hooks = [
-            opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
-            opt.register_state_dict_post_hook(master.pack_state_dict),
-            opt.register_state_dict_post_hook(counter.pack_state_dict),
-            opt.register_state_dict_post_hook(checkpoint.mark_state_dict),
-            opt.register_load_state_dict_pre_hook(_before_load),
-            opt.register_load_state_dict_post_hook(checkpoint.finish_load),
-            opt.register_step_pre_hook(_redirect_stock_step),
-        ]
-        wrapped = _Wrapped(config, options, previous, hooks)
-    else:
-        wrapped.config, wrapped.options = config, options
-    wrapped.names = names
-    for state, key, new in updates:
-        _apply(state, {key: new})
-    setattr(opt, _ATTR, wrapped)
-    opt.step = _make_step(opt, wrapped.previous_step)
+    updates = conform_updates(opt, config, names)  # everything that can fail, before anything changes
+    install(opt, config, given.kept(), names, updates)
     opt.__class__ = lowbit_class(type(opt))
     return opt
+
+
+lowbit_compile.__signature__ = entry_signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("opt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.optim.Optimizer")], Options,
+    returns="torch.optim.Optimizer")
+lowbit_compile.__doc__ = lowbit_compile.__doc__.replace("<OPTIONS>", args_doc(Options))
 
 
 def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -183,36 +91,23 @@ def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     A 16-bit parameter stepped with master weights keeps its value (its master rounded to nearest even,
     as the fp32 master recipe leaves it) and loses its residual; its states take its dtype, as the stock
     step over it keeps them (take ``master_params(opt)`` first to keep the fp32 masters)."""
-    from .optim import stock_class
-
-    wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+    wrapped = wrapped_of(opt)
     if wrapped is None:
         return opt
-    for param, state in opt.state.items():
-        for key, value in list(state.items()):
-            if sharding.is_quantized(value):
-                state[key] = sharding.dequantize(value)
-        master.release(param, state)
-        state.pop(ROUNDING_SEED, None)
-    for hook in wrapped.hooks:
-        hook.remove()
-    del opt.step
-    if wrapped.previous_step is not None:
-        opt.step = wrapped.previous_step
-    delattr(opt, _ATTR)
+    uninstall(opt, wrapped)
     opt.__class__ = stock_class(type(opt))
     return opt
 
 
 def is_wrapped(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt`` runs the low-bit step now (``lowbit_compile`` applied, ``restore`` not since)."""
-    return hasattr(opt, _ATTR)
+    return wrapped_of(opt) is not None
 
 
 def _names_for(opt: torch.optim.Optimizer, config: Config, known: dict[torch.Tensor, str] | None) -> dict | None:
     """The names of ``opt``'s parameters among the ``model=`` names; name-pattern overrides need every one."""
     if known is None:
-        wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+        wrapped = wrapped_of(opt)
         if config.uses_names and (wrapped is None or not wrapped.names):
             raise ValueError("overrides match parameter names, so lowbit_compile needs model=<the module> "
                              "(or model=module.named_parameters()) to know them")
@@ -266,7 +161,7 @@ def check_new_group(opt: torch.optim.Optimizer, param_group: dict) -> None:
     if not isinstance(opt, SUPPORTED):
         for param in {p.dim(): p for p in group["params"]}.values():
             probe_schema(opt, group, param)
-    backend = getattr(opt, _ATTR).config.backend
+    backend = wrapped_of(opt).config.backend
     for p in group["params"]:
         try:
             resolve(backend, p.device.type)
@@ -285,242 +180,6 @@ def check_backend(opt: torch.optim.Optimizer, config: Config) -> None:
                 raise ValueError(f"param_groups[{i}] holds a {p.device.type} parameter: {err}") from None
 
 
-def _make_step(opt: torch.optim.Optimizer, previous: Any) -> Callable:
-    """The instance ``step``: stock hooks around the rewritten update; keeps an LR scheduler's
-    "optimizer.step() was called" tracking working when the scheduler wrapped ``step`` first."""
-    hooked = torch.optim.Optimizer.profile_hook_step(_rewritten_update())
-    track_lr_sched = previous is not None and getattr(previous, "_wrapped_by_lr_sched", False)
-
-    def step(self, closure=None):
-        if track_lr_sched:
-            self._opt_called = True
-        token = _IN_REWRITTEN_STEP.set(True)
-        try:
-            return hooked(self, closure)
-        finally:
-            _IN_REWRITTEN_STEP.reset(token)
-
-    if track_lr_sched:
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    return types.MethodType(step, opt)
-
-
-def stock_step_runs_rewritten(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """New ``(args, kwargs)`` for a global step pre-hook to return, so that the stock ``step`` being
-    called runs the rewritten update instead.
-
-    A global pre-hook runs inside the stock step's hook wrapper and cannot cancel the stock update;
-    it can only replace its arguments. The stock update gets an idle twin (same class and defaults,
-    no param groups: it updates nothing) and a closure that runs the rewritten update (with the
-    caller's closure, if any). The stock step calls that closure where it would call the caller's,
-    after every per-optimizer pre-hook, and returns its loss. Post-hooks see the twin in ``args``.
-    """
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    twin = object.__new__(type(opt))
-    twin.__dict__.update(opt.__dict__)
-    twin.param_groups = []
-    twin.state = collections.defaultdict(dict)
-    return (twin,), {"closure": RunRewritten(opt, closure)}
-
-
-class RunRewritten:
-    """The closure ``stock_step_runs_rewritten`` hands the idle stock step: the rewritten update of
-    ``opt``, which calls ``closure`` (the caller's, or None) first. A later pre-hook that needs to act
-    between the caller's closure and the update (``monitor``) replaces ``closure``."""
-
-    def __init__(self, opt: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> None:
-        self.opt = opt
-        self.closure = closure
-
-    def __call__(self) -> Any:
-        return _rewritten_update()(self.opt, self.closure)
-
-
-def _redirect_stock_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    """The step pre-hook of a wrapped optimizer: stepped through its class's stock ``step`` -- a
-    bound method captured before it was wrapped, which accelerate's AcceleratedOptimizer puts back
-    after every GradScaler step -- it still runs the rewritten update, never the stock one on
-    quantized states. A step an earlier hook (``enable``'s) already redirected is left alone."""
-    if getattr(opt, _ATTR, None) is None or _IN_REWRITTEN_STEP.get() or (args and args[0] is not opt):
-        return None
-    return stock_step_runs_rewritten(opt, args, kwargs)
-
-
-_DISABLED_STEP: list[Callable] = []
-
-
-def _rewritten_update() -> Callable:
-    """The rewritten update as the step calls it: under ``torch.compile`` a graph break
-    (``torch.compiler.disable``) that runs as is, since its host side (tracing, caches, the scalar
-    prologue) is not traceable and each param's update is already one fused launch. Made on the first
-    wrap, not at import (``torch.compiler`` loads dynamo)."""
-    if not _DISABLED_STEP:
-        _DISABLED_STEP.append(torch.compiler.disable(_lowbit_step))
-    return _DISABLED_STEP[0]
-
-
-@torch.no_grad()
-def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    wrapped: _Wrapped = getattr(opt, _ATTR)
-    with wrapped.lock:
-        _locked_step(opt, wrapped)
-    return loss
-
-
-def _locked_step(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
-    """The update itself, under the optimizer's lock: bind (or prepare) the plan, unscale, run."""
-    config = wrapped.config
-    # torch.amp.GradScaler hands an optimizer whose _step_supports_amp_scaling is True (fused=True)
-    # still-scaled grads plus these two tensors, and expects it to skip or unscale as the fused
-    # stock step does (which also writes the unscaled grad back).
-    found_inf = getattr(opt, "found_inf", None)
-    if found_inf is not None and found_inf.item():
-        return
-    grad_scale = getattr(opt, "grad_scale", None)
-    plan, on_meta = wrapped.plan, []
-    if plan is None or not plan.refresh(opt, config):
-        plan, on_meta = _prepare(opt, wrapped)
-        wrapped.plan = plan if plan.reusable and not on_meta else None
-    if grad_scale is not None:
-        for grad in plan.grads():
-            grad.div_(grad_scale)
-    plan.run()
-    if on_meta:
-        _stock_step(opt, on_meta)
-
-
-def _prepare(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:
-    """The full preparation of a step: find or build the kernel of every parameter to step (a step
-    that cannot be built fails here, with every state, counter and grad as it was), then create or
-    convert the states of the parameters stepped for the first time, and bind them all. Also the
-    params on the ``meta`` device, which the stock update steps."""
-    config = wrapped.config
-    while True:  # once more if a trace found the step reads group entries the signatures left out
-        seen = entries_read()
-        ready, todo, requests, on_meta = _requests(opt, wrapped)
-        compiled_steps = compile_steps(requests)  # the kernels of all signatures compile at once
-        if entries_read() == seen:
-            break
-    # Then create or convert the states of the parameters stepped for the first time, and run.
-    for compiled, (schema, formats, mformat, group, group_sig, param, grad, position) in zip(compiled_steps, todo):
-        state = opt.state[param]
-        if not state.keys() - set(COUNTER_KEYS):
-            state.update(init_state(param, schema, formats))
-        # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
-        checkpoint.conform(param, state, formats)
-        _apply(state, master.conformed(param, state, mformat, schema, position))
-        _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
-        prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
-        ready.append((prepared, group, param, grad, state))
-    return StepPlan(opt, config, ready), on_meta
-
-
-def _requests(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> tuple[list, list, list, list]:
-    """The parameters whose prepared step still holds, and the step requests of the others (with what
-    their states need once built); the params on the ``meta`` device apart."""
-    config = wrapped.config
-    ready, todo, requests = [], [], []
-    on_meta: list[tuple[dict, torch.Tensor]] = []
-    positions = _positions(opt)
-    for group in opt.param_groups:
-        group_sig, values = group_signature(group, unhooked_step(type(opt)))
-        guards: dict[int, bool] = {}
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if param.is_meta:  # no values to quantize: the stock step, as stock AdamW runs it
-                on_meta.append((group, param))
-                continue
-            if grad.is_sparse:
-                raise RuntimeError(
-                    "lowbit_compile: a parameter has a sparse gradient, which the rewritten step does not "
-                    "take (it is traced for dense gradients); use torch.optim.SparseAdam, or leave the "
-                    "optimizer unwrapped, for sparse gradients"
-                )
-            state = opt.state.get(param, {})
-            _apply(state, checkpoint.step_restored(state))  # a loader that bypasses load_state_dict (ZeRO)
-            prepared = wrapped.prepared.get(param)
-            if prepared is not None and prepared.still_valid(state, param, config, group_sig, guards, values):
-                ready.append((prepared, group, param, grad, state))
-                continue
-            mformat = master.format_for(param, config)
-            schema = _schema(opt, group, param, mformat)
-            formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
-            requests.append(step_request(opt, group, param, state, schema, formats, config, mformat))
-            todo.append((schema, formats, mformat, group, group_sig, param, grad, positions[id(param)]))
-    return ready, todo, requests, on_meta
-
-
-def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tensor]]) -> None:
-    """The class's own update of ``params`` (each with its group), on ``opt``'s state."""
-    shell = object.__new__(type(opt))
-    shell.__dict__.update(opt.__dict__)
-    groups: dict[int, dict] = {}
-    for group, param in params:
-        groups.setdefault(id(group), {**group, "params": []})["params"].append(param)
-    shell.param_groups = list(groups.values())
-    unhooked_step(type(opt))(shell)
-
-
-def _formats(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
-             param: torch.Tensor) -> dict[str, StateFormat]:
-    """The configured format of each per-element state of ``param`` in ``group``."""
-    schema = _schema(opt, group, param, master.format_for(param, config))
-    return dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
-
-
-def _schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, mformat: master.MasterFormat | None
-            ) -> StateSchema:
-    """The states ``param``'s step keeps: those of the fp32 step of its master when it has one."""
-    return probe_schema(opt, group, master.stand_in(param) if mformat else param)
-
-
-def _conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str]) -> list:
-    """``(state, key, new)`` for every existing per-element state not in its configured format
-    (adoption mid-training, a re-configuration, a checkpoint a stock loader stored): all built
-    before any is stored, so a state that cannot be converted changes nothing."""
-    updates = []
-    positions = _positions(opt)
-    for group in opt.param_groups:
-        for param in group["params"]:
-            position = positions[id(param)]
-            state = opt.state.get(param)
-            if not state or param.is_meta:
-                continue
-            mformat = master.format_for(param, config)
-            schema = _schema(opt, group, param, mformat)
-            changes = checkpoint.step_restored(state)
-            formats = dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
-            for key, fmt in formats.items():
-                new = checkpoint.converted(param, key, state.get(key), fmt)
-                if new is not None:
-                    changes[key] = new
-            changes.update(master.conformed(param, {**state, **changes}, mformat, schema, position))
-            changes.update(counter.conformed(state, bool(config.stochastic(formats)), position))
-            updates.extend((state, key, new) for key, new in changes.items())
-    return updates
-
-
-def _positions(opt: torch.optim.Optimizer) -> dict[int, int]:
-    """Each param's position in ``param_groups`` order (by id): where its stochastic-rounding counters
-    start (``first_counter``)."""
-    return {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
-
-
-def _apply(state: dict, changes: dict) -> None:
-    """Set the entries of ``changes`` in ``state``; None removes one."""
-    for key, value in changes.items():
-        if value is None:
-            state.pop(key, None)
-        else:
-            state[key] = value
-
-
 def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
     """Refuse a fmt dict or override that names a state no optimizer keeps (a misspelling)."""
     if not config.state_names:
@@ -532,22 +191,152 @@ def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
     config.check_state_names(kept, type(opt).__name__)
 
 
-def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``load_state_dict`` pre hook: read and convert every state first (``checkpoint.prepare_load``)."""
-    wrapped: _Wrapped = getattr(opt, _ATTR)
-    config = wrapped.config
-    positions = _positions(opt)
+# The keyword arguments of ``lowbit_compile`` the constructors take besides the stock ones.
+_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
+_STATE_KEY = "_lowbit_options"  # where __getstate__ keeps the options a copy is wrapped with
 
-    def masters_of(group: dict, param: torch.Tensor) -> Callable[[dict], dict] | None:
-        mformat = master.format_for(param, config)
-        if mformat is None:
-            return None
-        schema = _schema(opt, group, param, mformat)
-        return lambda entry: master.loaded(param, entry, mformat, schema, positions[id(param)])
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+_classes: dict[type, type] = {}  # stock class -> its low-bit subclass
+_OPTIM_MODULE = __name__.rsplit(".", 1)[0] + ".optim"  # where the classes of SUPPORTED are importable
 
-    return checkpoint.prepare_load(
-        opt, state_dict, lambda group, param: _formats(opt, config, wrapped.names, group, param),
-        wrapped.names.get, masters_of)
+
+def lowbit_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """The low-bit subclass of optimizer class ``cls`` (``cls`` itself if it already is one)."""
+    if getattr(cls, "_lowbit_base", None) is not None:
+        return cls
+    made = _classes.get(cls)
+    if made is None:
+        # a stock class lowbit_compile.optim names is made there; one of one's own is made at run time
+        made = _classes[cls] = _make_class(cls, _OPTIM_MODULE if cls in SUPPORTED else cls.__module__)
+    return made
+
+
+def stock_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """The class ``restore`` gives back: the stock class a low-bit class was made for. A class
+    derived from a low-bit one (``class Mine(lowbit_compile.optim.AdamW)``) stays as it is."""
+    return cls._lowbit_base if cls.__dict__.get("_lowbit_made") else cls
+
+
+def describe(opt: torch.optim.Optimizer) -> str:
+    """The header ``repr`` prints before the stock text: the options and the formats held per state."""
+    wrapped = wrapped_of(opt)
+    if wrapped is None:
+        return f"{type(opt).__name__} (lowbit-compile, not wrapped: stock states)"
+    head = "lowbit-compile: " + ", ".join(f"{k}={v!r}" for k, v in Options.shown(wrapped.options).items())
+    per_state: dict[str, dict[str, int]] = {}
+    stock_bytes = 0
+    for group in opt.param_groups:
+        for param in group["params"]:
+            for key, value in opt.state.get(param, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                stock_bytes += value.numel() * value.dtype.itemsize
+                if isinstance(value, QuantizedState):
+                    label = value.fmt.name
+                elif value.shape == param.shape and value.dim() > 0:
+                    label = f"stock {_DTYPE_NAMES.get(value.dtype, str(value.dtype))}"
+                else:
+                    continue
+                counts = per_state.setdefault(key, {})
+                counts[label] = counts.get(label, 0) + 1
+    if not per_state:
+        return head + "\n  states: none yet (made at the first step)"
+    held = memory_report(opt).total
+    states = "; ".join(f"{key} " + ", ".join(f"{label} x{n}" for label, n in counts.items())
+                       for key, counts in per_state.items())
+    stock_per_param = stock_bytes / held.params if held.params else 0.0
+    return (f"{head}\n  states: {states}; {held.bytes_per_param:.3f} B/param held "
+            f"(stock {stock_per_param:.3f})")
+
+
+def _rebuild(cls: type[torch.optim.Optimizer], state: dict) -> torch.optim.Optimizer:
+    """Unpickle (or deep-copy) a wrapped optimizer: ``cls`` is its class, or the stock class whose
+    low-bit subclass it was when that subclass was made at run time (not importable by name)."""
+    cls = lowbit_class(cls)
+    opt = cls.__new__(cls)
+    opt.__setstate__(state)
+    return opt
+
+
+def _make_class(base: type[torch.optim.Optimizer], module: str) -> type[torch.optim.Optimizer]:
+    stock_signature = inspect.signature(base.__init__)
+    taken = set(stock_signature.parameters)
+    own = tuple(k for k in _OPTION_NAMES if k not in taken)  # one the stock class also takes stays the stock one
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        options = {k: kwargs.pop(k) for k in own if k in kwargs}
+        super(cls, self).__init__(*args, **kwargs)
+        lowbit_compile(self, **options)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if is_wrapped(self):  # the constructor's groups are checked by lowbit_compile itself
+            check_new_group(self, param_group)
+        super(cls, self).add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"{describe(self)}\n{super(cls, self).__repr__()}"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super(cls, self).__getstate__()
+        wrapped = wrapped_of(self)
+        if wrapped is not None:
+            params = [p for group in self.param_groups for p in group["params"]]
+            names = [(wrapped.names[p], p) for p in params if p in wrapped.names]
+            state = {**state, _STATE_KEY: (wrapped.options, names)}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        saved = state.pop(_STATE_KEY, None)
+        super(cls, self).__setstate__(state)
+        if saved is not None:
+            options, names = saved
+            lowbit_compile(self, **options, model=names or None)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # a class made here is rebuilt from its stock class (one made at run time has no import path)
+        made_here = type(self).__dict__.get("_lowbit_made", False)
+        return _rebuild, (base if made_here else type(self), self.__getstate__())
+
+    def with_options(sub: type, **options: Any) -> type:
+        unknown = sorted(set(options) - set(own))
+        if unknown:
+            raise TypeError(f"{base.__name__}.with_options takes the lowbit_compile options {own}, got {unknown}")
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super(preset, self).__init__(*args, **{**options, **kwargs})
+
+        preset = type(sub.__name__, (sub,), {"__module__": sub.__module__, "__qualname__": sub.__qualname__,
+                                              "__slots__": (), "_lowbit_made": True, "__init__": __init__})
+        return preset
+
+    with_options.__doc__ = ("A subclass whose constructor defaults to these lowbit_compile options (``model=``, "
+                            "``overrides=``, ...), for a framework that takes a class and passes it only the stock "
+                            "arguments (HF Trainer's ``optimizer_cls_and_kwargs`` takes ``model`` out of the kwargs).")
+
+    __init__.__signature__ = _signature(stock_signature, own)  # type: ignore[attr-defined]
+    __init__.__doc__ = (f"``{base.__module__}.{base.__qualname__}`` with low-bit states: the stock arguments, "
+                        f"plus the keyword options of ``lowbit_compile`` ({', '.join(own)}).")
+    namespace = {
+        "__module__": module, "__qualname__": base.__qualname__, "__slots__": (), "_lowbit_base": base,
+        "_lowbit_made": True, "with_options": classmethod(with_options),
+        "__doc__": f"{base.__qualname__} with block-quantized 8-bit states: ``lowbit_compile({base.__qualname__}"
+                   "(...), **options)`` as one class.\n\n" + (base.__doc__ or ""),
+        "__init__": __init__, "__repr__": __repr__, "__getstate__": __getstate__, "__setstate__": __setstate__,
+        "__reduce_ex__": __reduce_ex__, "add_param_group": add_param_group,
+    }
+    cls = type(base.__name__, (base,), namespace)
+    return cls
+
+
+def _signature(stock: inspect.Signature, own: tuple[str, ...]) -> inspect.Signature:
+    """The stock constructor's signature with the low-bit options as keyword-only parameters."""
+    defaults = inspect.signature(lowbit_compile).parameters
+    extra = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=defaults[k].default,
+                               annotation=defaults[k].annotation) for k in own]
+    params = list(stock.parameters.values())
+    var_kw = [p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD]
+    return stock.replace(parameters=[p for p in params if p not in var_kw] + extra + var_kw)
 
 
 # The stock-step guard leaves alone a wrapped optimizer (its step converts what a loader left in its

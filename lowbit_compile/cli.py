@@ -16,45 +16,21 @@ import runpy
 import signal
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .config import FmtSpec
+from .options import Options, ScopeOptions, cli_flags, parse_spec
 
-# The runner's own options, as (flags, argparse keywords); everything from the script path (or
-# -m MODULE) on belongs to the script. The list also tells the splitter which flags take a value.
-# An option left out (None) takes the library's default.
-_RUN_OPTIONS: tuple[tuple[tuple[str, ...], dict], ...] = (
-    (("--fmt",), dict(help="state format (sqrt8, the default; dynamic8, int8, fp8_e4m3, fp8_e5m2, "
-                           "bf16, fp32) or per state: exp_avg=int8,exp_avg_sq=dynamic8")),
-    (("--block-size",), dict(type=int, help="elements per scale (default 512)")),
-    (("--outliers",), dict(type=int, help="bf16 outlier patches per block (default 0)")),
-    (("--min-8bit-size",), dict(type=int, help="tensors with fewer elements keep stock fp32 states (default 4096)")),
-    (("--backend",), dict(help="auto (the default: the fused kernel for the device), cpu, triton or reference")),
-    (("--override",), dict(action="append", default=[], metavar="PATTERN=FMT",
-                           help="format for parameters whose name matches the glob, e.g. '*embed*=fp32' "
-                                "(repeatable; first match wins; names come from the modules run)")),
-    (("--master-weights",), dict(choices=("exact", "8bit"), help="keep the fp32 master of bf16/fp16 params as a "
-                                                                 "residual state: exact (2.125 B/param, bit for bit "
-                                                                 "an fp32 master copy) or 8bit (1 B/param)")),
-    (("--rounding",), dict(default="nearest", help="how quantized states round: nearest or stochastic, or per "
-                                                    "state: exp_avg=stochastic,exp_avg_sq=nearest")),
-    (("--restore-at-step",), dict(type=int, metavar="N",
-                                  help="switch each optimizer back to stock fp32 states after its N-th step")),
-    (("--restore-on-signal",), dict(metavar="SIG", help="switch back to stock fp32 states at the next step "
-                                                        "after this signal, e.g. USR2 (kill -USR2 PID)")),
-    (("--monitor",), dict(type=int, metavar="N", help="sample each rewritten optimizer's state health every N "
-                                                       "steps; warn (naming the parameter) when a state is truncated")),
-    (("--log-every",), dict(type=int, default=100, metavar="N",
-                            help="a progress line every N steps: step time, state memory saved (0: none)")),
-    (("--no-summary",), dict(action="store_true", help="do not print the summary at exit")),
+# The runner's flags: the options of lowbit_compile and enable() that have one (options.py), and its
+# own; everything from the script path (or -m MODULE) on belongs to the script.
+_OPTION_FLAGS = cli_flags(Options, ScopeOptions)
+_RUNNER_FLAGS: tuple[tuple[str, dict], ...] = (
+    ("--restore-on-signal", dict(metavar="SIG", help="switch back to stock fp32 states at the next step after this "
+                                                     "signal, e.g. USR2 (kill -USR2 PID)")),
+    ("--no-summary", dict(action="store_true", help="do not print the summary at exit")),
 )
 # Keyword names in library errors, as the flag a user of the CLI types instead.
-_FLAG_NAMES = {"overrides": "--override", "restore_at_step": "--restore-at-step", "monitor": "--monitor",
-               "log_every": "--log-every", "param_dtype": "--param-dtype", "master_weights": "--master-weights",
-               "zero_stage": "--zero-stage", "block_size": "--block-size", "min_8bit_size": "--min-8bit-size",
-               "outliers": "--outliers", "backend": "--backend", "shards": "--shards", "fmt": "--fmt",
-               "rounding": "--rounding"}
+_FLAG_NAMES = {**{f.name: flag for f, flag in _OPTION_FLAGS}, "param_dtype": "--param-dtype", "zero_stage":
+               "--zero-stage", "shards": "--shards"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,17 +39,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a training script with its torch.optim optimizers rewritten",
                          usage="python -m lowbit_compile run [options] (script.py | -m module) [args...]")
-    for flags, kwargs in _RUN_OPTIONS:
-        run.add_argument(*flags, **kwargs)
+    for field, flag in _OPTION_FLAGS:
+        run.add_argument(flag, dest=field.name, default=field.metadata["cli_default"], help=field.metadata["cli"],
+                         **field.metadata["argparse"])
+    for flag, kwargs in _RUNNER_FLAGS:
+        run.add_argument(flag, **kwargs)
     est = sub.add_parser("estimate", help="training memory of a model size, stock AdamW vs low-bit states")
     est.add_argument("--params", required=True, type=parse_count, help="parameter count: 7e9, 7B, 125M")
     est.add_argument("--param-dtype", default="fp32", help="fp32, bf16 or fp16")
     est.add_argument("--master-weights", nargs="?", const="fp32", choices=("fp32", "exact", "8bit"),
                      help="the fp32 master of 16-bit params: fp32 (a copy, also the stock column; the default "
                           "when given without a value), exact or 8bit (our residual in the low-bit column)")
-    est.add_argument("--fmt", help="low-bit state format, as for run")
-    est.add_argument("--block-size", type=int)
-    est.add_argument("--outliers", type=int)
+    for field, flag in _OPTION_FLAGS:
+        if field.name in ("fmt", "block_size", "outliers"):
+            est.add_argument(flag, dest=field.name, help=field.metadata["cli"], **field.metadata["argparse"])
     est.add_argument("--shards", type=int, default=1, help="devices the sharded components are split over")
     est.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
                      help="what --shards splits: 1 states, 2 +grads, 3 +params (FSDP full shard)")
@@ -92,8 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .estimate import estimate
 
     try:
-        options = _given(fmt=_parse_fmt(args.fmt) if args.fmt is not None else None, block_size=args.block_size,
-                         outliers=args.outliers)
+        options = _given(fmt=parse_spec(args.fmt, "--fmt") if args.fmt is not None else None,
+                         block_size=args.block_size, outliers=args.outliers)
         print(estimate(args.params, param_dtype=args.param_dtype, master_weights=args.master_weights,
                        shards=args.shards, zero_stage=args.zero_stage, amsgrad=args.amsgrad, **options))
     except ValueError as err:
@@ -113,6 +92,12 @@ def parse_count(text: str) -> int:
     return count
 
 
+def _parsed(field: Any, flag: str, value: Any) -> Any:
+    """A flag's value as its option takes it (None: not given)."""
+    parse = field.metadata["parse"]
+    return parse(value, flag) if parse is not None and value is not None else value
+
+
 def _given(**options: Any) -> dict[str, Any]:
     """The options given on the command line (the library's defaults for the others)."""
     return {k: v for k, v in options.items() if v is not None}
@@ -128,7 +113,8 @@ def _as_flags(message: str) -> str:
 
 def _split_run_argv(argv: list[str]) -> tuple[list[str], tuple[str, str] | None, list[str]]:
     """(runner options, ("script", path) or ("module", name), the script's own arguments)."""
-    takes_value = {f for flags, kw in _RUN_OPTIONS if kw.get("action") != "store_true" for f in flags}
+    takes_value = {flag for _, flag in _OPTION_FLAGS}
+    takes_value |= {flag for flag, kwargs in _RUNNER_FLAGS if kwargs.get("action") != "store_true"}
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-m", "--"):
         i += 1 + (argv[i] in takes_value)
@@ -141,27 +127,11 @@ def _split_run_argv(argv: list[str]) -> tuple[list[str], tuple[str, str] | None,
     return argv[:i], ("script", argv[i]), argv[i + 1:]
 
 
-def _parse_fmt(text: str, flag: str = "--fmt") -> FmtSpec:
-    """``int8`` or ``exp_avg=int8,exp_avg_sq=dynamic8`` (``--rounding``: ``stochastic`` or such pairs)."""
-    if "=" not in text:
-        return text
-    pairs = [item.split("=", 1) for item in text.split(",") if item]
-    if any(len(p) != 2 for p in pairs):
-        raise ValueError(f"{flag} {text!r}: expected a value or state=value pairs separated by commas")
-    return {k.strip(): v.strip() for k, v in pairs}
-
-
 def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[str],
          parser: argparse.ArgumentParser) -> int:
     try:
-        overrides = [tuple(item.rsplit("=", 1)) for item in args.override]
-        if any(len(o) != 2 for o in overrides):
-            raise ValueError(f"--override takes PATTERN=FMT, got {args.override}")
-        if args.log_every is not None and args.log_every < 0:
-            raise ValueError(f"--log-every must be a non-negative int (0: no progress lines), got {args.log_every}")
+        given = {field.name: _parsed(field, flag, getattr(args, field.name)) for field, flag in _OPTION_FLAGS}
         signum = _signal_number(args.restore_on_signal) if args.restore_on_signal else None
-        fmt = _parse_fmt(args.fmt) if args.fmt is not None else None
-        rounding = _parse_fmt(args.rounding, "--rounding")
         _check_target(target)
     except ValueError as err:
         parser.error(_as_flags(str(err)))
@@ -171,11 +141,7 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
     from .enable import Scope
 
     try:
-        scope = Scope(**_given(fmt=fmt, block_size=args.block_size, outliers=args.outliers,
-                               min_8bit_size=args.min_8bit_size, backend=args.backend),
-                      overrides=overrides or None, restore_at_step=args.restore_at_step,
-                      master_weights=args.master_weights, rounding=rounding, monitor=args.monitor,
-                      log_every=args.log_every or None)
+        scope = Scope(**_given(**given))
     except (ValueError, TypeError, NotImplementedError) as err:
         parser.error(_as_flags(str(err)))
     handler = logging.StreamHandler(sys.stderr)

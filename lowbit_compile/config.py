@@ -1,11 +1,12 @@
-"""User options of ``lowbit_compile``, validated once, and the per-parameter choice of state formats."""
+"""The options of ``lowbit_compile`` (``options.Options``) validated once, as a :class:`Config`, and the
+per-parameter choice of state formats."""
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,18 @@ from .kernels import backends
 from .kernels.formats import FORMAT_NAMES, StateFormat
 from .kernels.residual import MODES as MASTER_MODES
 from .kernels.rounding import ROUNDINGS
+from .options import (  # noqa: F401 (the defaults and spec types, where they were named before options.py)
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_FMT,
+    DEFAULT_MIN_8BIT_SIZE,
+    DEFAULT_OUTLIERS,
+    FmtSpec,
+    Matcher,
+    Options,
+    Overrides,
+    RoundingSpec,
+    is_int,
+)
 
 BACKENDS = backends.BACKENDS  # the one list of backends (the API, enable(), the CLI and the README name these)
 
@@ -29,21 +42,6 @@ NONNEG_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
 STOCK_STATES = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg",
                           "acc_delta", "sum", "exp_inf", "ax", "prev", "step_size"})
 
-# Chosen from bench/quality.py and bench/zero_point.py (README, "Does it train like fp32?").
-DEFAULT_FMT = "sqrt8"
-DEFAULT_BLOCK_SIZE = 512
-DEFAULT_OUTLIERS = 0
-DEFAULT_MIN_8BIT_SIZE = 4096
-
-FmtSpec = str | Mapping[str, str]
-RoundingSpec = str | Mapping[str, str]  # "nearest" | "stochastic", or per state
-# Which parameters an override applies to: a glob on the qualified parameter name
-# ("*embed*", "blocks.*.norm.weight"), a compiled regex (``re.search`` on the name), or a predicate
-# ``(name, param) -> bool`` (``name`` is None when the parameter's name is unknown).
-Matcher = str | re.Pattern | Callable[[str | None, torch.Tensor], bool]
-Overrides = Mapping[Matcher, FmtSpec] | Sequence[tuple[Matcher, FmtSpec]]
-
-
 @dataclass(frozen=True)
 class Config:
     """What ``lowbit_compile(opt, ...)`` was asked for."""
@@ -58,12 +56,11 @@ class Config:
     rounding: str | tuple[tuple[str, str], ...] = "nearest"  # how quantized states round, or per state
 
     @staticmethod
-    def make(fmt: FmtSpec, block_size: int, outliers: int, min_8bit_size: int,
-             backend: str, overrides: Overrides | None = None, master_weights: str | None = None,
-             rounding: RoundingSpec = "nearest") -> Config:
-        """Validate every option up front, naming the bad one and the fix."""
-        fmt_key = _fmt_key(fmt, "fmt")
-        rounding_key = _spec_key(rounding, "rounding", ROUNDINGS)
+    def of(options: Options) -> Config:
+        """Validate every option up front (all of ``options`` but ``model``), naming the bad one and the fix."""
+        fmt_key = _fmt_key(options.fmt, "fmt")
+        rounding_key = _spec_key(options.rounding, "rounding", ROUNDINGS)
+        overrides, block_size, outliers = options.overrides, options.block_size, options.outliers
         pairs = overrides.items() if isinstance(overrides, Mapping) else (overrides or ())
         override_keys = []
         for i, pair in enumerate(pairs):
@@ -74,19 +71,18 @@ class Config:
                 raise TypeError(f"override pattern {matcher!r} must be a glob string, a compiled regex or a "
                                 "predicate (name, param) -> bool")
             override_keys.append((matcher, _fmt_key(spec, f"overrides[{matcher!r}]")))
-        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
+        if not is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two (e.g. 256 or 2048), got {block_size!r}")
         if block_size > 32768:
             raise ValueError(f"block_size must be at most 32768 (patch offsets are int16), got {block_size}")
-        if not _is_int(outliers) or not 0 <= outliers <= min(block_size, 64):
+        if not is_int(outliers) or not 0 <= outliers <= min(block_size, 64):
             raise ValueError(f"outliers must be an int in [0, min(block_size, 64)], got {outliers!r}")
-        if not _is_int(min_8bit_size) or min_8bit_size < 0:
-            raise ValueError(f"min_8bit_size must be a non-negative int, got {min_8bit_size!r}")
-        if master_weights is not None and master_weights not in MASTER_MODES:
-            raise ValueError(f"master_weights must be one of {MASTER_MODES} or None, got {master_weights!r}")
-        backend = backends.canonical(backend)
-        return Config(fmt_key, block_size, outliers, min_8bit_size, backend, tuple(override_keys), master_weights,
-                      rounding_key)
+        if not is_int(options.min_8bit_size) or options.min_8bit_size < 0:
+            raise ValueError(f"min_8bit_size must be a non-negative int, got {options.min_8bit_size!r}")
+        if options.master_weights is not None and options.master_weights not in MASTER_MODES:
+            raise ValueError(f"master_weights must be one of {MASTER_MODES} or None, got {options.master_weights!r}")
+        return Config(fmt_key, block_size, outliers, options.min_8bit_size, backends.canonical(options.backend),
+                      tuple(override_keys), options.master_weights, rounding_key)
 
     @property
     def uses_names(self) -> bool:
@@ -203,6 +199,3 @@ def _choice(value: object, what: str, choices: tuple[str, ...]) -> str:
                              f"{' or '.join(map(repr, close))}?)")
     raise ValueError(f"{what} must be one of {choices}, got {value!r}")
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -11,7 +11,7 @@ the packed states the stock loader keeps. The pre-hook runs
 *inside* the stock ``Adam.step`` wrapper, before the per-optimizer pre-hooks and the stock update,
 and may only replace the step's ``(args, kwargs)``. On an optimizer's first step in scope the hook
 converts it (from then on its ``step`` is the rewritten one) and, through
-``api.stock_step_runs_rewritten``, turns the stock update of this very call into the rewritten
+``rewritten_step.stock_step_runs_rewritten``, turns the stock update of this very call into the rewritten
 one: the first step is already low-bit, and every per-optimizer hook still runs once, in order.
 
 Scopes are per context (a ``contextvars`` value): a step taken in another thread, or after the
@@ -25,6 +25,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -38,20 +39,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import checkpoint
-from .api import SUPPORTED, _check_optimizer, is_wrapped, lowbit_compile, restore, stock_step_runs_rewritten
-from .config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_FMT,
-    DEFAULT_MIN_8BIT_SIZE,
-    DEFAULT_OUTLIERS,
-    Config,
-    Overrides,
-    RoundingSpec,
-    param_names,
-)
+from .api import SUPPORTED, _check_optimizer, is_wrapped, lowbit_compile, restore
+from .config import Config, param_names
 from .memory import memory_report
 from .monitor import Monitor
 from .monitor import monitor as sample_health
+from .options import DEFAULT_FMT, FmtSpec, Options, ScopeOptions, args_doc, entry_signature, from_keywords
+from .rewritten_step import stock_step_runs_rewritten
 
 _log = logging.getLogger(__name__)
 _active: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar("lowbit_enable_scopes", default=())
@@ -88,37 +82,16 @@ class Scope(contextlib.ContextDecorator):
     left stock, by reason; ``summary()`` formats both.
     """
 
-    def __init__(
-        self,
-        fmt: str | Mapping[str, str] = DEFAULT_FMT,
-        *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        outliers: int = DEFAULT_OUTLIERS,
-        min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
-        backend: str = "auto",
-        overrides: Overrides | None = None,
-        model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
-        restore_at_step: int | None = None,
-        restore_on_exit: bool = False,
-        master_weights: str | None = None,
-        rounding: RoundingSpec = "nearest",
-        monitor: int | None = None,
-        log_every: int | None = None,
-    ) -> None:
-        self.config = Config.make(fmt, block_size, outliers, min_8bit_size, backend, overrides, master_weights,
-                                  rounding)
-        if restore_at_step is not None and (not isinstance(restore_at_step, int) or restore_at_step < 1):
-            raise ValueError(f"restore_at_step must be a positive int or None, got {restore_at_step!r}")
-        for name, value in (("monitor", monitor), ("log_every", log_every)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name} must be a positive int (a number of steps) or None, got {value!r}")
-        self._options = dict(fmt=fmt, block_size=block_size, outliers=outliers, min_8bit_size=min_8bit_size,
-                             backend=backend, overrides=overrides, master_weights=master_weights, rounding=rounding)
+    def __init__(self, fmt: FmtSpec = DEFAULT_FMT, **options: Any) -> None:
+        given, scope = from_keywords("enable()", {"fmt": fmt, **options}, Options, ScopeOptions)
+        self.config = Config.of(given)
+        self._options = given.kept()
+        model = given.model
         self._names = param_names(model) if model is not None else None
-        self.restore_at_step = restore_at_step
-        self.restore_on_exit = restore_on_exit
-        self.monitor_every = monitor
-        self.log_every = log_every
+        self.restore_at_step = scope.restore_at_step
+        self.restore_on_exit = scope.restore_on_exit
+        self.monitor_every = scope.monitor
+        self.log_every = scope.log_every
         self.monitors: list[Monitor] = []
         self.rewritten: list[Rewritten] = []
         self.skipped: collections.Counter[str] = collections.Counter()
@@ -362,17 +335,21 @@ def enable(fmt: str | Mapping[str, str] | Callable = DEFAULT_FMT, **options: Any
     RMSprop, ...) stepped inside the scope with low-bit states; others are left stock and counted.
 
     Use as ``@enable(fmt="int8")``, bare ``@enable``, or ``with enable(...):``. Options are those of
-    ``lowbit_compile`` (``block_size``, ``outliers``, ``min_8bit_size``, ``backend``, ``overrides``,
-    ``model``, ``master_weights``, ``rounding``) plus ``restore_at_step`` (switch each rewritten optimizer back to stock
-    fp32 states after that many steps), ``restore_on_exit``, ``monitor=N`` (sample each rewritten optimizer's
-    health every N steps while in scope, see ``lowbit_compile.monitor``) and ``log_every=N`` (log a
-    progress line every N steps). Name-pattern overrides without ``model=`` take the names from the
-    modules whose forward runs in scope (the outermost module names them). Optimizers already
-    wrapped by ``lowbit_compile`` keep their own configuration.
+    ``lowbit_compile`` (``fmt``, ``block_size``, ...: ``options.Options``) plus those of the scope:
+<SCOPE_OPTIONS>
+
+    Name-pattern overrides without ``model=`` take the names from the modules whose forward runs in scope
+    (the outermost module names them). Optimizers already wrapped by ``lowbit_compile`` keep their own
+    configuration.
     """
     if callable(fmt) and not options:
         return Scope()(fmt)
     return Scope(fmt, **options)
+
+
+Scope.__init__.__signature__ = entry_signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)], Options, ScopeOptions, returns="None")
+enable.__doc__ = enable.__doc__.replace("<SCOPE_OPTIONS>", args_doc(ScopeOptions, indent=4))
 
 
 def _summary_row(label: str, params: int, steps: int, stock: int, held: int) -> str:

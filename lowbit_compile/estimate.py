@@ -20,6 +20,7 @@ from .kernels import blockquant
 from .kernels.formats import StateFormat
 from .kernels.residual import MODES as MASTER_MODES
 from .kernels.residual import MasterFormat, tie_words
+from .options import Options
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GB = 10**9
@@ -100,7 +101,7 @@ def estimate(
         raise ValueError(f"shards must be a positive int, got {shards!r}")
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage!r}")
-    config = Config.make(fmt, block_size, outliers, 0, "reference")
+    config = Config.of(Options(fmt, block_size, outliers, min_8bit_size=0, backend="reference"))
 
     def local(kind: str) -> int:
         return -(-params // shards) if zero_stage >= _SHARDED_FROM_STAGE[kind] else params

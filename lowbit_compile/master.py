@@ -28,6 +28,7 @@ from .kernels import residual
 from .kernels.residual import KEYS, PARAM_DTYPES, RESIDUAL, SEED, TIES, MasterFormat
 from .state import QuantizedState
 from .state_schema import StateSchema
+from .wrapped import wrapped_of
 
 _PACKED_TIES, _PACKED_RESIDUAL, _PACKED_SEED = "lowbit_master_ties", "lowbit_master_residual", "lowbit_master_seed"
 _CHUNK = 1 << 22  # elements per piece of a host-side conversion (whole tie words): bounded temporaries
@@ -376,9 +377,7 @@ def load_master_params(opt: torch.optim.Optimizer, masters: Sequence[torch.Tenso
     :func:`master_params` gives them, e.g. the fp32 copies of a mixed-precision checkpoint): 16-bit
     params with master weights to the master rounded to nearest even and the residual it loses, other
     params to the master's value. Checks every shape first; changes nothing when one does not fit."""
-    from .api import _ATTR
-
-    wrapped = getattr(opt, _ATTR, None)
+    wrapped = wrapped_of(opt)
     if wrapped is None:
         raise ValueError("load_master_params needs an optimizer wrapped by lowbit_compile (master_weights=...)")
     params = [p for group in opt.param_groups for p in group["params"]]

@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from . import api
 from .config import param_names
 from .kernels.formats import StateFormat
 from .memory import memory_report
+from .rewritten_step import RunRewritten
 from .stats import StateStats, stats
+from .wrapped import wrapped_of
 
 _log = logging.getLogger(__name__)
 
@@ -107,9 +108,9 @@ class Monitor:
         self.steps += 1
         in_kwargs = "closure" in kwargs
         closure = kwargs["closure"] if in_kwargs else args[1] if len(args) > 1 else None
-        redirected = isinstance(closure, api.RunRewritten)  # enable() redirected this stock step to the rewritten one
+        redirected = isinstance(closure, RunRewritten)  # enable() redirected this stock step to the rewritten one
         # (which may wrap ``opt`` only after the caller's closure ran: see enable's Scope._rewrite)
-        if self.steps % self.every or not (redirected or api.is_wrapped(opt)):
+        if self.steps % self.every or not (redirected or wrapped_of(opt) is not None):
             return None
         if redirected:
             closure.closure = self._sampling(closure.closure)
@@ -122,7 +123,7 @@ class Monitor:
         def sample_after_closure() -> Any:
             loss = closure() if closure is not None else None
             found_inf = getattr(self.opt, "found_inf", None)  # GradScaler is about to skip this step
-            if api.is_wrapped(self.opt) and (found_inf is None or not found_inf.item()):
+            if wrapped_of(self.opt) is not None and (found_inf is None or not found_inf.item()):
                 self.check()
             return loss
 
@@ -130,7 +131,7 @@ class Monitor:
 
     def check(self) -> dict[str, float]:
         """Sample now (between ``backward()`` and ``step()``): log the figures, warn on new alerts."""
-        names = self.names if self.names is not None else getattr(getattr(self.opt, api._ATTR, None), "names", {})
+        names = self.names if self.names is not None else getattr(wrapped_of(self.opt), "names", {})
         # each sample measures other blocks (offset = samples so far), so all are covered over a run
         rows = stats(self.opt, ((n, p) for p, n in names.items()), max_blocks=self.max_blocks,
                      offset=len(self.history))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS, Config
+from lowbit_compile.options import Options
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.split import split_prologue
@@ -18,7 +19,7 @@ def pass_graphs(opt: torch.optim.Optimizer, fmt: str | dict = DEFAULT_FMT, block
     group = opt.param_groups[0]
     param = group["params"][0]
     schema = probe_schema(opt, group, param)
-    config = Config.make(fmt, block_size, outliers, 0, "reference", rounding=rounding)
+    config = Config.of(Options(fmt, block_size, outliers, min_8bit_size=0, backend="reference", rounding=rounding))
     formats = dict(config.formats_for(param, schema.per_element, nonneg=schema.nonneg))
     state = init_state(param, schema, formats)
     traced = trace_for(opt, group, param, state, schema.per_element).graph

@@ -41,6 +41,7 @@ from lowbit_compile.config import Config
 from lowbit_compile.estimate import estimate
 from lowbit_compile.kernels import cpp_printer, residual, triton_printer
 from lowbit_compile.kernels.lowering import Target, unsupported
+from lowbit_compile.options import Options
 from lowbit_compile.passes.master_weights import master_weights
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import label_roles
@@ -198,8 +199,8 @@ def master_graphs(opt: torch.optim.Optimizer, fmt: str, mode: str) -> dict[str, 
     param = group["params"][0]
     stand_in = torch.empty(1, dtype=torch.float32)
     schema = probe_schema(opt, group, stand_in)
-    formats = dict(Config.make(fmt, 512, 0, 0, "reference").formats_for(param, schema.per_element,
-                                                                        nonneg=schema.nonneg))
+    config = Config.of(Options(fmt, block_size=512, outliers=0, min_8bit_size=0, backend="reference"))
+    formats = dict(config.formats_for(param, schema.per_element, nonneg=schema.nonneg))
     traced = trace_for(opt, group, stand_in, init_state(stand_in, schema, formats), schema.per_element).graph
     rewritten = master_weights(quantize_states(label_roles(traced), formats),
                                residual.MasterFormat(mode, param.dtype))

@@ -9,6 +9,7 @@ import torch
 
 from lowbit_compile import QuantizedState, lowbit_compile
 from lowbit_compile.config import DEFAULT_FMT, Config, param_names
+from lowbit_compile.options import Options
 
 PER_ELEMENT = ("exp_avg", "exp_avg_sq")
 
@@ -18,7 +19,7 @@ def names_of(config: Config, param: torch.Tensor, name: str | None) -> dict[str,
 
 
 def config(**kw) -> Config:
-    return Config.make(kw.pop("fmt", "int8"), 2048, 2, kw.pop("min_8bit_size", 4096), "reference", **kw)
+    return Config.of(Options(**{"fmt": "int8", "block_size": 2048, "outliers": 2, "backend": "reference", **kw}))
 
 
 BIG, SMALL = torch.empty(100, 100), torch.empty(10)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
-import sys
 import warnings
 from collections.abc import Callable
 
@@ -27,6 +25,7 @@ from torch.fx import GraphModule
 from .kernel import BuildError, StepKernel
 from .lowering import LoweringError
 from .reference import ReferenceStep
+from .triton_env import interpreting
 
 BACKENDS = ("auto", "cpu", "triton", "reference")
 DEPRECATED_NAMES = {"inductor": "cpu"}  # the CPU kernel was first built with inductor's toolchain
@@ -50,14 +49,6 @@ def canonical(backend: str) -> str:
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels built now run interpreted (``TRITON_INTERPRET=1``); imports nothing."""
-    knobs = getattr(sys.modules.get("triton"), "knobs", None)  # triton >= 3.4 reads the variable into knobs
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def resolve(backend: str, device_type: str) -> str:

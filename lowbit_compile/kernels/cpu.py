@@ -54,7 +54,6 @@ class CpuStep:
         self.scalar_states = tuple(index[n] for n in top if role_of(n) is Role.SCALAR_STATE)
         self.param_arg = next(index[n] for n in top if role_of(n) is Role.PARAM)
         self.grad_arg = next((index[n] for n in top if role_of(n) is Role.GRAD), None)
-        self.launches = 0
 
     def launch(self, rows: Sequence[list]) -> CpuLaunch:
         """One kernel call per set of rows whose scalar states (the step count) are equal, prepared:
@@ -164,7 +163,6 @@ class CpuLaunch:
             scalars = array("d", [float(outputs[j] if kind == "pro" else first[j]) for kind, j in step.scalar_sources])
             scalars_addr = scalars.buffer_info()[0] if scalars else None
             status = step.kernel(len(members), table.buffer_info()[0], scalars_addr, torch.get_num_threads())
-            step.launches += 1
             if status:
                 raise MemoryError("lowbit-compile CPU kernel could not allocate its block buffers")
         if step.scalar_states:

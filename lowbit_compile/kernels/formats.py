@@ -38,8 +38,8 @@ class StateFormat:
     """
 
     name: str
-    block_size: int = 2048
-    outliers: int = 2
+    block_size: int = 512  # the shipped defaults (options.DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS)
+    outliers: int = 0
     nonneg: bool = False
 
     def __post_init__(self) -> None:

@@ -25,11 +25,11 @@ from torch.fx import GraphModule
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import blockquant
-from .backends import interpreting
 from .contract import Role, role_of
 from .formats import StateFormat, dynamic_level_table
 from .kernel import BuildError, RowLaunch, body_sources, per_step_inputs, same_scalar_states
 from .lowering import Target
+from .triton_env import interpreting
 from .triton_printer import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
 
 

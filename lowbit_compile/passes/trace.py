@@ -201,7 +201,6 @@ class TracedStep:
     graph: torch.fx.GraphModule
     slots: tuple[HyperSlot, ...]
     guard: Callable[[Sequence[Any]], bool]
-    guard_text: str
     fresh: tuple[str, ...] = ()
 
 
@@ -494,8 +493,7 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
     gm.recompile()
     gm = elementwise_forms(gm)
 
-    guard, text = _compile_guards(shape_env, symbols, slots)
-    return TracedStep(gm, slots, guard, text, tuple(fresh_keys))
+    return TracedStep(gm, slots, _compile_guards(shape_env, symbols, slots), tuple(fresh_keys))
 
 
 def _written_state(st: dict, key: str, slot: torch.Tensor) -> torch.Tensor:
@@ -530,7 +528,7 @@ def _check_rest_of_state(st: dict, tensor_keys: Sequence[str], fresh_keys: Seque
 
 def _compile_guards(
     shape_env: Any, symbols: list[sympy.Symbol], slots: tuple[HyperSlot, ...]
-) -> tuple[Callable, str]:
+) -> Callable[[Sequence[Any]], bool]:
     """One predicate over the hyperparameter values: the branches the traced step took on them.
     Branches on read-back values are ``check_branch`` nodes in the graph instead."""
     exprs = []
@@ -544,7 +542,7 @@ def _compile_guards(
             )
         exprs.append(expr)
     if not exprs:
-        return (lambda values: True), "True"
+        return lambda values: True
     import sympy
 
     condition = sympy.And(*exprs)
@@ -553,4 +551,4 @@ def _compile_guards(
     def guard(values: Sequence[Any]) -> bool:
         return bool(fn(*(v for v, slot in zip(values, slots) if not slot.is_tensor)))
 
-    return guard, str(condition)
+    return guard

@@ -1,0 +1,225 @@
+"""The user options, written once: each a dataclass field with its type, default and doc, from which
+the keyword API (``lowbit_compile``, ``enable``/``Scope``, the ``lowbit_compile.optim`` classes) and the
+flags of ``python -m lowbit_compile`` are derived. ``config.Config.of`` validates them, once.
+
+Imports neither torch nor the rest of the package: the CLI reads it before torch loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import re
+import textwrap
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# Chosen from bench/quality.py and bench/zero_point.py (README, "Does it train like fp32?").
+DEFAULT_FMT = "sqrt8"
+DEFAULT_BLOCK_SIZE = 512
+DEFAULT_OUTLIERS = 0
+DEFAULT_MIN_8BIT_SIZE = 4096
+
+FmtSpec = str | Mapping[str, str]
+RoundingSpec = str | Mapping[str, str]  # "nearest" | "stochastic", or per state
+# Which parameters an override applies to: a glob on the qualified parameter name
+# ("*embed*", "blocks.*.norm.weight"), a compiled regex (``re.search`` on the name), or a predicate
+# ``(name, param) -> bool`` (``name`` is None when the parameter's name is unknown).
+Matcher = str | re.Pattern | Callable[[str | None, "torch.Tensor"], bool]
+Overrides = Mapping[Matcher, FmtSpec] | Sequence[tuple[Matcher, FmtSpec]]
+
+
+def parse_spec(text: str, flag: str) -> str | dict[str, str]:
+    """A flag's ``int8``, or per state ``exp_avg=int8,exp_avg_sq=dynamic8`` (``--fmt``, ``--rounding``)."""
+    if "=" not in text:
+        return text
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"{flag} {text!r}: expected a value or state=value pairs separated by commas")
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def parse_overrides(items: list[str], flag: str) -> list[tuple[str, str]] | None:
+    """Repeated ``PATTERN=FMT`` (``--override '*embed*=fp32'``) as ``overrides=`` pairs."""
+    pairs = [tuple(item.rsplit("=", 1)) for item in items]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"{flag} takes PATTERN=FMT, got {items}")
+    return pairs or None  # type: ignore[return-value]
+
+
+def parse_steps_or_none(value: int, flag: str) -> int | None:
+    """``--log-every N``: a non-negative count of steps, 0 for none."""
+    if value < 0:
+        raise ValueError(f"{flag} must be a non-negative int (0: no progress lines), got {value}")
+    return value or None
+
+
+def option(default: Any, doc: str, *, always_shown: bool = False, cli: str | None = None, flag: str | None = None,
+           parse: Callable | None = None, cli_default: Any = None, **argparse_kwargs: Any) -> Any:
+    """A field of an options dataclass: ``doc`` for the API's docstring; ``always_shown``: in a wrapped
+    optimizer's ``repr`` even at its default (the others when set); ``cli`` (the help line) when
+    ``python -m lowbit_compile run`` has a flag for it, named ``flag`` (``--`` and the name with dashes if
+    None), parsed from the flag's value by ``parse(value, flag)`` (as given if None), ``cli_default``
+    when not given (None: the library's default); other keywords go to ``argparse.add_argument``."""
+    return dataclasses.field(default=default, metadata=dict(doc=doc, always_shown=always_shown, cli=cli, flag=flag,
+                                                            parse=parse, cli_default=cli_default,
+                                                            argparse=argparse_kwargs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What ``lowbit_compile(opt, ...)`` takes besides the optimizer (``model`` is how parameter names
+    are known; the others configure the states, see ``config.Config``)."""
+
+    fmt: str | Mapping[str, str] = option(
+        DEFAULT_FMT,
+        '``"sqrt8"``, ``"dynamic8"``, ``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` or ``"fp32"`` (stock, bit '
+        'for bit), or a dict from state name to one of those (any case: ``"INT8"`` is ``"int8"``). The default, '
+        '``"sqrt8"`` in blocks of 512 without patches, was chosen on the quality, zero-point and step-time '
+        'benchmarks (README); ``"dynamic8"`` spans more decades below a block\'s largest value.',
+        always_shown=True,
+        cli=f"state format ({DEFAULT_FMT}, the default; dynamic8, int8, fp8_e4m3, fp8_e5m2, bf16, fp32) or per state: "
+            "exp_avg=int8,exp_avg_sq=dynamic8", parse=parse_spec)
+    block_size: int = option(
+        DEFAULT_BLOCK_SIZE,
+        "elements sharing one scale; a power of two (at most 32768).",
+        always_shown=True,
+        cli=f"elements per scale (default {DEFAULT_BLOCK_SIZE})", type=int)
+    outliers: int = option(
+        DEFAULT_OUTLIERS,
+        "largest-magnitude values per block kept exactly in bf16 (patches); they help the linear int8 grid, not "
+        "the companded sqrt8 and dynamic8.",
+        always_shown=True,
+        cli=f"bf16 outlier patches per block (default {DEFAULT_OUTLIERS})", type=int)
+    min_8bit_size: int = option(
+        DEFAULT_MIN_8BIT_SIZE, "tensors with fewer elements keep stock fp32 states.", always_shown=True,
+        cli=f"tensors with fewer elements keep stock fp32 states (default {DEFAULT_MIN_8BIT_SIZE})", type=int)
+    backend: str = option(
+        "auto",
+        'one of ``lowbit_compile.config.BACKENDS``: ``"auto"`` (the fused lowering for the parameters\' device) '
+        'or a named one, ``"reference"`` being the eager oracle.',
+        always_shown=True,
+        cli="auto (the default: the fused kernel for the device), cpu, triton or reference")
+    overrides: Overrides | None = option(
+        None,
+        "per-parameter formats, first match wins: ``{pattern: fmt}`` or ``[(pattern, fmt)]`` where a pattern is "
+        'a glob on the parameter name (``"*embed*"``), a compiled regex, or a predicate ``(name, param) -> bool``; '
+        'e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``. Overrides win over ``min_8bit_size``; sizes and shapes '
+        "are the full (unsharded) tensor's.",
+        cli="format for parameters whose name matches the glob, e.g. '*embed*=fp32' (repeatable; first match "
+            "wins; names come from the modules run)",
+        flag="--override", parse=parse_overrides, action="append", metavar="PATTERN=FMT")
+    model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = option(
+        None, "the module (or ``named_parameters()`` pairs) that gives name patterns their names.")
+    master_weights: str | None = option(
+        None,
+        '``"exact"`` or ``"8bit"``: step each bf16/fp16 parameter through its fp32 master, held as the param plus '
+        'a residual state (``master_residual``): ``"exact"`` is bit for bit an fp32 master copy stepped by the '
+        'stock optimizer and the param refreshed from it (2.125 B/param), ``"8bit"`` keeps the master to 1/256 of '
+        "the param's spacing, unbiased (1 B/param). The stock states are then those of the fp32 step (then in "
+        "``fmt``). fp32 parameters are their own master and stay as they are. See ``lowbit_compile.master``.",
+        cli="keep the fp32 master of bf16/fp16 params as a residual state: exact (2.125 B/param, bit for bit an "
+            "fp32 master copy) or 8bit (1 B/param)", metavar="MODE")
+    rounding: RoundingSpec = option(
+        "nearest",
+        '``"nearest"`` or ``"stochastic"``, or a dict from state name to one of those: how a quantized state\'s '
+        "new values round to codes. Stochastic rounding picks one of the two adjacent codes with probability "
+        "proportional to proximity (unbiased), with random bits of a per-parameter step counter "
+        "(``rounding_seed``, saved with the state, so a resumed run is bit for bit the uninterrupted one). See "
+        'README, "Numerics".',
+        cli="how quantized states round: nearest (the default) or stochastic, or per state: "
+            "exp_avg=stochastic,exp_avg_sq=nearest", parse=parse_spec)
+
+    def kept(self) -> dict[str, Any]:
+        """The options as keywords, less ``model``: what a wrapped optimizer keeps, and a copy of it (a
+        deep copy, an unpickled one) is wrapped with again."""
+        return {k: v for k, v in keywords(self).items() if k != "model"}
+
+    @staticmethod
+    def shown(kept: Mapping[str, Any]) -> dict[str, Any]:
+        """Of ``kept`` options, those a wrapped optimizer's ``repr`` names: the ones always shown, and the
+        others when set (not their default, nor empty)."""
+        return {f.name: kept[f.name] for f in dataclasses.fields(Options) if f.name in kept
+                and (f.metadata["always_shown"] or (kept[f.name] and kept[f.name] != f.default))}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScopeOptions:
+    """What ``enable(...)`` takes besides the options of ``lowbit_compile``."""
+
+    restore_at_step: int | None = option(
+        None, "switch each rewritten optimizer back to stock fp32 states after that many steps.",
+        cli="switch each optimizer back to stock fp32 states after its N-th step", type=int, metavar="N")
+    restore_on_exit: bool = option(False, "switch the optimizers rewritten in scope back when the scope ends.")
+    monitor: int | None = option(
+        None, "sample each rewritten optimizer's health every N steps while in scope (``lowbit_compile.monitor``).",
+        cli="sample each rewritten optimizer's state health every N steps; warn (naming the parameter) when a "
+            "state is truncated", type=int, metavar="N")
+    log_every: int | None = option(
+        None, "log a progress line every N steps.",
+        cli="a progress line every N steps: step time, state memory saved (0: none)", type=int, metavar="N",
+        parse=parse_steps_or_none, cli_default=100)
+
+    def __post_init__(self) -> None:
+        if self.restore_at_step is not None and (not is_int(self.restore_at_step) or self.restore_at_step < 1):
+            raise ValueError(f"restore_at_step must be a positive int or None, got {self.restore_at_step!r}")
+        for name in ("monitor", "log_every"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"{name} must be a positive int (a number of steps) or None, got {value!r}")
+
+
+def keywords(options: Options | ScopeOptions) -> dict[str, Any]:
+    """``options`` as the keywords that make it (a shallow view: values are not copied)."""
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+
+
+def from_keywords(where: str, given: Mapping[str, Any], *schemas: type) -> list[Any]:
+    """``given`` keywords as one instance of each schema; an unknown keyword is a TypeError that names
+    the keywords ``where`` takes (and the one it resembles)."""
+    names = [f.name for schema in schemas for f in dataclasses.fields(schema)]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}{hint}; it takes "
+                        f"{', '.join(names)}")
+    return [schema(**{f.name: given[f.name] for f in dataclasses.fields(schema) if f.name in given})
+            for schema in schemas]
+
+
+def entry_signature(head: Iterable[inspect.Parameter], *schemas: type, returns: Any = inspect.Signature.empty
+              ) -> inspect.Signature:
+    """The signature of an entry point taking ``head`` then the fields of ``schemas``: ``fmt`` also by
+    position (as ``lowbit_compile(opt, "int8")``), the others by keyword."""
+    params = list(head)
+    for schema in schemas:
+        for f in dataclasses.fields(schema):
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == "fmt" else inspect.Parameter.KEYWORD_ONLY
+            params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=f.type))
+    return inspect.Signature(params, return_annotation=returns)
+
+
+def args_doc(*schemas: type, indent: int = 8) -> str:
+    """The ``Args:`` lines of the fields of ``schemas``, for an entry point's docstring."""
+    lines = []
+    for schema in schemas:
+        for f in dataclasses.fields(schema):
+            lines.append(textwrap.fill(f"{f.name}: {f.metadata['doc']}", 108, initial_indent=" " * indent,
+                                       subsequent_indent=" " * (indent + 4)))
+    return "\n".join(lines)
+
+
+def cli_flags(*schemas: type) -> list[tuple[dataclasses.Field, str]]:
+    """The fields of ``schemas`` that ``python -m lowbit_compile run`` has a flag for, with the flag."""
+    return [(f, f.metadata["flag"] or "--" + f.name.replace("_", "-"))
+            for schema in schemas for f in dataclasses.fields(schema) if f.metadata["cli"] is not None]
+
+
+def is_int(value: object) -> bool:
+    """An int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,328 @@
+"""The rewritten step of a wrapped optimizer: the ``step`` that ``lowbit_compile`` installs, the
+preparation of each parameter's kernel and states (formats, master residual, rounding counter) and
+the plan that binds and runs them; also the redirect that keeps the class's stock ``step`` from
+running on low-bit states, and the conversion of existing states to their configured formats."""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from . import checkpoint, master, sharding
+from . import rounding as counter
+from .compile import COUNTER_KEYS, compile_steps, step_request
+from .config import Config
+from .kernels.formats import StateFormat
+from .kernels.rounding import SEED as ROUNDING_SEED
+from .passes.trace import entries_read, unhooked_step
+from .run import Prepared, StepPlan, group_signature
+from .state_schema import StateSchema, init_state, probe_schema
+from .wrapped import ATTR, Wrapped, wrapped_of
+
+# True while a rewritten ``step`` (the instance attribute) runs its hooks and update, so that the
+# redirect below can tell it from the class's stock ``step`` reached some other way.
+_IN_REWRITTEN_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("lowbit_in_rewritten_step", default=False)
+
+
+def install(opt: torch.optim.Optimizer, config: Config, options: dict[str, Any], names: dict[torch.Tensor, str],
+            updates: list) -> None:
+    """Wrap ``opt`` (or re-configure it): attach its :class:`Wrapped` and the hooks that pack and load its
+    checkpoints, store the converted states ``updates`` (``conform_updates``), and install the rewritten
+    ``step``. Everything that can fail was checked before; this changes ``opt``."""
+    checkpoint.guard_stock_steps()
+    wrapped = wrapped_of(opt)
+    if wrapped is None:
+        previous = opt.__dict__.get("step")
+        hooks = [
+            opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
+            opt.register_state_dict_post_hook(master.pack_state_dict),
+            opt.register_state_dict_post_hook(counter.pack_state_dict),
+            opt.register_state_dict_post_hook(checkpoint.mark_state_dict),
+            opt.register_load_state_dict_pre_hook(_before_load),
+            opt.register_load_state_dict_post_hook(checkpoint.finish_load),
+            opt.register_step_pre_hook(_redirect_stock_step),
+        ]
+        wrapped = Wrapped(config, options, previous, hooks)
+    else:
+        wrapped.config, wrapped.options = config, options
+    wrapped.names = names
+    for state, key, new in updates:
+        _apply(state, {key: new})
+    setattr(opt, ATTR, wrapped)
+    opt.step = _make_step(opt, wrapped.previous_step)
+
+
+def uninstall(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
+    """Undo ``install``: stock-dtype states (no residual, no rounding counter), no hooks, the class's
+    ``step`` (or the one it shadowed), no :class:`Wrapped`."""
+    for param, state in opt.state.items():
+        for key, value in list(state.items()):
+            if sharding.is_quantized(value):
+                state[key] = sharding.dequantize(value)
+        master.release(param, state)
+        state.pop(ROUNDING_SEED, None)
+    for hook in wrapped.hooks:
+        hook.remove()
+    del opt.step
+    if wrapped.previous_step is not None:
+        opt.step = wrapped.previous_step
+    delattr(opt, ATTR)
+
+
+def _make_step(opt: torch.optim.Optimizer, previous: Any) -> Callable:
+    """The instance ``step``: stock hooks around the rewritten update; keeps an LR scheduler's
+    "optimizer.step() was called" tracking working when the scheduler wrapped ``step`` first."""
+    hooked = torch.optim.Optimizer.profile_hook_step(_rewritten_update())
+    track_lr_sched = previous is not None and getattr(previous, "_wrapped_by_lr_sched", False)
+
+    def step(self, closure=None):
+        if track_lr_sched:
+            self._opt_called = True
+        token = _IN_REWRITTEN_STEP.set(True)
+        try:
+            return hooked(self, closure)
+        finally:
+            _IN_REWRITTEN_STEP.reset(token)
+
+    if track_lr_sched:
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return types.MethodType(step, opt)
+
+
+def stock_step_runs_rewritten(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """New ``(args, kwargs)`` for a global step pre-hook to return, so that the stock ``step`` being
+    called runs the rewritten update instead.
+
+    A global pre-hook runs inside the stock step's hook wrapper and cannot cancel the stock update;
+    it can only replace its arguments. The stock update gets an idle twin (same class and defaults,
+    no param groups: it updates nothing) and a closure that runs the rewritten update (with the
+    caller's closure, if any). The stock step calls that closure where it would call the caller's,
+    after every per-optimizer pre-hook, and returns its loss. Post-hooks see the twin in ``args``.
+    """
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    twin = object.__new__(type(opt))
+    twin.__dict__.update(opt.__dict__)
+    twin.param_groups = []
+    twin.state = collections.defaultdict(dict)
+    return (twin,), {"closure": RunRewritten(opt, closure)}
+
+
+class RunRewritten:
+    """The closure ``stock_step_runs_rewritten`` hands the idle stock step: the rewritten update of
+    ``opt``, which calls ``closure`` (the caller's, or None) first. A later pre-hook that needs to act
+    between the caller's closure and the update (``monitor``) replaces ``closure``."""
+
+    def __init__(self, opt: torch.optim.Optimizer, closure: Callable[[], Any] | None) -> None:
+        self.opt = opt
+        self.closure = closure
+
+    def __call__(self) -> Any:
+        return _rewritten_update()(self.opt, self.closure)
+
+
+def _redirect_stock_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The step pre-hook of a wrapped optimizer: stepped through its class's stock ``step`` -- a
+    bound method captured before it was wrapped, which accelerate's AcceleratedOptimizer puts back
+    after every GradScaler step -- it still runs the rewritten update, never the stock one on
+    quantized states. A step an earlier hook (``enable``'s) already redirected is left alone."""
+    if wrapped_of(opt) is None or _IN_REWRITTEN_STEP.get() or (args and args[0] is not opt):
+        return None
+    return stock_step_runs_rewritten(opt, args, kwargs)
+
+
+_DISABLED_STEP: list[Callable] = []
+
+
+def _rewritten_update() -> Callable:
+    """The rewritten update as the step calls it: under ``torch.compile`` a graph break
+    (``torch.compiler.disable``) that runs as is, since its host side (tracing, caches, the scalar
+    prologue) is not traceable and each param's update is already one fused launch. Made on the first
+    wrap, not at import (``torch.compiler`` loads dynamo)."""
+    if not _DISABLED_STEP:
+        _DISABLED_STEP.append(torch.compiler.disable(_lowbit_step))
+    return _DISABLED_STEP[0]
+
+
+@torch.no_grad()
+def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    wrapped = wrapped_of(opt)
+    with wrapped.lock:
+        _locked_step(opt, wrapped)
+    return loss
+
+
+def _locked_step(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
+    """The update itself, under the optimizer's lock: bind (or prepare) the plan, unscale, run."""
+    config = wrapped.config
+    # torch.amp.GradScaler hands an optimizer whose _step_supports_amp_scaling is True (fused=True)
+    # still-scaled grads plus these two tensors, and expects it to skip or unscale as the fused
+    # stock step does (which also writes the unscaled grad back).
+    found_inf = getattr(opt, "found_inf", None)
+    if found_inf is not None and found_inf.item():
+        return
+    grad_scale = getattr(opt, "grad_scale", None)
+    plan, on_meta = wrapped.plan, []
+    if plan is None or not plan.refresh(opt, config):
+        plan, on_meta = _prepare(opt, wrapped)
+        wrapped.plan = plan if plan.reusable and not on_meta else None
+    if grad_scale is not None:
+        for grad in plan.grads():
+            grad.div_(grad_scale)
+    plan.run()
+    if on_meta:
+        _stock_step(opt, on_meta)
+
+
+def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:
+    """The full preparation of a step: find or build the kernel of every parameter to step (a step
+    that cannot be built fails here, with every state, counter and grad as it was), then create or
+    convert the states of the parameters stepped for the first time, and bind them all. Also the
+    params on the ``meta`` device, which the stock update steps."""
+    config = wrapped.config
+    while True:  # once more if a trace found the step reads group entries the signatures left out
+        seen = entries_read()
+        ready, todo, requests, on_meta = _requests(opt, wrapped)
+        compiled_steps = compile_steps(requests)  # the kernels of all signatures compile at once
+        if entries_read() == seen:
+            break
+    # Then create or convert the states of the parameters stepped for the first time, and run.
+    for compiled, (schema, formats, mformat, group, group_sig, param, grad, position) in zip(compiled_steps, todo):
+        state = opt.state[param]
+        if not state.keys() - set(COUNTER_KEYS):
+            state.update(init_state(param, schema, formats))
+        # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
+        checkpoint.conform(param, state, formats)
+        _apply(state, master.conformed(param, state, mformat, schema, position))
+        _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
+        prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
+        ready.append((prepared, group, param, grad, state))
+    return StepPlan(opt, config, ready), on_meta
+
+
+def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list, list, list]:
+    """The parameters whose prepared step still holds, and the step requests of the others (with what
+    their states need once built); the params on the ``meta`` device apart."""
+    config = wrapped.config
+    ready, todo, requests = [], [], []
+    on_meta: list[tuple[dict, torch.Tensor]] = []
+    positions = _positions(opt)
+    for group in opt.param_groups:
+        group_sig, values = group_signature(group, unhooked_step(type(opt)))
+        guards: dict[int, bool] = {}
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if param.is_meta:  # no values to quantize: the stock step, as stock AdamW runs it
+                on_meta.append((group, param))
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    "lowbit_compile: a parameter has a sparse gradient, which the rewritten step does not "
+                    "take (it is traced for dense gradients); use torch.optim.SparseAdam, or leave the "
+                    "optimizer unwrapped, for sparse gradients"
+                )
+            state = opt.state.get(param, {})
+            _apply(state, checkpoint.step_restored(state))  # a loader that bypasses load_state_dict (ZeRO)
+            prepared = wrapped.prepared.get(param)
+            if prepared is not None and prepared.still_valid(state, param, config, group_sig, guards, values):
+                ready.append((prepared, group, param, grad, state))
+                continue
+            mformat = master.format_for(param, config)
+            schema = _schema(opt, group, param, mformat)
+            formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
+            requests.append(step_request(opt, group, param, state, schema, formats, config, mformat))
+            todo.append((schema, formats, mformat, group, group_sig, param, grad, positions[id(param)]))
+    return ready, todo, requests, on_meta
+
+
+def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tensor]]) -> None:
+    """The class's own update of ``params`` (each with its group), on ``opt``'s state."""
+    shell = object.__new__(type(opt))
+    shell.__dict__.update(opt.__dict__)
+    groups: dict[int, dict] = {}
+    for group, param in params:
+        groups.setdefault(id(group), {**group, "params": []})["params"].append(param)
+    shell.param_groups = list(groups.values())
+    unhooked_step(type(opt))(shell)
+
+
+def _formats(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
+             param: torch.Tensor) -> dict[str, StateFormat]:
+    """The configured format of each per-element state of ``param`` in ``group``."""
+    schema = _schema(opt, group, param, master.format_for(param, config))
+    return dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
+
+
+def _schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, mformat: master.MasterFormat | None
+            ) -> StateSchema:
+    """The states ``param``'s step keeps: those of the fp32 step of its master when it has one."""
+    return probe_schema(opt, group, master.stand_in(param) if mformat else param)
+
+
+def conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str]) -> list:
+    """``(state, key, new)`` for every existing per-element state not in its configured format
+    (adoption mid-training, a re-configuration, a checkpoint a stock loader stored): all built
+    before any is stored, so a state that cannot be converted changes nothing."""
+    updates = []
+    positions = _positions(opt)
+    for group in opt.param_groups:
+        for param in group["params"]:
+            position = positions[id(param)]
+            state = opt.state.get(param)
+            if not state or param.is_meta:
+                continue
+            mformat = master.format_for(param, config)
+            schema = _schema(opt, group, param, mformat)
+            changes = checkpoint.step_restored(state)
+            formats = dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
+            for key, fmt in formats.items():
+                new = checkpoint.converted(param, key, state.get(key), fmt)
+                if new is not None:
+                    changes[key] = new
+            changes.update(master.conformed(param, {**state, **changes}, mformat, schema, position))
+            changes.update(counter.conformed(state, bool(config.stochastic(formats)), position))
+            updates.extend((state, key, new) for key, new in changes.items())
+    return updates
+
+
+def _positions(opt: torch.optim.Optimizer) -> dict[int, int]:
+    """Each param's position in ``param_groups`` order (by id): where its stochastic-rounding counters
+    start (``first_counter``)."""
+    return {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
+
+
+def _apply(state: dict, changes: dict) -> None:
+    """Set the entries of ``changes`` in ``state``; None removes one."""
+    for key, value in changes.items():
+        if value is None:
+            state.pop(key, None)
+        else:
+            state[key] = value
+
+
+def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``load_state_dict`` pre hook: read and convert every state first (``checkpoint.prepare_load``)."""
+    wrapped = wrapped_of(opt)
+    config = wrapped.config
+    positions = _positions(opt)
+
+    def masters_of(group: dict, param: torch.Tensor) -> Callable[[dict], dict] | None:
+        mformat = master.format_for(param, config)
+        if mformat is None:
+            return None
+        schema = _schema(opt, group, param, mformat)
+        return lambda entry: master.loaded(param, entry, mformat, schema, positions[id(param)])
+
+    return checkpoint.prepare_load(
+        opt, state_dict, lambda group, param: _formats(opt, config, wrapped.names, group, param),
+        wrapped.names.get, masters_of)

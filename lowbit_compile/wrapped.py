@@ -1,0 +1,41 @@
+"""What ``lowbit_compile`` attaches to an optimizer it wraps (:class:`Wrapped`, under ``ATTR``), and how
+the modules that act on a wrapped optimizer find it."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .config import Config
+
+if TYPE_CHECKING:
+    from .run import StepPlan
+
+ATTR = "_lowbit"  # the optimizer attribute that holds its Wrapped
+
+
+class Wrapped:
+    """What ``lowbit_compile`` attaches to an optimizer: its config, the hooks it added, the
+    ``step`` instance attribute it replaced (e.g. an LR scheduler's wrapper), and the parameter
+    names that name-pattern overrides match against."""
+
+    def __init__(self, config: Config, options: dict[str, Any], previous_step: Any, hooks: list) -> None:
+        self.config = config
+        self.options = options  # as given (less model=): what a copy is wrapped with again
+        self.previous_step = previous_step
+        self.hooks = hooks
+        self.names: dict[torch.Tensor, str] = {}
+        # per parameter, reused while valid; weak, so a parameter the optimizer lets go of is freed
+        self.prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.plan: StepPlan | None = None  # the last step's bound launches, reused while they fit
+        # one step at a time: two threads stepping one optimizer take turns (stock's step is not
+        # atomic either, but ours binds rows that a second step would rebind under the first)
+        self.lock = threading.RLock()
+
+
+def wrapped_of(opt: torch.optim.Optimizer) -> Wrapped | None:
+    """What ``lowbit_compile`` attached to ``opt``; None when it is not wrapped."""
+    return getattr(opt, ATTR, None)
