@@ -28,7 +28,7 @@ from .options import (  # noqa: F401 (the defaults and spec types, where they we
     is_int,
 )
 
-BACKENDS = backends.BACKENDS  # the one list of backends (the API, enable(), the CLI and the README name these)
+BACKENDS = backends.BACKENDS  # the one list of backends (the API, enable(), the CLI and the docs name these)
 
 # Adam's states known never to be negative: what formats_for assumes when not given the states
 # proven non-negative on the traced step (passes/signs.py; the compile path always passes those). They get

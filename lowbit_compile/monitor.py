@@ -31,7 +31,7 @@ _log = logging.getLogger(__name__)
 # average, weight AVERAGE_WEIGHT per sample, from its MIN_SAMPLES-th sample on; one sample sees only
 # a few blocks), cross these: more than MAX_ZERO_FLUSH of the non-zero values the step computes
 # stored as exactly 0 (linear int8 crosses it on every task of the quality bench, the default layout
-# stays several times below: bench/monitor.py, README "Health monitoring"), or a round-trip error
+# stays several times below: bench/monitor.py, docs/monitoring.md), or a round-trip error
 # ||Q(x) - x|| / ||x|| above MAX_REL_ERROR (no 8-bit layout comes near it on those tasks: a state
 # whose values its format cannot represent).
 MAX_ZERO_FLUSH = 0.01

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-# Chosen from bench/quality.py and bench/zero_point.py (README, "Does it train like fp32?").
+# Chosen from bench/quality.py and bench/zero_point.py (docs/formats-and-quality.md).
 DEFAULT_FMT = "sqrt8"
 DEFAULT_BLOCK_SIZE = 512
 DEFAULT_OUTLIERS = 0
@@ -80,7 +80,7 @@ class Options:
         '``"sqrt8"``, ``"dynamic8"``, ``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` or ``"fp32"`` (stock, bit '
         'for bit), or a dict from state name to one of those (any case: ``"INT8"`` is ``"int8"``). The default, '
         '``"sqrt8"`` in blocks of 512 without patches, was chosen on the quality, zero-point and step-time '
-        'benchmarks (README); ``"dynamic8"`` spans more decades below a block\'s largest value.',
+        'benchmarks (docs/formats-and-quality.md); ``"dynamic8"`` spans more decades below a block\'s largest value.',
         always_shown=True,
         cli=f"state format ({DEFAULT_FMT}, the default; dynamic8, int8, fp8_e4m3, fp8_e5m2, bf16, fp32) or per state: "
             "exp_avg=int8,exp_avg_sq=dynamic8", parse=parse_spec)
@@ -130,7 +130,7 @@ class Options:
         "new values round to codes. Stochastic rounding picks one of the two adjacent codes with probability "
         "proportional to proximity (unbiased), with random bits of a per-parameter step counter "
         "(``rounding_seed``, saved with the state, so a resumed run is bit for bit the uninterrupted one). See "
-        'README, "Numerics".',
+        'docs/numerics.md.',
         cli="how quantized states round: nearest (the default) or stochastic, or per state: "
             "exp_avg=stochastic,exp_avg_sq=nearest", parse=parse_spec)
 

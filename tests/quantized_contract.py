@@ -1,4 +1,4 @@
-"""The contract of quantized (8-bit) state formats across backends (README, "GPU kernels"): a kernel
+"""The contract of quantized (8-bit) state formats across backends (docs/numerics.md, "The GPU kernels"): a kernel
 need not store the reference's bits, but each code within one code step of the reference's, the same
 blocks flagged and the same special codes (inf and NaN stay in their element), and the params of a step
 within a bound derived from the arithmetic it may approximate. Kernels are deterministic."""

@@ -4,7 +4,7 @@ smallest subnormal to the largest float, zeros, subnormals, inf and NaN mixed in
 staying in their element; idle rows decaying for thousands of steps. The CPU kernel and the Triton
 kernels (interpreted) store exactly what the reference stores, block by block and step by step.
 
-The bounds asserted here are the ones the README states ("Numerics"): for a finite non-patch value
+The bounds asserted here are the ones docs/numerics.md states: for a finite non-patch value
 ``x`` of a block with finite absmax ``A``, scale ``S = max(A / q, 2^-126)`` (``q``: ``qmax``, or
 ``flagged_qmax`` in a flagged block; signed dynamic8 elsewhere: the larger of the positive side over
 1 and the negative side over 0.99297), the decoded value is within half a code step of ``x`` at that

@@ -1,4 +1,4 @@
-"""The contract of quantized formats on the Triton kernels (README, "GPU kernels"), over the whole float
+"""The contract of quantized formats on the Triton kernels (docs/numerics.md, "The GPU kernels"), over the whole float
 range: zeros, subnormals, the largest finite values, infinities and NaN, with hypothesis; and which
 kernels may take it (8-bit states) and which stay bit for bit (fp32 and bf16 states)."""
 

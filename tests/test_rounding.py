@@ -38,7 +38,7 @@ def _values(fmt: StateFormat, n: int = 96) -> torch.Tensor:
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_mean_of_stochastic_codes_is_the_value(name, nonneg):
     """E[decode(encode(x))] = x within 5 standard errors over 400 counters, wherever x is above the
-    smallest positive code of a non-negative state (below it, values round up: README, Numerics).
+    smallest positive code of a non-negative state (below it, values round up: docs/numerics.md).
     Where every draw gave the same code (x next to a code whose neighbour is far: sqrt8's top), the
     chance of that, (1 - p)^400 with p = |x - v| / |w - v|, must not be below 1e-6: |x - v| at most
     13.8 / 400 of the widest gap the element's codes may have (twice its half-step bound)."""

@@ -216,7 +216,7 @@ def test_add_param_group_after_wrapping_is_checked_like_the_constructor(group):
 
 
 def test_fp16_params_step_in_fp32_so_stock_fp16_non_finite_values_may_become_finite():
-    """The README's fp16 statement: the 8-bit formats compute an fp16 param's update in fp32, so where
+    """The fp16 statement of docs/numerics.md: the 8-bit formats compute an fp16 param's update in fp32, so where
     stock fp16 AdamW's own arithmetic overflows or divides by an eps that rounds to 0 in fp16, ours
     stays finite; no element stock keeps finite becomes non-finite."""
     gen = torch.Generator().manual_seed(0)

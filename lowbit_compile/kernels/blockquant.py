@@ -12,7 +12,7 @@ other value of that block to code 0. Ties in magnitude go to the lowest offset. 
 block is padded with zeros for the computation only; a patch there may point into the padding,
 and decoding ignores it.
 
-Every float survives (``StateFormat`` names the formats; bounds: README, "Numerics"):
+Every float survives (``StateFormat`` names the formats; bounds: docs/numerics.md):
 
 * *Non-finite values stay in their element.* A block holding +inf, -inf or NaN among its non-patch
   values is flagged by the sign bit of its scale (scales are otherwise >= 0). Its scale comes from

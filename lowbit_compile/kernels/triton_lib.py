@@ -10,7 +10,7 @@ rules for kernels that use these helpers:
 * compile bit-identical kernels with ``enable_fp_fusion=False``: :func:`rne` relies on ``(x + C) - C``
   not being contracted with the product that feeds it, and the emitter writes every fma ATen uses
   explicitly. Kernels of 8-bit states (``APPROXIMATE``) keep the contract of quantized formats instead
-  (README, "GPU kernels") and compile with contraction: there ``rne(a * b)`` rounds the exact product
+  (docs/numerics.md, "The GPU kernels") and compile with contraction: there ``rne(a * b)`` rounds the exact product
   once, and the approximate roots and divisions move a code by at most one step;
 * import this module only after ``TRITON_INTERPRET`` has its final value: ``triton.jit`` reads it when
   it decorates, and an interpreted kernel cannot call compiled helpers (nor the reverse).

@@ -76,7 +76,7 @@ class EmittedKernel:
     params, then ``row_table_ptr, program_rows_ptr``.
     ``numel_input`` is the body input whose numel is the element count; ``written`` the body inputs
     the kernel stores into. ``approximate``: the kernel stores 8-bit states, so it takes the contract of
-    quantized formats (README, "GPU kernels") instead of bit-identity: approximate division and square
+    quantized formats (docs/numerics.md, "The GPU kernels") instead of bit-identity: approximate division and square
     roots, fp contraction on."""
 
     name: str
