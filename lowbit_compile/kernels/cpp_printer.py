@@ -21,7 +21,6 @@ pointers of its inputs) and the step's scalar inputs, and splits all blocks of a
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -40,6 +39,7 @@ from .contract import (
     master_access,
     state_access,
 )
+from .cpp_layout import LaneBody, Pipelined, Stmt, names_used
 from .formats import (
     DYNAMIC_LEVEL_FIELDS,
     FORMAT_IDS,
@@ -62,11 +62,6 @@ _CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t", torch.float16: "u
 _LOAD = {torch.float32: "lb_ld", torch.bfloat16: "lb_ld_bf16", torch.float16: "lb_ld_f16"}
 _STORE = {torch.float32: "lb_st", torch.bfloat16: "lb_st_bf16", torch.float16: "lb_st_f16"}
 _ROUND = {torch.bfloat16: "lb_round_bf16", torch.float16: "lb_round_f16"}
-_LANE_NAME = re.compile(r"\bv_\w+")
-_IDENT = re.compile(r"[A-Za-z_]\w*")  # a C++ name: a value bound to one
-_LANE_TYPE = re.compile(r"(?:const )?(vf|vi) ")  # a lane statement's declared type
-_PER_LANE = re.compile(r"\b(?:i|r|full)\b")  # a statement that reads memory at the lane vector's index
-_LONG_LATENCY = re.compile(r" / |\blb_sqrt\(")
 # Formats whose encode is a few vector instructions: the next block's lane loop writes a block's codes,
 # its square roots and conversions overlapping that block's arithmetic. dynamic8's longer encode (seven
 # permutes, two fmas and a floor per vector) runs slower that way than in a loop of its own
@@ -79,12 +74,30 @@ _MAX_SWITCHES = 3
 
 
 @dataclass(frozen=True)
-class _Pipelined:
-    """A lane body whose late part runs one lane vector behind its early part (``CppPrinter._pipeline``)."""
+class _Expr(Value):
+    """A :class:`Value` with what the lane loop's scheduling needs, kept as the expression is built
+    (never read back from its text): the names it reads, whether it holds a divide or vector square
+    root, and the operand it is the square root of."""
 
-    early: list[str]
-    late: list[str]
-    carried: list[tuple[str, str]]  # (vector type, lane value): computed early, used late
+    uses: frozenset[str] = frozenset()
+    slow: bool = False
+    root_of: str | None = None
+
+
+def _named(name: str, dtype: torch.dtype, kind: Kind, host: bool = False) -> _Expr:
+    return _Expr(name, dtype, kind, host, uses=frozenset({name}))
+
+
+def _is_name(v: Value) -> bool:
+    return isinstance(v, _Expr) and v.uses == {v.text}
+
+
+def _reads(*values: Value) -> frozenset[str]:
+    return frozenset().union(*(v.uses for v in values if isinstance(v, _Expr)))
+
+
+def _slow(*values: Value) -> bool:
+    return any(isinstance(v, _Expr) and v.slow for v in values)
 
 
 def _cbool(x: object) -> str:
@@ -182,8 +195,9 @@ def emit_step(body: GraphModule, target: Target) -> EmittedStep:
     return printer.emitted()
 
 
-def _indent(statements: list[str], ind: str) -> list[str]:
-    return [f"{ind}{line}" for statement in statements for line in statement.split("\n")]
+def _indent(statements: list[Stmt | str], ind: str) -> list[str]:
+    texts = (s.text if isinstance(s, Stmt) else s for s in statements)
+    return [f"{ind}{line}" for text in texts for line in text.split("\n")]
 
 
 def _operand(v: Value) -> str:
@@ -233,11 +247,9 @@ class CppPrinter:
         self.scalar_of = {self.placeholders[i]: j for j, i in enumerate(self.scalars)}
         self.block, self.patches = self._block_and_patches()
         self.pre: list[str] = []  # once per block, before the lane loop
-        self.lane: list[tuple[str | None, str]] = []  # (the lane value it defines, statement), in order
-        self.stores: list[str] = []  # write-backs at the end of each lane iteration
-        self.late: list[str] = []  # the param's write-backs (_pipeline may run them one lane vector late)
-        self.staged: list[tuple[str, str]] = []  # (buffer, the lane value whose sqrt it takes)
-        self.bf16_of: dict[str, str] = {}  # a lane vector rounded to bf16 -> the fp32 operand it rounds
+        self.body = LaneBody()  # each lane iteration's statements, as records
+        self.staged: list[tuple[str, str, Stmt]] = []  # (buffer, its sqrt read back, the store of its input)
+        self.bf16_of: dict[str, _Expr] = {}  # a lane vector rounded to bf16 -> the fp32 operand it rounds
         self.switches: list[str] = []  # per-block bools that pick a lane operand: the lane loop's versions
         self.names: set[str] = set()
 
@@ -287,37 +299,47 @@ class CppPrinter:
         self.names.add(ident)
         return ident
 
-    def _lane(self, name: str | None, statement: str) -> None:
-        self.lane.append((name, statement))
+    def _lane(self, name: str, statement: str, ctype: str = "vf", value: Value | None = None) -> None:
+        """A lane value: bound from ``value``, or (without one) read at the lane vector's index."""
+        if value is None:
+            self.body.values.append(Stmt(statement, name, ctype=ctype, indexed=True))
+            return
+        assert isinstance(value, _Expr)
+        self.body.values.append(Stmt(statement, name, value.uses, ctype, slow=value.slow, root_of=value.root_of))
 
-    def _vec(self, v: Value) -> str:
+    @staticmethod
+    def _write(statement: str, *values: Value) -> Stmt:
+        return Stmt(statement, uses=_reads(*values))
+
+    def _vec(self, v: Value) -> _Expr:
         """``v`` as a vector operand: a scalar is splat across the lanes (computed once per block first)."""
         if v.kind is Kind.ELEMENT:
-            return _operand(v)
+            return _Expr(_operand(v), v.dtype, v.kind, uses=_reads(v), slow=_slow(v))
         if not v.atomic:
             v = self.bind(v, f"t{len(self.pre)}")
-        return f"lb_mask({v.text})" if v.dtype == torch.bool else f"lb_splat({v.text})"
+        text = f"lb_mask({v.text})" if v.dtype == torch.bool else f"lb_splat({v.text})"
+        return _Expr(text, v.dtype, Kind.ELEMENT, uses=_reads(v), slow=_slow(v))
 
     # ---- inputs, outputs, state -----------------------------------------------------------------------
     def load(self, node: Node, dtype: torch.dtype) -> Value:
         name = self._name("v", node.name)
         p = f"p_{node.name} + i"
         self._lane(name, f"const vf {name} = full ? {_LOAD[dtype]}({p}) : {_LOAD[dtype]}_n({p}, r);")
-        return Value(name, dtype, Kind.ELEMENT)
+        return _named(name, dtype, Kind.ELEMENT)
 
     def scalar_input(self, node: Node, dtype: torch.dtype | None) -> Value:
         name = self._name("c", node.name)
         j = self.scalar_of[node]
         if dtype == torch.bool:
             self.pre.append(f"const bool {name} = s[{j}] != 0.0f;")
-            return Value(name, torch.bool, Kind.SCALAR, host=True)
+            return _named(name, torch.bool, Kind.SCALAR, host=True)
         self.pre.append(f"const float {name} = s[{j}];")
-        return Value(name, dtype or torch.float32, Kind.SCALAR, host=True)
+        return _named(name, dtype or torch.float32, Kind.SCALAR, host=True)
 
     def constant(self, value: float, dtype: torch.dtype = torch.float32) -> Value:
         if dtype == torch.bool:
-            return Value(_cbool(value), dtype, Kind.SCALAR, host=True, literal=value)
-        return Value(_cfloat(value), dtype, Kind.SCALAR, host=True, literal=value)
+            return _Expr(_cbool(value), dtype, Kind.SCALAR, host=True, literal=value)
+        return _Expr(_cfloat(value), dtype, Kind.SCALAR, host=True, literal=value)
 
     def store(self, node: Node, value: Value) -> None:
         dtype = self.ptr_of[node].dtype
@@ -326,10 +348,11 @@ class CppPrinter:
         # (fp32 opmath's write-back) is rounded by the store itself.
         fn = _STORE[dtype]
         if dtype == value.dtype == torch.bfloat16:
-            fn, v = ("lb_st_bf16", self.bf16_of[v]) if v in self.bf16_of else ("lb_st_bf16_exact", v)
+            fn, v = ("lb_st_bf16", self.bf16_of[v.text]) if v.text in self.bf16_of else ("lb_st_bf16_exact", v)
         desc = input_of(node)
         param = desc is not None and desc.role is Role.PARAM
-        (self.late if param else self.stores).append(f"if (full) {fn}({p}, {v}); else {fn}_n({p}, {v}, r);")
+        (self.body.late if param else self.body.stores).append(
+            self._write(f"if (full) {fn}({p}, {v.text}); else {fn}_n({p}, {v.text}, r);", v))
 
     def dequantize(self, access: StateAccess) -> Value:
         """Codes times the block's scale, with the block's patches (sorted by offset before the loop)
@@ -339,7 +362,7 @@ class CppPrinter:
         k, codes = state.ident, state.ptr(Part.CODES)
         if state.fmt.name == "bf16":
             self._lane(name, f"vf {name} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);")
-            return Value(name, torch.float32, Kind.ELEMENT)
+            return _named(name, torch.float32, Kind.ELEMENT)
         t = self._template(state)
         code = [f"vf {name} = lb_decode_scaled<{t}>(full ? lb_ld_codes<{t}>({codes} + i) : "
                 f"lb_ld_codes_n<{t}>({codes} + i, r), SC_{k}, FL_{k});"]
@@ -349,7 +372,7 @@ class CppPrinter:
                      f"  PN_{k} = ++PA_{k} < PC_{k} ? PI_{k}[PA_{k}] : LB_NO_PATCH;",
                      "}"]
         self._lane(name, "\n".join(code))
-        return Value(name, torch.float32, Kind.ELEMENT)
+        return _named(name, torch.float32, Kind.ELEMENT)
 
     def quantize(self, access: StateAccess, value: Value, seed: Value | None) -> None:
         state = self.states[access.key]
@@ -359,17 +382,20 @@ class CppPrinter:
             self.pre.append(f"const lb_rand {state.rand} = {{lb_hash32_s((uint32_t){_operand(seed)} ^ "
                             f"({access.stream}u << 24)), start}};")
         if state.fmt.name == "bf16":
-            v, codes = f"lb_bf16_state_clamp<{_cbool(state.fmt.nonneg)}>({x})", state.ptr(Part.CODES)
+            v, codes = f"lb_bf16_state_clamp<{_cbool(state.fmt.nonneg)}>({x.text})", state.ptr(Part.CODES)
             if seed is not None:
                 bits = f"lb_bf16_bits_stochastic({v}, lb_bits_at<true>({state.rand}, i))"
-                self.stores.append(f"if (full) lb_st_u16({codes} + i, {bits}); "
-                                   f"else lb_st_u16_n({codes} + i, {bits}, r);")
+                self.body.stores.append(self._write(f"if (full) lb_st_u16({codes} + i, {bits}); "
+                                                    f"else lb_st_u16_n({codes} + i, {bits}, r);", x))
                 return
-            self.stores.append(f"if (full) lb_st_bf16({codes} + i, {v}); else lb_st_bf16_n({codes} + i, {v}, r);")
+            self.body.stores.append(self._write(
+                f"if (full) lb_st_bf16({codes} + i, {v}); else lb_st_bf16_n({codes} + i, {v}, r);", x))
             return
-        state.value = x
-        self.stores += [f"if (full) lb_st(buf_{state.ident} + i, {x}); else lb_st_n(buf_{state.ident} + i, {x}, r);",
-                        f"acc_{state.ident} = lb_vmax(acc_{state.ident}, lb_key_masked({x}, r));"]
+        state.value = x.text
+        buf, acc = f"buf_{state.ident}", f"acc_{state.ident}"
+        self.body.stores += [
+            self._write(f"if (full) lb_st({buf} + i, {x.text}); else lb_st_n({buf} + i, {x.text}, r);", x),
+            self._write(f"{acc} = lb_vmax({acc}, lb_key_masked({x.text}, r));", x)]
 
     def master_read(self, master: MasterAccess) -> Value:
         fmt = master.fmt
@@ -383,13 +409,14 @@ class CppPrinter:
             d = f"({d}) * {1 << fmt.shift}"
         join = "lb_master_join_bf16" if fmt.bf16 else "lb_master_join_f16"
         self._lane(name, f"const vf {name} = {join}(full ? {load}({p}) : {load}_n({p}, r), {d});")
-        return Value(name, torch.float32, Kind.ELEMENT)
+        return _named(name, torch.float32, Kind.ELEMENT)
 
     def master_write(self, master: MasterAccess, value: Value, seed: Value | None) -> None:
         """The param's bits and the residual code computed once per lane vector, then stored; exact bf16
         ties set their side bits as the code is made."""
         fmt = master.fmt
-        x, p, res = self._vec(value), f"p_{master.param.name} + i", f"p_{master.residual.name} + i"
+        vec, p, res = self._vec(value), f"p_{master.param.name} + i", f"p_{master.residual.name} + i"
+        x = vec.text
         if fmt.bf16:
             lines = [f"const vi P = lb_f32_to_bf16_bits({x});", f"const vi d = lb_master_d_bf16({x}, P);"]
             store_p = (f"lb_st_u16({p}, P)", f"lb_st_u16_n({p}, P, r)")
@@ -407,10 +434,10 @@ class CppPrinter:
         code = "i16" if fmt.exact else "i8"
         lines.append(f"if (full) {{ {store_p[0]}; lb_st_{code}({res}, c); }} "
                      f"else {{ {store_p[1]}; lb_st_{code}_n({res}, c, r); }}")
-        self.late.append("{\n" + "\n".join(f"  {line}" for line in lines) + "\n}")
+        self.body.late.append(self._write("{\n" + "\n".join(f"  {line}" for line in lines) + "\n}", vec))
 
     def bind(self, value: Value, name: str) -> Value:
-        if value.atomic and (value.literal is not None or _IDENT.fullmatch(value.text)):
+        if value.atomic and (value.literal is not None or _is_name(value)):
             return value
         ctype = ("bool" if value.kind is Kind.SCALAR else "vi") if value.dtype == torch.bool else (
             "float" if value.kind is Kind.SCALAR else "vf")
@@ -419,21 +446,26 @@ class CppPrinter:
             self.pre.append(f"const {ctype} {ident} = {value.text};")
         else:
             ident = self._name("v", name)
-            self._lane(ident, f"const {ctype} {ident} = {value.text};")
-        return Value(ident, value.dtype, value.kind, value.host)
+            self._lane(ident, f"const {ctype} {ident} = {value.text};", ctype, value)
+        return _named(ident, value.dtype, value.kind, value.host)
 
     # ---- arithmetic -----------------------------------------------------------------------------
     def _binary(self, a: Value, b: Value, op: str, dtype: torch.dtype = torch.float32) -> Value:
         kind = _kind(a, b)
-        if kind is Kind.SCALAR:
-            return Value(f"{_operand(a)} {op} {_operand(b)}", dtype, kind, atomic=False)
-        return Value(f"{self._vec(a)} {op} {self._vec(b)}", dtype, kind, atomic=False)
+        if kind is Kind.ELEMENT:
+            a, b = self._vec(a), self._vec(b)
+        x, y = (_operand(v) if kind is Kind.SCALAR else v.text for v in (a, b))
+        return _Expr(f"{x} {op} {y}", dtype, kind, atomic=False, uses=_reads(a, b), slow=op == "/" or _slow(a, b))
 
     def _call(self, vector: str, scalar: str, *args: Value, dtype: torch.dtype = torch.float32) -> Value:
         kind = _kind(*args)
         if kind is Kind.SCALAR:
-            return Value(f"{scalar}({', '.join(a.text for a in args)})", dtype, kind)
-        return Value(f"{vector}({', '.join(self._vec(a) for a in args)})", dtype, kind)
+            return _Expr(f"{scalar}({', '.join(a.text for a in args)})", dtype, kind, uses=_reads(*args),
+                         slow=_slow(*args))
+        vecs = [self._vec(a) for a in args]
+        root = vector == "lb_sqrt"
+        return _Expr(f"{vector}({', '.join(v.text for v in vecs)})", dtype, kind, uses=_reads(*vecs),
+                     slow=root or _slow(*vecs), root_of=vecs[0].text if root else None)
 
     def add(self, a: Value, b: Value) -> Value:
         return self._binary(a, b, "+")
@@ -458,15 +490,16 @@ class CppPrinter:
         # runs the whole update reading them back.
         arg = self.bind(a, f"sqrt_in{len(self.staged)}")
         buffer = f"sq{len(self.staged)}"
-        self.staged.append((buffer, arg.text))
-        name = self._name("v", f"sqrt{len(self.staged) - 1}")
+        name = self._name("v", f"sqrt{len(self.staged)}")
+        self.staged.append((buffer, name, self._write(
+            f"if (full) lb_st({buffer} + i, {arg.text}); else lb_st_n({buffer} + i, {arg.text}, r);", arg)))
         self._lane(name, f"const vf {name} = full ? lb_ld({buffer} + i) : lb_ld_n({buffer} + i, r);")
-        return Value(name, torch.float32, Kind.ELEMENT)
+        return _named(name, torch.float32, Kind.ELEMENT)
 
     def neg(self, a: Value) -> Value:
         if a.literal is not None:
             return self.constant(-a.literal, a.dtype)
-        return Value(f"-{_operand(a)}", a.dtype, a.kind, atomic=False)
+        return _Expr(f"-{_operand(a)}", a.dtype, a.kind, atomic=False, uses=_reads(a), slow=_slow(a))
 
     def abs(self, a: Value) -> Value:
         return self._call("lb_abs", "__builtin_fabsf", a, dtype=a.dtype)
@@ -509,19 +542,24 @@ class CppPrinter:
         return self._binary(a, b, "||" if _kind(a, b) is Kind.SCALAR else "|", torch.bool)
 
     def logical_not(self, a: Value) -> Value:
-        return Value(f"{'!' if a.kind is Kind.SCALAR else '~'}{_operand(a)}", torch.bool, a.kind, atomic=False)
+        return _Expr(f"{'!' if a.kind is Kind.SCALAR else '~'}{_operand(a)}", torch.bool, a.kind, atomic=False,
+                     uses=_reads(a), slow=_slow(a))
 
     def where(self, cond: Value, a: Value, b: Value) -> Value:
         dtype = a.dtype if a.dtype == b.dtype else torch.float32
         if _kind(cond, a, b) is Kind.SCALAR:
-            return Value(f"{_operand(cond)} ? {_operand(a)} : {_operand(b)}", dtype, Kind.SCALAR, atomic=False)
+            return _Expr(f"{_operand(cond)} ? {_operand(a)} : {_operand(b)}", dtype, Kind.SCALAR, atomic=False,
+                         uses=_reads(cond, a, b), slow=_slow(cond, a, b))
+        x, y = self._vec(a), self._vec(b)
+        uses, slow = _reads(cond, x, y), _slow(cond, x, y)
         # a lane mask selects lane by lane; a scalar condition picks one operand, and a named one is a
         # parameter of the lane loop's versions (lb_versions, _MAX_SWITCHES: no test inside the loop)
         if cond.kind is Kind.SCALAR:
-            if _IDENT.fullmatch(cond.text) and cond.text not in self.switches:
+            if _is_name(cond) and cond.text not in self.switches:
                 self.switches.append(cond.text)
-            return Value(f"({_operand(cond)} ? {self._vec(a)} : {self._vec(b)})", dtype, Kind.ELEMENT)
-        return Value(f"{_operand(cond)} ? {self._vec(a)} : {self._vec(b)}", dtype, Kind.ELEMENT, atomic=False)
+            return _Expr(f"({_operand(cond)} ? {x.text} : {y.text})", dtype, Kind.ELEMENT, uses=uses, slow=slow)
+        return _Expr(f"{_operand(cond)} ? {x.text} : {y.text}", dtype, Kind.ELEMENT, atomic=False, uses=uses,
+                     slow=slow)
 
     def to_float(self, cond: Value) -> Value:
         return self.where(cond, self.constant(1.0), self.constant(0.0))
@@ -532,66 +570,27 @@ class CppPrinter:
         denominator) keeps that root in a second block buffer, and its encode takes no square root."""
         for s in self.states.values():
             if s.writes and s.root is None and s.fmt.name == "sqrt8" and s.fmt.nonneg:
-                s.root = next((name for name, stmt in self.lane
-                               if name and stmt == f"const vf {name} = lb_sqrt({s.value});"), None)
+                s.root = next((v.defines for v in self.body.values if v.root_of == s.value), None)
                 if s.root is not None:
-                    self.stores.append(f"if (full) lb_st(root_{s.ident} + i, {s.root}); "
-                                       f"else lb_st_n(root_{s.ident} + i, {s.root}, r);")
+                    self.body.stores.append(Stmt(f"if (full) lb_st(root_{s.ident} + i, {s.root}); "
+                                                 f"else lb_st_n(root_{s.ident} + i, {s.root}, r);",
+                                                 uses=frozenset({s.root})))
 
     def emitted(self) -> EmittedStep:
         self._share_roots()
-        passes = []
+        passes: list[list[Stmt] | Pipelined] = []
         if self.staged:
             if self.states:
                 raise LoweringError("torch's own square root is for steps without quantized states")
-            needed = self._closure({arg for _, arg in self.staged})
-            if any(name in needed for name, _ in self.lane if name and name.startswith("v_sqrt")):
+            first = self.body.first_pass({root for _, root, _ in self.staged}, [store for _, _, store in self.staged])
+            if first is None:
                 raise LoweringError("a square root of a square root, with torch's own square roots")
-            first = [stmt for name, stmt in self.lane if name in needed]
-            first += [f"if (full) lb_st({buf} + i, {arg}); else lb_st_n({buf} + i, {arg}, r);"
-                      for buf, arg in self.staged]
             passes.append(first)
-        passes.append(self._pipeline() or [stmt for _, stmt in self.lane] + self.stores + self.late)
+        passes.append(self.body.pipelined() or self.body.in_order())
         return EmittedStep(self._render(passes), self.pointers, self.scalars, self.block, self.patches,
                            bool(self.staged))
 
-    def _pipeline(self) -> _Pipelined | None:
-        """The lane body split so that the param's write-backs, and the values only they need, run one
-        lane vector behind the rest: a divide or square root there (Adam's denominator) then overlaps
-        the next vector's loads and decodes instead of stalling the in-order dispatch behind it. None
-        where nothing long-latency would move."""
-        defs = {name: stmt for name, stmt in self.lane}
-        early_roots = {m for stmt in self.stores for m in _LANE_NAME.findall(stmt)}
-        late_roots = {m for stmt in self.late for m in _LANE_NAME.findall(stmt)}
-        late = self._closure(late_roots) - self._closure(early_roots)
-        late -= {name for name in late if _PER_LANE.search(defs[name])}  # loads stay where their index is
-        while True:  # whatever an early statement uses is early too
-            used = {m for name, stmt in self.lane if name not in late for m in _LANE_NAME.findall(stmt) if m != name}
-            if not used & late:
-                break
-            late -= used
-        if not any(_LONG_LATENCY.search(defs[name]) for name in late):
-            return None
-        uses = {m for name in late for m in _LANE_NAME.findall(defs[name])} | late_roots
-        carried = [(_LANE_TYPE.match(stmt).group(1), name) for name, stmt in self.lane
-                   if name in uses and name not in late]
-        return _Pipelined([stmt for name, stmt in self.lane if name not in late] + self.stores,
-                          [stmt for name, stmt in self.lane if name in late] + self.late, carried)
-
-    def _closure(self, names: set[str]) -> set[str]:
-        """The lane values ``names`` are computed from (themselves included)."""
-        defs = {name: stmt for name, stmt in self.lane if name}
-        seen: set[str] = set()
-        todo = list(names)
-        while todo:
-            name = todo.pop()
-            if name in seen or name not in defs:
-                continue
-            seen.add(name)
-            todo += [m for m in _LANE_NAME.findall(defs[name].split("=", 1)[-1]) if m != name]
-        return seen
-
-    def _render(self, passes: list[list[str] | _Pipelined]) -> str:
+    def _render(self, passes: list[list[Stmt] | Pipelined]) -> str:
         blockwise = [s for s in self.states.values() if s.fmt.blockwise]
         rooted = [s for s in blockwise if s.root]
         out: list[str] = []
@@ -637,7 +636,7 @@ class CppPrinter:
                 out.append(f"{ind}vi acc_{s.ident} = lb_splat_i(-1);")
         for s in rooted:
             out.append(f"{ind}float* __restrict root_{s.ident} = scratch + {slot['root_' + s.ident]} * LB_BLOCK;")
-        for b, (buf, _) in enumerate(self.staged):
+        for b, (buf, _, _) in enumerate(self.staged):
             out.append(f"{ind}float* __restrict {buf} = scratch + {len(blockwise) + len(rooted) + b} * LB_BLOCK;")
         fused = bool(written) and all(w.fmt.name in _FUSED_ENCODES for w in written)
         if fused:  # the previous block's codes, from the block buffers this block's lane loop overwrites
@@ -654,10 +653,9 @@ class CppPrinter:
             # The lane body appears twice, for whole vectors and for the tail, inline (where it has
             # versions, in a lambda forced inline into each): values that live across iterations
             # (scalars, top-K accumulators) stay in registers.
-            piped = lane_body if isinstance(lane_body, _Pipelined) else None
-            text = "\n".join(lane_body.early + lane_body.late if piped else lane_body)
-            switches = (["fuse"] if k == 0 and fused else []) + [
-                name for name in self.switches if re.search(rf"\b{name}\b", text)]
+            piped = lane_body if isinstance(lane_body, Pipelined) else None
+            used = names_used(lane_body.early + lane_body.late if piped else lane_body)
+            switches = (["fuse"] if k == 0 and fused else []) + [name for name in self.switches if name in used]
             switches = switches[:_MAX_SWITCHES]
             params = ", ".join(f"auto {name}" for name in switches)
             out.append(f"{ind}const auto lanes{k} = [&]({params}) LB_INLINE_LAMBDA {{" if switches else f"{ind}{{")
@@ -694,7 +692,7 @@ class CppPrinter:
             if switches:
                 out.append(f"{ind}lb_versions(lanes{k}, {', '.join(switches)});")
             if k == 0 and len(passes) > 1:
-                out += [f"{ind}lb_vsqrt(len, {buf});" for buf, _ in self.staged]
+                out += [f"{ind}lb_vsqrt(len, {buf});" for buf, _, _ in self.staged]
         if written:
             out.append(f"{ind}job.len = len;")
         for j, w in enumerate(written):  # each state's scale; its codes: the next block's loop writes them
