@@ -89,5 +89,52 @@ class LaneBody:
                          [s for s in self.values if s.defines in late] + self.late, carried)
 
 
+LanePass = list[Stmt] | Pipelined  # one loop over the block's lane vectors
+
+
 def names_used(statements: list[Stmt]) -> frozenset[str]:
     return frozenset().union(*(s.uses for s in statements))
+
+
+def statements_of(lanes: LanePass) -> list[Stmt]:
+    return lanes.early + lanes.late if isinstance(lanes, Pipelined) else lanes
+
+
+def indent(statements: list[Stmt | str], ind: str) -> list[str]:
+    """Each line of each statement, indented by ``ind``."""
+    texts = (s.text if isinstance(s, Stmt) else s for s in statements)
+    return [f"{ind}{line}" for text in texts for line in text.split("\n")]
+
+
+def lane_loop(lanes: LanePass, k: int, versions: list[str], head: list[str]) -> list[str]:
+    """Pass ``k`` over the block's lane vectors as C++ lines (unindented): the whole vectors, each
+    starting with ``head``, then the tail. The body appears twice, inline (where it has ``versions``,
+    per-block bools, in a lambda that ``lb_versions`` forces inline into each combination): values that
+    live across iterations (scalars, top-K accumulators) stay in registers."""
+    body = statements_of(lanes)
+    params = ", ".join(f"auto {name}" for name in versions)
+    out = [f"const auto lanes{k} = [&]({params}) LB_INLINE_LAMBDA {{" if versions else "{", "  int64_t i = 0;"]
+    if isinstance(lanes, Pipelined):
+        out.append("  int64_t prev_i = -1;  // the lane vector whose late part is pending")
+        out += [f"  {t} prev_{name} = {{}};" for t, name in lanes.carried]
+    out += ["  for (; i + LB_W <= len; i += LB_W) {", "    const bool full = true;", "    const int64_t r = LB_W;"]
+    out += _pipelined_vectors(lanes, head) if isinstance(lanes, Pipelined) else [*indent(head + body, "    "), "  }"]
+    out += ["  if (i < len) {", "    const bool full = false;", "    const int64_t r = len - i;",
+            *indent(body, "    "), "  }"]
+    if not versions:
+        return [*out, "}"]
+    return [*out, "};", f"lb_versions(lanes{k}, {', '.join(versions)});"]
+
+
+def _pipelined_vectors(lanes: Pipelined, head: list[str]) -> list[str]:
+    """The whole-vector loop's body and close when the late part runs one vector behind: each iteration
+    runs its early part then the previous vector's late part; the last vector's late part follows."""
+    late = ["const int64_t i = prev_i;", *(f"const {t} {name} = prev_{name};" for t, name in lanes.carried),
+            *lanes.late]
+    return [*indent(head + lanes.early, "    "),
+            "    if (prev_i >= 0) {", *indent(late, "      "), "    }",
+            *(f"    prev_{name} = {name};" for _, name in lanes.carried),
+            "    prev_i = i;",
+            "  }",
+            "  if (prev_i >= 0) {", "    const bool full = true;", "    const int64_t r = LB_W;",
+            *indent(late, "    "), "  }"]

@@ -39,7 +39,7 @@ from .contract import (
     master_access,
     state_access,
 )
-from .cpp_layout import LaneBody, Pipelined, Stmt, names_used
+from .cpp_layout import LaneBody, LanePass, Stmt, lane_loop, names_used, statements_of
 from .formats import (
     DYNAMIC_LEVEL_FIELDS,
     FORMAT_IDS,
@@ -193,11 +193,6 @@ def emit_step(body: GraphModule, target: Target) -> EmittedStep:
     printer = CppPrinter(body, target)
     lower_body(body, printer, target)
     return printer.emitted()
-
-
-def _indent(statements: list[Stmt | str], ind: str) -> list[str]:
-    texts = (s.text if isinstance(s, Stmt) else s for s in statements)
-    return [f"{ind}{line}" for text in texts for line in text.split("\n")]
 
 
 def _operand(v: Value) -> str:
@@ -578,7 +573,7 @@ class CppPrinter:
 
     def emitted(self) -> EmittedStep:
         self._share_roots()
-        passes: list[list[Stmt] | Pipelined] = []
+        passes: list[LanePass] = []
         if self.staged:
             if self.states:
                 raise LoweringError("torch's own square root is for steps without quantized states")
@@ -590,124 +585,112 @@ class CppPrinter:
         return EmittedStep(self._render(passes), self.pointers, self.scalars, self.block, self.patches,
                            bool(self.staged))
 
-    def _render(self, passes: list[list[Stmt] | Pipelined]) -> str:
+    def _render(self, passes: list[LanePass]) -> str:
         blockwise = [s for s in self.states.values() if s.fmt.blockwise]
         rooted = [s for s in blockwise if s.root]
-        out: list[str] = []
-        row = len(self.pointers) + 1
-        out += [
+        written = [s for s in blockwise if s.writes]
+        out = [
             f"static const int64_t LB_BLOCK = {self.block};",
-            f"static const int64_t LB_ROW = {row};  // element count, then one pointer per input",
+            f"static const int64_t LB_ROW = {len(self.pointers) + 1};  // element count, then one pointer per input",
             f"static const int LB_N_SCALARS = {len(self.scalars)};",
             f"static const int LB_N_BUFS = {len(blockwise) + len(rooted) + len(self.staged)};",
             "",
         ]
-        written = [s for s in blockwise if s.writes]
         slot = {s.ident: b for b, s in enumerate(blockwise)}  # a state's buffer, then its root's, in scratch
         slot.update({f"root_{s.ident}": len(blockwise) + b for b, s in enumerate(rooted)})
         if written:
             out += self._job(written, slot)
+        fused = bool(written) and all(w.fmt.name in _FUSED_ENCODES for w in written)
+        block = self._block_setup(blockwise, rooted, slot) + (self._fuse_setup(written) if fused else [])
+        for k, lanes in enumerate(passes):
+            block += self._lane_loop(k, lanes, written if k == 0 and fused else [])
+            if k == 0 and len(passes) > 1:
+                block += [f"lb_vsqrt(len, {buf});" for buf, _, _ in self.staged]
+        block += self._scales(written, fused)
         out += [
             "static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int64_t len, int64_t blk,",
             f"                          float* scratch{', lb_job& job' if written else ''}) {{",
+            *(f"  {line}" for line in block),
+            "}",
+            _entry(bool(written)),
         ]
-        ind = "  "
+        return "\n".join(out) + "\n"
+
+    def _block_setup(self, blockwise: list[_State], rooted: list[_State], slot: dict[str, int]) -> list[str]:
+        """The block's pointers into each input, its per-block values, and each quantized state's scale,
+        patches (sorted by offset), block buffer and lane maxima."""
+        out = []
         for j, p in enumerate(self.pointers):
             const = "" if p.written else "const "
             offset = {"n": "start", "blocks": "blk", "empty": "0", "words": "0",
                       "patches": f"blk * {self.patches}"}[p.length]
-            out.append(f"{ind}{const}{_CTYPES[p.dtype]}* __restrict p_{p.name} = ({const}{_CTYPES[p.dtype]}*)ptr[{j}]"
+            out.append(f"{const}{_CTYPES[p.dtype]}* __restrict p_{p.name} = ({const}{_CTYPES[p.dtype]}*)ptr[{j}]"
                        f" + {offset};")
-        out += [f"{ind}{line}" for line in self.pre]
+        out += self.pre
         for s in blockwise:
-            out.append(f"{ind}float* __restrict buf_{s.ident} = scratch + {slot[s.ident]} * LB_BLOCK;")
+            out.append(f"float* __restrict buf_{s.ident} = scratch + {slot[s.ident]} * LB_BLOCK;")
             if s.reads:
-                k = s.ident
-                out.append(f"{ind}const vf SC_{k} = lb_splat(__builtin_fabsf(*{s.ptr(Part.SCALES)}));")
-                out.append(f"{ind}const bool FL_{k} = __builtin_signbit(*{s.ptr(Part.SCALES)});  // a flagged block")
-                if s.fmt.patches:
-                    out.append(f"{ind}int64_t PI_{k}[{s.fmt.patches}];")
-                    out.append(f"{ind}float PV_{k}[{s.fmt.patches}];")
-                    out.append(f"{ind}const int PC_{k} = lb_sorted_patches<{s.fmt.patches}>({s.ptr(Part.PATCH_INDEX)}, "
-                               f"{s.ptr(Part.PATCH_VALUES)}, len, PI_{k}, PV_{k});")
-                    out.append(f"{ind}int PA_{k} = 0;")
-                    out.append(f"{ind}int64_t PN_{k} = PC_{k} ? PI_{k}[0] : LB_NO_PATCH;")
+                out += self._decode_setup(s)
             if s.writes:
-                out.append(f"{ind}vi acc_{s.ident} = lb_splat_i(-1);")
-        for s in rooted:
-            out.append(f"{ind}float* __restrict root_{s.ident} = scratch + {slot['root_' + s.ident]} * LB_BLOCK;")
-        for b, (buf, _, _) in enumerate(self.staged):
-            out.append(f"{ind}float* __restrict {buf} = scratch + {len(blockwise) + len(rooted) + b} * LB_BLOCK;")
-        fused = bool(written) and all(w.fmt.name in _FUSED_ENCODES for w in written)
-        if fused:  # the previous block's codes, from the block buffers this block's lane loop overwrites
-            fusable = " && ".join(f"lb_fusable<{self._template(w)}, {_cbool(w.root)}>(job.enc[{j}], job.mult[{j}])"
-                                  for j, w in enumerate(written))
-            out.append(f"{ind}const bool fuse = job.len == len && len % LB_W == 0 && {fusable};")
-            out.append(f"{ind}if (!fuse) lb_finish(job, scratch);")
-            for j, w in enumerate(written):
-                out.append(f"{ind}uint8_t* __restrict q_codes_{w.ident} = job.codes[{j}];")
-                out.append(f"{ind}const vf q_mult_{w.ident} = lb_splat(job.mult[{j}]);")
-                if w.rand:
-                    out.append(f"{ind}const lb_rand q_rand_{w.ident} = job.rand[{j}];")
-        for k, lane_body in enumerate(passes):
-            # The lane body appears twice, for whole vectors and for the tail, inline (where it has
-            # versions, in a lambda forced inline into each): values that live across iterations
-            # (scalars, top-K accumulators) stay in registers.
-            piped = lane_body if isinstance(lane_body, Pipelined) else None
-            used = names_used(lane_body.early + lane_body.late if piped else lane_body)
-            switches = (["fuse"] if k == 0 and fused else []) + [name for name in self.switches if name in used]
-            switches = switches[:_MAX_SWITCHES]
-            params = ", ".join(f"auto {name}" for name in switches)
-            out.append(f"{ind}const auto lanes{k} = [&]({params}) LB_INLINE_LAMBDA {{" if switches else f"{ind}{{")
-            out.append(f"{ind}  int64_t i = 0;")
-            if piped:
-                out.append(f"{ind}  int64_t prev_i = -1;  // the lane vector whose late part is pending")
-                out += [f"{ind}  {t} prev_{name} = {{}};" for t, name in piped.carried]
-                lane_body = piped.early + piped.late
-            out.append(f"{ind}  for (; i + LB_W <= len; i += LB_W) {{")
-            out.append(f"{ind}    const bool full = true;")
-            out.append(f"{ind}    const int64_t r = LB_W;")
-            if k == 0:  # the next block's inputs, while this one's arrive (pass 2 rereads them from cache)
-                out += [f"{ind}    lb_prefetch(p_{p.name} + i, LB_BLOCK);" for p in self.pointers if p.length == "n"]
-            encode_prev = self._encode_prev(written) if k == 0 and fused else []
-            if piped:
-                late = ["const int64_t i = prev_i;"]
-                late += [f"const {t} {name} = prev_{name};" for t, name in piped.carried] + piped.late
-                out += _indent(encode_prev + piped.early, ind + "    ")
-                out += [f"{ind}    if (prev_i >= 0) {{", *_indent(late, ind + "      "), f"{ind}    }}"]
-                out += [f"{ind}    prev_{name} = {name};" for _, name in piped.carried]
-                out.append(f"{ind}    prev_i = i;")
-                out.append(f"{ind}  }}")
-                out += [f"{ind}  if (prev_i >= 0) {{", f"{ind}    const bool full = true;",
-                        f"{ind}    const int64_t r = LB_W;", *_indent(late, ind + "    "), f"{ind}  }}"]
-            else:
-                out += _indent(encode_prev + lane_body, ind + "    ")
-                out.append(f"{ind}  }}")
-            out.append(f"{ind}  if (i < len) {{")
-            out.append(f"{ind}    const bool full = false;")
-            out.append(f"{ind}    const int64_t r = len - i;")
-            out += _indent(lane_body, ind + "    ")
-            out.append(f"{ind}  }}")
-            out.append(f"{ind}}}" if not switches else f"{ind}}};")
-            if switches:
-                out.append(f"{ind}lb_versions(lanes{k}, {', '.join(switches)});")
-            if k == 0 and len(passes) > 1:
-                out += [f"{ind}lb_vsqrt(len, {buf});" for buf, _, _ in self.staged]
-        if written:
-            out.append(f"{ind}job.len = len;")
-        for j, w in enumerate(written):  # each state's scale; its codes: the next block's loop writes them
+                out.append(f"vi acc_{s.ident} = lb_splat_i(-1);")
+        out += [f"float* __restrict root_{s.ident} = scratch + {slot['root_' + s.ident]} * LB_BLOCK;" for s in rooted]
+        first = len(blockwise) + len(rooted)
+        out += [f"float* __restrict {buf} = scratch + {first + b} * LB_BLOCK;"
+                for b, (buf, _, _) in enumerate(self.staged)]
+        return out
+
+    @staticmethod
+    def _decode_setup(s: _State) -> list[str]:
+        k, scales = s.ident, s.ptr(Part.SCALES)
+        out = [f"const vf SC_{k} = lb_splat(__builtin_fabsf(*{scales}));",
+               f"const bool FL_{k} = __builtin_signbit(*{scales});  // a flagged block"]
+        if s.fmt.patches:
+            out += [f"int64_t PI_{k}[{s.fmt.patches}];",
+                    f"float PV_{k}[{s.fmt.patches}];",
+                    f"const int PC_{k} = lb_sorted_patches<{s.fmt.patches}>({s.ptr(Part.PATCH_INDEX)}, "
+                    f"{s.ptr(Part.PATCH_VALUES)}, len, PI_{k}, PV_{k});",
+                    f"int PA_{k} = 0;",
+                    f"int64_t PN_{k} = PC_{k} ? PI_{k}[0] : LB_NO_PATCH;"]
+        return out
+
+    def _fuse_setup(self, written: list[_State]) -> list[str]:
+        """Whether this block's lane loop writes the previous block's codes (``fuse``: from the block
+        buffers it overwrites), and what it needs for that."""
+        fusable = " && ".join(f"lb_fusable<{self._template(w)}, {_cbool(w.root)}>(job.enc[{j}], job.mult[{j}])"
+                              for j, w in enumerate(written))
+        out = [f"const bool fuse = job.len == len && len % LB_W == 0 && {fusable};",
+               "if (!fuse) lb_finish(job, scratch);"]
+        for j, w in enumerate(written):
+            out.append(f"uint8_t* __restrict q_codes_{w.ident} = job.codes[{j}];")
+            out.append(f"const vf q_mult_{w.ident} = lb_splat(job.mult[{j}]);")
+            if w.rand:
+                out.append(f"const lb_rand q_rand_{w.ident} = job.rand[{j}];")
+        return out
+
+    def _lane_loop(self, k: int, lanes: LanePass, fused: list[_State]) -> list[str]:
+        """Pass ``k``; the first prefetches the next block's inputs while this one's arrive (a second pass
+        rereads them from cache) and, with ``fused`` states, writes their previous block's codes."""
+        used = names_used(statements_of(lanes))
+        versions = (["fuse"] if fused else []) + [name for name in self.switches if name in used]
+        head = [f"lb_prefetch(p_{p.name} + i, LB_BLOCK);" for p in self.pointers if p.length == "n"] if k == 0 else []
+        if fused:
+            head += self._encode_prev(fused)
+        return lane_loop(lanes, k, versions[:_MAX_SWITCHES], head)
+
+    def _scales(self, written: list[_State], fused: bool) -> list[str]:
+        """Each written state's scale and patches; its codes are left to the next block's loop (``lb_job``)."""
+        out = ["job.len = len;"] if written else []
+        for j, w in enumerate(written):
             parts = ", ".join(w.ptr(part) for part in PARTS)
             extra = [w.rand or "{}", f"root_{w.ident}"] if w.root else [w.rand] if w.rand else []
-            out.append(f"{ind}job.codes[{j}] = {w.ptr(Part.CODES)};")
-            out.append(f"{ind}job.rand[{j}] = {w.rand or 'lb_rand{}'};")
-            out.append(f"{ind}job.enc[{j}] = lb_quantize_scale<{self._template(w)}, {w.fmt.patches}"
+            out.append(f"job.codes[{j}] = {w.ptr(Part.CODES)};")
+            out.append(f"job.rand[{j}] = {w.rand or 'lb_rand{}'};")
+            out.append(f"job.enc[{j}] = lb_quantize_scale<{self._template(w)}, {w.fmt.patches}"
                        f"{', true' if w.rand else ''}>(acc_{w.ident}, buf_{w.ident}, len, LB_BLOCK, "
                        f"{', '.join([parts, f'&job.mult[{j}]', *extra])});")
         if written and not fused:
-            out.append(f"{ind}lb_finish(job, scratch);")
-        out.append("}")
-        out.append(_entry(bool(written)))
-        return "\n".join(out) + "\n"
+            out.append("lb_finish(job, scratch);")
+        return out
 
     def _job(self, written: list[_State], slot: dict[str, int]) -> list[str]:
         """``lb_job``, a quantized block whose codes are still to be written, and ``lb_finish``, which
