@@ -56,17 +56,10 @@ class TestPrintedKernels(TestCase):
         block of another length, or the last, in loops of their own)."""
         source = emit_step(_adamw(), FAST).source
         kernel = _kernel(source)
-        job = source[source.index("static const int LB_N_JOBS"):source.index("static void lb_step_block")]
+        job = source[source.index("typedef lb_pending"):source.index("static void lb_step_block")]
         after_tail = kernel.index("\n  }", kernel.index("    if (i < len) {")) + 1  # the lane loop's end
         self.assertExpectedInline(job + _vector_loop(kernel) + kernel[after_tail:], """\
-static const int LB_N_JOBS = 2;
-struct lb_job {  // its codes: the next block's lane loop writes them, or lb_finish
-  int64_t len;  // 0: none pending
-  uint8_t* codes[LB_N_JOBS];
-  float mult[LB_N_JOBS];  // lb_quantize_scale's
-  bool enc[LB_N_JOBS];  // false: encoded already (a block with inf or NaN)
-  lb_rand rand[LB_N_JOBS];
-};
+typedef lb_pending<2> lb_job;
 static void lb_finish(lb_job& job, const float* scratch) {
   if (!job.len) return;
   const int64_t len = job.len;

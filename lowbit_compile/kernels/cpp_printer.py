@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from string import Template
 
 import torch
 from torch.fx import GraphModule, Node
@@ -696,14 +695,7 @@ class CppPrinter:
         """``lb_job``, a quantized block whose codes are still to be written, and ``lb_finish``, which
         writes them in loops of their own (two states' in one: ``lb_encode_pair``)."""
         ind = "  "
-        out = [f"static const int LB_N_JOBS = {len(written)};",
-               "struct lb_job {  // its codes: the next block's lane loop writes them, or lb_finish",
-               "  int64_t len;  // 0: none pending",
-               "  uint8_t* codes[LB_N_JOBS];",
-               "  float mult[LB_N_JOBS];  // lb_quantize_scale's",
-               "  bool enc[LB_N_JOBS];  // false: encoded already (a block with inf or NaN)",
-               "  lb_rand rand[LB_N_JOBS];",
-               "};",
+        out = [f"typedef lb_pending<{len(written)}> lb_job;",
                "static void lb_finish(lb_job& job, const float* scratch) {",
                f"{ind}if (!job.len) return;",
                f"{ind}const int64_t len = job.len;",
@@ -758,48 +750,11 @@ class CppPrinter:
 
 
 def _entry(jobs: bool) -> str:
-    """The exported function; with ``jobs`` each thread carries the block whose codes are still to be
-    written from one ``lb_step_block`` call to the next, and writes the last one's at the end."""
-    if not jobs:
-        return _ENTRY.substitute(start="", call="lb_step_block(row + 1, s, start, len, blk, scratch);", finish="")
-    return _ENTRY.substitute(start="      lb_job job = {};  // the block before g, its codes still to write\n",
-                             call="lb_step_block(row + 1, s, start, len, blk, scratch, job);",
-                             finish="      lb_finish(job, scratch);\n")
-
-
-_ENTRY = Template("""
-// table: one row of LB_ROW int64 per tensor (element count, then its input pointers);
-// scalars: the step's scalar inputs (rounded to float, as aten rounds a Python scalar).
-extern "C" int lowbit_step(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {
-  float s[LB_N_SCALARS > 0 ? LB_N_SCALARS : 1];
-  for (int k = 0; k < LB_N_SCALARS; ++k) s[k] = (float)scalars[k];
-  int64_t* first = (int64_t*)malloc((n_tensors + 1) * sizeof(int64_t));
-  if (!first) return 1;
-  first[0] = 0;
-  for (int64_t t = 0; t < n_tensors; ++t) first[t + 1] = first[t] + (table[t * LB_ROW] + LB_BLOCK - 1) / LB_BLOCK;
-  const int64_t total = first[n_tensors];
-  int64_t nt = n_threads < 1 ? 1 : n_threads;
-  if (nt > total) nt = total > 0 ? total : 1;
-  int failed = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    const int64_t lo = total * tid / nth, hi = total * (tid + 1) / nth;
-    float* scratch = lb_scratch(LB_N_BUFS * LB_BLOCK + 1);
-    if (!scratch) {
-#pragma omp atomic write
-      failed = 1;
-    } else {
-      int64_t t = 0;
-${start}      for (int64_t g = lo; g < hi; ++g) {
-        while (first[t + 1] <= g) ++t;
-        const int64_t* row = table + t * LB_ROW;
-        const int64_t blk = g - first[t], start = blk * LB_BLOCK;
-        const int64_t len = row[0] - start < LB_BLOCK ? row[0] - start : LB_BLOCK;
-        ${call}
-      }
-${finish}    }
-  }
-  free(first);
-  return failed ? 2 : 0;
-}""")
+    """The exported function: ``lb_run`` (``cpu_prelude.h``) over this kernel's blocks."""
+    run = f"lb_run<LB_ROW, LB_BLOCK, LB_N_SCALARS, LB_N_BUFS, {'lb_job' if jobs else 'lb_no_job'}, lb_step_block>"
+    return "\n".join([
+        "",
+        f'extern "C" int {ENTRY}(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {{',
+        f"  return {run}(n_tensors, table, scalars, n_threads);",
+        "}",
+    ])

@@ -1198,3 +1198,66 @@ LB_INLINE vi lb_master_d_f16(vf x, vf p) {  // p: x rounded to fp16
   const vf d = lb_rint((x - p) * inverse);
   return (lb_bits_i(p) & 0x7F800000) == 0x7F800000 ? lb_splat_i(0) : __builtin_convertvector(d, vi);
 }
+
+// ---- the exported step ------------------------------------------------------------------------------
+// The generated part defines lb_step_block (one block of one tensor) and, for a step with quantized
+// states, lb_job (lb_pending) and lb_finish; lowbit_step calls lb_run with them.
+
+// Quantized blocks whose codes are still to be written: the next block's lane loop writes them, or
+// lb_finish, in loops of their own.
+template <int N>
+struct lb_pending {
+  static constexpr bool pending = true;
+  int64_t len;  // 0: none pending
+  uint8_t* codes[N];
+  float mult[N];  // lb_quantize_scale's
+  bool enc[N];  // false: encoded already (a block with inf or NaN)
+  lb_rand rand[N];
+};
+struct lb_no_job {  // a step without quantized states: nothing left to write after a block
+  static constexpr bool pending = false;
+};
+LB_INLINE void lb_finish(lb_no_job&, const float*) {}
+
+// table: one row of ROW int64 per tensor (element count, then its input pointers); scalars: the
+// step's scalar inputs (rounded to float, as aten rounds a Python scalar). Every block of every row,
+// split over threads; with a Job each thread carries the block whose codes are still to be written from
+// one STEP call to the next, and writes the last one's at the end. 0, or 1 (2) where the table (a
+// thread's scratch) could not be allocated.
+template <int64_t ROW, int64_t BLOCK, int N_SCALARS, int N_BUFS, class Job, auto STEP>
+static int lb_run(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {
+  float s[N_SCALARS > 0 ? N_SCALARS : 1];
+  for (int k = 0; k < N_SCALARS; ++k) s[k] = (float)scalars[k];
+  int64_t* first = (int64_t*)malloc((n_tensors + 1) * sizeof(int64_t));
+  if (!first) return 1;
+  first[0] = 0;
+  for (int64_t t = 0; t < n_tensors; ++t) first[t + 1] = first[t] + (table[t * ROW] + BLOCK - 1) / BLOCK;
+  const int64_t total = first[n_tensors];
+  int64_t nt = n_threads < 1 ? 1 : n_threads;
+  if (nt > total) nt = total > 0 ? total : 1;
+  int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t lo = total * tid / nth, hi = total * (tid + 1) / nth;
+    float* scratch = lb_scratch(N_BUFS * BLOCK + 1);
+    if (!scratch) {
+#pragma omp atomic write
+      failed = 1;
+    } else {
+      int64_t t = 0;
+      Job job = {};  // the block before g, its codes still to write
+      for (int64_t g = lo; g < hi; ++g) {
+        while (first[t + 1] <= g) ++t;
+        const int64_t* row = table + t * ROW;
+        const int64_t blk = g - first[t], start = blk * BLOCK;
+        const int64_t len = row[0] - start < BLOCK ? row[0] - start : BLOCK;
+        if constexpr (Job::pending) STEP(row + 1, s, start, len, blk, scratch, job);
+        else STEP(row + 1, s, start, len, blk, scratch);
+      }
+      lb_finish(job, scratch);
+    }
+  }
+  free(first);
+  return failed ? 2 : 0;
+}
