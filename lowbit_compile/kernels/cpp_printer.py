@@ -103,6 +103,17 @@ def _cbool(x: object) -> str:
     return "true" if x else "false"
 
 
+def _sign(fmt: StateFormat) -> str:
+    """A state's sign as the prelude names it (the ``U`` of ``lb_format<F, U>``)."""
+    return "LB_UNSIGNED" if fmt.nonneg else "LB_SIGNED"
+
+
+def _encoding(stochastic: object = False, root: object = False) -> str:
+    """The prelude's ``lb_encoding`` flags of a state's encode, by name."""
+    flags = [name for name, on in (("LB_STOCHASTIC", stochastic), ("LB_ROOT", root)) if on]
+    return " | ".join(flags) or "LB_PLAIN"
+
+
 def _cfloat(x: float) -> str:
     if math.isnan(x):
         return "LB_NAN"
@@ -376,7 +387,7 @@ class CppPrinter:
             self.pre.append(f"const lb_rand {state.rand} = {{lb_hash32_s((uint32_t){_operand(seed)} ^ "
                             f"({access.stream}u << 24)), start}};")
         if state.fmt.name == "bf16":
-            v, codes = f"lb_bf16_state_clamp<{_cbool(state.fmt.nonneg)}>({x.text})", state.ptr(Part.CODES)
+            v, codes = f"lb_bf16_state_clamp<{_sign(state.fmt)}>({x.text})", state.ptr(Part.CODES)
             if seed is not None:
                 bits = f"lb_bf16_bits_stochastic({v}, lb_bits_at<true>({state.rand}, i))"
                 self.body.stores.append(self._write(f"if (full) lb_st_u16({codes} + i, {bits}); "
@@ -655,7 +666,7 @@ class CppPrinter:
     def _fuse_setup(self, written: list[_State]) -> list[str]:
         """Whether this block's lane loop writes the previous block's codes (``fuse``: from the block
         buffers it overwrites), and what it needs for that."""
-        fusable = " && ".join(f"lb_fusable<{self._template(w)}, {_cbool(w.root)}>(job.enc[{j}], job.mult[{j}])"
+        fusable = " && ".join(f"lb_fusable<{self._template(w)}, {_encoding(root=w.root)}>(job.enc[{j}], job.mult[{j}])"
                               for j, w in enumerate(written))
         out = [f"const bool fuse = job.len == len && len % LB_W == 0 && {fusable};",
                "if (!fuse) lb_finish(job, scratch);"]
@@ -685,7 +696,7 @@ class CppPrinter:
             out.append(f"job.codes[{j}] = {w.ptr(Part.CODES)};")
             out.append(f"job.rand[{j}] = {w.rand or 'lb_rand{}'};")
             out.append(f"job.enc[{j}] = lb_quantize_scale<{self._template(w)}, {w.fmt.patches}"
-                       f"{', true' if w.rand else ''}>(acc_{w.ident}, buf_{w.ident}, len, LB_BLOCK, "
+                       f"{', LB_STOCHASTIC' if w.rand else ''}>(acc_{w.ident}, buf_{w.ident}, len, LB_BLOCK, "
                        f"{', '.join([parts, f'&job.mult[{j}]', *extra])});")
         if written and not fused:
             out.append("lb_finish(job, scratch);")
@@ -717,14 +728,13 @@ class CppPrinter:
 
         def single(s: _State) -> str:
             buf, root, mult, codes, rand = args(s)
-            return (f"if (enc_{s.ident}) lb_encode_block<{self._template(s)}, false, {_cbool(s.rand)}>({buf}, {root}, "
+            return (f"if (enc_{s.ident}) lb_encode_block<{self._template(s)}, {_encoding(s.rand)}>({buf}, {root}, "
                     f"len, {mult}, {codes}, {rand});")
 
         for a, b in zip(written[::2], written[1::2]):
-            flags = [f"{self._template(a)}, {_cbool(a.rand)}, {_cbool(a.root)}",
-                     f"{self._template(b)}, {_cbool(b.rand)}, {_cbool(b.root)}"]
             out.append(f"{ind}if (enc_{a.ident} && enc_{b.ident}) {{")
-            out.append(f"{ind}  lb_encode_pair<{', '.join(flags)}>({', '.join(args(a) + args(b))}, len);")
+            out.append(f"{ind}  lb_encode_pair<{self._lane_encode(a)}, {self._lane_encode(b)}>"
+                       f"({', '.join(args(a) + args(b))}, len);")
             out.append(f"{ind}}} else {{")
             out += [f"{ind}  {single(a)}", f"{ind}  {single(b)}", f"{ind}}}"]
         if len(written) % 2:
@@ -740,13 +750,17 @@ class CppPrinter:
             k = w.ident
             root = f"root_{k}" if w.root else "nullptr"
             rand = f"q_rand_{k}" if w.rand else "{}"
-            lines.append(f"  lb_st_codes(q_codes_{k} + i, lb_encode_at<{self._template(w)}, false, false, "
-                         f"{_cbool(w.rand)}, {_cbool(w.root)}>(buf_{k}, {root}, i, q_mult_{k}, {rand}));")
+            lines.append(f"  lb_st_codes(q_codes_{k} + i, lb_encode_at<{self._lane_encode(w)}>(buf_{k}, {root}, i, "
+                         f"q_mult_{k}, {rand}));")
         return ["if (fuse) {", *lines, "}"]
+
+    def _lane_encode(self, s: _State) -> str:
+        """A state's template arguments for an unflagged block's encode, lane vector by lane vector."""
+        return f"{self._template(s)}, {_encoding(s.rand, s.root)}"
 
     @staticmethod
     def _template(s: _State) -> str:
-        return f"{_ENUM[s.fmt.name]}, {_cbool(s.fmt.nonneg)}"
+        return f"{_ENUM[s.fmt.name]}, {_sign(s.fmt)}"
 
 
 def _entry(jobs: bool) -> str:
