@@ -16,6 +16,11 @@ before the lane loop.
 One kernel serves every parameter of its signature, any size, and any number of parameters per
 call: the exported function takes a table with one row per tensor (its element count and the data
 pointers of its inputs) and the step's scalar inputs, and splits all blocks of all rows over threads.
+
+Three parts: this module prints the primitives (``primitives.py``) as C++ statements into a
+``cpp_layout.BlockKernel``, which holds them as records, schedules the lane loop and lays the block
+function out; the fixed C++ (vector helpers, formats, block quantization, the exported step's loop
+over tensors, threads and blocks) is ``cpu_prelude.h``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,15 @@ from .contract import (
     master_access,
     state_access,
 )
-from .cpp_layout import LaneBody, LanePass, Stmt, lane_loop, names_used, statements_of
+from .cpp_layout import (
+    FORMAT_ENUM,
+    BlockKernel,
+    KernelState,
+    LanePass,
+    PointerInput,
+    Stmt,
+    sign_name,
+)
 from .formats import (
     DYNAMIC_LEVEL_FIELDS,
     FORMAT_IDS,
@@ -54,10 +67,6 @@ from .primitives import Kind, Value
 ENTRY = "lowbit_step"
 DEFAULT_CHUNK = 2048  # block length when no state is blockwise (only the unit of work)
 
-_ENUM = {"int8": "LB_INT8", "dynamic8": "LB_DYNAMIC8", "fp8_e4m3": "LB_E4M3", "fp8_e5m2": "LB_E5M2",
-         "bf16": "LB_BF16_CODES", "sqrt8": "LB_SQRT8"}
-_CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t", torch.float16: "uint16_t", torch.uint8: "uint8_t",
-           torch.int16: "int16_t", torch.int8: "int8_t", torch.int32: "int32_t"}
 _LOAD = {torch.float32: "lb_ld", torch.bfloat16: "lb_ld_bf16", torch.float16: "lb_ld_f16"}
 _STORE = {torch.float32: "lb_st", torch.bfloat16: "lb_st_bf16", torch.float16: "lb_st_f16"}
 _ROUND = {torch.bfloat16: "lb_round_bf16", torch.float16: "lb_round_f16"}
@@ -66,10 +75,6 @@ _ROUND = {torch.bfloat16: "lb_round_bf16", torch.float16: "lb_round_f16"}
 # permutes, two fmas and a floor per vector) runs slower that way than in a loop of its own
 # (bench/results/cpu_fused_encode.md).
 _FUSED_ENCODES = frozenset({"int8", "sqrt8", "fp8_e4m3", "fp8_e5m2"})
-# Per-block bools (a fused encode pending, lerp's weight test) the lane loop is compiled for each
-# combination of (lb_versions): without their tests inside, GCC schedules the loop as one block. At most
-# this many, 2^n copies of the loop.
-_MAX_SWITCHES = 3
 
 
 @dataclass(frozen=True)
@@ -103,17 +108,6 @@ def _cbool(x: object) -> str:
     return "true" if x else "false"
 
 
-def _sign(fmt: StateFormat) -> str:
-    """A state's sign as the prelude names it (the ``U`` of ``lb_format<F, U>``)."""
-    return "LB_UNSIGNED" if fmt.nonneg else "LB_SIGNED"
-
-
-def _encoding(stochastic: object = False, root: object = False) -> str:
-    """The prelude's ``lb_encoding`` flags of a state's encode, by name."""
-    flags = [name for name, on in (("LB_STOCHASTIC", stochastic), ("LB_ROOT", root)) if on]
-    return " | ".join(flags) or "LB_PLAIN"
-
-
 def _cfloat(x: float) -> str:
     if math.isnan(x):
         return "LB_NAN"
@@ -124,12 +118,13 @@ def _cfloat(x: float) -> str:
 
 def format_constants() -> str:
     """The prelude's format enum and per-format constants, from ``formats.py``."""
-    lines = ["enum { " + ", ".join(f"{_ENUM[n]} = {FORMAT_IDS[n]}" for n in FORMAT_NAMES if n in _ENUM) + " };",
+    enum = ", ".join(f"{FORMAT_ENUM[n]} = {FORMAT_IDS[n]}" for n in FORMAT_NAMES if n in FORMAT_ENUM)
+    lines = ["enum { " + enum + " };",
              "template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, "
              "the two in encode's input domain, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, "
              "min_exponent)"]
     for name in FORMAT_NAMES:
-        if name not in _ENUM:
+        if name not in FORMAT_ENUM:
             continue
         for nonneg in (False, True):
             fmt = StateFormat(name, nonneg=nonneg)
@@ -143,7 +138,7 @@ def format_constants() -> str:
                            f"pos_inf_code = {pos_inf}, neg_inf_code = {neg_inf}, nan_code = {nan};")
             if name.startswith("fp8"):
                 fields += f" static constexpr int mantissa = {fmt.mantissa_bits}, min_exponent = {fmt.min_exponent};"
-            lines.append(f"template <> struct lb_format<{_ENUM[name]}, {_cbool(nonneg)}> {{ {fields} }};")
+            lines.append(f"template <> struct lb_format<{FORMAT_ENUM[name]}, {_cbool(nonneg)}> {{ {fields} }};")
     return "\n".join(lines + _dynamic_levels())
 
 
@@ -164,18 +159,6 @@ def _dynamic_levels() -> list[str]:
 
 
 PRELUDE = (Path(__file__).parent / "cpu_prelude.h").read_text().replace("// @formats@", format_constants())
-
-
-@dataclass(frozen=True)
-class PointerInput:
-    """One per-element input of the body as the kernel sees it: a contiguous buffer."""
-
-    index: int  # position among the body's inputs
-    name: str
-    dtype: torch.dtype
-    length: str  # "n" (one per element), "blocks" (one per block), "patches" (K per block), "words" (one
-    # per 32 elements: a master's tie bits) or "empty"
-    written: bool
 
 
 @dataclass(frozen=True)
@@ -213,24 +196,6 @@ def _kind(*values: Value) -> Kind:
     return Kind.ELEMENT if any(v.kind is Kind.ELEMENT for v in values) else Kind.SCALAR
 
 
-@dataclass
-class _State:
-    """A quantized state of the body: its name in the C++ (``contract.identifier`` of its key, never
-    the key), its storage inputs and format."""
-
-    ident: str
-    fmt: StateFormat
-    parts: dict[Part, Node]
-    reads: bool = False
-    writes: bool = False
-    rand: str | None = None  # the name of its random-bits key when it rounds stochastically
-    value: str | None = None  # the lane value it stores
-    root: str | None = None  # the lane value that is that value's square root (sqrt8, when the step has it)
-
-    def ptr(self, part: Part) -> str:
-        return f"p_{self.parts[part].name}"
-
-
 class CppPrinter:
     """The primitives of ``primitives.py`` as C++ on GCC vector extensions; collects the kernel's
     statements (per block, per lane, after the lane loop) while ``lowering.lower_body`` walks."""
@@ -239,23 +204,21 @@ class CppPrinter:
         self.target = target
         self.graph = body.graph
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        self.states: dict[str, _State] = {}
+        self.states: dict[str, KernelState] = {}
         for access in map(state_access, self.graph.nodes):
             if access is None:
                 continue
-            state = self.states.setdefault(access.key, _State(identifier(access.key), access.fmt,
-                                                                dict(zip(PARTS, access.parts))))
+            state = self.states.setdefault(access.key, KernelState(identifier(access.key), access.fmt,
+                                                                     dict(zip(PARTS, access.parts))))
             state.reads |= access.reads
             state.writes |= not access.reads
         self.pointers, self.scalars = self._classify_inputs()
         self.ptr_of = {self.placeholders[p.index]: p for p in self.pointers}
         self.scalar_of = {self.placeholders[i]: j for j, i in enumerate(self.scalars)}
         self.block, self.patches = self._block_and_patches()
-        self.pre: list[str] = []  # once per block, before the lane loop
-        self.body = LaneBody()  # each lane iteration's statements, as records
-        self.staged: list[tuple[str, str, Stmt]] = []  # (buffer, its sqrt read back, the store of its input)
+        self.kernel = BlockKernel(self.block, self.patches, self.pointers, len(self.scalars),
+                                  list(self.states.values()))
         self.bf16_of: dict[str, _Expr] = {}  # a lane vector rounded to bf16 -> the fp32 operand it rounds
-        self.switches: list[str] = []  # per-block bools that pick a lane operand: the lane loop's versions
         self.names: set[str] = set()
 
     # ---- inputs ---------------------------------------------------------------------------------
@@ -307,10 +270,10 @@ class CppPrinter:
     def _lane(self, name: str, statement: str, ctype: str = "vf", value: Value | None = None) -> None:
         """A lane value: bound from ``value``, or (without one) read at the lane vector's index."""
         if value is None:
-            self.body.values.append(Stmt(statement, name, ctype=ctype, indexed=True))
+            self.kernel.body.values.append(Stmt(statement, name, ctype=ctype, indexed=True))
             return
         assert isinstance(value, _Expr)
-        self.body.values.append(Stmt(statement, name, value.uses, ctype, slow=value.slow, root_of=value.root_of))
+        self.kernel.body.values.append(Stmt(statement, name, value.uses, ctype, slow=value.slow, root_of=value.root_of))
 
     @staticmethod
     def _write(statement: str, *values: Value) -> Stmt:
@@ -321,7 +284,7 @@ class CppPrinter:
         if v.kind is Kind.ELEMENT:
             return _Expr(_operand(v), v.dtype, v.kind, uses=_reads(v), slow=_slow(v))
         if not v.atomic:
-            v = self.bind(v, f"t{len(self.pre)}")
+            v = self.bind(v, f"t{len(self.kernel.pre)}")
         text = f"lb_mask({v.text})" if v.dtype == torch.bool else f"lb_splat({v.text})"
         return _Expr(text, v.dtype, Kind.ELEMENT, uses=_reads(v), slow=_slow(v))
 
@@ -336,9 +299,9 @@ class CppPrinter:
         name = self._name("c", node.name)
         j = self.scalar_of[node]
         if dtype == torch.bool:
-            self.pre.append(f"const bool {name} = s[{j}] != 0.0f;")
+            self.kernel.pre.append(f"const bool {name} = s[{j}] != 0.0f;")
             return _named(name, torch.bool, Kind.SCALAR, host=True)
-        self.pre.append(f"const float {name} = s[{j}];")
+        self.kernel.pre.append(f"const float {name} = s[{j}];")
         return _named(name, dtype or torch.float32, Kind.SCALAR, host=True)
 
     def constant(self, value: float, dtype: torch.dtype = torch.float32) -> Value:
@@ -356,7 +319,7 @@ class CppPrinter:
             fn, v = ("lb_st_bf16", self.bf16_of[v.text]) if v.text in self.bf16_of else ("lb_st_bf16_exact", v)
         desc = input_of(node)
         param = desc is not None and desc.role is Role.PARAM
-        (self.body.late if param else self.body.stores).append(
+        (self.kernel.body.late if param else self.kernel.body.stores).append(
             self._write(f"if (full) {fn}({p}, {v.text}); else {fn}_n({p}, {v.text}, r);", v))
 
     def dequantize(self, access: StateAccess) -> Value:
@@ -368,7 +331,7 @@ class CppPrinter:
         if state.fmt.name == "bf16":
             self._lane(name, f"vf {name} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);")
             return _named(name, torch.float32, Kind.ELEMENT)
-        t = self._template(state)
+        t = state.template
         code = [f"vf {name} = lb_decode_scaled<{t}>(full ? lb_ld_codes<{t}>({codes} + i) : "
                 f"lb_ld_codes_n<{t}>({codes} + i, r), SC_{k}, FL_{k});"]
         if state.fmt.patches:
@@ -384,21 +347,21 @@ class CppPrinter:
         x = self._vec(value)
         if seed is not None:
             state.rand = self._name("h", f"{state.ident}_rand")
-            self.pre.append(f"const lb_rand {state.rand} = {{lb_hash32_s((uint32_t){_operand(seed)} ^ "
+            self.kernel.pre.append(f"const lb_rand {state.rand} = {{lb_hash32_s((uint32_t){_operand(seed)} ^ "
                             f"({access.stream}u << 24)), start}};")
         if state.fmt.name == "bf16":
-            v, codes = f"lb_bf16_state_clamp<{_sign(state.fmt)}>({x.text})", state.ptr(Part.CODES)
+            v, codes = f"lb_bf16_state_clamp<{sign_name(state.fmt)}>({x.text})", state.ptr(Part.CODES)
             if seed is not None:
                 bits = f"lb_bf16_bits_stochastic({v}, lb_bits_at<true>({state.rand}, i))"
-                self.body.stores.append(self._write(f"if (full) lb_st_u16({codes} + i, {bits}); "
+                self.kernel.body.stores.append(self._write(f"if (full) lb_st_u16({codes} + i, {bits}); "
                                                     f"else lb_st_u16_n({codes} + i, {bits}, r);", x))
                 return
-            self.body.stores.append(self._write(
+            self.kernel.body.stores.append(self._write(
                 f"if (full) lb_st_bf16({codes} + i, {v}); else lb_st_bf16_n({codes} + i, {v}, r);", x))
             return
         state.value = x.text
         buf, acc = f"buf_{state.ident}", f"acc_{state.ident}"
-        self.body.stores += [
+        self.kernel.body.stores += [
             self._write(f"if (full) lb_st({buf} + i, {x.text}); else lb_st_n({buf} + i, {x.text}, r);", x),
             self._write(f"{acc} = lb_vmax({acc}, lb_key_masked({x.text}, r));", x)]
 
@@ -434,12 +397,12 @@ class CppPrinter:
             lines.append("const vi c = d;")
         else:
             h = self._name("h", "seed")
-            self.pre.append(f"const uint32_t {h} = lb_hash32_s((uint32_t){_operand(seed)});")
+            self.kernel.pre.append(f"const uint32_t {h} = lb_hash32_s((uint32_t){_operand(seed)});")
             lines.append(f"const vi c = lb_master_code_8bit<{fmt.shift}>(d, {h}, start + i);")
         code = "i16" if fmt.exact else "i8"
         lines.append(f"if (full) {{ {store_p[0]}; lb_st_{code}({res}, c); }} "
                      f"else {{ {store_p[1]}; lb_st_{code}_n({res}, c, r); }}")
-        self.body.late.append(self._write("{\n" + "\n".join(f"  {line}" for line in lines) + "\n}", vec))
+        self.kernel.body.late.append(self._write("{\n" + "\n".join(f"  {line}" for line in lines) + "\n}", vec))
 
     def bind(self, value: Value, name: str) -> Value:
         if value.atomic and (value.literal is not None or _is_name(value)):
@@ -448,7 +411,7 @@ class CppPrinter:
             "float" if value.kind is Kind.SCALAR else "vf")
         if value.kind is Kind.SCALAR:
             ident = self._name("c", name)
-            self.pre.append(f"const {ctype} {ident} = {value.text};")
+            self.kernel.pre.append(f"const {ctype} {ident} = {value.text};")
         else:
             ident = self._name("v", name)
             self._lane(ident, f"const {ctype} {ident} = {value.text};", ctype, value)
@@ -493,10 +456,10 @@ class CppPrinter:
         # torch's float32 sqrt is MKL's vsSqrt (not correctly rounded): a first pass writes every sqrt
         # input of the block to a buffer, MKL takes the square roots in place, and the second pass
         # runs the whole update reading them back.
-        arg = self.bind(a, f"sqrt_in{len(self.staged)}")
-        buffer = f"sq{len(self.staged)}"
-        name = self._name("v", f"sqrt{len(self.staged)}")
-        self.staged.append((buffer, name, self._write(
+        arg = self.bind(a, f"sqrt_in{len(self.kernel.staged)}")
+        buffer = f"sq{len(self.kernel.staged)}"
+        name = self._name("v", f"sqrt{len(self.kernel.staged)}")
+        self.kernel.staged.append((buffer, name, self._write(
             f"if (full) lb_st({buffer} + i, {arg.text}); else lb_st_n({buffer} + i, {arg.text}, r);", arg)))
         self._lane(name, f"const vf {name} = full ? lb_ld({buffer} + i) : lb_ld_n({buffer} + i, r);")
         return _named(name, torch.float32, Kind.ELEMENT)
@@ -558,10 +521,10 @@ class CppPrinter:
         x, y = self._vec(a), self._vec(b)
         uses, slow = _reads(cond, x, y), _slow(cond, x, y)
         # a lane mask selects lane by lane; a scalar condition picks one operand, and a named one is a
-        # parameter of the lane loop's versions (lb_versions, _MAX_SWITCHES: no test inside the loop)
+        # parameter of the lane loop's versions (lb_versions, at most cpp_layout._MAX_SWITCHES: no test inside the loop)
         if cond.kind is Kind.SCALAR:
-            if _is_name(cond) and cond.text not in self.switches:
-                self.switches.append(cond.text)
+            if _is_name(cond) and cond.text not in self.kernel.switches:
+                self.kernel.switches.append(cond.text)
             return _Expr(f"({_operand(cond)} ? {x.text} : {y.text})", dtype, Kind.ELEMENT, uses=uses, slow=slow)
         return _Expr(f"{_operand(cond)} ? {x.text} : {y.text}", dtype, Kind.ELEMENT, atomic=False, uses=uses,
                      slow=slow)
@@ -575,193 +538,27 @@ class CppPrinter:
         denominator) keeps that root in a second block buffer, and its encode takes no square root."""
         for s in self.states.values():
             if s.writes and s.root is None and s.fmt.name == "sqrt8" and s.fmt.nonneg:
-                s.root = next((v.defines for v in self.body.values if v.root_of == s.value), None)
+                s.root = next((v.defines for v in self.kernel.body.values if v.root_of == s.value), None)
                 if s.root is not None:
-                    self.body.stores.append(Stmt(f"if (full) lb_st(root_{s.ident} + i, {s.root}); "
+                    self.kernel.body.stores.append(Stmt(f"if (full) lb_st(root_{s.ident} + i, {s.root}); "
                                                  f"else lb_st_n(root_{s.ident} + i, {s.root}, r);",
                                                  uses=frozenset({s.root})))
 
     def emitted(self) -> EmittedStep:
         self._share_roots()
         passes: list[LanePass] = []
-        if self.staged:
+        if self.kernel.staged:
             if self.states:
                 raise LoweringError("torch's own square root is for steps without quantized states")
-            first = self.body.first_pass({root for _, root, _ in self.staged}, [store for _, _, store in self.staged])
+            staged = self.kernel.staged
+            first = self.kernel.body.first_pass({root for _, root, _ in staged}, [store for _, _, store in staged])
             if first is None:
                 raise LoweringError("a square root of a square root, with torch's own square roots")
             passes.append(first)
-        passes.append(self.body.pipelined() or self.body.in_order())
-        return EmittedStep(self._render(passes), self.pointers, self.scalars, self.block, self.patches,
-                           bool(self.staged))
-
-    def _render(self, passes: list[LanePass]) -> str:
-        blockwise = [s for s in self.states.values() if s.fmt.blockwise]
-        rooted = [s for s in blockwise if s.root]
-        written = [s for s in blockwise if s.writes]
-        out = [
-            f"static const int64_t LB_BLOCK = {self.block};",
-            f"static const int64_t LB_ROW = {len(self.pointers) + 1};  // element count, then one pointer per input",
-            f"static const int LB_N_SCALARS = {len(self.scalars)};",
-            f"static const int LB_N_BUFS = {len(blockwise) + len(rooted) + len(self.staged)};",
-            "",
-        ]
-        slot = {s.ident: b for b, s in enumerate(blockwise)}  # a state's buffer, then its root's, in scratch
-        slot.update({f"root_{s.ident}": len(blockwise) + b for b, s in enumerate(rooted)})
-        if written:
-            out += self._job(written, slot)
-        fused = bool(written) and all(w.fmt.name in _FUSED_ENCODES for w in written)
-        block = self._block_setup(blockwise, rooted, slot) + (self._fuse_setup(written) if fused else [])
-        for k, lanes in enumerate(passes):
-            block += self._lane_loop(k, lanes, written if k == 0 and fused else [])
-            if k == 0 and len(passes) > 1:
-                block += [f"lb_vsqrt(len, {buf});" for buf, _, _ in self.staged]
-        block += self._scales(written, fused)
-        out += [
-            "static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int64_t len, int64_t blk,",
-            f"                          float* scratch{', lb_job& job' if written else ''}) {{",
-            *(f"  {line}" for line in block),
-            "}",
-            _entry(bool(written)),
-        ]
-        return "\n".join(out) + "\n"
-
-    def _block_setup(self, blockwise: list[_State], rooted: list[_State], slot: dict[str, int]) -> list[str]:
-        """The block's pointers into each input, its per-block values, and each quantized state's scale,
-        patches (sorted by offset), block buffer and lane maxima."""
-        out = []
-        for j, p in enumerate(self.pointers):
-            const = "" if p.written else "const "
-            offset = {"n": "start", "blocks": "blk", "empty": "0", "words": "0",
-                      "patches": f"blk * {self.patches}"}[p.length]
-            out.append(f"{const}{_CTYPES[p.dtype]}* __restrict p_{p.name} = ({const}{_CTYPES[p.dtype]}*)ptr[{j}]"
-                       f" + {offset};")
-        out += self.pre
-        for s in blockwise:
-            out.append(f"float* __restrict buf_{s.ident} = scratch + {slot[s.ident]} * LB_BLOCK;")
-            if s.reads:
-                out += self._decode_setup(s)
-            if s.writes:
-                out.append(f"vi acc_{s.ident} = lb_splat_i(-1);")
-        out += [f"float* __restrict root_{s.ident} = scratch + {slot['root_' + s.ident]} * LB_BLOCK;" for s in rooted]
-        first = len(blockwise) + len(rooted)
-        out += [f"float* __restrict {buf} = scratch + {first + b} * LB_BLOCK;"
-                for b, (buf, _, _) in enumerate(self.staged)]
-        return out
-
-    @staticmethod
-    def _decode_setup(s: _State) -> list[str]:
-        k, scales = s.ident, s.ptr(Part.SCALES)
-        out = [f"const vf SC_{k} = lb_splat(__builtin_fabsf(*{scales}));",
-               f"const bool FL_{k} = __builtin_signbit(*{scales});  // a flagged block"]
-        if s.fmt.patches:
-            out += [f"int64_t PI_{k}[{s.fmt.patches}];",
-                    f"float PV_{k}[{s.fmt.patches}];",
-                    f"const int PC_{k} = lb_sorted_patches<{s.fmt.patches}>({s.ptr(Part.PATCH_INDEX)}, "
-                    f"{s.ptr(Part.PATCH_VALUES)}, len, PI_{k}, PV_{k});",
-                    f"int PA_{k} = 0;",
-                    f"int64_t PN_{k} = PC_{k} ? PI_{k}[0] : LB_NO_PATCH;"]
-        return out
-
-    def _fuse_setup(self, written: list[_State]) -> list[str]:
-        """Whether this block's lane loop writes the previous block's codes (``fuse``: from the block
-        buffers it overwrites), and what it needs for that."""
-        fusable = " && ".join(f"lb_fusable<{self._template(w)}, {_encoding(root=w.root)}>(job.enc[{j}], job.mult[{j}])"
-                              for j, w in enumerate(written))
-        out = [f"const bool fuse = job.len == len && len % LB_W == 0 && {fusable};",
-               "if (!fuse) lb_finish(job, scratch);"]
-        for j, w in enumerate(written):
-            out.append(f"uint8_t* __restrict q_codes_{w.ident} = job.codes[{j}];")
-            out.append(f"const vf q_mult_{w.ident} = lb_splat(job.mult[{j}]);")
-            if w.rand:
-                out.append(f"const lb_rand q_rand_{w.ident} = job.rand[{j}];")
-        return out
-
-    def _lane_loop(self, k: int, lanes: LanePass, fused: list[_State]) -> list[str]:
-        """Pass ``k``; the first prefetches the next block's inputs while this one's arrive (a second pass
-        rereads them from cache) and, with ``fused`` states, writes their previous block's codes."""
-        used = names_used(statements_of(lanes))
-        versions = (["fuse"] if fused else []) + [name for name in self.switches if name in used]
-        head = [f"lb_prefetch(p_{p.name} + i, LB_BLOCK);" for p in self.pointers if p.length == "n"] if k == 0 else []
-        if fused:
-            head += self._encode_prev(fused)
-        return lane_loop(lanes, k, versions[:_MAX_SWITCHES], head)
-
-    def _scales(self, written: list[_State], fused: bool) -> list[str]:
-        """Each written state's scale and patches; its codes are left to the next block's loop (``lb_job``)."""
-        out = ["job.len = len;"] if written else []
-        for j, w in enumerate(written):
-            parts = ", ".join(w.ptr(part) for part in PARTS)
-            extra = [w.rand or "{}", f"root_{w.ident}"] if w.root else [w.rand] if w.rand else []
-            out.append(f"job.codes[{j}] = {w.ptr(Part.CODES)};")
-            out.append(f"job.rand[{j}] = {w.rand or 'lb_rand{}'};")
-            out.append(f"job.enc[{j}] = lb_quantize_scale<{self._template(w)}, {w.fmt.patches}"
-                       f"{', LB_STOCHASTIC' if w.rand else ''}>(acc_{w.ident}, buf_{w.ident}, len, LB_BLOCK, "
-                       f"{', '.join([parts, f'&job.mult[{j}]', *extra])});")
-        if written and not fused:
-            out.append("lb_finish(job, scratch);")
-        return out
-
-    def _job(self, written: list[_State], slot: dict[str, int]) -> list[str]:
-        """``lb_job``, a quantized block whose codes are still to be written, and ``lb_finish``, which
-        writes them in loops of their own (two states' in one: ``lb_encode_pair``)."""
-        ind = "  "
-        out = [f"typedef lb_pending<{len(written)}> lb_job;",
-               "static void lb_finish(lb_job& job, const float* scratch) {",
-               f"{ind}if (!job.len) return;",
-               f"{ind}const int64_t len = job.len;",
-               f"{ind}job.len = 0;"]
-        for j, w in enumerate(written):
-            k = w.ident
-            out.append(f"{ind}const float* buf_{k} = scratch + {slot[k]} * LB_BLOCK;")
-            if w.root:
-                out.append(f"{ind}const float* root_{k} = scratch + {slot['root_' + k]} * LB_BLOCK;")
-            out.append(f"{ind}uint8_t* {w.ptr(Part.CODES)} = job.codes[{j}];")
-            out.append(f"{ind}const float mult_{k} = job.mult[{j}];")
-            out.append(f"{ind}const bool enc_{k} = job.enc[{j}];")
-            if w.rand:
-                out.append(f"{ind}const lb_rand {w.rand} = job.rand[{j}];")
-
-        def args(s: _State) -> list[str]:
-            return [f"buf_{s.ident}", f"root_{s.ident}" if s.root else "nullptr", f"mult_{s.ident}", s.ptr(Part.CODES),
-                    s.rand or "{}"]
-
-        def single(s: _State) -> str:
-            buf, root, mult, codes, rand = args(s)
-            return (f"if (enc_{s.ident}) lb_encode_block<{self._template(s)}, {_encoding(s.rand)}>({buf}, {root}, "
-                    f"len, {mult}, {codes}, {rand});")
-
-        for a, b in zip(written[::2], written[1::2]):
-            out.append(f"{ind}if (enc_{a.ident} && enc_{b.ident}) {{")
-            out.append(f"{ind}  lb_encode_pair<{self._lane_encode(a)}, {self._lane_encode(b)}>"
-                       f"({', '.join(args(a) + args(b))}, len);")
-            out.append(f"{ind}}} else {{")
-            out += [f"{ind}  {single(a)}", f"{ind}  {single(b)}", f"{ind}}}"]
-        if len(written) % 2:
-            out.append(f"{ind}{single(written[-1])}")
-        return out + ["}", ""]
-
-    def _encode_prev(self, written: list[_State]) -> list[str]:
-        """The previous block's codes of the lane vector at i, read from the block buffers before this
-        iteration overwrites them (``fuse``): their square roots and conversions then share the loop
-        with this block's arithmetic instead of running in a loop of their own."""
-        lines = []
-        for w in written:
-            k = w.ident
-            root = f"root_{k}" if w.root else "nullptr"
-            rand = f"q_rand_{k}" if w.rand else "{}"
-            lines.append(f"  lb_st_codes(q_codes_{k} + i, lb_encode_at<{self._lane_encode(w)}>(buf_{k}, {root}, i, "
-                         f"q_mult_{k}, {rand}));")
-        return ["if (fuse) {", *lines, "}"]
-
-    def _lane_encode(self, s: _State) -> str:
-        """A state's template arguments for an unflagged block's encode, lane vector by lane vector."""
-        return f"{self._template(s)}, {_encoding(s.rand, s.root)}"
-
-    @staticmethod
-    def _template(s: _State) -> str:
-        return f"{_ENUM[s.fmt.name]}, {_sign(s.fmt)}"
-
+        passes.append(self.kernel.body.pipelined() or self.kernel.body.in_order())
+        jobs = any(s.writes and s.fmt.blockwise for s in self.states.values())
+        source = self.kernel.render(passes, _FUSED_ENCODES) + "\n" + _entry(jobs) + "\n"
+        return EmittedStep(source, self.pointers, self.scalars, self.block, self.patches, bool(self.kernel.staged))
 
 def _entry(jobs: bool) -> str:
     """The exported function: ``lb_run`` (``cpu_prelude.h``) over this kernel's blocks."""
