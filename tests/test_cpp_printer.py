@@ -56,17 +56,10 @@ class TestPrintedKernels(TestCase):
         block of another length, or the last, in loops of their own)."""
         source = emit_step(_adamw(), FAST).source
         kernel = _kernel(source)
-        job = source[source.index("static const int LB_N_JOBS"):source.index("static void lb_step_block")]
+        job = source[source.index("typedef lb_pending"):source.index("static void lb_step_block")]
         after_tail = kernel.index("\n  }", kernel.index("    if (i < len) {")) + 1  # the lane loop's end
         self.assertExpectedInline(job + _vector_loop(kernel) + kernel[after_tail:], """\
-static const int LB_N_JOBS = 2;
-struct lb_job {  // its codes: the next block's lane loop writes them, or lb_finish
-  int64_t len;  // 0: none pending
-  uint8_t* codes[LB_N_JOBS];
-  float mult[LB_N_JOBS];  // lb_quantize_scale's
-  bool enc[LB_N_JOBS];  // false: encoded already (a block with inf or NaN)
-  lb_rand rand[LB_N_JOBS];
-};
+typedef lb_pending<2> lb_job;
 static void lb_finish(lb_job& job, const float* scratch) {
   if (!job.len) return;
   const int64_t len = job.len;
@@ -81,10 +74,10 @@ static void lb_finish(lb_job& job, const float* scratch) {
   const float mult_exp_avg_sq = job.mult[1];
   const bool enc_exp_avg_sq = job.enc[1];
   if (enc_exp_avg && enc_exp_avg_sq) {
-    lb_encode_pair<LB_SQRT8, false, false, false, LB_SQRT8, true, false, true>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, {}, len);
+    lb_encode_pair<LB_SQRT8, LB_SIGNED, LB_PLAIN, LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, {}, len);
   } else {
-    if (enc_exp_avg) lb_encode_block<LB_SQRT8, false, false, false>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
-    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, true, false, false>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes, {});
+    if (enc_exp_avg) lb_encode_block<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
+    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes, {});
   }
 }
 
@@ -119,7 +112,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
   vi acc_exp_avg_sq = lb_splat_i(-1);
   float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
   if (!fuse) lb_finish(job, scratch);
   uint8_t* __restrict q_codes_exp_avg = job.codes[0];
   const vf q_mult_exp_avg = lb_splat(job.mult[0]);
@@ -139,13 +132,13 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       lb_prefetch(p_exp_avg_codes + i, LB_BLOCK);
       lb_prefetch(p_exp_avg_sq_codes + i, LB_BLOCK);
       if (fuse) {
-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
       }
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
       const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
       const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
       const vf v_mul_2 = v_dequantize_default_1_decoded * lb_splat(c_hp_betas_1);
@@ -190,10 +183,10 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   job.len = len;
   job.codes[0] = p_exp_avg_codes;
   job.rand[0] = lb_rand{};
-  job.enc[0] = lb_quantize_scale<LB_SQRT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0]);
+  job.enc[0] = lb_quantize_scale<LB_SQRT8, LB_SIGNED, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0]);
   job.codes[1] = p_exp_avg_sq_codes;
   job.rand[1] = lb_rand{};
-  job.enc[1] = lb_quantize_scale<LB_SQRT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], {}, root_exp_avg_sq);
+  job.enc[1] = lb_quantize_scale<LB_SQRT8, LB_UNSIGNED, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], {}, root_exp_avg_sq);
 }""")
 
     def test_fp32_states_take_torch_sqrt(self):
@@ -326,18 +319,18 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_INT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, true, false>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes<LB_INT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes<LB_INT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_INT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, LB_SIGNED>(full ? lb_ld_codes<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_INT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_INT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 -      const vf v_sqrt = lb_sqrt(v_addcmul);
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 -        const vf v_sqrt = prev_v_sqrt;
@@ -350,7 +343,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == dynamic8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
 -  if (!fuse) lb_finish(job, scratch);
 -  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
@@ -361,13 +354,13 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -      if (fuse) {
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
 -      }
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, false>(full ? lb_ld_codes<LB_DYNAMIC8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, true>(full ? lb_ld_codes<LB_DYNAMIC8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_DYNAMIC8, LB_SIGNED>(full ? lb_ld_codes<LB_DYNAMIC8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_DYNAMIC8, LB_UNSIGNED>(full ? lb_ld_codes<LB_DYNAMIC8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_DYNAMIC8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 -      const vf v_sqrt = lb_sqrt(v_addcmul);
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 -        const vf v_sqrt = prev_v_sqrt;
@@ -380,18 +373,18 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e4m3 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_E4M3, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_E4M3, true, false>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_E4M3, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E4M3, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E4M3, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, false>(full ? lb_ld_codes<LB_E4M3, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E4M3, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E4M3, true>(full ? lb_ld_codes<LB_E4M3, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_E4M3, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E4M3, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, LB_SIGNED>(full ? lb_ld_codes<LB_E4M3, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E4M3, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E4M3, LB_UNSIGNED>(full ? lb_ld_codes<LB_E4M3, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_E4M3, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 -      const vf v_sqrt = lb_sqrt(v_addcmul);
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 -        const vf v_sqrt = prev_v_sqrt;
@@ -404,18 +397,18 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e5m2 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_E5M2, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_E5M2, true, false>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_E5M2, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E5M2, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E5M2, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, false>(full ? lb_ld_codes<LB_E5M2, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E5M2, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E5M2, true>(full ? lb_ld_codes<LB_E5M2, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_E5M2, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E5M2, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, LB_SIGNED>(full ? lb_ld_codes<LB_E5M2, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E5M2, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_E5M2, LB_UNSIGNED>(full ? lb_ld_codes<LB_E5M2, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_E5M2, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 -      const vf v_sqrt = lb_sqrt(v_addcmul);
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 -        const vf v_sqrt = prev_v_sqrt;
@@ -454,7 +447,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
 -  if (!fuse) lb_finish(job, scratch);
 -  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
@@ -465,11 +458,11 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -      if (fuse) {
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
 -      }
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = full ? lb_ld_bf16(p_exp_avg_codes + i) : lb_ld_bf16_n(p_exp_avg_codes + i, r);
 +      vf v_dequantize_default_1_decoded = full ? lb_ld_bf16(p_exp_avg_sq_codes + i) : lb_ld_bf16_n(p_exp_avg_sq_codes + i, r);
 -      const vf v_sqrt = lb_sqrt(v_addcmul);
@@ -478,8 +471,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -      if (full) lb_st(buf_exp_avg_sq + i, v_addcmul); else lb_st_n(buf_exp_avg_sq + i, v_addcmul, r);
 -      acc_exp_avg_sq = lb_vmax(acc_exp_avg_sq, lb_key_masked(v_addcmul, r));
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
-+      if (full) lb_st_bf16(p_exp_avg_codes + i, lb_bf16_state_clamp<false>(v_lerp)); else lb_st_bf16_n(p_exp_avg_codes + i, lb_bf16_state_clamp<false>(v_lerp), r);
-+      if (full) lb_st_bf16(p_exp_avg_sq_codes + i, lb_bf16_state_clamp<true>(v_addcmul)); else lb_st_bf16_n(p_exp_avg_sq_codes + i, lb_bf16_state_clamp<true>(v_addcmul), r);
++      if (full) lb_st_bf16(p_exp_avg_codes + i, lb_bf16_state_clamp<LB_SIGNED>(v_lerp)); else lb_st_bf16_n(p_exp_avg_codes + i, lb_bf16_state_clamp<LB_SIGNED>(v_lerp), r);
++      if (full) lb_st_bf16(p_exp_avg_sq_codes + i, lb_bf16_state_clamp<LB_UNSIGNED>(v_addcmul)); else lb_st_bf16_n(p_exp_avg_sq_codes + i, lb_bf16_state_clamp<LB_UNSIGNED>(v_addcmul), r);
 -        const vf v_sqrt = prev_v_sqrt;
 +        const vf v_addcmul = prev_v_addcmul;
 +        const vf v_sqrt = lb_sqrt(v_addcmul);
@@ -508,22 +501,22 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_INT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, true, false>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
--      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, false>(full ? lb_ld_codes<LB_SQRT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
--      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, true>(full ? lb_ld_codes<LB_SQRT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
-+      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, false>(full ? lb_ld_codes<LB_INT8, false>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, false>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, LB_SIGNED>(full ? lb_ld_codes<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 +      while (PN_exp_avg < i + LB_W) {  // a patch falls in this vector
 +        v_dequantize_default_decoded[PN_exp_avg - i] = PV_exp_avg[PA_exp_avg];
 +        PN_exp_avg = ++PA_exp_avg < PC_exp_avg ? PI_exp_avg[PA_exp_avg] : LB_NO_PATCH;
 +      }
-+      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, true>(full ? lb_ld_codes<LB_INT8, true>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_INT8, true>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_INT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_INT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_INT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      while (PN_exp_avg_sq < i + LB_W) {  // a patch falls in this vector
 +        v_dequantize_default_1_decoded[PN_exp_avg_sq - i] = PV_exp_avg_sq[PA_exp_avg_sq];
 +        PN_exp_avg_sq = ++PA_exp_avg_sq < PC_exp_avg_sq ? PI_exp_avg_sq[PA_exp_avg_sq] : LB_NO_PATCH;
@@ -570,12 +563,12 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  uint16_t* __restrict p_param = (uint16_t*)ptr[0] + start;
 +  const uint16_t* __restrict p_grad = (const uint16_t*)ptr[1] + start;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, true>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, false, false>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, true, false>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, true>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
 -      const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
 -      const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
 +      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);

@@ -244,12 +244,12 @@ class TestPrintedStochasticKernels(TestCase):
 +static const int LB_N_SCALARS = 8;
 +  const lb_rand h_exp_avg_rand = job.rand[0];
 +  const lb_rand h_exp_avg_sq_rand = job.rand[1];
--    lb_encode_pair<LB_INT8, false, false, false, LB_INT8, true, false, false>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, {}, len);
-+    lb_encode_pair<LB_INT8, false, true, false, LB_INT8, true, true, false>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, h_exp_avg_rand, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, h_exp_avg_sq_rand, len);
--    if (enc_exp_avg) lb_encode_block<LB_INT8, false, false, false>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
--    if (enc_exp_avg_sq) lb_encode_block<LB_INT8, true, false, false>(buf_exp_avg_sq, nullptr, len, mult_exp_avg_sq, p_exp_avg_sq_codes, {});
-+    if (enc_exp_avg) lb_encode_block<LB_INT8, false, false, true>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, h_exp_avg_rand);
-+    if (enc_exp_avg_sq) lb_encode_block<LB_INT8, true, false, true>(buf_exp_avg_sq, nullptr, len, mult_exp_avg_sq, p_exp_avg_sq_codes, h_exp_avg_sq_rand);
+-    lb_encode_pair<LB_INT8, LB_SIGNED, LB_PLAIN, LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, {}, len);
++    lb_encode_pair<LB_INT8, LB_SIGNED, LB_STOCHASTIC, LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, h_exp_avg_rand, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, h_exp_avg_sq_rand, len);
+-    if (enc_exp_avg) lb_encode_block<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
+-    if (enc_exp_avg_sq) lb_encode_block<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, len, mult_exp_avg_sq, p_exp_avg_sq_codes, {});
++    if (enc_exp_avg) lb_encode_block<LB_INT8, LB_SIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, h_exp_avg_rand);
++    if (enc_exp_avg_sq) lb_encode_block<LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, len, mult_exp_avg_sq, p_exp_avg_sq_codes, h_exp_avg_sq_rand);
 +  const float c_clone_default = s[7];
 -  const float c_t8 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
 -  const float c_t9 = (float)0x1.0000000000000p+0 / c_pow_3;
@@ -259,10 +259,10 @@ class TestPrintedStochasticKernels(TestCase):
 +  const lb_rand h_exp_avg_sq_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (2u << 24)), start};
 +  const lb_rand q_rand_exp_avg = job.rand[0];
 +  const lb_rand q_rand_exp_avg_sq = job.rand[1];
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, false, false, false, false, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, true, false, false, false, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, false, false, false, true, false>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_rand_exp_avg));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, true, false, false, true, false>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq));
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_rand_exp_avg));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq));
 -      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
 +      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
 -        const vf v_div = v_sqrt * lb_splat(c_t9);
@@ -274,13 +274,13 @@ class TestPrintedStochasticKernels(TestCase):
 -      const vf v_div = v_sqrt * lb_splat(c_t9);
 +      const vf v_div = v_sqrt * lb_splat(c_t10);
 -  job.rand[0] = lb_rand{};
--  job.enc[0] = lb_quantize_scale<LB_INT8, false, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0]);
+-  job.enc[0] = lb_quantize_scale<LB_INT8, LB_SIGNED, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0]);
 +  job.rand[0] = h_exp_avg_rand;
-+  job.enc[0] = lb_quantize_scale<LB_INT8, false, 0, true>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0], h_exp_avg_rand);
++  job.enc[0] = lb_quantize_scale<LB_INT8, LB_SIGNED, 0, LB_STOCHASTIC>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0], h_exp_avg_rand);
 -  job.rand[1] = lb_rand{};
--  job.enc[1] = lb_quantize_scale<LB_INT8, true, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1]);
+-  job.enc[1] = lb_quantize_scale<LB_INT8, LB_UNSIGNED, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1]);
 +  job.rand[1] = h_exp_avg_sq_rand;
-+  job.enc[1] = lb_quantize_scale<LB_INT8, true, 0, true>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], h_exp_avg_sq_rand);""")
++  job.enc[1] = lb_quantize_scale<LB_INT8, LB_UNSIGNED, 0, LB_STOCHASTIC>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], h_exp_avg_sq_rand);""")
 
     def test_the_triton_kernel_passes_the_counter_and_the_stream(self):
         printer = pytest.importorskip("lowbit_compile.kernels.triton_printer")

@@ -16,15 +16,18 @@ before the lane loop.
 One kernel serves every parameter of its signature, any size, and any number of parameters per
 call: the exported function takes a table with one row per tensor (its element count and the data
 pointers of its inputs) and the step's scalar inputs, and splits all blocks of all rows over threads.
+
+Three parts: this module prints the primitives (``primitives.py``) as C++ statements into a
+``cpp_layout.BlockKernel``, which holds them as records, schedules the lane loop and lays the block
+function out; the fixed C++ (vector helpers, formats, block quantization, the exported step's loop
+over tensors, threads and blocks) is ``cpu_prelude.h``.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from string import Template
 
 import torch
 from torch.fx import GraphModule, Node
@@ -39,6 +42,15 @@ from .contract import (
     input_of,
     master_access,
     state_access,
+)
+from .cpp_layout import (
+    FORMAT_ENUM,
+    BlockKernel,
+    KernelState,
+    LanePass,
+    PointerInput,
+    Stmt,
+    sign_name,
 )
 from .formats import (
     DYNAMIC_LEVEL_FIELDS,
@@ -55,36 +67,41 @@ from .primitives import Kind, Value
 ENTRY = "lowbit_step"
 DEFAULT_CHUNK = 2048  # block length when no state is blockwise (only the unit of work)
 
-_ENUM = {"int8": "LB_INT8", "dynamic8": "LB_DYNAMIC8", "fp8_e4m3": "LB_E4M3", "fp8_e5m2": "LB_E5M2",
-         "bf16": "LB_BF16_CODES", "sqrt8": "LB_SQRT8"}
-_CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t", torch.float16: "uint16_t", torch.uint8: "uint8_t",
-           torch.int16: "int16_t", torch.int8: "int8_t", torch.int32: "int32_t"}
 _LOAD = {torch.float32: "lb_ld", torch.bfloat16: "lb_ld_bf16", torch.float16: "lb_ld_f16"}
 _STORE = {torch.float32: "lb_st", torch.bfloat16: "lb_st_bf16", torch.float16: "lb_st_f16"}
 _ROUND = {torch.bfloat16: "lb_round_bf16", torch.float16: "lb_round_f16"}
-_LANE_NAME = re.compile(r"\bv_\w+")
-_IDENT = re.compile(r"[A-Za-z_]\w*")  # a C++ name: a value bound to one
-_LANE_TYPE = re.compile(r"(?:const )?(vf|vi) ")  # a lane statement's declared type
-_PER_LANE = re.compile(r"\b(?:i|r|full)\b")  # a statement that reads memory at the lane vector's index
-_LONG_LATENCY = re.compile(r" / |\blb_sqrt\(")
 # Formats whose encode is a few vector instructions: the next block's lane loop writes a block's codes,
 # its square roots and conversions overlapping that block's arithmetic. dynamic8's longer encode (seven
 # permutes, two fmas and a floor per vector) runs slower that way than in a loop of its own
 # (bench/results/cpu_fused_encode.md).
 _FUSED_ENCODES = frozenset({"int8", "sqrt8", "fp8_e4m3", "fp8_e5m2"})
-# Per-block bools (a fused encode pending, lerp's weight test) the lane loop is compiled for each
-# combination of (lb_versions): without their tests inside, GCC schedules the loop as one block. At most
-# this many, 2^n copies of the loop.
-_MAX_SWITCHES = 3
 
 
 @dataclass(frozen=True)
-class _Pipelined:
-    """A lane body whose late part runs one lane vector behind its early part (``CppPrinter._pipeline``)."""
+class _Expr(Value):
+    """A :class:`Value` with what the lane loop's scheduling needs, kept as the expression is built
+    (never read back from its text): the names it reads, whether it holds a divide or vector square
+    root, and the operand it is the square root of."""
 
-    early: list[str]
-    late: list[str]
-    carried: list[tuple[str, str]]  # (vector type, lane value): computed early, used late
+    uses: frozenset[str] = frozenset()
+    slow: bool = False
+    root_of: str | None = None
+
+
+def _named(name: str, dtype: torch.dtype, kind: Kind, host: bool = False) -> _Expr:
+    return _Expr(name, dtype, kind, host, uses=frozenset({name}))
+
+
+def _is_name(v: Value) -> bool:
+    return isinstance(v, _Expr) and v.uses == {v.text}
+
+
+def _reads(*values: Value) -> frozenset[str]:
+    return frozenset().union(*(v.uses for v in values if isinstance(v, _Expr)))
+
+
+def _slow(*values: Value) -> bool:
+    return any(isinstance(v, _Expr) and v.slow for v in values)
 
 
 def _cbool(x: object) -> str:
@@ -101,12 +118,13 @@ def _cfloat(x: float) -> str:
 
 def format_constants() -> str:
     """The prelude's format enum and per-format constants, from ``formats.py``."""
-    lines = ["enum { " + ", ".join(f"{_ENUM[n]} = {FORMAT_IDS[n]}" for n in FORMAT_NAMES if n in _ENUM) + " };",
+    enum = ", ".join(f"{FORMAT_ENUM[n]} = {FORMAT_IDS[n]}" for n in FORMAT_NAMES if n in FORMAT_ENUM)
+    lines = ["enum { " + enum + " };",
              "template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, "
              "the two in encode's input domain, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, "
              "min_exponent)"]
     for name in FORMAT_NAMES:
-        if name not in _ENUM:
+        if name not in FORMAT_ENUM:
             continue
         for nonneg in (False, True):
             fmt = StateFormat(name, nonneg=nonneg)
@@ -120,7 +138,7 @@ def format_constants() -> str:
                            f"pos_inf_code = {pos_inf}, neg_inf_code = {neg_inf}, nan_code = {nan};")
             if name.startswith("fp8"):
                 fields += f" static constexpr int mantissa = {fmt.mantissa_bits}, min_exponent = {fmt.min_exponent};"
-            lines.append(f"template <> struct lb_format<{_ENUM[name]}, {_cbool(nonneg)}> {{ {fields} }};")
+            lines.append(f"template <> struct lb_format<{FORMAT_ENUM[name]}, {_cbool(nonneg)}> {{ {fields} }};")
     return "\n".join(lines + _dynamic_levels())
 
 
@@ -141,18 +159,6 @@ def _dynamic_levels() -> list[str]:
 
 
 PRELUDE = (Path(__file__).parent / "cpu_prelude.h").read_text().replace("// @formats@", format_constants())
-
-
-@dataclass(frozen=True)
-class PointerInput:
-    """One per-element input of the body as the kernel sees it: a contiguous buffer."""
-
-    index: int  # position among the body's inputs
-    name: str
-    dtype: torch.dtype
-    length: str  # "n" (one per element), "blocks" (one per block), "patches" (K per block), "words" (one
-    # per 32 elements: a master's tie bits) or "empty"
-    written: bool
 
 
 @dataclass(frozen=True)
@@ -182,34 +188,12 @@ def emit_step(body: GraphModule, target: Target) -> EmittedStep:
     return printer.emitted()
 
 
-def _indent(statements: list[str], ind: str) -> list[str]:
-    return [f"{ind}{line}" for statement in statements for line in statement.split("\n")]
-
-
 def _operand(v: Value) -> str:
     return v.text if v.atomic else f"({v.text})"
 
 
 def _kind(*values: Value) -> Kind:
     return Kind.ELEMENT if any(v.kind is Kind.ELEMENT for v in values) else Kind.SCALAR
-
-
-@dataclass
-class _State:
-    """A quantized state of the body: its name in the C++ (``contract.identifier`` of its key, never
-    the key), its storage inputs and format."""
-
-    ident: str
-    fmt: StateFormat
-    parts: dict[Part, Node]
-    reads: bool = False
-    writes: bool = False
-    rand: str | None = None  # the name of its random-bits key when it rounds stochastically
-    value: str | None = None  # the lane value it stores
-    root: str | None = None  # the lane value that is that value's square root (sqrt8, when the step has it)
-
-    def ptr(self, part: Part) -> str:
-        return f"p_{self.parts[part].name}"
 
 
 class CppPrinter:
@@ -220,25 +204,21 @@ class CppPrinter:
         self.target = target
         self.graph = body.graph
         self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        self.states: dict[str, _State] = {}
+        self.states: dict[str, KernelState] = {}
         for access in map(state_access, self.graph.nodes):
             if access is None:
                 continue
-            state = self.states.setdefault(access.key, _State(identifier(access.key), access.fmt,
-                                                                dict(zip(PARTS, access.parts))))
+            state = self.states.setdefault(access.key, KernelState(identifier(access.key), access.fmt,
+                                                                     dict(zip(PARTS, access.parts))))
             state.reads |= access.reads
             state.writes |= not access.reads
         self.pointers, self.scalars = self._classify_inputs()
         self.ptr_of = {self.placeholders[p.index]: p for p in self.pointers}
         self.scalar_of = {self.placeholders[i]: j for j, i in enumerate(self.scalars)}
         self.block, self.patches = self._block_and_patches()
-        self.pre: list[str] = []  # once per block, before the lane loop
-        self.lane: list[tuple[str | None, str]] = []  # (the lane value it defines, statement), in order
-        self.stores: list[str] = []  # write-backs at the end of each lane iteration
-        self.late: list[str] = []  # the param's write-backs (_pipeline may run them one lane vector late)
-        self.staged: list[tuple[str, str]] = []  # (buffer, the lane value whose sqrt it takes)
-        self.bf16_of: dict[str, str] = {}  # a lane vector rounded to bf16 -> the fp32 operand it rounds
-        self.switches: list[str] = []  # per-block bools that pick a lane operand: the lane loop's versions
+        self.kernel = BlockKernel(self.block, self.patches, self.pointers, len(self.scalars),
+                                  list(self.states.values()))
+        self.bf16_of: dict[str, _Expr] = {}  # a lane vector rounded to bf16 -> the fp32 operand it rounds
         self.names: set[str] = set()
 
     # ---- inputs ---------------------------------------------------------------------------------
@@ -287,37 +267,47 @@ class CppPrinter:
         self.names.add(ident)
         return ident
 
-    def _lane(self, name: str | None, statement: str) -> None:
-        self.lane.append((name, statement))
+    def _lane(self, name: str, statement: str, ctype: str = "vf", value: Value | None = None) -> None:
+        """A lane value: bound from ``value``, or (without one) read at the lane vector's index."""
+        if value is None:
+            self.kernel.body.values.append(Stmt(statement, name, ctype=ctype, indexed=True))
+            return
+        assert isinstance(value, _Expr)
+        self.kernel.body.values.append(Stmt(statement, name, value.uses, ctype, slow=value.slow, root_of=value.root_of))
 
-    def _vec(self, v: Value) -> str:
+    @staticmethod
+    def _write(statement: str, *values: Value) -> Stmt:
+        return Stmt(statement, uses=_reads(*values))
+
+    def _vec(self, v: Value) -> _Expr:
         """``v`` as a vector operand: a scalar is splat across the lanes (computed once per block first)."""
         if v.kind is Kind.ELEMENT:
-            return _operand(v)
+            return _Expr(_operand(v), v.dtype, v.kind, uses=_reads(v), slow=_slow(v))
         if not v.atomic:
-            v = self.bind(v, f"t{len(self.pre)}")
-        return f"lb_mask({v.text})" if v.dtype == torch.bool else f"lb_splat({v.text})"
+            v = self.bind(v, f"t{len(self.kernel.pre)}")
+        text = f"lb_mask({v.text})" if v.dtype == torch.bool else f"lb_splat({v.text})"
+        return _Expr(text, v.dtype, Kind.ELEMENT, uses=_reads(v), slow=_slow(v))
 
     # ---- inputs, outputs, state -----------------------------------------------------------------------
     def load(self, node: Node, dtype: torch.dtype) -> Value:
         name = self._name("v", node.name)
         p = f"p_{node.name} + i"
         self._lane(name, f"const vf {name} = full ? {_LOAD[dtype]}({p}) : {_LOAD[dtype]}_n({p}, r);")
-        return Value(name, dtype, Kind.ELEMENT)
+        return _named(name, dtype, Kind.ELEMENT)
 
     def scalar_input(self, node: Node, dtype: torch.dtype | None) -> Value:
         name = self._name("c", node.name)
         j = self.scalar_of[node]
         if dtype == torch.bool:
-            self.pre.append(f"const bool {name} = s[{j}] != 0.0f;")
-            return Value(name, torch.bool, Kind.SCALAR, host=True)
-        self.pre.append(f"const float {name} = s[{j}];")
-        return Value(name, dtype or torch.float32, Kind.SCALAR, host=True)
+            self.kernel.pre.append(f"const bool {name} = s[{j}] != 0.0f;")
+            return _named(name, torch.bool, Kind.SCALAR, host=True)
+        self.kernel.pre.append(f"const float {name} = s[{j}];")
+        return _named(name, dtype or torch.float32, Kind.SCALAR, host=True)
 
     def constant(self, value: float, dtype: torch.dtype = torch.float32) -> Value:
         if dtype == torch.bool:
-            return Value(_cbool(value), dtype, Kind.SCALAR, host=True, literal=value)
-        return Value(_cfloat(value), dtype, Kind.SCALAR, host=True, literal=value)
+            return _Expr(_cbool(value), dtype, Kind.SCALAR, host=True, literal=value)
+        return _Expr(_cfloat(value), dtype, Kind.SCALAR, host=True, literal=value)
 
     def store(self, node: Node, value: Value) -> None:
         dtype = self.ptr_of[node].dtype
@@ -326,10 +316,11 @@ class CppPrinter:
         # (fp32 opmath's write-back) is rounded by the store itself.
         fn = _STORE[dtype]
         if dtype == value.dtype == torch.bfloat16:
-            fn, v = ("lb_st_bf16", self.bf16_of[v]) if v in self.bf16_of else ("lb_st_bf16_exact", v)
+            fn, v = ("lb_st_bf16", self.bf16_of[v.text]) if v.text in self.bf16_of else ("lb_st_bf16_exact", v)
         desc = input_of(node)
         param = desc is not None and desc.role is Role.PARAM
-        (self.late if param else self.stores).append(f"if (full) {fn}({p}, {v}); else {fn}_n({p}, {v}, r);")
+        (self.kernel.body.late if param else self.kernel.body.stores).append(
+            self._write(f"if (full) {fn}({p}, {v.text}); else {fn}_n({p}, {v.text}, r);", v))
 
     def dequantize(self, access: StateAccess) -> Value:
         """Codes times the block's scale, with the block's patches (sorted by offset before the loop)
@@ -339,8 +330,8 @@ class CppPrinter:
         k, codes = state.ident, state.ptr(Part.CODES)
         if state.fmt.name == "bf16":
             self._lane(name, f"vf {name} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);")
-            return Value(name, torch.float32, Kind.ELEMENT)
-        t = self._template(state)
+            return _named(name, torch.float32, Kind.ELEMENT)
+        t = state.template
         code = [f"vf {name} = lb_decode_scaled<{t}>(full ? lb_ld_codes<{t}>({codes} + i) : "
                 f"lb_ld_codes_n<{t}>({codes} + i, r), SC_{k}, FL_{k});"]
         if state.fmt.patches:
@@ -349,27 +340,30 @@ class CppPrinter:
                      f"  PN_{k} = ++PA_{k} < PC_{k} ? PI_{k}[PA_{k}] : LB_NO_PATCH;",
                      "}"]
         self._lane(name, "\n".join(code))
-        return Value(name, torch.float32, Kind.ELEMENT)
+        return _named(name, torch.float32, Kind.ELEMENT)
 
     def quantize(self, access: StateAccess, value: Value, seed: Value | None) -> None:
         state = self.states[access.key]
         x = self._vec(value)
         if seed is not None:
             state.rand = self._name("h", f"{state.ident}_rand")
-            self.pre.append(f"const lb_rand {state.rand} = {{lb_hash32_s((uint32_t){_operand(seed)} ^ "
+            self.kernel.pre.append(f"const lb_rand {state.rand} = {{lb_hash32_s((uint32_t){_operand(seed)} ^ "
                             f"({access.stream}u << 24)), start}};")
         if state.fmt.name == "bf16":
-            v, codes = f"lb_bf16_state_clamp<{_cbool(state.fmt.nonneg)}>({x})", state.ptr(Part.CODES)
+            v, codes = f"lb_bf16_state_clamp<{sign_name(state.fmt)}>({x.text})", state.ptr(Part.CODES)
             if seed is not None:
                 bits = f"lb_bf16_bits_stochastic({v}, lb_bits_at<true>({state.rand}, i))"
-                self.stores.append(f"if (full) lb_st_u16({codes} + i, {bits}); "
-                                   f"else lb_st_u16_n({codes} + i, {bits}, r);")
+                self.kernel.body.stores.append(self._write(f"if (full) lb_st_u16({codes} + i, {bits}); "
+                                                    f"else lb_st_u16_n({codes} + i, {bits}, r);", x))
                 return
-            self.stores.append(f"if (full) lb_st_bf16({codes} + i, {v}); else lb_st_bf16_n({codes} + i, {v}, r);")
+            self.kernel.body.stores.append(self._write(
+                f"if (full) lb_st_bf16({codes} + i, {v}); else lb_st_bf16_n({codes} + i, {v}, r);", x))
             return
-        state.value = x
-        self.stores += [f"if (full) lb_st(buf_{state.ident} + i, {x}); else lb_st_n(buf_{state.ident} + i, {x}, r);",
-                        f"acc_{state.ident} = lb_vmax(acc_{state.ident}, lb_key_masked({x}, r));"]
+        state.value = x.text
+        buf, acc = f"buf_{state.ident}", f"acc_{state.ident}"
+        self.kernel.body.stores += [
+            self._write(f"if (full) lb_st({buf} + i, {x.text}); else lb_st_n({buf} + i, {x.text}, r);", x),
+            self._write(f"{acc} = lb_vmax({acc}, lb_key_masked({x.text}, r));", x)]
 
     def master_read(self, master: MasterAccess) -> Value:
         fmt = master.fmt
@@ -383,13 +377,14 @@ class CppPrinter:
             d = f"({d}) * {1 << fmt.shift}"
         join = "lb_master_join_bf16" if fmt.bf16 else "lb_master_join_f16"
         self._lane(name, f"const vf {name} = {join}(full ? {load}({p}) : {load}_n({p}, r), {d});")
-        return Value(name, torch.float32, Kind.ELEMENT)
+        return _named(name, torch.float32, Kind.ELEMENT)
 
     def master_write(self, master: MasterAccess, value: Value, seed: Value | None) -> None:
         """The param's bits and the residual code computed once per lane vector, then stored; exact bf16
         ties set their side bits as the code is made."""
         fmt = master.fmt
-        x, p, res = self._vec(value), f"p_{master.param.name} + i", f"p_{master.residual.name} + i"
+        vec, p, res = self._vec(value), f"p_{master.param.name} + i", f"p_{master.residual.name} + i"
+        x = vec.text
         if fmt.bf16:
             lines = [f"const vi P = lb_f32_to_bf16_bits({x});", f"const vi d = lb_master_d_bf16({x}, P);"]
             store_p = (f"lb_st_u16({p}, P)", f"lb_st_u16_n({p}, P, r)")
@@ -402,38 +397,43 @@ class CppPrinter:
             lines.append("const vi c = d;")
         else:
             h = self._name("h", "seed")
-            self.pre.append(f"const uint32_t {h} = lb_hash32_s((uint32_t){_operand(seed)});")
+            self.kernel.pre.append(f"const uint32_t {h} = lb_hash32_s((uint32_t){_operand(seed)});")
             lines.append(f"const vi c = lb_master_code_8bit<{fmt.shift}>(d, {h}, start + i);")
         code = "i16" if fmt.exact else "i8"
         lines.append(f"if (full) {{ {store_p[0]}; lb_st_{code}({res}, c); }} "
                      f"else {{ {store_p[1]}; lb_st_{code}_n({res}, c, r); }}")
-        self.late.append("{\n" + "\n".join(f"  {line}" for line in lines) + "\n}")
+        self.kernel.body.late.append(self._write("{\n" + "\n".join(f"  {line}" for line in lines) + "\n}", vec))
 
     def bind(self, value: Value, name: str) -> Value:
-        if value.atomic and (value.literal is not None or _IDENT.fullmatch(value.text)):
+        if value.atomic and (value.literal is not None or _is_name(value)):
             return value
         ctype = ("bool" if value.kind is Kind.SCALAR else "vi") if value.dtype == torch.bool else (
             "float" if value.kind is Kind.SCALAR else "vf")
         if value.kind is Kind.SCALAR:
             ident = self._name("c", name)
-            self.pre.append(f"const {ctype} {ident} = {value.text};")
+            self.kernel.pre.append(f"const {ctype} {ident} = {value.text};")
         else:
             ident = self._name("v", name)
-            self._lane(ident, f"const {ctype} {ident} = {value.text};")
-        return Value(ident, value.dtype, value.kind, value.host)
+            self._lane(ident, f"const {ctype} {ident} = {value.text};", ctype, value)
+        return _named(ident, value.dtype, value.kind, value.host)
 
     # ---- arithmetic -----------------------------------------------------------------------------
     def _binary(self, a: Value, b: Value, op: str, dtype: torch.dtype = torch.float32) -> Value:
         kind = _kind(a, b)
-        if kind is Kind.SCALAR:
-            return Value(f"{_operand(a)} {op} {_operand(b)}", dtype, kind, atomic=False)
-        return Value(f"{self._vec(a)} {op} {self._vec(b)}", dtype, kind, atomic=False)
+        if kind is Kind.ELEMENT:
+            a, b = self._vec(a), self._vec(b)
+        x, y = (_operand(v) if kind is Kind.SCALAR else v.text for v in (a, b))
+        return _Expr(f"{x} {op} {y}", dtype, kind, atomic=False, uses=_reads(a, b), slow=op == "/" or _slow(a, b))
 
     def _call(self, vector: str, scalar: str, *args: Value, dtype: torch.dtype = torch.float32) -> Value:
         kind = _kind(*args)
         if kind is Kind.SCALAR:
-            return Value(f"{scalar}({', '.join(a.text for a in args)})", dtype, kind)
-        return Value(f"{vector}({', '.join(self._vec(a) for a in args)})", dtype, kind)
+            return _Expr(f"{scalar}({', '.join(a.text for a in args)})", dtype, kind, uses=_reads(*args),
+                         slow=_slow(*args))
+        vecs = [self._vec(a) for a in args]
+        root = vector == "lb_sqrt"
+        return _Expr(f"{vector}({', '.join(v.text for v in vecs)})", dtype, kind, uses=_reads(*vecs),
+                     slow=root or _slow(*vecs), root_of=vecs[0].text if root else None)
 
     def add(self, a: Value, b: Value) -> Value:
         return self._binary(a, b, "+")
@@ -456,17 +456,18 @@ class CppPrinter:
         # torch's float32 sqrt is MKL's vsSqrt (not correctly rounded): a first pass writes every sqrt
         # input of the block to a buffer, MKL takes the square roots in place, and the second pass
         # runs the whole update reading them back.
-        arg = self.bind(a, f"sqrt_in{len(self.staged)}")
-        buffer = f"sq{len(self.staged)}"
-        self.staged.append((buffer, arg.text))
-        name = self._name("v", f"sqrt{len(self.staged) - 1}")
+        arg = self.bind(a, f"sqrt_in{len(self.kernel.staged)}")
+        buffer = f"sq{len(self.kernel.staged)}"
+        name = self._name("v", f"sqrt{len(self.kernel.staged)}")
+        self.kernel.staged.append((buffer, name, self._write(
+            f"if (full) lb_st({buffer} + i, {arg.text}); else lb_st_n({buffer} + i, {arg.text}, r);", arg)))
         self._lane(name, f"const vf {name} = full ? lb_ld({buffer} + i) : lb_ld_n({buffer} + i, r);")
-        return Value(name, torch.float32, Kind.ELEMENT)
+        return _named(name, torch.float32, Kind.ELEMENT)
 
     def neg(self, a: Value) -> Value:
         if a.literal is not None:
             return self.constant(-a.literal, a.dtype)
-        return Value(f"-{_operand(a)}", a.dtype, a.kind, atomic=False)
+        return _Expr(f"-{_operand(a)}", a.dtype, a.kind, atomic=False, uses=_reads(a), slow=_slow(a))
 
     def abs(self, a: Value) -> Value:
         return self._call("lb_abs", "__builtin_fabsf", a, dtype=a.dtype)
@@ -509,19 +510,24 @@ class CppPrinter:
         return self._binary(a, b, "||" if _kind(a, b) is Kind.SCALAR else "|", torch.bool)
 
     def logical_not(self, a: Value) -> Value:
-        return Value(f"{'!' if a.kind is Kind.SCALAR else '~'}{_operand(a)}", torch.bool, a.kind, atomic=False)
+        return _Expr(f"{'!' if a.kind is Kind.SCALAR else '~'}{_operand(a)}", torch.bool, a.kind, atomic=False,
+                     uses=_reads(a), slow=_slow(a))
 
     def where(self, cond: Value, a: Value, b: Value) -> Value:
         dtype = a.dtype if a.dtype == b.dtype else torch.float32
         if _kind(cond, a, b) is Kind.SCALAR:
-            return Value(f"{_operand(cond)} ? {_operand(a)} : {_operand(b)}", dtype, Kind.SCALAR, atomic=False)
+            return _Expr(f"{_operand(cond)} ? {_operand(a)} : {_operand(b)}", dtype, Kind.SCALAR, atomic=False,
+                         uses=_reads(cond, a, b), slow=_slow(cond, a, b))
+        x, y = self._vec(a), self._vec(b)
+        uses, slow = _reads(cond, x, y), _slow(cond, x, y)
         # a lane mask selects lane by lane; a scalar condition picks one operand, and a named one is a
-        # parameter of the lane loop's versions (lb_versions, _MAX_SWITCHES: no test inside the loop)
+        # parameter of the lane loop's versions (lb_versions, at most cpp_layout._MAX_SWITCHES: no test inside the loop)
         if cond.kind is Kind.SCALAR:
-            if _IDENT.fullmatch(cond.text) and cond.text not in self.switches:
-                self.switches.append(cond.text)
-            return Value(f"({_operand(cond)} ? {self._vec(a)} : {self._vec(b)})", dtype, Kind.ELEMENT)
-        return Value(f"{_operand(cond)} ? {self._vec(a)} : {self._vec(b)}", dtype, Kind.ELEMENT, atomic=False)
+            if _is_name(cond) and cond.text not in self.kernel.switches:
+                self.kernel.switches.append(cond.text)
+            return _Expr(f"({_operand(cond)} ? {x.text} : {y.text})", dtype, Kind.ELEMENT, uses=uses, slow=slow)
+        return _Expr(f"{_operand(cond)} ? {x.text} : {y.text}", dtype, Kind.ELEMENT, atomic=False, uses=uses,
+                     slow=slow)
 
     def to_float(self, cond: Value) -> Value:
         return self.where(cond, self.constant(1.0), self.constant(0.0))
@@ -532,293 +538,34 @@ class CppPrinter:
         denominator) keeps that root in a second block buffer, and its encode takes no square root."""
         for s in self.states.values():
             if s.writes and s.root is None and s.fmt.name == "sqrt8" and s.fmt.nonneg:
-                s.root = next((name for name, stmt in self.lane
-                               if name and stmt == f"const vf {name} = lb_sqrt({s.value});"), None)
+                s.root = next((v.defines for v in self.kernel.body.values if v.root_of == s.value), None)
                 if s.root is not None:
-                    self.stores.append(f"if (full) lb_st(root_{s.ident} + i, {s.root}); "
-                                       f"else lb_st_n(root_{s.ident} + i, {s.root}, r);")
+                    self.kernel.body.stores.append(Stmt(f"if (full) lb_st(root_{s.ident} + i, {s.root}); "
+                                                 f"else lb_st_n(root_{s.ident} + i, {s.root}, r);",
+                                                 uses=frozenset({s.root})))
 
     def emitted(self) -> EmittedStep:
         self._share_roots()
-        passes = []
-        if self.staged:
+        passes: list[LanePass] = []
+        if self.kernel.staged:
             if self.states:
                 raise LoweringError("torch's own square root is for steps without quantized states")
-            needed = self._closure({arg for _, arg in self.staged})
-            if any(name in needed for name, _ in self.lane if name and name.startswith("v_sqrt")):
+            staged = self.kernel.staged
+            first = self.kernel.body.first_pass({root for _, root, _ in staged}, [store for _, _, store in staged])
+            if first is None:
                 raise LoweringError("a square root of a square root, with torch's own square roots")
-            first = [stmt for name, stmt in self.lane if name in needed]
-            first += [f"if (full) lb_st({buf} + i, {arg}); else lb_st_n({buf} + i, {arg}, r);"
-                      for buf, arg in self.staged]
             passes.append(first)
-        passes.append(self._pipeline() or [stmt for _, stmt in self.lane] + self.stores + self.late)
-        return EmittedStep(self._render(passes), self.pointers, self.scalars, self.block, self.patches,
-                           bool(self.staged))
-
-    def _pipeline(self) -> _Pipelined | None:
-        """The lane body split so that the param's write-backs, and the values only they need, run one
-        lane vector behind the rest: a divide or square root there (Adam's denominator) then overlaps
-        the next vector's loads and decodes instead of stalling the in-order dispatch behind it. None
-        where nothing long-latency would move."""
-        defs = {name: stmt for name, stmt in self.lane}
-        early_roots = {m for stmt in self.stores for m in _LANE_NAME.findall(stmt)}
-        late_roots = {m for stmt in self.late for m in _LANE_NAME.findall(stmt)}
-        late = self._closure(late_roots) - self._closure(early_roots)
-        late -= {name for name in late if _PER_LANE.search(defs[name])}  # loads stay where their index is
-        while True:  # whatever an early statement uses is early too
-            used = {m for name, stmt in self.lane if name not in late for m in _LANE_NAME.findall(stmt) if m != name}
-            if not used & late:
-                break
-            late -= used
-        if not any(_LONG_LATENCY.search(defs[name]) for name in late):
-            return None
-        uses = {m for name in late for m in _LANE_NAME.findall(defs[name])} | late_roots
-        carried = [(_LANE_TYPE.match(stmt).group(1), name) for name, stmt in self.lane
-                   if name in uses and name not in late]
-        return _Pipelined([stmt for name, stmt in self.lane if name not in late] + self.stores,
-                          [stmt for name, stmt in self.lane if name in late] + self.late, carried)
-
-    def _closure(self, names: set[str]) -> set[str]:
-        """The lane values ``names`` are computed from (themselves included)."""
-        defs = {name: stmt for name, stmt in self.lane if name}
-        seen: set[str] = set()
-        todo = list(names)
-        while todo:
-            name = todo.pop()
-            if name in seen or name not in defs:
-                continue
-            seen.add(name)
-            todo += [m for m in _LANE_NAME.findall(defs[name].split("=", 1)[-1]) if m != name]
-        return seen
-
-    def _render(self, passes: list[list[str] | _Pipelined]) -> str:
-        blockwise = [s for s in self.states.values() if s.fmt.blockwise]
-        rooted = [s for s in blockwise if s.root]
-        out: list[str] = []
-        row = len(self.pointers) + 1
-        out += [
-            f"static const int64_t LB_BLOCK = {self.block};",
-            f"static const int64_t LB_ROW = {row};  // element count, then one pointer per input",
-            f"static const int LB_N_SCALARS = {len(self.scalars)};",
-            f"static const int LB_N_BUFS = {len(blockwise) + len(rooted) + len(self.staged)};",
-            "",
-        ]
-        written = [s for s in blockwise if s.writes]
-        slot = {s.ident: b for b, s in enumerate(blockwise)}  # a state's buffer, then its root's, in scratch
-        slot.update({f"root_{s.ident}": len(blockwise) + b for b, s in enumerate(rooted)})
-        if written:
-            out += self._job(written, slot)
-        out += [
-            "static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int64_t len, int64_t blk,",
-            f"                          float* scratch{', lb_job& job' if written else ''}) {{",
-        ]
-        ind = "  "
-        for j, p in enumerate(self.pointers):
-            const = "" if p.written else "const "
-            offset = {"n": "start", "blocks": "blk", "empty": "0", "words": "0",
-                      "patches": f"blk * {self.patches}"}[p.length]
-            out.append(f"{ind}{const}{_CTYPES[p.dtype]}* __restrict p_{p.name} = ({const}{_CTYPES[p.dtype]}*)ptr[{j}]"
-                       f" + {offset};")
-        out += [f"{ind}{line}" for line in self.pre]
-        for s in blockwise:
-            out.append(f"{ind}float* __restrict buf_{s.ident} = scratch + {slot[s.ident]} * LB_BLOCK;")
-            if s.reads:
-                k = s.ident
-                out.append(f"{ind}const vf SC_{k} = lb_splat(__builtin_fabsf(*{s.ptr(Part.SCALES)}));")
-                out.append(f"{ind}const bool FL_{k} = __builtin_signbit(*{s.ptr(Part.SCALES)});  // a flagged block")
-                if s.fmt.patches:
-                    out.append(f"{ind}int64_t PI_{k}[{s.fmt.patches}];")
-                    out.append(f"{ind}float PV_{k}[{s.fmt.patches}];")
-                    out.append(f"{ind}const int PC_{k} = lb_sorted_patches<{s.fmt.patches}>({s.ptr(Part.PATCH_INDEX)}, "
-                               f"{s.ptr(Part.PATCH_VALUES)}, len, PI_{k}, PV_{k});")
-                    out.append(f"{ind}int PA_{k} = 0;")
-                    out.append(f"{ind}int64_t PN_{k} = PC_{k} ? PI_{k}[0] : LB_NO_PATCH;")
-            if s.writes:
-                out.append(f"{ind}vi acc_{s.ident} = lb_splat_i(-1);")
-        for s in rooted:
-            out.append(f"{ind}float* __restrict root_{s.ident} = scratch + {slot['root_' + s.ident]} * LB_BLOCK;")
-        for b, (buf, _) in enumerate(self.staged):
-            out.append(f"{ind}float* __restrict {buf} = scratch + {len(blockwise) + len(rooted) + b} * LB_BLOCK;")
-        fused = bool(written) and all(w.fmt.name in _FUSED_ENCODES for w in written)
-        if fused:  # the previous block's codes, from the block buffers this block's lane loop overwrites
-            fusable = " && ".join(f"lb_fusable<{self._template(w)}, {_cbool(w.root)}>(job.enc[{j}], job.mult[{j}])"
-                                  for j, w in enumerate(written))
-            out.append(f"{ind}const bool fuse = job.len == len && len % LB_W == 0 && {fusable};")
-            out.append(f"{ind}if (!fuse) lb_finish(job, scratch);")
-            for j, w in enumerate(written):
-                out.append(f"{ind}uint8_t* __restrict q_codes_{w.ident} = job.codes[{j}];")
-                out.append(f"{ind}const vf q_mult_{w.ident} = lb_splat(job.mult[{j}]);")
-                if w.rand:
-                    out.append(f"{ind}const lb_rand q_rand_{w.ident} = job.rand[{j}];")
-        for k, lane_body in enumerate(passes):
-            # The lane body appears twice, for whole vectors and for the tail, inline (where it has
-            # versions, in a lambda forced inline into each): values that live across iterations
-            # (scalars, top-K accumulators) stay in registers.
-            piped = lane_body if isinstance(lane_body, _Pipelined) else None
-            text = "\n".join(lane_body.early + lane_body.late if piped else lane_body)
-            switches = (["fuse"] if k == 0 and fused else []) + [
-                name for name in self.switches if re.search(rf"\b{name}\b", text)]
-            switches = switches[:_MAX_SWITCHES]
-            params = ", ".join(f"auto {name}" for name in switches)
-            out.append(f"{ind}const auto lanes{k} = [&]({params}) LB_INLINE_LAMBDA {{" if switches else f"{ind}{{")
-            out.append(f"{ind}  int64_t i = 0;")
-            if piped:
-                out.append(f"{ind}  int64_t prev_i = -1;  // the lane vector whose late part is pending")
-                out += [f"{ind}  {t} prev_{name} = {{}};" for t, name in piped.carried]
-                lane_body = piped.early + piped.late
-            out.append(f"{ind}  for (; i + LB_W <= len; i += LB_W) {{")
-            out.append(f"{ind}    const bool full = true;")
-            out.append(f"{ind}    const int64_t r = LB_W;")
-            if k == 0:  # the next block's inputs, while this one's arrive (pass 2 rereads them from cache)
-                out += [f"{ind}    lb_prefetch(p_{p.name} + i, LB_BLOCK);" for p in self.pointers if p.length == "n"]
-            encode_prev = self._encode_prev(written) if k == 0 and fused else []
-            if piped:
-                late = ["const int64_t i = prev_i;"]
-                late += [f"const {t} {name} = prev_{name};" for t, name in piped.carried] + piped.late
-                out += _indent(encode_prev + piped.early, ind + "    ")
-                out += [f"{ind}    if (prev_i >= 0) {{", *_indent(late, ind + "      "), f"{ind}    }}"]
-                out += [f"{ind}    prev_{name} = {name};" for _, name in piped.carried]
-                out.append(f"{ind}    prev_i = i;")
-                out.append(f"{ind}  }}")
-                out += [f"{ind}  if (prev_i >= 0) {{", f"{ind}    const bool full = true;",
-                        f"{ind}    const int64_t r = LB_W;", *_indent(late, ind + "    "), f"{ind}  }}"]
-            else:
-                out += _indent(encode_prev + lane_body, ind + "    ")
-                out.append(f"{ind}  }}")
-            out.append(f"{ind}  if (i < len) {{")
-            out.append(f"{ind}    const bool full = false;")
-            out.append(f"{ind}    const int64_t r = len - i;")
-            out += _indent(lane_body, ind + "    ")
-            out.append(f"{ind}  }}")
-            out.append(f"{ind}}}" if not switches else f"{ind}}};")
-            if switches:
-                out.append(f"{ind}lb_versions(lanes{k}, {', '.join(switches)});")
-            if k == 0 and len(passes) > 1:
-                out += [f"{ind}lb_vsqrt(len, {buf});" for buf, _ in self.staged]
-        if written:
-            out.append(f"{ind}job.len = len;")
-        for j, w in enumerate(written):  # each state's scale; its codes: the next block's loop writes them
-            parts = ", ".join(w.ptr(part) for part in PARTS)
-            extra = [w.rand or "{}", f"root_{w.ident}"] if w.root else [w.rand] if w.rand else []
-            out.append(f"{ind}job.codes[{j}] = {w.ptr(Part.CODES)};")
-            out.append(f"{ind}job.rand[{j}] = {w.rand or 'lb_rand{}'};")
-            out.append(f"{ind}job.enc[{j}] = lb_quantize_scale<{self._template(w)}, {w.fmt.patches}"
-                       f"{', true' if w.rand else ''}>(acc_{w.ident}, buf_{w.ident}, len, LB_BLOCK, "
-                       f"{', '.join([parts, f'&job.mult[{j}]', *extra])});")
-        if written and not fused:
-            out.append(f"{ind}lb_finish(job, scratch);")
-        out.append("}")
-        out.append(_entry(bool(written)))
-        return "\n".join(out) + "\n"
-
-    def _job(self, written: list[_State], slot: dict[str, int]) -> list[str]:
-        """``lb_job``, a quantized block whose codes are still to be written, and ``lb_finish``, which
-        writes them in loops of their own (two states' in one: ``lb_encode_pair``)."""
-        ind = "  "
-        out = [f"static const int LB_N_JOBS = {len(written)};",
-               "struct lb_job {  // its codes: the next block's lane loop writes them, or lb_finish",
-               "  int64_t len;  // 0: none pending",
-               "  uint8_t* codes[LB_N_JOBS];",
-               "  float mult[LB_N_JOBS];  // lb_quantize_scale's",
-               "  bool enc[LB_N_JOBS];  // false: encoded already (a block with inf or NaN)",
-               "  lb_rand rand[LB_N_JOBS];",
-               "};",
-               "static void lb_finish(lb_job& job, const float* scratch) {",
-               f"{ind}if (!job.len) return;",
-               f"{ind}const int64_t len = job.len;",
-               f"{ind}job.len = 0;"]
-        for j, w in enumerate(written):
-            k = w.ident
-            out.append(f"{ind}const float* buf_{k} = scratch + {slot[k]} * LB_BLOCK;")
-            if w.root:
-                out.append(f"{ind}const float* root_{k} = scratch + {slot['root_' + k]} * LB_BLOCK;")
-            out.append(f"{ind}uint8_t* {w.ptr(Part.CODES)} = job.codes[{j}];")
-            out.append(f"{ind}const float mult_{k} = job.mult[{j}];")
-            out.append(f"{ind}const bool enc_{k} = job.enc[{j}];")
-            if w.rand:
-                out.append(f"{ind}const lb_rand {w.rand} = job.rand[{j}];")
-
-        def args(s: _State) -> list[str]:
-            return [f"buf_{s.ident}", f"root_{s.ident}" if s.root else "nullptr", f"mult_{s.ident}", s.ptr(Part.CODES),
-                    s.rand or "{}"]
-
-        def single(s: _State) -> str:
-            buf, root, mult, codes, rand = args(s)
-            return (f"if (enc_{s.ident}) lb_encode_block<{self._template(s)}, false, {_cbool(s.rand)}>({buf}, {root}, "
-                    f"len, {mult}, {codes}, {rand});")
-
-        for a, b in zip(written[::2], written[1::2]):
-            flags = [f"{self._template(a)}, {_cbool(a.rand)}, {_cbool(a.root)}",
-                     f"{self._template(b)}, {_cbool(b.rand)}, {_cbool(b.root)}"]
-            out.append(f"{ind}if (enc_{a.ident} && enc_{b.ident}) {{")
-            out.append(f"{ind}  lb_encode_pair<{', '.join(flags)}>({', '.join(args(a) + args(b))}, len);")
-            out.append(f"{ind}}} else {{")
-            out += [f"{ind}  {single(a)}", f"{ind}  {single(b)}", f"{ind}}}"]
-        if len(written) % 2:
-            out.append(f"{ind}{single(written[-1])}")
-        return out + ["}", ""]
-
-    def _encode_prev(self, written: list[_State]) -> list[str]:
-        """The previous block's codes of the lane vector at i, read from the block buffers before this
-        iteration overwrites them (``fuse``): their square roots and conversions then share the loop
-        with this block's arithmetic instead of running in a loop of their own."""
-        lines = []
-        for w in written:
-            k = w.ident
-            root = f"root_{k}" if w.root else "nullptr"
-            rand = f"q_rand_{k}" if w.rand else "{}"
-            lines.append(f"  lb_st_codes(q_codes_{k} + i, lb_encode_at<{self._template(w)}, false, false, "
-                         f"{_cbool(w.rand)}, {_cbool(w.root)}>(buf_{k}, {root}, i, q_mult_{k}, {rand}));")
-        return ["if (fuse) {", *lines, "}"]
-
-    @staticmethod
-    def _template(s: _State) -> str:
-        return f"{_ENUM[s.fmt.name]}, {_cbool(s.fmt.nonneg)}"
-
+        passes.append(self.kernel.body.pipelined() or self.kernel.body.in_order())
+        jobs = any(s.writes and s.fmt.blockwise for s in self.states.values())
+        source = self.kernel.render(passes, _FUSED_ENCODES) + "\n" + _entry(jobs) + "\n"
+        return EmittedStep(source, self.pointers, self.scalars, self.block, self.patches, bool(self.kernel.staged))
 
 def _entry(jobs: bool) -> str:
-    """The exported function; with ``jobs`` each thread carries the block whose codes are still to be
-    written from one ``lb_step_block`` call to the next, and writes the last one's at the end."""
-    if not jobs:
-        return _ENTRY.substitute(start="", call="lb_step_block(row + 1, s, start, len, blk, scratch);", finish="")
-    return _ENTRY.substitute(start="      lb_job job = {};  // the block before g, its codes still to write\n",
-                             call="lb_step_block(row + 1, s, start, len, blk, scratch, job);",
-                             finish="      lb_finish(job, scratch);\n")
-
-
-_ENTRY = Template("""
-// table: one row of LB_ROW int64 per tensor (element count, then its input pointers);
-// scalars: the step's scalar inputs (rounded to float, as aten rounds a Python scalar).
-extern "C" int lowbit_step(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {
-  float s[LB_N_SCALARS > 0 ? LB_N_SCALARS : 1];
-  for (int k = 0; k < LB_N_SCALARS; ++k) s[k] = (float)scalars[k];
-  int64_t* first = (int64_t*)malloc((n_tensors + 1) * sizeof(int64_t));
-  if (!first) return 1;
-  first[0] = 0;
-  for (int64_t t = 0; t < n_tensors; ++t) first[t + 1] = first[t] + (table[t * LB_ROW] + LB_BLOCK - 1) / LB_BLOCK;
-  const int64_t total = first[n_tensors];
-  int64_t nt = n_threads < 1 ? 1 : n_threads;
-  if (nt > total) nt = total > 0 ? total : 1;
-  int failed = 0;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-    const int64_t lo = total * tid / nth, hi = total * (tid + 1) / nth;
-    float* scratch = lb_scratch(LB_N_BUFS * LB_BLOCK + 1);
-    if (!scratch) {
-#pragma omp atomic write
-      failed = 1;
-    } else {
-      int64_t t = 0;
-${start}      for (int64_t g = lo; g < hi; ++g) {
-        while (first[t + 1] <= g) ++t;
-        const int64_t* row = table + t * LB_ROW;
-        const int64_t blk = g - first[t], start = blk * LB_BLOCK;
-        const int64_t len = row[0] - start < LB_BLOCK ? row[0] - start : LB_BLOCK;
-        ${call}
-      }
-${finish}    }
-  }
-  free(first);
-  return failed ? 2 : 0;
-}""")
+    """The exported function: ``lb_run`` (``cpu_prelude.h``) over this kernel's blocks."""
+    run = f"lb_run<LB_ROW, LB_BLOCK, LB_N_SCALARS, LB_N_BUFS, {'lb_job' if jobs else 'lb_no_job'}, lb_step_block>"
+    return "\n".join([
+        "",
+        f'extern "C" int {ENTRY}(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {{',
+        f"  return {run}(n_tensors, table, scalars, n_threads);",
+        "}",
+    ])

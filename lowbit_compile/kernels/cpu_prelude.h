@@ -455,6 +455,22 @@ LB_INLINE vu lb_random_bits(uint32_t seed_hash, int64_t first) {
 // ---- element formats (kernels/formats.py) -----------------------------------------------------
 // @formats@
 
+// Template arguments by name: a state's sign (the U of lb_format<F, U>: unsigned codes for a
+// non-negative state), and how a block's codes are encoded (lb_encode_at, lb_encode_block,
+// lb_encode_pair, lb_quantize_scale: these flags or-ed together).
+constexpr bool LB_SIGNED = false, LB_UNSIGNED = true;
+enum lb_encoding : unsigned {
+  LB_PLAIN = 0,  // to nearest, an unflagged block, the root taken here, no underflow lift
+  LB_FLAGGED = 1,  // a block holding inf or NaN: finite values within flagged_qmax, special codes for the rest
+  LB_LIFT = 2,  // a positive value whose product underflowed still gets a positive code
+  LB_STOCHASTIC = 4,  // rounds stochastically (lb_rand)
+  LB_ROOT = 8,  // sqrt8 encodes from the square roots the step took (a non-negative state's)
+};
+template <unsigned M>
+struct lb_mode {
+  static constexpr bool flagged = M & LB_FLAGGED, lift = M & LB_LIFT, sr = M & LB_STOCHASTIC, root = M & LB_ROOT;
+};
+
 LB_INLINE vi lb_key(vf x) { return lb_bits_i(x) & 0x7FFFFFFF; }  // |x| as ordered integer bits
 
 // A code in a lane as lb_decode takes it: the signed codes of int8 and sqrt8 (two's complement bytes)
@@ -859,13 +875,14 @@ static inline void lb_block_scale(const float* buf, int64_t len, float absmax, f
 
 // Values x -> codes (blockquant.quantize_into) under the block's multiplier (sqrt8: its square root).
 // sqrt8 encodes from the root domain (formats.normalize): `root` is sqrt(x) of a non-negative state
-// when the step has it already (ROOT), else taken here. With LIFT (a non-negative state whose
+// when the step has it already (LB_ROOT), else taken here. With LB_LIFT (a non-negative state whose
 // multiplier is below 1) a positive value whose product underflowed still gets a positive code (a
 // root times a multiplier's root never underflows); in a flagged block finite values stay within
-// flagged_qmax and +inf, -inf and NaN take the format's special codes.
-template <int F, bool U, bool FLAGGED, bool LIFT, bool SR, bool ROOT>
+// flagged_qmax and +inf, -inf and NaN take the format's special codes. M: lb_encoding flags.
+template <int F, bool U, unsigned M>
 LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vu bits) {
   typedef lb_format<F, U> f;
+  constexpr bool FLAGGED = lb_mode<M>::flagged, LIFT = lb_mode<M>::lift, SR = lb_mode<M>::sr, ROOT = lb_mode<M>::root;
   vi code;
   vf y;
   if constexpr (F == LB_SQRT8) {
@@ -887,29 +904,30 @@ LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vu bits) {
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
   return lb_key(x) < 0x7F800000 ? code : special;
 }
-// The codes of the whole lane vector at buf + j; with ROOT, root holds the square roots of buf
+// The codes of the whole lane vector at buf + j; with LB_ROOT, root holds the square roots of buf
 // (lb_encode_scaled), and only a flagged block or stochastic rounding reads buf.
-template <int F, bool U, bool FLAGGED, bool LIFT, bool SR, bool ROOT>
+template <int F, bool U, unsigned M>
 LB_INLINE vi lb_encode_at(const float* buf, const float* root, int64_t j, vf vinv, lb_rand rnd) {
-  constexpr bool reads_x = !ROOT || FLAGGED || SR;
-  const vf x = reads_x ? lb_ld(buf + j) : vf{}, r = ROOT ? lb_ld(root + j) : vf{};
-  return lb_encode_scaled<F, U, FLAGGED, LIFT, SR, ROOT>(x, r, vinv, lb_bits_at<SR>(rnd, j));
+  typedef lb_mode<M> m;
+  constexpr bool reads_x = !m::root || m::flagged || m::sr;
+  const vf x = reads_x ? lb_ld(buf + j) : vf{}, r = m::root ? lb_ld(root + j) : vf{};
+  return lb_encode_scaled<F, U, M>(x, r, vinv, lb_bits_at<m::sr>(rnd, j));
 }
 // The codes of buf[0, len) (lb_encode_at).
-template <int F, bool U, bool FLAGGED, bool LIFT, bool SR, bool ROOT>
+template <int F, bool U, unsigned M>
 static inline void lb_encode_loop(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes,
                                   lb_rand rnd) {
+  typedef lb_mode<M> m;
   const vf vinv = lb_splat(inverse);
-  const auto at = [&](int64_t j) { return lb_encode_at<F, U, FLAGGED, LIFT, SR, ROOT>(buf, root, j, vinv, rnd); };
+  const auto at = [&](int64_t j) { return lb_encode_at<F, U, M>(buf, root, j, vinv, rnd); };
   int64_t i = 0;
-  if constexpr (!FLAGGED)  // a flagged block (inf or NaN in it) is rare: not unrolled, less to compile
+  if constexpr (!m::flagged)  // a flagged block (inf or NaN in it) is rare: not unrolled, less to compile
     for (; i + 4 * LB_W <= len; i += 4 * LB_W)
       lb_st_u8x4(codes + i, at(i), at(i + LB_W), at(i + 2 * LB_W), at(i + 3 * LB_W));
   for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, at(i));
   if (i < len) {
-    const vf x = lb_ld_n(buf + i, len - i), r = ROOT ? lb_ld_n(root + i, len - i) : vf{};
-    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, FLAGGED, LIFT, SR, ROOT>(x, r, vinv, lb_bits_at<SR>(rnd, i)),
-                  len - i);
+    const vf x = lb_ld_n(buf + i, len - i), r = m::root ? lb_ld_n(root + i, len - i) : vf{};
+    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, M>(x, r, vinv, lb_bits_at<m::sr>(rnd, i)), len - i);
   }
 }
 // The multiplier a block's encode applies: the inverse of its scale (sqrt8: the inverse's square root,
@@ -917,28 +935,29 @@ static inline void lb_encode_loop(const float* buf, const float* root, int64_t l
 template <int F>
 LB_INLINE float lb_multiplier(float inverse) { return F == LB_SQRT8 ? __builtin_sqrtf(inverse) : inverse; }
 // A multiplier >= 1 keeps every positive value positive (the product is at least the value), so the
-// usual block of a non-negative state skips the underflow test (LIFT).
+// usual block of a non-negative state skips the underflow test (LB_LIFT).
 template <int F, bool U>
 LB_INLINE bool lb_lifts(float mult) { return F != LB_SQRT8 && U && !(mult >= 1.0f); }
 // Whether the next block's lane loop may write a quantized block's codes, a vector per iteration
 // (lb_encode_at, no underflow lift): lb_quantize_scale left them to encode and no lift is needed.
-template <int F, bool U, bool ROOT>
-LB_INLINE bool lb_fusable(bool enc, float mult) { return enc && (ROOT || !lb_lifts<F, U>(mult)); }
+// M: LB_ROOT where the state encodes from the step's roots.
+template <int F, bool U, unsigned M>
+LB_INLINE bool lb_fusable(bool enc, float mult) { return enc && (lb_mode<M>::root || !lb_lifts<F, U>(mult)); }
 // The codes of buf[0, len) under the multiplier `mult` (lb_multiplier); sqrt8 encodes from the step's
-// roots where it gives them.
-template <int F, bool U, bool FLAGGED, bool SR>
+// roots where it gives them. M: LB_FLAGGED, LB_STOCHASTIC or neither (this picks LB_ROOT and LB_LIFT).
+template <int F, bool U, unsigned M>
 static inline void lb_encode_block(const float* buf, const float* root, int64_t len, float mult, uint8_t* codes,
                                    lb_rand rnd) {
-  if (F == LB_SQRT8 && U && root) lb_encode_loop<F, U, FLAGGED, false, SR, true>(buf, root, len, mult, codes, rnd);
-  else if (lb_lifts<F, U>(mult)) lb_encode_loop<F, U, FLAGGED, true, SR, false>(buf, nullptr, len, mult, codes, rnd);
-  else lb_encode_loop<F, U, FLAGGED, false, SR, false>(buf, nullptr, len, mult, codes, rnd);
+  if (F == LB_SQRT8 && U && root) lb_encode_loop<F, U, M | LB_ROOT>(buf, root, len, mult, codes, rnd);
+  else if (lb_lifts<F, U>(mult)) lb_encode_loop<F, U, M | LB_LIFT>(buf, nullptr, len, mult, codes, rnd);
+  else lb_encode_loop<F, U, M>(buf, nullptr, len, mult, codes, rnd);
 }
 
 // A block holding inf or NaN (rare: off the hot path, scalar): patches are the K largest finite
 // magnitudes (a non-finite value ranks below every finite one, so it is patched only where fewer than K
 // are finite), and if a non-finite value remains the block is flagged: scale from the finite rest over
-// flagged_qmax, stored with its sign bit set, non-finite values as special codes.
-template <int F, bool U, int K, bool SR>
+// flagged_qmax, stored with its sign bit set, non-finite values as special codes. M: LB_STOCHASTIC or not.
+template <int F, bool U, int K, unsigned M>
 __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* root, int64_t len, int64_t block,
                                                            uint8_t* codes, float* scale, uint16_t* patch_values,
                                                            int16_t* patch_index, lb_rand rnd) {
@@ -953,7 +972,7 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
     }
     for (int64_t pad = len; pad < block && best.floor() < 1; ++pad) best.add(1, (int32_t)pad, 0.0f);  // padding zeros
     for (int k = 0; k < K; ++k) {
-      patch_values[k] = lb_patch_bits<U, SR>(best.e[k].value, rnd, best.e[k].index);
+      patch_values[k] = lb_patch_bits<U, lb_mode<M>::sr>(best.e[k].value, rnd, best.e[k].index);
       patch_index[k] = (int16_t)best.e[k].index;
       if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
       if (root && best.e[k].index < len) root[best.e[k].index] = 0.0f;
@@ -973,11 +992,11 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
   if (flagged) {
     lb_scale_and_inverse(absmax, lb_format<F, U>::flagged_qmax, &s, &inv);
     *scale = -s;  // the sign bit flags the block (-0.0 included)
-    lb_encode_block<F, U, true, SR>(buf, root, len, lb_multiplier<F>(inv), codes, rnd);
+    lb_encode_block<F, U, M | LB_FLAGGED>(buf, root, len, lb_multiplier<F>(inv), codes, rnd);
   } else {
     lb_block_scale<F, U>(buf, len, absmax, &s, &inv);
     *scale = s;
-    lb_encode_block<F, U, false, SR>(buf, root, len, lb_multiplier<F>(inv), codes, rnd);
+    lb_encode_block<F, U, M>(buf, root, len, lb_multiplier<F>(inv), codes, rnd);
   }
 }
 
@@ -986,10 +1005,10 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
 // or lb_encode_pair for two states at once); a block holding inf or NaN (`lane_max`, each lane's
 // largest key in buf, says which) is quantized whole here (lb_quantize_nonfinite): false. The K
 // patches are the K largest |x| (ties: lowest offset) in the order the reference's repeated argmax
-// finds them; the scale comes from the rest (lb_block_scale). With SR the patches round
+// finds them; the scale comes from the rest (lb_block_scale). With M = LB_STOCHASTIC the patches round
 // stochastically, drawing from rnd. A non-negative sqrt8 state may give `root`, buf's square roots as
 // the step took them (lb_encode_scaled).
-template <int F, bool U, int K, bool SR = false>
+template <int F, bool U, int K, unsigned M = LB_PLAIN>
 static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
                               uint16_t* patch_values, int16_t* patch_index, float* mult, lb_rand rnd = {},
                               float* root = nullptr) {
@@ -998,7 +1017,7 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
   // there is no such bound: every element is offered (-1).
   const int32_t top = lb_hmax(lane_max);
   if (__builtin_expect(top >= 0x7F800000, 0)) {
-    lb_quantize_nonfinite<F, U, K, SR>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd);
+    lb_quantize_nonfinite<F, U, K, M>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd);
     return false;
   }
   int32_t rest = top > 0 ? top : 0;  // no patches: the absmax is the largest lane maximum
@@ -1014,7 +1033,7 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
     for (int64_t pad = len; pad < block && best.n <= K; ++pad) best.add(0, (int32_t)pad, 0.0f);  // the padding's zeros
     rest = best.n > K && best.e[K].key > 0 ? best.e[K].key : 0;
     for (int k = 0; k < K; ++k) {
-      patch_values[k] = lb_patch_bits<U, SR>(best.e[k].value, rnd, best.e[k].index);
+      patch_values[k] = lb_patch_bits<U, lb_mode<M>::sr>(best.e[k].value, rnd, best.e[k].index);
       patch_index[k] = (int16_t)best.e[k].index;
       if (best.e[k].index < len) buf[best.e[k].index] = 0.0f;
       if (root && best.e[k].index < len) root[best.e[k].index] = 0.0f;
@@ -1028,29 +1047,30 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
 }
 // The codes of two states' blocks of len elements in one loop (each as lb_encode_block encodes it): one
 // state's square roots (sqrt8's signed m) then overlap the other's arithmetic instead of running
-// alone. R1, R2: the state encodes from the roots it is given (a non-negative sqrt8 state).
-template <int F1, bool U1, bool SR1, bool R1, int F2, bool U2, bool SR2, bool R2>
+// alone. M1, M2: LB_STOCHASTIC, and LB_ROOT where the state encodes from the roots it is given (a
+// non-negative sqrt8 state).
+template <int F1, bool U1, unsigned M1, int F2, bool U2, unsigned M2>
 static void lb_encode_pair(const float* buf1, const float* root1, float mult1, uint8_t* codes1, lb_rand rnd1,
                            const float* buf2, const float* root2, float mult2, uint8_t* codes2, lb_rand rnd2,
                            int64_t len) {
   if (lb_lifts<F1, U1>(mult1) || lb_lifts<F2, U2>(mult2)) {  // a block of large values, no faster together
-    lb_encode_block<F1, U1, false, SR1>(buf1, root1, len, mult1, codes1, rnd1);
-    lb_encode_block<F2, U2, false, SR2>(buf2, root2, len, mult2, codes2, rnd2);
+    lb_encode_block<F1, U1, M1 & LB_STOCHASTIC>(buf1, root1, len, mult1, codes1, rnd1);
+    lb_encode_block<F2, U2, M2 & LB_STOCHASTIC>(buf2, root2, len, mult2, codes2, rnd2);
     return;
   }
   const vf v1 = lb_splat(mult1), v2 = lb_splat(mult2);
-  const auto at1 = [&](int64_t j) { return lb_encode_at<F1, U1, false, false, SR1, R1>(buf1, root1, j, v1, rnd1); };
-  const auto at2 = [&](int64_t j) { return lb_encode_at<F2, U2, false, false, SR2, R2>(buf2, root2, j, v2, rnd2); };
+  const auto at1 = [&](int64_t j) { return lb_encode_at<F1, U1, M1>(buf1, root1, j, v1, rnd1); };
+  const auto at2 = [&](int64_t j) { return lb_encode_at<F2, U2, M2>(buf2, root2, j, v2, rnd2); };
   int64_t i = 0;
   for (; i + 4 * LB_W <= len; i += 4 * LB_W) {
     lb_st_u8x4(codes1 + i, at1(i), at1(i + LB_W), at1(i + 2 * LB_W), at1(i + 3 * LB_W));
     lb_st_u8x4(codes2 + i, at2(i), at2(i + LB_W), at2(i + 2 * LB_W), at2(i + 3 * LB_W));
   }
   if (i < len) {  // the last partial group, each state alone
-    lb_encode_loop<F1, U1, false, false, SR1, R1>(buf1 + i, R1 ? root1 + i : nullptr, len - i, mult1, codes1 + i,
-                                                  lb_rand{rnd1.key, rnd1.first + i});
-    lb_encode_loop<F2, U2, false, false, SR2, R2>(buf2 + i, R2 ? root2 + i : nullptr, len - i, mult2, codes2 + i,
-                                                  lb_rand{rnd2.key, rnd2.first + i});
+    lb_encode_loop<F1, U1, M1>(buf1 + i, lb_mode<M1>::root ? root1 + i : nullptr, len - i, mult1, codes1 + i,
+                               lb_rand{rnd1.key, rnd1.first + i});
+    lb_encode_loop<F2, U2, M2>(buf2 + i, lb_mode<M2>::root ? root2 + i : nullptr, len - i, mult2, codes2 + i,
+                               lb_rand{rnd2.key, rnd2.first + i});
   }
 }
 
@@ -1197,4 +1217,67 @@ LB_INLINE vi lb_master_d_f16(vf x, vf p) {  // p: x rounded to fp16
   const vf inverse = lb_bits_f((278 - lb_f16_exponent(p)) << 23);  // 2^(24 - e), exact
   const vf d = lb_rint((x - p) * inverse);
   return (lb_bits_i(p) & 0x7F800000) == 0x7F800000 ? lb_splat_i(0) : __builtin_convertvector(d, vi);
+}
+
+// ---- the exported step ------------------------------------------------------------------------------
+// The generated part defines lb_step_block (one block of one tensor) and, for a step with quantized
+// states, lb_job (lb_pending) and lb_finish; lowbit_step calls lb_run with them.
+
+// Quantized blocks whose codes are still to be written: the next block's lane loop writes them, or
+// lb_finish, in loops of their own.
+template <int N>
+struct lb_pending {
+  static constexpr bool pending = true;
+  int64_t len;  // 0: none pending
+  uint8_t* codes[N];
+  float mult[N];  // lb_quantize_scale's
+  bool enc[N];  // false: encoded already (a block with inf or NaN)
+  lb_rand rand[N];
+};
+struct lb_no_job {  // a step without quantized states: nothing left to write after a block
+  static constexpr bool pending = false;
+};
+LB_INLINE void lb_finish(lb_no_job&, const float*) {}
+
+// table: one row of ROW int64 per tensor (element count, then its input pointers); scalars: the
+// step's scalar inputs (rounded to float, as aten rounds a Python scalar). Every block of every row,
+// split over threads; with a Job each thread carries the block whose codes are still to be written from
+// one STEP call to the next, and writes the last one's at the end. 0, or 1 (2) where the table (a
+// thread's scratch) could not be allocated.
+template <int64_t ROW, int64_t BLOCK, int N_SCALARS, int N_BUFS, class Job, auto STEP>
+static int lb_run(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {
+  float s[N_SCALARS > 0 ? N_SCALARS : 1];
+  for (int k = 0; k < N_SCALARS; ++k) s[k] = (float)scalars[k];
+  int64_t* first = (int64_t*)malloc((n_tensors + 1) * sizeof(int64_t));
+  if (!first) return 1;
+  first[0] = 0;
+  for (int64_t t = 0; t < n_tensors; ++t) first[t + 1] = first[t] + (table[t * ROW] + BLOCK - 1) / BLOCK;
+  const int64_t total = first[n_tensors];
+  int64_t nt = n_threads < 1 ? 1 : n_threads;
+  if (nt > total) nt = total > 0 ? total : 1;
+  int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t lo = total * tid / nth, hi = total * (tid + 1) / nth;
+    float* scratch = lb_scratch(N_BUFS * BLOCK + 1);
+    if (!scratch) {
+#pragma omp atomic write
+      failed = 1;
+    } else {
+      int64_t t = 0;
+      Job job = {};  // the block before g, its codes still to write
+      for (int64_t g = lo; g < hi; ++g) {
+        while (first[t + 1] <= g) ++t;
+        const int64_t* row = table + t * ROW;
+        const int64_t blk = g - first[t], start = blk * BLOCK;
+        const int64_t len = row[0] - start < BLOCK ? row[0] - start : BLOCK;
+        if constexpr (Job::pending) STEP(row + 1, s, start, len, blk, scratch, job);
+        else STEP(row + 1, s, start, len, blk, scratch);
+      }
+      lb_finish(job, scratch);
+    }
+  }
+  free(first);
+  return failed ? 2 : 0;
 }
