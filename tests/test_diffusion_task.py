@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from examples.tasks import DiffusionDigits, Hyper, OptimizerSpec, train
+from bench.tasks import DiffusionDigits, Hyper, OptimizerSpec, train
 
 pytest.importorskip("sklearn")
 

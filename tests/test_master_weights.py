@@ -26,7 +26,7 @@ from expecttest import TestCase
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from examples.tasks import FP32MasterCopy as Recipe
+from bench.tasks import FP32MasterCopy as Recipe
 from lowbit_compile import (
     enable,
     load_master_params,
@@ -318,7 +318,7 @@ def set_grads(groups: list[list[torch.nn.Parameter]], step: int, gen: torch.Gene
 
 
 def check_exact(name: str, fmt: str, dtype: torch.dtype, backend: str, steps: int = STEPS) -> None:
-    """``"exact"`` against the recipe (``examples/tasks.py``), every step: the 16-bit params and, at the
+    """``"exact"`` against the recipe (``bench/tasks.py``), every step: the 16-bit params and, at the
     end, every master bit. The recipe steps its fp32 copies with the stock optimizer for fp32 states on
     the CPU kernel and the reference (both are stock bit for bit), else with lowbit_compile on the same
     backend and format."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lowbit_compile
-from examples.tasks import OptimizerSpec, ZipfEmbedding, train
+from bench.tasks import OptimizerSpec, ZipfEmbedding, train
 from lowbit_compile import LowbitHealthWarning, enable, monitor
 from lowbit_compile import lowbit_compile as wrap
 from lowbit_compile.monitor import MAX_ZERO_FLUSH, MIN_SAMPLES
@@ -21,7 +21,7 @@ EVERY = 10
 
 
 def zipf_run(spec: str) -> tuple[lowbit_compile.Monitor, list[warnings.WarningMessage]]:
-    """The Zipf embedding task of examples/tasks.py (seed 0, its 300 steps), sampled every 10 steps."""
+    """The Zipf embedding task of bench/tasks.py (seed 0, its 300 steps), sampled every 10 steps."""
     task = ZipfEmbedding()
     names = [name for name, _ in task.model(0).named_parameters()]  # train() hands over model.parameters()
     monitors = []

@@ -378,7 +378,7 @@ def test_int8_states_keep_the_progress_of_fp32(cls):
     assert (start - ours) >= 0.98 * (start - stock), (start, stock, ours)
 
 
-# On a real task: the digits classifier of examples/tasks.py (bench/other_optimizers.py runs 3 seeds
+# On a real task: the digits classifier of bench/tasks.py (bench/other_optimizers.py runs 3 seeds
 # and the Zipf task too). Worse than stock by at most this fraction of the final validation loss,
 # seed 0, default format. Measured (bench/other_optimizers.py, 3 seeds, % gap): SGD -0.13 ± 0.03,
 # RMSprop -0.13 ± 0.13, Adagrad -0.12 ± 0.34, Adamax +0.00 ± 0.01, NAdam -0.01 ± 0.44, RAdam -1.12 ±

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.quality import summarize
-from examples.tasks import (
+from bench.tasks import (
     TASKS,
     CharGPT,
     DiffusionDigits,

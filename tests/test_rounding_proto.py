@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.rounding import check_name, code_values, library_has_rounding, make_optimizer, round_trip
-from examples.tasks import Hyper
+from bench.tasks import Hyper
 from lowbit_compile.kernels.formats import StateFormat
 
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
