@@ -48,12 +48,10 @@ from lowbit_compile.passes.split import split_prologue
 from lowbit_compile.state_schema import init_state, probe_schema
 from lowbit_compile.trace_cache import trace_for
 
+from .helpers import bits
+
 BF16, FP16 = torch.bfloat16, torch.float16
 STEPS = 6
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -20,7 +20,7 @@ from lowbit_compile.kernels.formats import StateFormat
 from lowbit_compile.kernels.lowering import Target
 
 from .graphs import body, pass_graphs
-from .test_numerics import bf16_bound, element_bound
+from .helpers import bf16_bound, element_bound
 
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 

@@ -15,7 +15,7 @@ import torch
 
 from lowbit_compile import lowbit_compile
 
-from .test_api import transformer_params
+from .helpers import transformer_params
 
 BOUNDS = {  # (max, mean) |param - fp32 param| / lr after 30 steps
     "int8": (3.0, 0.11),

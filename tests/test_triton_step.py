@@ -13,14 +13,11 @@ import torch
 from lowbit_compile import lowbit_compile
 from lowbit_compile.kernels.kernel import RowLaunch
 
+from .helpers import bits
 from .quantized_contract import assert_codes_within_one_step, assert_params_within_bound
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before triton is imported
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def tensor_betas() -> dict:

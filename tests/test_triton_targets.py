@@ -21,8 +21,7 @@ from lowbit_compile.kernels import blockquant
 from lowbit_compile.kernels.formats import StateFormat, decode, encode
 
 from . import target_matrix
-from .test_cpu_lowering import BLOCKWISE, _harness, _probe_values
-from .test_triton_state_kernels import bits, corner_values
+from .helpers import BLOCKWISE, bits, corner_values, prelude_harness, probe_values
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before triton is imported
@@ -73,13 +72,13 @@ def _fp8_probe_values(fmt: StateFormat) -> torch.Tensor:
     points = points[torch.isfinite(points)].view(torch.int32)
     near = torch.cat([points + 1, points - 1]).view(torch.float32)
     near = near[torch.isfinite(near)]
-    x = torch.cat([_probe_values(fmt), near.abs() if fmt.nonneg else near])
+    x = torch.cat([probe_values(fmt), near.abs() if fmt.nonneg else near])
     return torch.nn.functional.pad(x, (0, -len(x) % 16))
 
 
 @functools.cache
 def _cpu_formats() -> ctypes.CDLL:
-    return _harness("native")
+    return prelude_harness("native")
 
 
 def _cpu_convert(fmt: StateFormat, direction: int, codes: torch.Tensor, values: torch.Tensor) -> None:
@@ -177,7 +176,7 @@ def test_both_fp8_paths_decode_every_code_like_the_reference_and_the_cpu_kernel(
 def test_state_kernels_of_both_fp8_paths_match_the_reference_bit_for_bit(name, nonneg, outliers, dtype, native,
                                                                          fp8_path):
     """Blocks of ties, subnormals, zeros, a patch over tiny values and values at the clamp, as
-    ``test_triton_state_kernels`` builds them, with and without patches."""
+    ``helpers.corner_values`` builds them, with and without patches."""
     fp8_path(native)
     fmt = StateFormat.make(name, 64, outliers, nonneg)
     x = corner_values(fmt, torch.float32).clamp(-6e4, 6e4).to(dtype)  # finite in fp16 too
