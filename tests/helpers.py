@@ -284,3 +284,14 @@ def bf16_bound(x: torch.Tensor, nonneg: bool) -> torch.Tensor:
     saturating; for a non-negative state a positive value below 2^-133 is raised to it."""
     bound = 2.0**-8 * x.abs() + 2.0**-134
     return torch.where(x > 0, torch.maximum(bound, 2.0**-133 - x), bound) if nonneg else bound
+
+
+# -- test tiers -------------------------------------------------------------------------------------
+
+def slow_but(params: list, *fast_ids: str) -> list:
+    """``params`` (pytest params) with every one whose id is not in ``fast_ids`` marked slow: the fast
+    tier (``make test-fast``) keeps a few cases of a large family, the full suite runs them all."""
+    missing = set(fast_ids) - {p.id for p in params}
+    assert not missing, f"no such cases (renamed?): {sorted(missing)}"
+    return [p if p.id in fast_ids else pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])
+            for p in params]

@@ -238,6 +238,7 @@ def _build_kernels_with(monkeypatch, tmp_path, flag: str) -> None:
     monkeypatch.setattr(compile, "_compiled", {})
 
 
+@pytest.mark.slow
 def test_sixteen_lane_kernel_matches(monkeypatch, tmp_path):
     """The whole step compiled with 16 lanes (the AVX-512 width, here through the generic path)."""
     _build_kernels_with(monkeypatch, tmp_path, "-DLB_W=16")
@@ -245,6 +246,7 @@ def test_sixteen_lane_kernel_matches(monkeypatch, tmp_path):
     _assert_same_states(ref, ours)
 
 
+@pytest.mark.slow
 def test_kernel_without_avx_matches(monkeypatch, tmp_path):
     """The whole step compiled for x86-64 without AVX (8 lanes through the generic path, the code other
     architectures compile), here with the default format and stochastic rounding."""
@@ -253,6 +255,7 @@ def test_kernel_without_avx_matches(monkeypatch, tmp_path):
     _assert_same_states(ref, ours)
 
 
+@pytest.mark.slow
 def test_avx2_kernel_matches(monkeypatch, tmp_path):
     """The AVX2 intrinsics run whatever the machine: built with AVX-512 off (a no-op where the native build
     is the AVX2 one), fp32 params with Adam's flags and bf16 params, the default format."""
@@ -264,6 +267,7 @@ def test_avx2_kernel_matches(monkeypatch, tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_kernels_build_for_avx512(tmp_path):
     """The 16-lane intrinsics compile on any machine (the native build runs them only where the CPU has
     AVX-512): the element formats, bf16 conversions and every format's step (patches, stochastic
@@ -334,6 +338,7 @@ print(cpu_build.compile_count, time.perf_counter() - start)
 """
 
 
+@pytest.mark.slow
 def test_one_kernel_per_signature_and_a_warm_cache_serves_a_fresh_process(tmp_path):
     """Params of six shapes, quantized and small (stock): two signatures, so two kernels compiled in a
     fresh process (a fresh interpreter keeps other tests' caches out); a second process compiles

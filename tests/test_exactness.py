@@ -8,7 +8,7 @@ import torch
 
 from lowbit_compile import lowbit_compile
 
-from .helpers import model_params, optim_db_params, step_twins, twin_optimizers, twin_params
+from .helpers import model_params, optim_db_params, slow_but, step_twins, twin_optimizers, twin_params
 
 STEPS = 30
 ADAMS = (torch.optim.Adam, torch.optim.AdamW)
@@ -24,7 +24,8 @@ EXTRA = [
 ]
 
 
-@pytest.mark.parametrize(("cls", "kwargs"), optim_db_params(ADAMS) + EXTRA)
+@pytest.mark.parametrize(("cls", "kwargs"), slow_but(optim_db_params(ADAMS) + EXTRA, "AdamW-default", "Adam-amsgrad",
+                                                     "AdamW-tensor lr and betas"))
 def test_fp32_is_bitwise_stock(cls, kwargs):
     a, b, opt_a, opt_b = twin_optimizers(cls, kwargs, {"foreach": False}, {"foreach": False})
     lowbit_compile(opt_a, "fp32")
@@ -39,7 +40,7 @@ def test_fp32_is_bitwise_stock(cls, kwargs):
 
 
 @pytest.mark.parametrize("impl", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
-@pytest.mark.parametrize(("cls", "kwargs"), optim_db_params(ADAMS))
+@pytest.mark.parametrize(("cls", "kwargs"), slow_but(optim_db_params(ADAMS), "AdamW-default"))
 def test_fp32_matches_foreach_and_fused_to_rounding(cls, kwargs, impl):
     """foreach/fused reorder the float math; 30 steps stay within a few fp32 ulps of the param
     (relative 1e-6 ~ 8 ulps), far below one lr step (1e-3)."""
@@ -70,7 +71,7 @@ BRANCHING = [
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-@pytest.mark.parametrize(("cls", "kwargs"), BRANCHING)
+@pytest.mark.parametrize(("cls", "kwargs"), slow_but(BRANCHING, "RAdam (rectification at step 6)"))
 def test_fp32_is_bitwise_stock_when_params_skip_steps(cls, kwargs, backend):
     """Params whose grads are None on some steps have their own step counts, so a branch on the step
     count (RAdam's rho_t > 5, ASGD's averaging) goes different ways for params of one group in the
@@ -95,6 +96,7 @@ def test_fp32_is_bitwise_stock_when_params_skip_steps(cls, kwargs, backend):
     assert len(counts) > 3  # the params did go through different numbers of steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
 def test_fp32_is_bitwise_stock_with_tensor_hyperparameters_changing_in_place(cls):
     """Tensor ``lr``/``betas`` changed in place every step (beta1 through 0, beta2 through 1 - 2**-24):

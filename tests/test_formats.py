@@ -128,6 +128,7 @@ def _nearest_codes(x: torch.Tensor, nonneg: bool) -> tuple[torch.Tensor, torch.T
     return torch.cat(best), torch.cat(tied)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nonneg", [False, True])
 def test_dynamic8_encode_is_exactly_the_nearest_of_the_256_values(nonneg):
     """Exact in float64: each finite |x| <= 1 gets a code at the smallest distance (an exact tie
@@ -149,6 +150,7 @@ def test_dynamic8_encode_is_exactly_the_nearest_of_the_256_values(nonneg):
     assert int(encode(torch.tensor([float("nan")]), fmt)) == 255  # NaN saturates at the top code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nonneg", [False, True], ids=["signed", "nonneg"])
 def test_sqrt8_codes_are_the_rounded_square_roots(nonneg):
     """Over the whole float range (zeros, subnormals, every tie (c + 1/2)^2 and its fp32 neighbours,

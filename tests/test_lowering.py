@@ -21,7 +21,7 @@ from lowbit_compile.kernels.lowering import LOWERINGS, LoweringError, Target, un
 from lowbit_compile.kernels.primitives import PRIMITIVES, Primitives
 
 from .graphs import body
-from .helpers import each_param, optim_db_cases
+from .helpers import each_param, optim_db_cases, slow_but
 
 TARGETS = (Target("cuda"), Target("cpu"), Target("cpu", reciprocal_divisor=True))
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -34,8 +34,9 @@ def test_every_primitive_is_printed_by_every_printer(printer):
 
 
 STOCK = optim_db_cases(SUPPORTED)
-ALL = [pytest.param(cls, kwargs, id=name) for cls, kwargs, name in STOCK] + [
-    pytest.param(Lion, {"weight_decay": 0.1}, id="Lion (examples/lion.py)")]
+ALL = slow_but([pytest.param(cls, kwargs, id=name) for cls, kwargs, name in STOCK] + [
+    pytest.param(Lion, {"weight_decay": 0.1}, id="Lion (examples/lion.py)")],
+    "AdamW-amsgrad", "Lion (examples/lion.py)")
 
 
 def test_the_coverage_cases_hold_every_stock_optimizer():
@@ -139,6 +140,7 @@ def _two_signatures() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
     return params, torch.optim.AdamW(params, lr=1e-2)
 
 
+@pytest.mark.slow
 def test_the_kernels_of_one_step_compile_at_the_same_time(monkeypatch, tmp_path):
     """Each compilation waits until the other has started: built one after the other, the first
     would wait forever (here: the barrier's timeout breaks it and the step fails)."""

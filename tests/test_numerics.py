@@ -142,6 +142,7 @@ def assert_holds(x: torch.Tensor, q: blockquant.Quantized, fmt: StateFormat) -> 
 
 
 # -- encode/decode ------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "nonneg"), FORMATS)
 @SETTINGS
 @given(data=st.data(), block=st.sampled_from([8, 32, 64]), outliers=st.sampled_from([0, 1, 3]))
@@ -151,6 +152,7 @@ def test_every_format_survives_every_float(name, nonneg, data, block, outliers):
     assert_holds(x, blockquant.quantize(x, fmt), fmt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nonneg", [False, True], ids=["s", "u"])
 @SETTINGS
 @given(data=st.data())
@@ -160,6 +162,7 @@ def test_bf16_state_survives_every_float(nonneg, data):
     assert_holds(x, blockquant.quantize(x, fmt), fmt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "nonneg"), FORMATS)
 @SETTINGS
 @given(data=st.data(), decay=st.floats(2.0**-40, 1.0))
@@ -307,6 +310,7 @@ def assert_same_storage(got: blockquant.Quantized, want: blockquant.Quantized, w
         assert same_values(a, b), (what, part, a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "nonneg"), FORMATS)
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -372,6 +376,7 @@ def _rig(opt_name: str, fmt: str):
     return ours_p, stock_p, ours, stock
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", BLOCKWISE + ["bf16"])
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -430,6 +435,7 @@ KERNEL_STEPS = [pytest.param(backend, fmt, dtype, id=f"{backend}-{fmt}-{str(dtyp
                 + [("triton", f, torch.float32) for f in BLOCKWISE + ["bf16"]] + [("triton", "dynamic8", torch.bfloat16)]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("backend", "fmt", "dtype"), KERNEL_STEPS)
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), step=st.integers(1, 10**6))
@@ -651,6 +657,7 @@ def idle_row_run(fmt: str, steps: int, block_size: int = 256, backend: str = "re
                    bound.norm().item() / movement, bool((off <= bound).all()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", BLOCKWISE + ["bf16"])
 def test_a_long_idle_row_stays_finite_and_within_its_bound(fmt):
     """The issue's embedding row: updated once, then idle for 5,000 steps (fp8 NaNed its block after

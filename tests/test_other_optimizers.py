@@ -22,7 +22,7 @@ from lowbit_compile import QuantizedState, compile, lowbit_compile, restore, sta
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.passes.roles import NotElementwiseError
 
-from .helpers import each_param, optim_db_params, step_twins, twin_optimizers
+from .helpers import each_param, optim_db_params, slow_but, step_twins, twin_optimizers
 
 OPTIMIZERS = (torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam,
               torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
@@ -58,7 +58,8 @@ def _assert_same(a, b, opt_a, opt_b):
             assert torch.equal(sa[key], sb[key]), key
 
 
-@pytest.mark.parametrize(("cls", "kwargs"), optim_db_params(OPTIMIZERS) + EXTRA)
+@pytest.mark.parametrize(("cls", "kwargs"), slow_but(optim_db_params(OPTIMIZERS) + EXTRA, "SGD-nesterov", "RAdam-default",
+                                                     "Adagrad-Tensor lr", "Lion"))
 def test_fp32_is_bitwise_stock(cls, kwargs):
     """Seven params of three groups (differing lr, eps, weight decay), one without a grad every third
     step, a non-contiguous one and a 0-d one; the reference lowering, which runs the traced ops."""
@@ -351,6 +352,7 @@ def _fit(cls, kwargs, fmt, steps=60):
     return start, val()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", list(QUALITY), ids=lambda c: c.__name__)
 def test_int8_states_keep_the_progress_of_fp32(cls):
     """int8 states (256-element blocks, 2 patches) keep at least 98% of the validation-loss drop of
@@ -378,6 +380,7 @@ def test_int8_states_keep_the_progress_of_fp32(cls):
 WORSE_AT_MOST = {name: 0.01 for name in OTHER_OPTIMIZERS} | {"Lion (examples/lion.py)": 0.05, "Rprop": 0.10}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OTHER_OPTIMIZERS))
 def test_default_states_train_the_digits_classifier_like_stock(name):
     stock = run_other("digits", name, None, seed=0)

@@ -56,6 +56,7 @@ def test_a_positive_nonneg_value_below_the_first_code_rounds_up_never_to_zero():
     assert (draws[:, 1:] == 2.0**-12).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FORMATS)
 def test_nearest_prototype_tracks_the_library(name, one_thread):
     torch.manual_seed(0)

@@ -41,6 +41,7 @@ def test_quantize_and_dequantize_kernels_match_reference_bit_for_bit(name, nonne
         assert torch.equal(bits(triton_backend.dequantize(ref, fmt, out_dtype)), bits(expected))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nonneg", [False, True])
 def test_dynamic8_kernel_encode_matches_reference_near_every_threshold(nonneg):
     """The Triton arithmetic encode on every fp32 within 64 ulps of each threshold and map value:

@@ -170,7 +170,8 @@ def test_both_fp8_paths_decode_every_code_like_the_reference_and_the_cpu_kernel(
 
 
 @PATHS
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, *(pytest.param(d, marks=pytest.mark.slow)
+                                                    for d in (torch.bfloat16, torch.float16))])
 @pytest.mark.parametrize("outliers", [0, 2])
 @pytest.mark.parametrize(("name", "nonneg"), FP8_STATES)
 def test_state_kernels_of_both_fp8_paths_match_the_reference_bit_for_bit(name, nonneg, outliers, dtype, native,
@@ -201,6 +202,7 @@ STEPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(STEPS))
 def test_fused_step_states_of_both_fp8_paths_equal_the_cpu_kernel_and_the_reference(case, fp8_path):
     cls, fmt, dtype, numel, block, outliers, kwargs = STEPS[case]
@@ -258,6 +260,7 @@ def test_the_compile_plan_covers_every_cell_and_each_kernel_kind_meets_every_arc
             (kind, nonneg) for kind in tm.STATE_KERNELS for nonneg in (False, True)}, fmt
 
 
+@pytest.mark.slow
 def test_every_kernel_of_the_plan_compiles_for_its_architecture():
     """Triton's real compiler and its bundled ptxas, in a fresh interpreter (this process runs Triton
     interpreted), so a GPU-only compile error fails here: before the integer FP8 path, fp8_e4m3 failed on

@@ -24,6 +24,8 @@ import torch
 
 from bench.zero_point import OURS, SMALL, zero_point_check
 
+pytestmark = pytest.mark.slow  # a training run per format (the module's fixture)
+
 MISSES_GOAL = {"int8": 3.0, "fp8_e4m3": 2.0, "fp8_e5m2": 4.5}  # measured max drift x ~1.4
 
 
