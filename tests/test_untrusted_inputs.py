@@ -410,7 +410,12 @@ def test_a_changed_or_foreign_library_is_not_loaded_but_rebuilt(fresh_builds, tm
     source = ANSWER.format(3)
     assert answer(source) == (3, 1)
     [lib] = (tmp_path / "cache").glob("*.so")
-    lib.write_bytes(planted_library(tmp_path, marker))
+    # a new file in its place, as its mode: the library this process loaded stays mapped intact (bytes
+    # written into it would change that mapping, and the process crashed at exit)
+    planted = lib.with_suffix(".planted")
+    planted.write_bytes(planted_library(tmp_path, marker))
+    planted.chmod(mode(lib))
+    planted.replace(lib)
     cpu_build._loaded.clear()
     with pytest.warns(UserWarning, match=rf"not loading the kernel library {re.escape(str(lib))}: its bytes"):
         assert answer(source) == (3, 1)
