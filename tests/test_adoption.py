@@ -80,8 +80,7 @@ def test_hf_trainer_with_name_patterns_through_with_options():
     assert isinstance(opt.state[model.transformer.h[0].mlp.c_fc.weight]["exp_avg"], QuantizedState)
 
 
-@pytest.mark.slow
-def test_hf_monitor_callback_samples_and_records_in_the_log_history():
+def test_hf_monitor_callback_samples_and_records_in_the_log_history():  # the fast tier's one HF test
     from lowbit_compile.hf_callback import LowbitMonitorCallback
 
     seen = []
