@@ -36,7 +36,7 @@ $(VENV)/.peers: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[peers,bench]" $(TORCH_PIN)
 	touch $@
 
-.PHONY: demo test bench-deps bench-step
+.PHONY: demo test test-fast bench-deps bench-step
 demo: $(VENV)/.demo
 	$(PY) examples/demo.py
 
@@ -44,6 +44,12 @@ test: $(VENV)/.installed $(OLDEST)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) $(PYTEST)
 	$(OLDEST)/bin/python $(PYTEST)
+
+# the tier to run on every change (a few minutes on 2 cores): lint and the tests not marked slow, on the
+# main venv only; `make test` (CI) runs every test on both torch versions
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(PY) $(PYTEST) -m "not slow"
 
 bench-deps: $(VENV)/.peers
 

@@ -1,6 +1,6 @@
 """Training with bf16 params: ours (default format, the update in fp32 rounded once per store) against
 stock AdamW on the same bf16 params (``fused=True``: fp32 math rounded once; ``foreach=False``: every
-op rounded to bf16) and against fp32 training, on a quality task of ``examples/tasks.py``.
+op rounded to bf16) and against fp32 training, on a quality task of ``bench/tasks.py``.
 
     nice -n 19 python bench/bf16_params.py                    # char_gpt, seeds 0 1 2
     nice -n 19 python bench/bf16_params.py --step-scale 0.5   # half the steps
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.tasks import TASKS, train  # noqa: E402
+from bench.tasks import TASKS, train  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -1,4 +1,4 @@
-"""Diffusion quality: the DiT of ``examples/tasks.py`` (``dit_digits``: DDPM on sklearn's 8x8 digits, one
+"""Diffusion quality: the DiT of ``bench/tasks.py`` (``dit_digits``: DDPM on sklearn's 8x8 digits, one
 noise level per step, as in batch-size-1 fine-tuning) trained with stock fp32 AdamW, each of our state
 formats at the default layout, and bitsandbytes' and torchao's 8-bit AdamW, over several seeds with
 the same weights and batches per seed (paired, as in ``bench/quality.py``).
@@ -26,14 +26,14 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find examples/ and bench/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find bench/
 
 import torch
 from torch import nn
 
 from bench.quality import load_runs, mean_std, results_header, run_meta, run_pool, scale_steps, state_bytes, summarize
 from bench.rounding import check_name, make_optimizer
-from examples.tasks import TASKS, DiffusionDigits, Task, train
+from bench.tasks import TASKS, DiffusionDigits, Task, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASK = "dit_digits"

@@ -29,8 +29,8 @@ import torch
 import lowbit_compile.kernels.blockquant as bq
 import lowbit_compile.kernels.formats as fm
 from bench.quality import mean_std
+from bench.tasks import TASKS, OptimizerSpec, train
 from bench.zero_point import FULL, SMALL, zero_point_check
-from examples.tasks import TASKS, OptimizerSpec, train
 
 _STOCK_ENCODE, _STOCK_DECODE = fm.encode, fm.decode
 ROOTS = {"sqrt": 1, "cbrt": 2, "qrt": 3}

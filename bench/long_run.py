@@ -1,4 +1,4 @@
-"""Long run: drift that 150-300 steps cannot show. The 1.8M-param character GPT of ``examples/tasks.py``
+"""Long run: drift that 150-300 steps cannot show. The 1.8M-param character GPT of ``bench/tasks.py``
 (``char_gpt_2m``) trained for 2,000 steps instead of 250 (same lr, warmup 100, cosine to 10%), with stock
 fp32 AdamW, our default (dynamic8), linear INT8 and FP8 E4M3 at the default layout, over several
 seeds with the same weights and batches per seed; the paired gap to fp32 at 250, 1,000 and 2,000 steps.
@@ -19,13 +19,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find examples/ and bench/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find bench/
 
 import torch
 
 from bench.quality import load_runs, results_header, run_meta, run_pool, state_bytes, summarize
 from bench.rounding import check_name, make_optimizer
-from examples.tasks import CharGPT, char_gpt_2m, train
+from bench.tasks import CharGPT, char_gpt_2m, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASK = "char_gpt_2m_long"

@@ -1,4 +1,4 @@
-"""What ``lowbit_compile.monitor`` costs and what it sees, per task of ``examples/tasks.py``.
+"""What ``lowbit_compile.monitor`` costs and what it sees, per task of ``bench/tasks.py``.
 
 Cost: each task trains the same seed plain and with a monitor sampling every ``--every`` steps
 (default layout), alternately in one process, on one thread. Times are CPU time of that thread
@@ -25,12 +25,12 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find examples/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find bench/
 
 import torch
 
 import lowbit_compile
-from examples.tasks import TASKS, Hyper, OptimizerSpec, train
+from bench.tasks import TASKS, Hyper, OptimizerSpec, train
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.monitor import MAX_REL_ERROR, MAX_ZERO_FLUSH, LowbitHealthWarning
 

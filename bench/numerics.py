@@ -1,7 +1,7 @@
 """Numerics of each format against stock fp32 Adam, in two cases (issue 13):
 
 * **drift**: 30 steps on PyTorch's own optim_db Adam/AdamW inputs (every CPU fp32 kwargs variant,
-  the parameter shapes of ``tests/test_exactness.py``) with gradients scaled by 1, 0.1, 0.01,
+  the parameter shapes of ``tests/helpers.py``'s ``model_params``) with gradients scaled by 1, 0.1, 0.01,
   0.001 in turn: the relative L2 distance of the params to stock's, over stock's movement
   (``||p - p_fp32|| / ||p_fp32 - p_0||``) and over stock's params (``||p - p_fp32|| / ||p_fp32||``);
 * **idle**: an embedding-like table whose rows are updated once (gradients N(0, 1), and 1e-20 for
@@ -31,7 +31,7 @@ import torch
 from torch.testing._internal.common_optimizers import optim_db
 
 from lowbit_compile import lowbit_compile
-from tests.test_exactness import _model_params
+from tests.helpers import model_params
 from tests.test_numerics import idle_row_run
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -56,7 +56,7 @@ def db_inputs() -> list[tuple[type, dict, str]]:
 def drift(fmt: str, cls: type, kwargs: dict, block_size: int, outliers: int) -> tuple[float, float]:
     """(||p - p_fp32|| / ||p_fp32 - p_0||, ||p - p_fp32|| / ||p_fp32||) after DRIFT_STEPS steps."""
     torch.manual_seed(0)
-    init = [p.detach().clone() for p in _model_params()]
+    init = [p.detach().clone() for p in model_params()]
     finals = []
     for quantized in (False, True):
         params = [torch.nn.Parameter(p.clone()) for p in init]

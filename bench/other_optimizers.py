@@ -1,6 +1,6 @@
 """Beyond Adam, on real tasks: every elementwise stock optimizer (and Lion, one's own) trained with
 stock fp32 states and with 8-bit states, on the digits classifier and the Zipf embedding task of
-``examples/tasks.py``, over several seeds; reports the final validation loss and the paired gap.
+``bench/tasks.py``, over several seeds; reports the final validation loss and the paired gap.
 
     python bench/other_optimizers.py               # 10 optimizers x 2 tasks x 3 seeds x 3 formats
     python bench/other_optimizers.py --fmts int8 --seeds 0
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
+from bench.tasks import TASKS, train
 from examples.lion import Lion
-from examples.tasks import TASKS, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Per optimizer: its constructor arguments other than lr, and its peak lr per task.

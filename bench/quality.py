@@ -1,4 +1,4 @@
-"""Does it train like fp32? Trains every task of ``examples/tasks.py`` with stock fp32 AdamW, with each
+"""Does it train like fp32? Trains every task of ``bench/tasks.py`` with stock fp32 AdamW, with each
 of our state formats (with and without outlier patches, at two block sizes) and with the peer 8-bit
 optimizers (bitsandbytes, torchao), over several seeds, and reports the final validation numbers.
 
@@ -29,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find examples/ and bench/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find bench/
 
 import torch
 
-from examples.tasks import PEERS, TASKS, OptimizerSpec, Task, train
+from bench.tasks import PEERS, TASKS, OptimizerSpec, Task, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2")

@@ -7,7 +7,7 @@ moves 1% a step), the diffusion task (``bench/diffusion.py``) and the long GPT r
     python bench/diffusion.py --variants dynamic8+sr-proto int8+sr-proto --resume   # SR rows of the other two
     python bench/long_run.py --variants dynamic8+sr-proto --seeds 0 --resume
 
-Optimizer names (here and in the two benches above): ``fp32``; one of ours as in ``examples/tasks.py``
+Optimizer names (here and in the two benches above): ``fp32``; one of ours as in ``bench/tasks.py``
 (``dynamic8``, ``int8-b2048-k0``, ...: the library, rounding to nearest); ``<ours>+sr``: the library with
 ``rounding="stochastic"``; a peer.
 
@@ -32,12 +32,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find examples/ and bench/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find bench/
 
 import torch
 from torch import nn
 
-from examples.tasks import Digits, Hyper, OptimizerSpec, train
+from bench.tasks import Digits, Hyper, OptimizerSpec, train
 from lowbit_compile import lowbit_compile
 from lowbit_compile.config import DEFAULT_MIN_8BIT_SIZE, NONNEG_STATES
 from lowbit_compile.kernels import blockquant

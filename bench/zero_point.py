@@ -9,7 +9,7 @@ Li et al. 2023, "Memory Efficient Optimizers with 4-bit States", Sec. 4.1).
     python bench/zero_point.py             # 12.6M params (d=384, 6 layers): ours, bitsandbytes, torchao
     python bench/zero_point.py --small     # the 0.5M-param set of tests/test_zero_point.py
 
-Writes ``bench/results/zero_point.{json,md}``. torchao runs eagerly (``examples.tasks.torchao_eager``).
+Writes ``bench/results/zero_point.{json,md}``. torchao runs eagerly (``bench.tasks.torchao_eager``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
-from examples.tasks import PEERS, Hyper, OptimizerSpec
-from tests.test_api import transformer_params
+from bench.tasks import PEERS, Hyper, OptimizerSpec
+from tests.helpers import transformer_params
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FULL = {"d": 384, "layers": 6, "vocab": 4864}  # 12,613,632 params

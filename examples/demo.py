@@ -19,11 +19,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a file: find tasks.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find bench/
 
 import torch
-from tasks import CharGPT, Hyper, train
 
+from bench.tasks import CharGPT, Hyper, train
 from lowbit_compile import lowbit_compile, memory_report
 
 STOCK = "fp32"

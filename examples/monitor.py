@@ -1,4 +1,4 @@
-"""``lowbit_compile.monitor`` over a whole run: the Zipf embedding task of ``tasks.py`` trained with
+"""``lowbit_compile.monitor`` over a whole run: the Zipf embedding task of ``bench/tasks.py`` trained with
 the default layout and with linear int8 in blocks of 2048, sampled every 10 steps; the figures go to
 a plain callable (a TensorBoard ``SummaryWriter`` or ``wandb.log`` would do the same) and a PNG.
 
@@ -15,12 +15,12 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a file: find tasks.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find bench/
 
 import torch
-from tasks import OptimizerSpec, ZipfEmbedding, train
 
 import lowbit_compile
+from bench.tasks import OptimizerSpec, ZipfEmbedding, train
 from lowbit_compile.monitor import AVERAGE_WEIGHT, MAX_ZERO_FLUSH, Alert
 
 PNG = Path(__file__).resolve().parents[1] / "bench" / "results" / "monitor_zipf.png"

@@ -6,7 +6,7 @@
 Optimizer names: ``fp32``; one of ours, a format (sqrt8, dynamic8, int8, fp8_e4m3, fp8_e5m2, bf16) optionally
 followed by ``-b<block_size>`` and ``-k<outliers>``; or a peer (bnb-AdamW8bit, ao-AdamW8bit,
 ao-AdamWFp8, ao-AdamW4bit). Each optimizer starts from the same weights and sees the same batches.
-The tasks are defined in ``examples/tasks.py``; ``bench/quality.py`` runs the full comparison.
+The tasks are defined in ``bench/tasks.py``; ``bench/quality.py`` runs the full comparison.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 import torch
 from tqdm import tqdm
 
-from examples.tasks import TASKS, OptimizerSpec, train
+from bench.tasks import TASKS, OptimizerSpec, train
 
 
 def main(argv: list[str] | None = None) -> None:

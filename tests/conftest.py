@@ -1,4 +1,5 @@
-"""Shared test helpers: small transformer-shaped parameter sets and stepping a wrapped optimizer."""
+"""pytest setup for every test: the Triton interpreter, hypothesis's CI profile, the seed and the one-thread
+fixture. Helpers shared between test modules are in ``helpers.py``."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from examples.tasks import FP32MasterCopy
+from bench.tasks import FP32MasterCopy
 from lowbit_compile import QuantizedState, checkpoint, lowbit_compile, memory_report, restore, sharding
 from lowbit_compile.checkpoint import stock_state_dict
 

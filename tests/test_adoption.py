@@ -43,6 +43,7 @@ def hf_train(optimizer_cls_and_kwargs, steps: int = 3, callbacks=None):
     return trainer, model, opt
 
 
+@pytest.mark.slow
 def test_hf_trainer_optimizer_cls_and_kwargs_keeps_its_decay_groups():
     trainer, model, opt = hf_train((lowbit_compile.optim.AdamW, {"fmt": "int8", "min_8bit_size": 1024}))
     assert type(opt) is lowbit_compile.optim.AdamW and is_wrapped(opt)
@@ -56,6 +57,7 @@ def test_hf_trainer_optimizer_cls_and_kwargs_keeps_its_decay_groups():
     assert isinstance(opt.state[wte]["exp_avg"], QuantizedState) and opt.state[wte]["step"].item() == 3
 
 
+@pytest.mark.slow
 def test_hf_trainer_with_name_patterns_through_with_options():
     """The Trainer takes ``model`` out of ``optimizer_kwargs`` (it is LOMO's argument) and calls
     anything that is not an optimizer class as a factory, so the model that names the parameters
@@ -78,7 +80,7 @@ def test_hf_trainer_with_name_patterns_through_with_options():
     assert isinstance(opt.state[model.transformer.h[0].mlp.c_fc.weight]["exp_avg"], QuantizedState)
 
 
-def test_hf_monitor_callback_samples_and_records_in_the_log_history():
+def test_hf_monitor_callback_samples_and_records_in_the_log_history():  # the fast tier's one HF test
     from lowbit_compile.hf_callback import LowbitMonitorCallback
 
     seen = []
@@ -91,6 +93,7 @@ def test_hf_monitor_callback_samples_and_records_in_the_log_history():
     assert callback.monitor is None  # removed at the end of training
 
 
+@pytest.mark.slow
 def test_hf_monitor_callback_under_enable_sees_the_optimizer_rewritten_on_its_first_step():
     from transformers import Trainer, TrainingArguments
 

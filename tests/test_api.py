@@ -11,14 +11,7 @@ import torch
 from lowbit_compile import QuantizedState, lowbit_compile, memory_report, optim, restore, trace_count
 from lowbit_compile.config import DEFAULT_FMT
 
-
-def transformer_params(d: int = 128, layers: int = 2, vocab: int = 512) -> list[torch.nn.Parameter]:
-    """Shapes of a small GPT: embeddings, attention and MLP matrices, norms and biases."""
-    shapes = [(vocab, d), (256, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
-    shapes += [(d,), (d,)]
-    return [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+from .helpers import transformer_params
 
 
 def _step(opt, params, n=1, scale=1.0):

@@ -240,6 +240,7 @@ def _trained_for_export(name: str = ADAMW[0], kwargs: dict = ADAMW[1], shapes=SH
     return opt, params, [torch.randn(p.shape, generator=gen) for p in params]
 
 
+@pytest.mark.slow
 def test_the_stock_export_loads_and_steps_in_a_process_without_lowbit_compile(tmp_path):
     """``stock_state_dict`` is a checkpoint for tools that never heard of lowbit_compile: a stock
     AdamW in a fresh process loads it (weights-only) and steps exactly as ``restore(opt)`` does here."""
@@ -254,8 +255,9 @@ def test_the_stock_export_loads_and_steps_in_a_process_without_lowbit_compile(tm
         assert torch.equal(ours.detach(), theirs)
 
 
-@pytest.mark.parametrize("name, kwargs", [ADAMW, ("RAdam", {"lr": 1e-2, "weight_decay": 0.1}),
-                                          ("Adagrad", {"lr": 1e-2, "weight_decay": 0.1})])
+@pytest.mark.parametrize("name, kwargs", [
+    ADAMW, pytest.param("RAdam", {"lr": 1e-2, "weight_decay": 0.1}, marks=pytest.mark.slow),
+    pytest.param("Adagrad", {"lr": 1e-2, "weight_decay": 0.1}, marks=pytest.mark.slow)])
 def test_a_low_bit_checkpoint_is_refused_by_a_stock_optimizer_before_anything_changes(tmp_path, name, kwargs):
     """A stock step-bearing optimizer in a fresh process refuses the saved low-bit checkpoint in its
     ``load_state_dict`` (the saved step is text it cannot read as a number), naming the fix, before
@@ -272,6 +274,7 @@ def test_a_low_bit_checkpoint_is_refused_by_a_stock_optimizer_before_anything_ch
 SGD = ("SGD", {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.1})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("foreach", [False, True])
 def test_a_stock_sgd_fails_on_a_low_bit_momentum_before_its_first_parameter_changes(tmp_path, foreach):
     """SGD saves no step to refuse: a stock SGD loads the checkpoint, and its step fails on the first
@@ -284,6 +287,7 @@ def test_a_stock_sgd_fails_on_a_low_bit_momentum_before_its_first_parameter_chan
     assert all(torch.equal(a, b) for a, b in zip(out["params"], out["before"]))
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
     "open (issue 37, item 2): SGD keeps no step for a checkpoint to make its load fail, so a stock SGD whose "
     "first parameter's momentum is fp32 (below min_8bit_size) updates it before failing on a packed one"))

@@ -75,6 +75,7 @@ def summary_row(stderr: str) -> list[str]:
     return next(line for line in stderr.splitlines() if line.strip().startswith("AdamW #1")).split()
 
 
+@pytest.mark.slow
 def test_a_fresh_interpreter_runs_the_script_with_its_adamw_rewritten(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
     done = subprocess.run([sys.executable, "-m", "lowbit_compile", "run", "--min-8bit-size", "0", "train.py", "1"],
@@ -84,6 +85,7 @@ def test_a_fresh_interpreter_runs_the_script_with_its_adamw_rewritten(tmp_path):
     assert "lowbit-compile: 1 optimizer(s) rewritten" in done.stderr and "AdamW #1" in done.stderr
 
 
+@pytest.mark.slow
 def test_runs_the_script_unmodified_with_its_adamw_rewritten(runner):
     code, out, err = runner("--min-8bit-size", "0", "--override", "0.*=fp32", "train.py", "2", "--fmt", "x")
     assert code == 0, err
@@ -242,6 +244,7 @@ print("formats", {n: getattr(opt.state[p]["exp_avg"], "fmt", None) and opt.state
 '''
 
 
+@pytest.mark.slow
 def test_lightning_closure_loop_takes_name_overrides_and_the_monitor_names_modules(runner, tmp_path):
     """The issue's command: Lightning steps a stock AdamW with a closure that runs the forward, so the
     names are learned inside the step; the override applies and the monitor names module parameters."""

@@ -23,75 +23,14 @@ from lowbit_compile.passes.opmath import compute_in_fp32
 from lowbit_compile.passes.split import split_prologue
 
 from .graphs import pass_graphs
-from .test_formats import dynamic8_probes
+from .helpers import BLOCKWISE, CPU_BUILDS, FORMATS_HARNESS, dynamic8_probes, prelude_harness, probe_values
 
 FORMATS = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8", "bf16", "fp32"]
-BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8"]
 
-# Lets the prelude's element formats be called on whole arrays from Python.
-_HARNESS = r"""
-template <int F, bool U> static void run(int dir, float scale, void* codes, float* x, int64_t n) {
-  uint8_t* c = (uint8_t*)codes;
-  for (int64_t i = 0; i < n; i += LB_W)
-    if (dir == 1) lb_st_codes(c + i, lb_encode<F, U>(lb_ld(x + i)));
-    else if (dir == 0) lb_st(x + i, lb_decode<F, U>(lb_ld_codes<F, U>(c + i)));
-    else lb_st(x + i, lb_decode_scaled<F, U>(lb_ld_codes<F, U>(c + i), lb_splat(__builtin_fabsf(scale)),
-                                             __builtin_signbit(scale)));  // a block's scale, as the kernels
-}
-// dir 0: decode, 1: encode, 2: decode under a block scale (its sign bit set: a flagged block)
-extern "C" void convert(int fmt, int nonneg, int dir, float scale, void* codes, float* x, int64_t n) {
-  switch (fmt * 2 + nonneg) {
-    case 0: run<LB_INT8, false>(dir, scale, codes, x, n); break;
-    case 1: run<LB_INT8, true>(dir, scale, codes, x, n); break;
-    case 2: run<LB_DYNAMIC8, false>(dir, scale, codes, x, n); break;
-    case 3: run<LB_DYNAMIC8, true>(dir, scale, codes, x, n); break;
-    case 4: run<LB_E4M3, false>(dir, scale, codes, x, n); break;
-    case 5: run<LB_E4M3, true>(dir, scale, codes, x, n); break;
-    case 6: run<LB_E5M2, false>(dir, scale, codes, x, n); break;
-    case 7: run<LB_E5M2, true>(dir, scale, codes, x, n); break;
-    case 8: run<LB_SQRT8, false>(dir, scale, codes, x, n); break;
-    case 9: run<LB_SQRT8, true>(dir, scale, codes, x, n); break;
-  }
-}
-"""
-
-
-# The prelude's builds: native (AVX-512 here), the generic code at 16 lanes, AVX2, and x86-64 without
-# AVX (8 lanes through the generic code, what other architectures compile).
-_BUILDS = {"native": (), "16-lanes": ("-DLB_W=16",), "avx2": ("-mno-avx512f",), "x86-64-v2": ("-march=x86-64-v2",)}
-
-
-def _harness(build: str, source: str = _HARNESS):
-    return cpu_build.load(cpp_printer.PRELUDE + source, _BUILDS[build])
-
-
-def _probe_values(fmt: StateFormat) -> torch.Tensor:
-    """Dense and random values over the whole code range, every code point and every midpoint
-    between neighbours (exact ties), subnormals, and signed zeros."""
-    points = decode(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.code_dtype), fmt)
-    points = points[torch.isfinite(points)].unique()
-    mids = (points[1:] + points[:-1]) / 2
-    if fmt.name == "sqrt8":  # its ties are midpoints of the square roots, (c + 1/2)^2
-        mids = torch.cat([mids, (torch.arange(256.0) + 0.5) ** 2])
-    # the float32 neighbours of every tie, and of each power of two from 2^-32 to 2 (dynamic8's
-    # encode splits magnitudes into buckets by exponent and top mantissa bits)
-    edges = torch.cat([mids, 2.0 ** torch.arange(-32, 2.0)]).view(torch.int32)
-    edges = torch.cat([edges + d for d in (-2, -1, 1, 2)]).view(torch.float32)
-    x = torch.cat([
-        torch.linspace(-fmt.qmax, fmt.qmax, 20011), torch.randn(20000) * fmt.qmax / 8,
-        torch.randn(4000) * 1e-3, (torch.rand(2000) * 2 - 1) * 2.0**-12, points, mids, edges, -edges,
-        torch.tensor([0.0, -0.0, 2.0**-20, -(2.0**-20), fmt.qmax, -fmt.qmax, 2.5 * fmt.qmax, -2.5 * fmt.qmax,
-                      float("inf"), -float("inf"), 2.0**-40, -(2.0**-40)]),
-    ])
-    if fmt.nonneg:
-        x = x.abs()
-    return torch.nn.functional.pad(x, (0, -len(x) % 16)).contiguous()
-
-
-@pytest.mark.parametrize("build", list(_BUILDS))
+@pytest.mark.parametrize("build", list(CPU_BUILDS))
 def test_prelude_formats_match_torch_code_for_code(build):
     """Every code decodes, and every probe value (ties included) encodes, exactly as formats.py."""
-    lib = _harness(build)
+    lib = prelude_harness(build)
     for index, name in enumerate(BLOCKWISE):
         for nonneg in (False, True):
             fmt = StateFormat(name, 2048, 2, nonneg)
@@ -100,19 +39,19 @@ def test_prelude_formats_match_torch_code_for_code(build):
             lib.convert(index, int(nonneg), 0, ctypes.c_float(1.0), ctypes.c_void_p(codes.data_ptr()),
                         ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(256))
             torch.testing.assert_close(out, decode(codes.view(fmt.code_dtype), fmt), rtol=0, atol=0, equal_nan=True)
-            x = _probe_values(fmt)
+            x = probe_values(fmt)
             got = torch.empty(len(x), dtype=torch.uint8)
             lib.convert(index, int(nonneg), 1, ctypes.c_float(1.0), ctypes.c_void_p(got.data_ptr()),
                         ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(len(x)))
             assert torch.equal(got, encode(x, fmt).view(torch.uint8)), (name, nonneg)
 
 
-@pytest.mark.parametrize("build", list(_BUILDS))
+@pytest.mark.parametrize("build", list(CPU_BUILDS))
 def test_prelude_decodes_every_code_under_block_scales_as_blockquant(build):
     """Every code under plain and flagged block scales, from a subnormal one to the largest blockquant
     makes (FLT_MAX / qmax), bit for bit as blockquant.decode_scaled, NaN codes included (e4m3 decodes
     in units of 256 and moves the 256 into the scale)."""
-    lib = _harness(build)
+    lib = prelude_harness(build)
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     for index, name in enumerate(BLOCKWISE):
         for nonneg in (False, True):
@@ -126,11 +65,11 @@ def test_prelude_decodes_every_code_under_block_scales_as_blockquant(build):
                 assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (name, nonneg, scale)
 
 
-@pytest.mark.parametrize("build", list(_BUILDS))
+@pytest.mark.parametrize("build", list(CPU_BUILDS))
 def test_prelude_dynamic8_encode_matches_reference_near_every_threshold(build):
     """The arithmetic encode (level, estimate, one exact compare) against formats.encode on every
     fp32 within 64 ulps of each threshold and map value, log-uniform magnitudes, both signs."""
-    lib = _harness(build)
+    lib = prelude_harness(build)
     for nonneg in (False, True):
         fmt = StateFormat("dynamic8", 2048, 2, nonneg)
         x = dynamic8_probes(nonneg, seed=1)
@@ -162,13 +101,13 @@ extern "C" void bf16(int op, const void* in, void* out, int64_t n) {
 """
 
 
-@pytest.mark.parametrize("build", list(_BUILDS))
+@pytest.mark.parametrize("build", list(CPU_BUILDS))
 def test_prelude_bf16_loads_and_stores_match_torch(build):
     """Every bf16 widens to its fp32 bits; fp32 values with every bf16 high half and the low halves
     that decide rounding (0, 1, ties, either side of them, all ones) round as torch's round to
     nearest even (NaN: the quiet NaN 0x7FC0), both when the store rounds and when it stores a value
     lb_round_bf16 rounded. Odd lengths send a tail through the partial loads and stores."""
-    lib = _harness(build, _BF16_HARNESS)
+    lib = prelude_harness(build, _BF16_HARNESS)
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)[:-5]
     widened = torch.empty(len(every))
     lib.bf16(0, ctypes.c_void_p(every.data_ptr()), ctypes.c_void_p(widened.data_ptr()), ctypes.c_int64(len(every)))
@@ -299,6 +238,7 @@ def _build_kernels_with(monkeypatch, tmp_path, flag: str) -> None:
     monkeypatch.setattr(compile, "_compiled", {})
 
 
+@pytest.mark.slow
 def test_sixteen_lane_kernel_matches(monkeypatch, tmp_path):
     """The whole step compiled with 16 lanes (the AVX-512 width, here through the generic path)."""
     _build_kernels_with(monkeypatch, tmp_path, "-DLB_W=16")
@@ -306,6 +246,7 @@ def test_sixteen_lane_kernel_matches(monkeypatch, tmp_path):
     _assert_same_states(ref, ours)
 
 
+@pytest.mark.slow
 def test_kernel_without_avx_matches(monkeypatch, tmp_path):
     """The whole step compiled for x86-64 without AVX (8 lanes through the generic path, the code other
     architectures compile), here with the default format and stochastic rounding."""
@@ -314,6 +255,7 @@ def test_kernel_without_avx_matches(monkeypatch, tmp_path):
     _assert_same_states(ref, ours)
 
 
+@pytest.mark.slow
 def test_avx2_kernel_matches(monkeypatch, tmp_path):
     """The AVX2 intrinsics run whatever the machine: built with AVX-512 off (a no-op where the native build
     is the AVX2 one), fp32 params with Adam's flags and bf16 params, the default format."""
@@ -325,11 +267,12 @@ def test_avx2_kernel_matches(monkeypatch, tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_kernels_build_for_avx512(tmp_path):
     """The 16-lane intrinsics compile on any machine (the native build runs them only where the CPU has
     AVX-512): the element formats, bf16 conversions and every format's step (patches, stochastic
     rounding; bf16 params), built for x86-64-v4, use 512-bit registers."""
-    sources = {"formats": cpp_printer.PRELUDE + _HARNESS, "bf16": cpp_printer.PRELUDE + _BF16_HARNESS}
+    sources = {"formats": cpp_printer.PRELUDE + FORMATS_HARNESS, "bf16": cpp_printer.PRELUDE + _BF16_HARNESS}
     for fmt in BLOCKWISE + ["bf16"]:
         for dtype in (torch.float32, torch.bfloat16):
             opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(64, dtype=dtype))], weight_decay=0.1)
@@ -395,6 +338,7 @@ print(cpu_build.compile_count, time.perf_counter() - start)
 """
 
 
+@pytest.mark.slow
 def test_one_kernel_per_signature_and_a_warm_cache_serves_a_fresh_process(tmp_path):
     """Params of six shapes, quantized and small (stock): two signatures, so two kernels compiled in a
     fresh process (a fresh interpreter keeps other tests' caches out); a second process compiles
@@ -571,7 +515,7 @@ def test_patches_at_and_above_the_vector_width_quantize_as_the_reference(build):
     """Patch counts around the vector width (8 or 16 lanes) and up to the config's 64, in blocks of 64
     and 512 with a partial last block and a block holding inf, give the reference's codes, scales and
     patches exactly (K >= the lane count has no lane bound: every element is a candidate)."""
-    lib = cpu_build.load(cpp_printer.PRELUDE + _PATCHES_HARNESS, _BUILDS[build])
+    lib = cpu_build.load(cpp_printer.PRELUDE + _PATCHES_HARNESS, CPU_BUILDS[build])
     gen = torch.Generator().manual_seed(5)
     for block in (64, 512):
         n = 3 * block + 37

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from examples.tasks import DiffusionDigits, Hyper, OptimizerSpec, train
+from bench.tasks import DiffusionDigits, Hyper, OptimizerSpec, train
 
 pytest.importorskip("sklearn")
 
@@ -19,6 +19,7 @@ def tiny(**kwargs) -> DiffusionDigits:
                            hyper=Hyper(steps=40, lr=3e-3, weight_decay=0.0, warmup=5, eval_every=20), **kwargs)
 
 
+@pytest.mark.slow
 def test_an_untrained_dit_predicts_zero_noise_and_training_lowers_the_denoising_loss(one_thread):
     task = tiny()
     untrained = task.evaluate(task.model(0))

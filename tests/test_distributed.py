@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
+pytestmark = [pytest.mark.slow,  # multi-process runs
+              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")]
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240  # a 2-rank launch takes ~3 s of imports on an idle machine; shared CI cores are slower

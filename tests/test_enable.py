@@ -372,6 +372,7 @@ def global_step_hooks() -> tuple[int, int]:
     return len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks)
 
 
+@pytest.mark.slow
 def test_importing_the_package_registers_nothing_global():
     """A fresh interpreter: torch's process-wide optimizer and module hooks are the same before and
     after ``import lowbit_compile``. The first use (here an explicit wrap) adds exactly one: the

@@ -90,6 +90,7 @@ def test_shards_divide_what_the_zero_stage_shards(stage, sharded):
     assert est.row("scales + patches").lowbit == 2 * _side_bytes(local)
 
 
+@pytest.mark.slow
 def test_matches_the_bytes_a_wrapped_optimizer_really_holds():
     n = 3 * 2048 + 5  # a partial last block
     p = torch.nn.Parameter(torch.randn(n))

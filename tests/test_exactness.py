@@ -5,25 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.testing._internal.common_optimizers import optim_db
 
 from lowbit_compile import lowbit_compile
 
+from .helpers import model_params, optim_db_params, slow_but, step_twins, twin_optimizers, twin_params
+
 STEPS = 30
-
-
-def _db_inputs(classes=(torch.optim.Adam, torch.optim.AdamW)):
-    """optim_db's CPU float32 inputs for ``classes`` (not capturable or differentiable ones)."""
-    cases = []
-    for info in optim_db:
-        if info.optim_cls not in classes:
-            continue
-        for inp in info.optim_inputs_func(device="cpu", dtype=torch.float32):
-            kwargs = dict(inp.kwargs)
-            if kwargs.get("capturable") or kwargs.get("differentiable"):
-                continue
-            cases.append(pytest.param(info.optim_cls, kwargs, id=f"{info.optim_cls.__name__}-{inp.desc}"))
-    return cases
+ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 
 
 EXTRA = [
@@ -36,58 +24,12 @@ EXTRA = [
 ]
 
 
-def _model_params():
-    """Shapes of a small transformer block: matrices, vectors, a scalar, a non-contiguous weight."""
-    shapes = [(96, 32), (32,), (32, 96), (96,), (), (7, 5, 3)]
-    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    params.append(torch.nn.Parameter(torch.randn(40, 24).t()))  # non-contiguous param
-    return params
-
-
-def _groups(params, kwargs):
-    """Three groups with different hyperparameters; tensor lr keeps each group's own tensor."""
-    other = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items() if k != "betas"}
-    if isinstance(other.get("lr"), torch.Tensor):
-        other["lr"] = other["lr"] * 3
-    else:
-        other["lr"] = kwargs.get("lr", 1e-3) * 3
-    return [
-        {"params": params[:3]},
-        {"params": params[3:5], **other, "eps": 1e-6},
-        {"params": params[5:], "weight_decay": 0.5},
-    ]
-
-
-def _twins(cls, kwargs, impl):
-    a = _model_params()
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    for p, q in zip(a, b):  # keep the non-contiguous layout in the twin
-        if not p.is_contiguous():
-            q.data = p.detach().t().clone().t()
-    opt_a = cls(_groups(a, kwargs), **kwargs, foreach=False)
-    opt_b = cls(_groups(b, kwargs), **kwargs, **impl)
-    return a, b, opt_a, opt_b
-
-
-def _run(a, b, opt_a, opt_b, steps=STEPS):
-    gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        for i, (p, q) in enumerate(zip(a, b)):
-            if i == 1 and step % 3 == 0:  # this param sometimes has no grad
-                p.grad = q.grad = None
-                continue
-            g = torch.randn(p.shape, generator=gen)
-            # grads take their param's strides, as autograd's layout contract gives them
-            p.grad, q.grad = torch.empty_like(p).copy_(g), torch.empty_like(q).copy_(g)
-        opt_a.step()
-        opt_b.step()
-
-
-@pytest.mark.parametrize(("cls", "kwargs"), _db_inputs() + EXTRA)
+@pytest.mark.parametrize(("cls", "kwargs"), slow_but(optim_db_params(ADAMS) + EXTRA, "AdamW-default", "Adam-amsgrad",
+                                                     "AdamW-tensor lr and betas"))
 def test_fp32_is_bitwise_stock(cls, kwargs):
-    a, b, opt_a, opt_b = _twins(cls, kwargs, {"foreach": False})
+    a, b, opt_a, opt_b = twin_optimizers(cls, kwargs, {"foreach": False}, {"foreach": False})
     lowbit_compile(opt_a, "fp32")
-    _run(a, b, opt_a, opt_b)
+    step_twins(a, b, opt_a, opt_b, STEPS)
     for p, q in zip(a, b):
         assert torch.equal(p, q)
     for p, q in zip(a, b):
@@ -98,13 +40,13 @@ def test_fp32_is_bitwise_stock(cls, kwargs):
 
 
 @pytest.mark.parametrize("impl", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
-@pytest.mark.parametrize(("cls", "kwargs"), _db_inputs())
+@pytest.mark.parametrize(("cls", "kwargs"), slow_but(optim_db_params(ADAMS), "AdamW-default"))
 def test_fp32_matches_foreach_and_fused_to_rounding(cls, kwargs, impl):
     """foreach/fused reorder the float math; 30 steps stay within a few fp32 ulps of the param
     (relative 1e-6 ~ 8 ulps), far below one lr step (1e-3)."""
-    a, b, opt_a, opt_b = _twins(cls, kwargs, impl)
+    a, b, opt_a, opt_b = twin_optimizers(cls, kwargs, {"foreach": False}, impl)
     lowbit_compile(opt_a, "fp32")
-    _run(a, b, opt_a, opt_b)
+    step_twins(a, b, opt_a, opt_b, STEPS)
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
@@ -129,16 +71,13 @@ BRANCHING = [
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-@pytest.mark.parametrize(("cls", "kwargs"), BRANCHING)
+@pytest.mark.parametrize(("cls", "kwargs"), slow_but(BRANCHING, "RAdam (rectification at step 6)"))
 def test_fp32_is_bitwise_stock_when_params_skip_steps(cls, kwargs, backend):
     """Params whose grads are None on some steps have their own step counts, so a branch on the step
     count (RAdam's rho_t > 5, ASGD's averaging) goes different ways for params of one group in the
     same step: each param takes its own branch, and none is stepped twice."""
-    ours, stock = _model_params(), None
-    stock = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    for p, q in zip(ours, stock):
-        if not p.is_contiguous():
-            q.data = p.detach().t().clone().t()
+    ours = model_params()
+    stock = twin_params(ours)
     opt = lowbit_compile(cls(ours, **kwargs), "fp32", min_8bit_size=0, backend=backend)
     ref = cls(stock, **kwargs, foreach=False)
     gen = torch.Generator().manual_seed(3)
@@ -157,6 +96,7 @@ def test_fp32_is_bitwise_stock_when_params_skip_steps(cls, kwargs, backend):
     assert len(counts) > 3  # the params did go through different numbers of steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
 def test_fp32_is_bitwise_stock_with_tensor_hyperparameters_changing_in_place(cls):
     """Tensor ``lr``/``betas`` changed in place every step (beta1 through 0, beta2 through 1 - 2**-24):
@@ -166,7 +106,7 @@ def test_fp32_is_bitwise_stock_with_tensor_hyperparameters_changing_in_place(cls
     from lowbit_compile import trace_count
 
     kwargs = {"lr": torch.tensor(0.01), "betas": (torch.tensor(0.9), torch.tensor(0.999)), "weight_decay": 0.1}
-    a, b, opt_a, opt_b = _twins(cls, kwargs, {"foreach": False})
+    a, b, opt_a, opt_b = twin_optimizers(cls, kwargs, {"foreach": False}, {"foreach": False})
     lowbit_compile(opt_a, "fp32")
     beta1s, beta2s, lrs = [0.9, 0.0, 0.5, 0.99], [0.999, 0.5, 1 - 2**-24], [0.01, 0.003, 0.02]
     before = trace_count()

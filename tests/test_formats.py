@@ -19,7 +19,8 @@ from lowbit_compile.kernels.formats import (
     normalize,
 )
 
-BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8"]
+from .helpers import BLOCKWISE, dynamic8_probes
+
 ALL = BLOCKWISE + ["bf16"]
 # Half a code step of each element format, relative to the largest code (qmax) or to the value.
 FP8_REL = {"fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}
@@ -114,18 +115,6 @@ def test_dynamic8_encodes_to_the_nearest_map_value():
         assert torch.all((chosen <= best + tie_or_fp32) | raised)
 
 
-def dynamic8_probes(nonneg: bool, seed: int = 0) -> torch.Tensor:
-    """Every fp32 within 64 ulps of every encode threshold and of every map value, 3 * 10^5
-    log-uniform magnitudes over 1e-9..2, zeros, saturating and non-finite values; both signs."""
-    points = torch.cat([dynamic_thresholds(nonneg), dynamic_map(nonneg).abs()]).view(torch.int32)
-    near = torch.cat([points + d for d in range(-64, 65)]).view(torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    spread = torch.exp(torch.empty(3 * 10**5).uniform_(-9 * 2.3026, 0.7, generator=gen))
-    special = torch.tensor([0.0, 1.0, 1.5, 1e30, float("inf"), 2.0**-149, 1e-38])
-    x = torch.cat([near[near >= 0], spread, special])
-    return torch.cat([x, -x])
-
-
 def _nearest_codes(x: torch.Tensor, nonneg: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Brute force over the 256 decoded values (float64): the distance to the nearest, and whether
     two different values are that near (an exact tie)."""
@@ -139,6 +128,7 @@ def _nearest_codes(x: torch.Tensor, nonneg: bool) -> tuple[torch.Tensor, torch.T
     return torch.cat(best), torch.cat(tied)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nonneg", [False, True])
 def test_dynamic8_encode_is_exactly_the_nearest_of_the_256_values(nonneg):
     """Exact in float64: each finite |x| <= 1 gets a code at the smallest distance (an exact tie
@@ -160,6 +150,7 @@ def test_dynamic8_encode_is_exactly_the_nearest_of_the_256_values(nonneg):
     assert int(encode(torch.tensor([float("nan")]), fmt)) == 255  # NaN saturates at the top code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nonneg", [False, True], ids=["signed", "nonneg"])
 def test_sqrt8_codes_are_the_rounded_square_roots(nonneg):
     """Over the whole float range (zeros, subnormals, every tie (c + 1/2)^2 and its fp32 neighbours,

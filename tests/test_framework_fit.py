@@ -345,6 +345,7 @@ def run_example(name: str, *args: str) -> dict:
     return runpy.run_path(str(EXAMPLES / name))["main"](["--no-progress", *args])
 
 
+@pytest.mark.slow
 def test_hugging_face_trainer_example():
     out = run_example("hf_trainer.py", "--steps", "4", "--fmt", "int8")
     opt, model = out["optimizer"], out["model"]
@@ -360,6 +361,7 @@ def test_hugging_face_trainer_example():
     assert all(torch.isfinite(torch.tensor(out["losses"]))) and out["losses"][-1] < out["losses"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "none"])
 def test_lightning_example(fmt):
     out = run_example("lightning_fit.py", "--steps", "6", "--fmt", fmt)

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # training runs in fresh processes
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "resume_worker.py"
 FRAMEWORKS = ("hf", "lightning", "accelerate")

@@ -9,6 +9,8 @@ import pytest
 
 from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS
 
+pytestmark = pytest.mark.slow  # the GPU check's dry run
+
 pytest.importorskip("triton")
 gpu_check = pytest.importorskip("bench.gpu_check")
 

@@ -11,7 +11,6 @@ import warnings
 
 import pytest
 import torch
-from torch.testing._internal.common_optimizers import optim_db
 
 from examples.lion import Lion
 from lowbit_compile import lowbit_compile
@@ -22,6 +21,7 @@ from lowbit_compile.kernels.lowering import LOWERINGS, LoweringError, Target, un
 from lowbit_compile.kernels.primitives import PRIMITIVES, Primitives
 
 from .graphs import body
+from .helpers import each_param, optim_db_cases, slow_but
 
 TARGETS = (Target("cuda"), Target("cpu"), Target("cpu", reciprocal_divisor=True))
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -33,23 +33,10 @@ def test_every_primitive_is_printed_by_every_printer(printer):
     assert PRIMITIVES and not missing, missing
 
 
-def _stock_cases():
-    """optim_db's CPU float32 inputs for every supported stock class (not capturable/differentiable)."""
-    cases = []
-    for info in optim_db:
-        if info.optim_cls not in SUPPORTED:
-            continue
-        for inp in info.optim_inputs_func(device="cpu", dtype=torch.float32):
-            kwargs = dict(inp.kwargs)
-            if kwargs.get("capturable") or kwargs.get("differentiable"):
-                continue
-            cases.append((info.optim_cls, kwargs, f"{info.optim_cls.__name__}-{inp.desc}"))
-    return cases
-
-
-STOCK = _stock_cases()
-ALL = [pytest.param(cls, kwargs, id=name) for cls, kwargs, name in STOCK] + [
-    pytest.param(Lion, {"weight_decay": 0.1}, id="Lion (examples/lion.py)")]
+STOCK = optim_db_cases(SUPPORTED)
+ALL = slow_but([pytest.param(cls, kwargs, id=name) for cls, kwargs, name in STOCK] + [
+    pytest.param(Lion, {"weight_decay": 0.1}, id="Lion (examples/lion.py)")],
+    "AdamW-amsgrad", "Lion (examples/lion.py)")
 
 
 def test_the_coverage_cases_hold_every_stock_optimizer():
@@ -91,17 +78,14 @@ class Exp(torch.optim.Optimizer):
     def __init__(self, params, lr=0.1):
         super().__init__(params, {"lr": lr})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["acc"] = torch.zeros_like(p)
-                state["step"] += 1
-                state["acc"].mul_(0.9).add_(p.grad.exp())
-                p.sub_(state["acc"], alpha=group["lr"])
+    @each_param
+    def step(self, group, p, state):
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["acc"] = torch.zeros_like(p)
+        state["step"] += 1
+        state["acc"].mul_(0.9).add_(p.grad.exp())
+        p.sub_(state["acc"], alpha=group["lr"])
 
 
 def test_an_uncovered_op_of_ones_own_optimizer_falls_back_with_one_warning_naming_it():
@@ -156,6 +140,7 @@ def _two_signatures() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
     return params, torch.optim.AdamW(params, lr=1e-2)
 
 
+@pytest.mark.slow
 def test_the_kernels_of_one_step_compile_at_the_same_time(monkeypatch, tmp_path):
     """Each compilation waits until the other has started: built one after the other, the first
     would wait forever (here: the barrier's timeout breaks it and the step fails)."""

@@ -26,7 +26,7 @@ from expecttest import TestCase
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from examples.tasks import FP32MasterCopy as Recipe
+from bench.tasks import FP32MasterCopy as Recipe
 from lowbit_compile import (
     enable,
     load_master_params,
@@ -49,12 +49,10 @@ from lowbit_compile.passes.split import split_prologue
 from lowbit_compile.state_schema import init_state, probe_schema
 from lowbit_compile.trace_cache import trace_for
 
+from .helpers import bits, slow_but
+
 BF16, FP16 = torch.bfloat16, torch.float16
 STEPS = 6
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -85,6 +83,7 @@ def test_an_even_bf16_value_has_65537_fp32_masters_an_odd_one_65535():
     assert counts[0x3F80].item() == 65537 and counts[0x3F81].item() == 65535
 
 
+@pytest.mark.slow
 def test_exact_bf16_residual_gives_back_every_fp32_value():
     high = SPECIAL_HIGH + torch.randint(0, 0x7F80, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     x = every_low_half(high)  # zeros, subnormals, the largest finite values, values rounding to inf, inf, NaN
@@ -107,6 +106,7 @@ def test_exact_bf16_residual_round_trips_any_floats(values):
     assert same_bits(residual.decode(param, code, ties, fmt), x)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True), min_size=1,
                 max_size=64), st.integers(0, 2**24 - 1))
@@ -132,6 +132,7 @@ def test_every_residual_keeps_its_promise_on_any_floats(values, seed):
             assert (gap[x.isfinite()] <= 256).all()
 
 
+@pytest.mark.slow
 def test_exact_fp16_residual_is_exact_from_2_to_the_minus_15_up_to_fp16_overflow():
     x = every_low_half([0x3800 + k for k in range(0, 0x1000, 97)] + [0x3F80, 0x4049, 0x477F, 0x4780, 0x3700, 0x3800,
                                                                      0x0000, 0x0001, 0x3400, 0x7F80, 0x7FC0])
@@ -149,6 +150,7 @@ def test_exact_fp16_residual_is_exact_from_2_to_the_minus_15_up_to_fp16_overflow
     assert y[x.isnan()].isnan().all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 def test_8bit_residual_is_within_one_step_of_the_master_and_unbiased(dtype):
     """|stored - master| <= 2**shift units of the exact residual (bf16: fp32 bit patterns, 1/256 of the
@@ -319,7 +321,7 @@ def set_grads(groups: list[list[torch.nn.Parameter]], step: int, gen: torch.Gene
 
 
 def check_exact(name: str, fmt: str, dtype: torch.dtype, backend: str, steps: int = STEPS) -> None:
-    """``"exact"`` against the recipe (``examples/tasks.py``), every step: the 16-bit params and, at the
+    """``"exact"`` against the recipe (``bench/tasks.py``), every step: the 16-bit params and, at the
     end, every master bit. The recipe steps its fp32 copies with the stock optimizer for fp32 states on
     the CPU kernel and the reference (both are stock bit for bit), else with lowbit_compile on the same
     backend and format."""
@@ -350,7 +352,8 @@ REFERENCE_GRID = [(name, fmt) for i, name in enumerate(OPTIMIZERS)
                   for fmt in ("fp32", FORMATS[1 + (2 * i) % 6], FORMATS[1 + (2 * i + 1) % 6])]
 
 
-@pytest.mark.parametrize(("name", "fmt"), REFERENCE_GRID)
+@pytest.mark.parametrize(("name", "fmt"), slow_but([pytest.param(n, f, id=f"{n}-{f}") for n, f in REFERENCE_GRID],
+                                                  "AdamW-dynamic8", "SGD-nesterov-bf16"))
 def test_exact_is_the_fp32_master_recipe_bit_for_bit_on_the_reference(name, fmt):
     check_exact(name, fmt, BF16, "reference")
 
@@ -368,12 +371,14 @@ def test_exact_with_quantized_states_is_the_recipe_on_the_cpu_kernel(name, fmt):
     check_exact(name, fmt, BF16, "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize(("name", "fmt"), [("AdamW", "fp32"), ("AdamW", "dynamic8"), ("SGD-nesterov", "fp32")])
 def test_exact_fp16_params_are_the_recipe_bit_for_bit(name, fmt, backend):
     check_exact(name, fmt, FP16, backend)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "fmt", "dtype"), [("AdamW", "dynamic8", BF16), ("SGD-nesterov", "fp32", FP16),
                                                     ("RAdam", "int8", BF16)])
 def test_exact_is_the_recipe_on_the_triton_kernel(name, fmt, dtype):
@@ -464,6 +469,7 @@ def test_equal_parameters_round_their_8bit_masters_with_different_draws():
 
 
 # the lossy residual --------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize(("name", "fmt", "backends"), [
     ("AdamW", "fp32", ("cpu", "reference")),
@@ -520,6 +526,7 @@ def test_8bit_master_stays_within_one_residual_step_of_each_fp32_step():
             assert gap.max() <= 256
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_updates_far_below_the_bf16_spacing_move_the_master():
     """lr 1e-5 on weights near 1 (bf16 spacing 2**-7, so each update is 1/780 of it): stock AdamW on bf16
@@ -878,7 +885,7 @@ def test_an_fp16_master_beyond_65504_is_lost_with_its_param():
 
 
 # lowering coverage ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("name", slow_but([pytest.param(n, id=n) for n in OPTIMIZERS], "AdamW", "RMSprop-centered"))
 def test_every_optimizer_lowers_with_master_weights_on_both_printers(name):
     cls, kwargs = OPTIMIZERS[name]
     for dtype in (BF16, FP16):
@@ -893,6 +900,7 @@ def test_every_optimizer_lowers_with_master_weights_on_both_printers(name):
                         cpp_printer.emit_step(body, target)
 
 
+@pytest.mark.slow
 def test_master_kernels_compile_for_sm70_and_sm90_without_a_gpu():
     """The CUDA flavor of master-weights kernels (int32 tie-word atomics, uint32 hashes) through
     Triton's real compiler and ptxas, in a fresh interpreter (this one runs Triton interpreted)."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lowbit_compile
-from examples.tasks import OptimizerSpec, ZipfEmbedding, train
+from bench.tasks import OptimizerSpec, ZipfEmbedding, train
 from lowbit_compile import LowbitHealthWarning, enable, monitor
 from lowbit_compile import lowbit_compile as wrap
 from lowbit_compile.monitor import MAX_ZERO_FLUSH, MIN_SAMPLES
@@ -21,7 +21,7 @@ EVERY = 10
 
 
 def zipf_run(spec: str) -> tuple[lowbit_compile.Monitor, list[warnings.WarningMessage]]:
-    """The Zipf embedding task of examples/tasks.py (seed 0, its 300 steps), sampled every 10 steps."""
+    """The Zipf embedding task of bench/tasks.py (seed 0, its 300 steps), sampled every 10 steps."""
     task = ZipfEmbedding()
     names = [name for name, _ in task.model(0).named_parameters()]  # train() hands over model.parameters()
     monitors = []
@@ -37,6 +37,7 @@ def zipf_run(spec: str) -> tuple[lowbit_compile.Monitor, list[warnings.WarningMe
     return monitors[0], [w for w in caught if issubclass(w.category, LowbitHealthWarning)]
 
 
+@pytest.mark.slow
 def test_linear_int8_on_the_zipf_task_warns_once_naming_the_parameter_and_the_fix():
     # blocks of 2048: the layout the quality bench measured 1.3% behind fp32 on this task
     mon, caught = zipf_run("int8-b2048-k0")
@@ -51,6 +52,7 @@ def test_linear_int8_on_the_zipf_task_warns_once_naming_the_parameter_and_the_fi
     assert "fmt='dynamic8'" in text and "block_size=512" in text and "overrides={'emb.weight': 'bf16'}" in text
 
 
+@pytest.mark.slow
 def test_the_default_layout_on_the_same_run_does_not_warn():
     mon, caught = zipf_run("dynamic8")
     assert len(mon.history) == 300 // EVERY and not caught and not mon.alerts
@@ -168,6 +170,7 @@ def test_figures_go_to_a_tensorboard_summary_writer(tmp_path):
     assert [e.step for e in events.Scalars("lowbit/rel_error/exp_avg")] == [2, 4]
 
 
+@pytest.mark.slow
 def test_figures_go_to_a_lightning_logger(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 

@@ -29,15 +29,14 @@ from hypothesis import strategies as st
 
 from lowbit_compile import QuantizedState, checkpoint, lowbit_compile
 from lowbit_compile.kernels import blockquant, cpp_printer, cpu_build
-from lowbit_compile.kernels.formats import FORMAT_IDS, StateFormat, dynamic_map
+from lowbit_compile.kernels.formats import FORMAT_IDS, StateFormat
 
-BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8"]
+from .helpers import BLOCKWISE, bf16_bound, element_bound
+
 FORMATS = [pytest.param(name, nonneg, id=f"{name}-{'u' if nonneg else 's'}")
            for name in BLOCKWISE for nonneg in (False, True)]
 FLT_MAX = torch.finfo(torch.float32).max
 INF, NAN = math.inf, math.nan
-# Mantissa bits and smallest normal exponent of the fp8 formats, for their rounding bound.
-FP8 = {"fp8_e4m3": (3, -6), "fp8_e5m2": (2, -14)}
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -87,41 +86,6 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     bits = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[a.element_size()]
     return torch.equal(a[~nan_a].view(bits), b[~nan_b].view(bits))
-
-
-@functools.cache
-def _finite_map(nonneg: bool, flagged: bool) -> torch.Tensor:
-    """The dynamic map values a finite value may decode to (a flagged block's specials excluded)."""
-    table = dynamic_map(nonneg).double()
-    if not flagged:
-        return table
-    return table[:253] if nonneg else table[1:254]
-
-
-def element_bound(x: torch.Tensor, scale: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor) -> torch.Tensor:
-    """Per finite non-patch element (float64): how far its decoded value may be from ``x``."""
-    scale = torch.where(scale > 0, scale, 1.0)  # a zero scale holds only zeros (bound 0 + slack)
-    if fmt.name == "int8":
-        step = scale / 2
-    elif fmt.name == "sqrt8":  # the nearest square root: |c^2 - t| <= sqrt(t) + 1/4 (t = |x| / scale)
-        step = ((x.abs() / scale).sqrt() + 0.25) * scale
-    elif fmt.name == "dynamic8":  # the nearest finite map value
-        t = x / scale
-        step = torch.where(flagged, *((t[:, None] - _finite_map(fmt.nonneg, f)[None, :]).abs().amin(1)
-                                      for f in (True, False))) * scale
-    else:
-        mantissa, min_exp = FP8[fmt.name]
-        step = torch.maximum(2.0 ** -(mantissa + 1) * x.abs(), 2.0 ** (min_exp - mantissa - 1) * scale)
-    if fmt.nonneg:  # the zero-point rule raises a tiny positive value to the smallest code
-        step = torch.where(x > 0, torch.maximum(step, fmt.min_positive * scale - x), step)
-    return step + 2.0**-20 * (x.abs() + step) + 2.0**-149
-
-
-def bf16_bound(x: torch.Tensor, nonneg: bool) -> torch.Tensor:
-    """Round to nearest bf16 (half an ulp: 2^-8 relative, 2^-134 absolute among subnormals),
-    saturating; for a non-negative state a positive value below 2^-133 is raised to it."""
-    bound = 2.0**-8 * x.abs() + 2.0**-134
-    return torch.where(x > 0, torch.maximum(bound, 2.0**-133 - x), bound) if nonneg else bound
 
 
 def reference_layout(x: torch.Tensor, fmt: StateFormat):
@@ -178,6 +142,7 @@ def assert_holds(x: torch.Tensor, q: blockquant.Quantized, fmt: StateFormat) -> 
 
 
 # -- encode/decode ------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "nonneg"), FORMATS)
 @SETTINGS
 @given(data=st.data(), block=st.sampled_from([8, 32, 64]), outliers=st.sampled_from([0, 1, 3]))
@@ -187,6 +152,7 @@ def test_every_format_survives_every_float(name, nonneg, data, block, outliers):
     assert_holds(x, blockquant.quantize(x, fmt), fmt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nonneg", [False, True], ids=["s", "u"])
 @SETTINGS
 @given(data=st.data())
@@ -196,6 +162,7 @@ def test_bf16_state_survives_every_float(nonneg, data):
     assert_holds(x, blockquant.quantize(x, fmt), fmt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "nonneg"), FORMATS)
 @SETTINGS
 @given(data=st.data(), decay=st.floats(2.0**-40, 1.0))
@@ -343,6 +310,7 @@ def assert_same_storage(got: blockquant.Quantized, want: blockquant.Quantized, w
         assert same_values(a, b), (what, part, a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "nonneg"), FORMATS)
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -408,6 +376,7 @@ def _rig(opt_name: str, fmt: str):
     return ours_p, stock_p, ours, stock
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", BLOCKWISE + ["bf16"])
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -466,6 +435,7 @@ KERNEL_STEPS = [pytest.param(backend, fmt, dtype, id=f"{backend}-{fmt}-{str(dtyp
                 + [("triton", f, torch.float32) for f in BLOCKWISE + ["bf16"]] + [("triton", "dynamic8", torch.bfloat16)]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("backend", "fmt", "dtype"), KERNEL_STEPS)
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), step=st.integers(1, 10**6))
@@ -687,6 +657,7 @@ def idle_row_run(fmt: str, steps: int, block_size: int = 256, backend: str = "re
                    bound.norm().item() / movement, bool((off <= bound).all()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", BLOCKWISE + ["bf16"])
 def test_a_long_idle_row_stays_finite_and_within_its_bound(fmt):
     """The issue's embedding row: updated once, then idle for 5,000 steps (fp8 NaNed its block after

@@ -117,7 +117,7 @@ def _bf16_adamw_ulps(fmt: str, backend: str, steps: int = 3) -> torch.Tensor:
     return torch.stack(worst)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "reference", pytest.param("triton", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fmt", ["int8", "dynamic8"])
 def test_bf16_param_is_the_fp32_update_rounded_once(fmt, backend):
     """fp32 arithmetic is ~2**-24 relative off float64, so the param is the float64 update rounded to

@@ -22,7 +22,7 @@ from lowbit_compile import QuantizedState, compile, lowbit_compile, restore, sta
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.passes.roles import NotElementwiseError
 
-from .test_exactness import _db_inputs, _groups, _model_params, _run
+from .helpers import each_param, optim_db_params, slow_but, step_twins, twin_optimizers
 
 OPTIMIZERS = (torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam,
               torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
@@ -37,15 +37,10 @@ EXTRA = [
 
 
 def _twins(cls, kwargs):
-    """Two copies of test_exactness's seven params in three groups, under two instances of ``cls``
+    """Two copies of helpers.model_params (seven params) in three groups, under two instances of ``cls``
     (the stock ones in their single-tensor implementation)."""
-    a = _model_params()
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    for p, q in zip(a, b):  # keep the non-contiguous layout in the twin
-        if not p.is_contiguous():
-            q.data = p.detach().t().clone().t()
     impl = {"foreach": False} if cls in OPTIMIZERS else {}
-    return a, b, cls(_groups(a, kwargs), **kwargs, **impl), cls(_groups(b, kwargs), **kwargs, **impl)
+    return twin_optimizers(cls, kwargs, impl, impl)
 
 
 def _reset_caches(monkeypatch):
@@ -63,13 +58,14 @@ def _assert_same(a, b, opt_a, opt_b):
             assert torch.equal(sa[key], sb[key]), key
 
 
-@pytest.mark.parametrize(("cls", "kwargs"), _db_inputs(OPTIMIZERS) + EXTRA)
+@pytest.mark.parametrize(("cls", "kwargs"), slow_but(optim_db_params(OPTIMIZERS) + EXTRA, "SGD-nesterov", "RAdam-default",
+                                                     "Adagrad-Tensor lr", "Lion"))
 def test_fp32_is_bitwise_stock(cls, kwargs):
     """Seven params of three groups (differing lr, eps, weight decay), one without a grad every third
     step, a non-contiguous one and a 0-d one; the reference lowering, which runs the traced ops."""
     a, b, opt_a, opt_b = _twins(cls, kwargs)
     lowbit_compile(opt_a, "fp32", backend="reference")
-    _run(a, b, opt_a, opt_b, steps=STEPS)
+    step_twins(a, b, opt_a, opt_b, steps=STEPS)
     _assert_same(a, b, opt_a, opt_b)
 
 
@@ -81,7 +77,7 @@ def test_fp32_default_backend_is_bitwise_stock(cls):
     lowbit_compile(opt_a, "fp32")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "lowbit-compile: the CPU kernel does not cover")
-        _run(a, b, opt_a, opt_b, steps=8)
+        step_twins(a, b, opt_a, opt_b, steps=8)
     _assert_same(a, b, opt_a, opt_b)
 
 
@@ -100,7 +96,7 @@ def test_groups_that_keep_different_states(cls, kwargs, other):
         return params, (opt if fmt is None else lowbit_compile(opt, fmt, backend="reference"))
 
     (a, opt_a), (b, opt_b), (c, opt_c) = make("fp32"), make(), make("int8")
-    _run(a, b, opt_a, opt_b, steps=4)
+    step_twins(a, b, opt_a, opt_b, steps=4)
     _assert_same(a, b, opt_a, opt_b)
     for p in c:
         p.grad = torch.randn_like(p)
@@ -184,11 +180,9 @@ class NormalizedSGD(torch.optim.Optimizer):
     def __init__(self, params, lr=0.1):
         super().__init__(params, {"lr": lr})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.add_(p.grad / p.grad.norm(), alpha=-group["lr"])
+    @each_param
+    def step(self, group, p, state):
+        p.add_(p.grad / p.grad.norm(), alpha=-group["lr"])
 
 
 class MatrixDamped(torch.optim.Optimizer):
@@ -197,24 +191,19 @@ class MatrixDamped(torch.optim.Optimizer):
     def __init__(self, params, lr=0.1):
         super().__init__(params, {"lr": lr})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.add_(p.grad, alpha=-group["lr"] * (0.5 if p.dim() > 1 else 1.0))
+    @each_param
+    def step(self, group, p, state):
+        p.add_(p.grad, alpha=-group["lr"] * (0.5 if p.dim() > 1 else 1.0))
 
 
 class PythonStepCount(torch.optim.Optimizer):
     def __init__(self, params, lr=0.1):
         super().__init__(params, {"lr": lr})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                state["t"] = state.get("t", 0) + 1
-                p.add_(p.grad, alpha=-group["lr"] / state["t"])
+    @each_param
+    def step(self, group, p, state):
+        state["t"] = state.get("t", 0) + 1
+        p.add_(p.grad, alpha=-group["lr"] / state["t"])
 
 
 @pytest.mark.parametrize(("cls", "error", "match"), [
@@ -273,16 +262,13 @@ class SquareEMA(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-2, decay=0.9):
         super().__init__(params, {"lr": lr, "decay": decay})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["v"] = torch.zeros_like(p)
-                v, b = state["v"], group["decay"]
-                v.mul_(b).addcmul_(p.grad, p.grad, value=1 - b)
-                p.addcdiv_(p.grad, v.abs().add_(1), value=-group["lr"])
+    @each_param
+    def step(self, group, p, state):
+        if not state:
+            state["v"] = torch.zeros_like(p)
+        v, b = state["v"], group["decay"]
+        v.mul_(b).addcmul_(p.grad, p.grad, value=1 - b)
+        p.addcdiv_(p.grad, v.abs().add_(1), value=-group["lr"])
 
 
 def test_a_hyperparameter_leaving_the_range_a_sign_proof_assumed_makes_the_state_signed():
@@ -366,6 +352,7 @@ def _fit(cls, kwargs, fmt, steps=60):
     return start, val()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", list(QUALITY), ids=lambda c: c.__name__)
 def test_int8_states_keep_the_progress_of_fp32(cls):
     """int8 states (256-element blocks, 2 patches) keep at least 98% of the validation-loss drop of
@@ -378,7 +365,7 @@ def test_int8_states_keep_the_progress_of_fp32(cls):
     assert (start - ours) >= 0.98 * (start - stock), (start, stock, ours)
 
 
-# On a real task: the digits classifier of examples/tasks.py (bench/other_optimizers.py runs 3 seeds
+# On a real task: the digits classifier of bench/tasks.py (bench/other_optimizers.py runs 3 seeds
 # and the Zipf task too). Worse than stock by at most this fraction of the final validation loss,
 # seed 0, default format. Measured (bench/other_optimizers.py, 3 seeds, % gap): SGD -0.13 ± 0.03,
 # RMSprop -0.13 ± 0.13, Adagrad -0.12 ± 0.34, Adamax +0.00 ± 0.01, NAdam -0.01 ± 0.44, RAdam -1.12 ±
@@ -393,6 +380,7 @@ def test_int8_states_keep_the_progress_of_fp32(cls):
 WORSE_AT_MOST = {name: 0.01 for name in OTHER_OPTIMIZERS} | {"Lion (examples/lion.py)": 0.05, "Rprop": 0.10}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OTHER_OPTIMIZERS))
 def test_default_states_train_the_digits_classifier_like_stock(name):
     stock = run_other("digits", name, None, seed=0)

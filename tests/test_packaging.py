@@ -8,9 +8,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_wheel_has_one_top_level_name_and_imports(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
@@ -65,6 +68,7 @@ def test_no_directory_at_the_repository_root_shadows_kernels_or_passes():
     assert not out.stdout.strip().startswith(str(ROOT / "kernels")), out.stdout
 
 
+@pytest.mark.slow
 def test_importing_loads_neither_triton_nor_inductor_nor_dynamo():
     """``import lowbit_compile`` adds a few dozen modules to ``import torch``; the tracing machinery,
     inductor's toolchain and triton load when a step is first traced and its kernel built."""

@@ -11,6 +11,7 @@ from lowbit_compile.passes.roles import NotElementwiseError, label_roles
 from lowbit_compile.passes.trace import trace_count
 
 from .graphs import code, pass_graphs
+from .helpers import each_param
 
 
 def _adam(**kw):
@@ -286,14 +287,12 @@ def test_non_elementwise_step_is_refused():
         def __init__(self, params, lr=0.1):
             super().__init__(params, {"lr": lr})
 
-        def step(self):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    state = self.state[p]
-                    if not state:
-                        state["buf"] = torch.zeros_like(p)
-                    state["buf"].add_(p.grad)
-                    p.add_(state["buf"] / state["buf"].norm(), alpha=-group["lr"])
+        @each_param
+        def step(self, group, p, state):
+            if not state:
+                state["buf"] = torch.zeros_like(p)
+            state["buf"].add_(p.grad)
+            p.add_(state["buf"] / state["buf"].norm(), alpha=-group["lr"])
 
     opt = NormalizedSGD([torch.nn.Parameter(torch.randn(64))])
     traced_graph = _trace_custom(opt)

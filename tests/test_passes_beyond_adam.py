@@ -16,6 +16,7 @@ from lowbit_compile.passes.trace import hyper_slots, trace_step
 from lowbit_compile.trace_cache import trace_group
 
 from .graphs import code, pass_graphs
+from .helpers import each_param
 
 
 def _proof(opt, state=None, per_element=None):
@@ -76,15 +77,12 @@ class Update(torch.optim.Optimizer):
         super().__init__(params, {"h": h})
         self.rule = rule
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["v"] = torch.zeros_like(p)
-                state["v"].copy_(self.rule(state["v"], p.grad, group["h"]))
-                p.sub_(state["v"])
+    @each_param
+    def step(self, group, p, state):
+        if not state:
+            state["v"] = torch.zeros_like(p)
+        state["v"].copy_(self.rule(state["v"], p.grad, group["h"]))
+        p.sub_(state["v"])
 
 
 @pytest.mark.parametrize(("rule", "h", "proven", "assumes"), [

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.quality import summarize
-from examples.tasks import (
+from bench.tasks import (
     TASKS,
     CharGPT,
     DiffusionDigits,
@@ -38,6 +38,7 @@ SMALL_TASKS = {  # the same task classes, shrunk to keep the test fast
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_a_seed_fixes_weights_and_batches(name, one_thread):
     if name.startswith("digits") or name == "dit_digits":
@@ -94,6 +95,7 @@ def test_bf16_param_names():
     assert OptimizerSpec("bf16p-exact").param_dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_exact_master_weights_train_the_bf16_model_as_the_fp32_master_recipe_does(one_thread):
     """What the quality table's bit-for-bit column checks, on a small task: every loss the same float."""
     pytest.importorskip("sklearn")

@@ -38,6 +38,7 @@ def values(n: int) -> st.SearchStrategy[torch.Tensor]:
     return st.lists(floats, min_size=n, max_size=n).map(lambda xs: torch.tensor(xs, dtype=torch.float32))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(x=values(2 * BLOCK + 5), name=st.sampled_from(EIGHT_BIT), nonneg=st.booleans(),
        patches=st.sampled_from([0, 2]))
@@ -60,6 +61,7 @@ def test_the_quantize_kernel_keeps_the_contract_over_the_whole_float_range(x, na
     assert torch.equal(decoded[decoded.isinf()], expected[decoded.isinf()])
 
 
+@pytest.mark.slow
 @settings(SETTINGS, max_examples=12)
 @given(param=values(BLOCK + 3), grad=values(BLOCK + 3), name=st.sampled_from(EIGHT_BIT),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), rounding=st.sampled_from(["nearest", "stochastic"]))

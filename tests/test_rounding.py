@@ -20,7 +20,7 @@ from lowbit_compile.kernels.formats import StateFormat
 from lowbit_compile.kernels.lowering import Target
 
 from .graphs import body, pass_graphs
-from .test_numerics import bf16_bound, element_bound
+from .helpers import bf16_bound, element_bound
 
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 
@@ -86,7 +86,7 @@ def test_the_bits_come_from_the_counter_and_the_stream():
         rounding.stream_seed(0, 256)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", pytest.param("triton", marks=pytest.mark.slow)])
 def test_equal_parameters_stepped_together_draw_different_bits(backend):
     """An element's bits depend on its index, the counter and the stream only, so every parameter's
     counter starts apart (by its position in param_groups): two parameters holding the same values and
@@ -127,7 +127,7 @@ def _same_states(a: dict, b: dict) -> None:
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (key, part)
 
 
-@pytest.mark.parametrize("outliers", [0, 2])
+@pytest.mark.parametrize("outliers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_cpu_kernel_rounds_as_the_reference(fmt, outliers):
     """Bit for bit, signed (m) and non-negative (v) states, patches and a flagged block (an inf)."""
@@ -135,6 +135,7 @@ def test_the_cpu_kernel_rounds_as_the_reference(fmt, outliers):
     _same_states(_run("reference", fmt, outliers, nonfinite), _run("cpu", fmt, outliers, nonfinite))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_triton_kernel_rounds_as_the_reference(fmt):
     pytest.importorskip("triton")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.rounding import check_name, code_values, library_has_rounding, make_optimizer, round_trip
-from examples.tasks import Hyper
+from bench.tasks import Hyper
 from lowbit_compile.kernels.formats import StateFormat
 
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
@@ -56,6 +56,7 @@ def test_a_positive_nonneg_value_below_the_first_code_rounds_up_never_to_zero():
     assert (draws[:, 1:] == 2.0**-12).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FORMATS)
 def test_nearest_prototype_tracks_the_library(name, one_thread):
     torch.manual_seed(0)

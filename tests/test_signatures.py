@@ -12,6 +12,8 @@ import torch
 from lowbit_compile import compile, lowbit_compile, run, trace_cache, trace_count
 from lowbit_compile.trace_cache import LruCache
 
+from .helpers import each_param
+
 
 def _pair(lr):
     gen = torch.Generator().manual_seed(0)
@@ -88,16 +90,13 @@ class _Repeated(torch.optim.Optimizer):
     def __init__(self, params, lr=0.01, repeat=1):
         super().__init__(params, {"lr": lr, "repeat": repeat})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["buf"] = torch.zeros_like(p)
-                state["buf"].mul_(0.9).add_(p.grad)
-                for _ in range(group["repeat"]):
-                    p.sub_(state["buf"], alpha=group["lr"])
+    @each_param
+    def step(self, group, p, state):
+        if not state:
+            state["buf"] = torch.zeros_like(p)
+        state["buf"].mul_(0.9).add_(p.grad)
+        for _ in range(group["repeat"]):
+            p.sub_(state["buf"], alpha=group["lr"])
 
 
 def test_an_int_entry_the_step_reads_keeps_its_meaning():
@@ -124,16 +123,13 @@ class _Optional(torch.optim.Optimizer):
     def __init__(self, params, lr=0.01):
         super().__init__(params, {"lr": lr, "extra": 1})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["buf"] = torch.zeros_like(p)
-                state["buf"].mul_(0.9).add_(p.grad)
-                for _ in range(group["extra"] if group["lr"] > 0.05 else 1):
-                    p.sub_(state["buf"], alpha=group["lr"])
+    @each_param
+    def step(self, group, p, state):
+        if not state:
+            state["buf"] = torch.zeros_like(p)
+        state["buf"].mul_(0.9).add_(p.grad)
+        for _ in range(group["extra"] if group["lr"] > 0.05 else 1):
+            p.sub_(state["buf"], alpha=group["lr"])
 
 
 def test_an_entry_first_read_by_a_later_trace_separates_groups_prepared_together():

@@ -11,7 +11,7 @@ import torch
 import lowbit_compile as lc
 from lowbit_compile import lowbit_compile, stats
 
-from .test_api import transformer_params
+from .helpers import transformer_params
 
 BACKEND = "reference"  # what stats measures does not depend on the lowering; this one needs no compiler
 

@@ -27,6 +27,7 @@ def _run(cls, kwargs, seed, backend):
     return [p.detach().clone() for p in params]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_first_steps_in_many_threads_match_a_sequential_run(monkeypatch, backend):
     for module, cache in ((trace_cache, "_traces"), (compile, "_compiled"), (state_schema, "_schemas")):

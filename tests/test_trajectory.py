@@ -15,7 +15,7 @@ import torch
 
 from lowbit_compile import lowbit_compile
 
-from .test_api import transformer_params
+from .helpers import transformer_params
 
 BOUNDS = {  # (max, mean) |param - fp32 param| / lr after 30 steps
     "int8": (3.0, 0.11),
@@ -27,6 +27,7 @@ BOUNDS = {  # (max, mean) |param - fp32 param| / lr after 30 steps
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", sorted(BOUNDS))
 def test_random_grad_trajectory_stays_near_fp32(fmt):
     lr, steps = 1e-3, 30
@@ -46,6 +47,7 @@ def test_random_grad_trajectory_stays_near_fp32(fmt):
     assert diff.max() <= max_bound and diff.mean() <= mean_bound, (diff.max().item(), diff.mean().item())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", sorted(BOUNDS))
 def test_regression_converges_like_fp32(fmt):
     """A least-squares fit (MLP, 200 steps): the final loss is within 5% of fp32 AdamW's, a gap

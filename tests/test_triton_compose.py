@@ -36,6 +36,7 @@ def train_step(model, opt, x):
     return loss.detach()
 
 
+@pytest.mark.slow
 def test_compiled_training_step_calling_the_wrapped_step_runs_like_eager():
     x = torch.randn(16, 32)
     runs = []
@@ -86,6 +87,7 @@ def test_the_profiler_shows_each_kernel_call_by_name(monkeypatch, per_tensor):
     assert names.count("lowbit::fused_step_batched") == (0 if per_tensor else 1)
 
 
+@pytest.mark.slow
 def test_triton_on_cpu_tensors_without_the_interpreter_fails_at_wrap_time():
     """backend='triton' on CPU tensors is refused by lowbit_compile itself, naming the group and the fix,
     before anything is converted (not at the first step)."""

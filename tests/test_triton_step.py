@@ -13,14 +13,11 @@ import torch
 from lowbit_compile import lowbit_compile
 from lowbit_compile.kernels.kernel import RowLaunch
 
+from .helpers import bits, slow_but
 from .quantized_contract import assert_codes_within_one_step, assert_params_within_bound
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before triton is imported
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def tensor_betas() -> dict:
@@ -89,7 +86,7 @@ def assert_states_keep_the_contract(opt_tri, opt_ref, p_tri, p_ref, what) -> Non
             assert torch.equal(bits(a), bits(b)), (what, key)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", slow_but([pytest.param(c, id=c) for c in CASES], "adamw-int8", "adamw-bf16-params"))
 def test_fused_step_keeps_the_contract_of_the_reference_lowering(case):
     """Each step from the reference's params and states: 8-bit states within one code step, params
     within the contract's bound; bf16 and fp32 states identical (quantized_contract.py)."""

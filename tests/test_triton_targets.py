@@ -21,8 +21,7 @@ from lowbit_compile.kernels import blockquant
 from lowbit_compile.kernels.formats import StateFormat, decode, encode
 
 from . import target_matrix
-from .test_cpu_lowering import BLOCKWISE, _harness, _probe_values
-from .test_triton_state_kernels import bits, corner_values
+from .helpers import BLOCKWISE, bits, corner_values, prelude_harness, probe_values
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before triton is imported
@@ -73,13 +72,13 @@ def _fp8_probe_values(fmt: StateFormat) -> torch.Tensor:
     points = points[torch.isfinite(points)].view(torch.int32)
     near = torch.cat([points + 1, points - 1]).view(torch.float32)
     near = near[torch.isfinite(near)]
-    x = torch.cat([_probe_values(fmt), near.abs() if fmt.nonneg else near])
+    x = torch.cat([probe_values(fmt), near.abs() if fmt.nonneg else near])
     return torch.nn.functional.pad(x, (0, -len(x) % 16))
 
 
 @functools.cache
 def _cpu_formats() -> ctypes.CDLL:
-    return _harness("native")
+    return prelude_harness("native")
 
 
 def _cpu_convert(fmt: StateFormat, direction: int, codes: torch.Tensor, values: torch.Tensor) -> None:
@@ -171,13 +170,14 @@ def test_both_fp8_paths_decode_every_code_like_the_reference_and_the_cpu_kernel(
 
 
 @PATHS
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, *(pytest.param(d, marks=pytest.mark.slow)
+                                                    for d in (torch.bfloat16, torch.float16))])
 @pytest.mark.parametrize("outliers", [0, 2])
 @pytest.mark.parametrize(("name", "nonneg"), FP8_STATES)
 def test_state_kernels_of_both_fp8_paths_match_the_reference_bit_for_bit(name, nonneg, outliers, dtype, native,
                                                                          fp8_path):
     """Blocks of ties, subnormals, zeros, a patch over tiny values and values at the clamp, as
-    ``test_triton_state_kernels`` builds them, with and without patches."""
+    ``helpers.corner_values`` builds them, with and without patches."""
     fp8_path(native)
     fmt = StateFormat.make(name, 64, outliers, nonneg)
     x = corner_values(fmt, torch.float32).clamp(-6e4, 6e4).to(dtype)  # finite in fp16 too
@@ -202,6 +202,7 @@ STEPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(STEPS))
 def test_fused_step_states_of_both_fp8_paths_equal_the_cpu_kernel_and_the_reference(case, fp8_path):
     cls, fmt, dtype, numel, block, outliers, kwargs = STEPS[case]
@@ -260,6 +261,7 @@ def test_the_compile_plan_covers_every_cell_and_each_kernel_kind_meets_every_arc
             (kind, nonneg) for kind in tm.STATE_KERNELS for nonneg in (False, True)}, fmt
 
 
+@pytest.mark.slow
 def test_every_kernel_of_the_plan_compiles_for_its_architecture():
     """Triton's real compiler and its bundled ptxas, in a fresh interpreter (this process runs Triton
     interpreted), so a GPU-only compile error fails here: before the integer FP8 path, fp8_e4m3 failed on

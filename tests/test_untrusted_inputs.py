@@ -22,6 +22,8 @@ from lowbit_compile.cli import main
 from lowbit_compile.kernels import cpu_build
 from lowbit_compile.kernels.contract import identifier
 
+from .helpers import each_param
+
 SHAPES = [(64, 80), (80,)]  # one tensor quantized (>= min_8bit_size=4096 elements), one kept fp32
 SENTINEL = "lowbit_untrusted_code_ran"
 
@@ -163,16 +165,13 @@ class SquaresEma(torch.optim.Optimizer):
     def __init__(self, params):
         super().__init__(params, {"lr": 0.01, "decays": (0.9, 0.99)})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if not state:
-                    state["v"] = torch.zeros_like(p)
-                v = state["v"]
-                v.mul_(group["decays"][1]).addcmul_(p.grad, p.grad, value=1 - group["decays"][1])
-                p.addcdiv_(p.grad, v.sqrt().add_(1e-8), value=-group["lr"])
+    @each_param
+    def step(self, group, p, state):
+        if not state:
+            state["v"] = torch.zeros_like(p)
+        v = state["v"]
+        v.mul_(group["decays"][1]).addcmul_(p.grad, p.grad, value=1 - group["decays"][1])
+        p.addcdiv_(p.grad, v.sqrt().add_(1e-8), value=-group["lr"])
 
 
 def test_a_key_named_like_a_tuple_slot_does_not_stand_in_for_it_in_a_guard():
@@ -246,15 +245,12 @@ def hostile_optimizer(state_key: str, hyper_key: str) -> type[torch.optim.Optimi
         def __init__(self, params):
             super().__init__(params, {"lr": 0.1, hyper_key: 0.9})
 
-        @torch.no_grad()
-        def step(self):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    state = self.state[p]
-                    if not state:
-                        state[state_key] = torch.zeros_like(p)
-                    state[state_key].mul_(group[hyper_key]).add_(p.grad)
-                    p.sub_(state[state_key], alpha=group["lr"])
+        @each_param
+        def step(self, group, p, state):
+            if not state:
+                state[state_key] = torch.zeros_like(p)
+            state[state_key].mul_(group[hyper_key]).add_(p.grad)
+            p.sub_(state[state_key], alpha=group["lr"])
 
     return Hostile
 
@@ -414,12 +410,12 @@ def test_a_changed_or_foreign_library_is_not_loaded_but_rebuilt(fresh_builds, tm
     source = ANSWER.format(3)
     assert answer(source) == (3, 1)
     [lib] = (tmp_path / "cache").glob("*.so")
-    # replaced, not written over: this process has the library mapped, and its pages would change under
-    # it (its code run at exit crashed the interpreter)
-    planted = tmp_path / "planted.so"
+    # a new file in its place, as its mode: the library this process loaded stays mapped intact (bytes
+    # written into it would change that mapping, and the process crashed at exit)
+    planted = lib.with_suffix(".planted")
     planted.write_bytes(planted_library(tmp_path, marker))
-    planted.chmod(lib.stat().st_mode)
-    os.replace(planted, lib)
+    planted.chmod(mode(lib))
+    planted.replace(lib)
     cpu_build._loaded.clear()
     with pytest.warns(UserWarning, match=rf"not loading the kernel library {re.escape(str(lib))}: its bytes"):
         assert answer(source) == (3, 1)

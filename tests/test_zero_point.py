@@ -2,7 +2,7 @@
 set, no format stores a second moment as 0 where fp32 AdamW's is positive, and the parameters stay
 near fp32 AdamW's.
 
-The set is the 0.5M-param GPT of ``test_api.transformer_params`` (embeddings, attention and MLP
+The set is the 0.5M-param GPT of ``helpers.transformer_params`` (embeddings, attention and MLP
 matrices, norms, biases: the kinds of tensors and block layouts of the 12.6M set of the issue, 25x
 smaller to keep the test near 30 s; the largest drift grows with the number of parameters, from
 0.5M to 12.6M 0.74 -> 0.79 lr for dynamic8 and 0.70 -> 0.96 for sqrt8). ``bench/zero_point.py`` runs the 12.6M set and the
@@ -23,6 +23,8 @@ import pytest
 import torch
 
 from bench.zero_point import OURS, SMALL, zero_point_check
+
+pytestmark = pytest.mark.slow  # a training run per format (the module's fixture)
 
 MISSES_GOAL = {"int8": 3.0, "fp8_e4m3": 2.0, "fp8_e5m2": 4.5}  # measured max drift x ~1.4
 
