@@ -1,4 +1,5 @@
-# Two entry points (see README): `make demo` runs the demo training, `make test` runs lint + tests.
+# The README's two entry points: `make demo` runs the demo training, `make test` runs lint + tests
+# (CI); `make test-fast` is the quick tier for every change.
 # Each creates .venv and installs what it needs; torch is pinned to the CPU build for dev and CI.
 VENV ?= .venv
 PY := $(VENV)/bin/python
