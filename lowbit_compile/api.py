@@ -42,14 +42,13 @@ from .state_schema import StateSchema, init_state, probe_schema
 # found elementwise; these stock ones are refused up front, with the reason.
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad,
              torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
-             torch.optim.Rprop)
+             torch.optim.Rprop, torch.optim.Muon)
 REFUSED = {
     torch.optim.LBFGS: "its step re-evaluates the closure in a line search and mixes every parameter "
                        "(dot products and a history over the flattened gradient)",
     torch.optim.SparseAdam: "it steps sparse gradients only, updating the rows they touch",
     torch.optim.Adafactor: "it factors the second moment of a matrix into row and column means and scales "
                            "the update by its norm",
-    torch.optim.Muon: "it orthogonalizes each matrix update (Newton-Schulz iterations over the whole matrix)",
 }
 _ATTR = "_lowbit"
 # True while a rewritten ``step`` (the instance attribute) runs its hooks and update, so that the
