@@ -37,12 +37,16 @@ from .passes.trace import entries_read, unhooked_step
 from .run import Prepared, StepPlan, group_signature
 from .state_schema import StateSchema, init_state, probe_schema
 
-# The stock optimizers whose step is elementwise over each parameter: enable() rewrites these. Any
+# The stock optimizers whose step is elementwise over each parameter: enable() rewrites these (and STAGED). Any
 # other torch.optim.Optimizer subclass is accepted by lowbit_compile() once its step is traced and
 # found elementwise; these stock ones are refused up front, with the reason.
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad,
              torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
-             torch.optim.Rprop, torch.optim.Muon)
+             torch.optim.Rprop)
+# The stock optimizers whose step is not elementwise but runs in stages (passes/stages.py): traced at
+# each parameter's shape, its matmuls and norms as torch ops, its per-element states low-bit.
+STAGED = (torch.optim.Muon,)
+REWRITTEN = SUPPORTED + STAGED  # what enable() rewrites and lowbit_compile() accepts without a probe
 REFUSED = {
     torch.optim.LBFGS: "its step re-evaluates the closure in a line search and mixes every parameter "
                        "(dot products and a history over the flattened gradient)",
@@ -70,6 +74,7 @@ class _Wrapped:
         # per parameter, reused while valid; weak, so a parameter the optimizer lets go of is freed
         self.prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.plan: StepPlan | None = None  # the last step's bound launches, reused while they fit
+        self.transient = 0  # bytes a step allocates for one parameter at a time (a staged step's temporaries)
         # one step at a time: two threads stepping one optimizer take turns (stock's step is not
         # atomic either, but ours binds rows that a second step would rebind under the first)
         self.lock = threading.RLock()
@@ -203,6 +208,13 @@ def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return opt
 
 
+def transient_bytes(opt: torch.optim.Optimizer) -> int:
+    """The bytes the last prepared step of the wrapped ``opt`` allocates while it runs, at most, beyond
+    its states: a staged step's (Muon's) fp32 temporaries for its largest parameter; 0 otherwise."""
+    wrapped: _Wrapped | None = getattr(opt, _ATTR, None)
+    return wrapped.transient if wrapped is not None else 0
+
+
 def is_wrapped(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt`` runs the low-bit step now (``lowbit_compile`` applied, ``restore`` not since)."""
     return hasattr(opt, _ATTR)
@@ -235,7 +247,7 @@ def _check_optimizer(opt: object) -> None:
             )
     for i, group in enumerate(opt.param_groups):
         _check_group(f"param_groups[{i}]", group)
-    if not isinstance(opt, SUPPORTED):  # one's own optimizer: trace its step now, to refuse it here if need be
+    if not isinstance(opt, REWRITTEN):  # one's own optimizer: trace its step now, to refuse it here if need be
         for group in opt.param_groups:
             for param in {p.dim(): p for p in group["params"]}.values():
                 probe_schema(opt, group, param)
@@ -262,7 +274,7 @@ def check_new_group(opt: torch.optim.Optimizer, param_group: dict) -> None:
     param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
     group = {**opt.defaults, **param_group}
     _check_group(f"the new param group (param_groups[{len(opt.param_groups)}])", group)
-    if not isinstance(opt, SUPPORTED):
+    if not isinstance(opt, REWRITTEN):
         for param in {p.dim(): p for p in group["params"]}.values():
             probe_schema(opt, group, param)
     backend = getattr(opt, _ATTR).config.backend
@@ -384,6 +396,7 @@ def _locked_step(opt: torch.optim.Optimizer, wrapped: _Wrapped) -> None:
     if plan is None or not plan.refresh(opt, config):
         plan, on_meta = _prepare(opt, wrapped)
         wrapped.plan = plan if plan.reusable and not on_meta else None
+        wrapped.transient = plan.transient
     if grad_scale is not None:
         for grad in plan.grads():
             grad.div_(grad_scale)
@@ -550,6 +563,6 @@ def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
 
 
 # The stock-step guard leaves alone a wrapped optimizer (its step converts what a loader left in its
-# state) and optimizers that are not stock elementwise ones (ZeroRedundancyOptimizer keeps a copy of
+# state) and optimizers that are not stock ones it rewrites (ZeroRedundancyOptimizer keeps a copy of
 # its inner optimizer's state but steps the inner one).
-checkpoint.defer_to(lambda opt: is_wrapped(opt) or not isinstance(opt, SUPPORTED))
+checkpoint.defer_to(lambda opt: is_wrapped(opt) or not isinstance(opt, REWRITTEN))

@@ -171,7 +171,7 @@ def _signature(stock: inspect.Signature, own: tuple[str, ...]) -> inspect.Signat
 
 
 # One class per supported stock optimizer, importable as lowbit_compile.optim.<Name>.
-for _stock in api.SUPPORTED:
+for _stock in api.REWRITTEN:
     _classes[_stock] = globals()[_stock.__name__] = _make_class(_stock, __name__)
 del _stock
 
@@ -186,6 +186,7 @@ RAdam = _classes[torch.optim.RAdam]
 Adadelta = _classes[torch.optim.Adadelta]
 ASGD = _classes[torch.optim.ASGD]
 Rprop = _classes[torch.optim.Rprop]
+Muon = _classes[torch.optim.Muon]
 
-__all__ = ["ASGD", "SGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop",
-           "lowbit_class", "stock_class"]
+__all__ = ["ASGD", "SGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Muon", "NAdam", "RAdam", "RMSprop",
+           "Rprop", "lowbit_class", "stock_class"]

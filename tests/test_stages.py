@@ -33,25 +33,25 @@ class TestMuonStages(TestCase):
         _, staged = _muon_graphs()
         self.assertExpectedInline(staged.code.strip(), """\
 def forward(self, param, grad, momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, hp_lr, hp_weight_decay, hp_momentum, hp_ns_coefficients_0, hp_ns_coefficients_1, hp_ns_coefficients_2, hp_eps):
-    tmp_0 = torch.ops.aten.empty_like.default(param, dtype = torch.float32, memory_format = torch.contiguous_format)
-    stage_0 = self.stage_0(param, grad, momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, hp_momentum, tmp_0);  momentum_buffer_codes = momentum_buffer_scales = momentum_buffer_patch_values = momentum_buffer_patch_index = stage_0 = None
-    stage_1 = self.stage_1(grad, hp_momentum, hp_ns_coefficients_0, hp_ns_coefficients_1, hp_ns_coefficients_2, hp_eps, tmp_0);  grad = hp_momentum = hp_ns_coefficients_0 = hp_ns_coefficients_1 = hp_ns_coefficients_2 = hp_eps = tmp_0 = None
+    tmp_0 = torch.ops.aten.empty_like.default(param, dtype = torch.bfloat16, memory_format = torch.contiguous_format)
+    stage_0 = self.stage_0(param, grad, momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, hp_momentum, tmp_0);  grad = momentum_buffer_codes = momentum_buffer_scales = momentum_buffer_patch_values = momentum_buffer_patch_index = hp_momentum = stage_0 = None
+    stage_1 = self.stage_1(hp_ns_coefficients_0, hp_ns_coefficients_1, hp_ns_coefficients_2, hp_eps, tmp_0);  hp_ns_coefficients_0 = hp_ns_coefficients_1 = hp_ns_coefficients_2 = hp_eps = tmp_0 = None
     tmp_1 = stage_1[0];  stage_1 = None
     stage_2 = self.stage_2(param, hp_lr, hp_weight_decay, tmp_1);  param = hp_lr = hp_weight_decay = tmp_1 = stage_2 = None
     return None""")
         self.assertExpectedInline(staged.stage_0.code.strip(), """\
 def forward(self, param, grad, momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, hp_momentum, tmp_0):
     dequantize_default = torch.ops.lowbit.dequantize.default(momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, 'sqrt8:512:0:s', 'float32')
-    sub = 1.0 - hp_momentum;  hp_momentum = None
-    lerp = torch.ops.aten.lerp.Scalar(dequantize_default, grad, sub);  dequantize_default = grad = sub = None
-    quantize__default = torch.ops.lowbit.quantize_.default(lerp, momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, 'sqrt8:512:0:s');  momentum_buffer_codes = momentum_buffer_scales = momentum_buffer_patch_values = momentum_buffer_patch_index = quantize__default = None
-    copy__default = torch.ops.aten.copy_.default(tmp_0, lerp);  tmp_0 = lerp = copy__default = None
+    sub = 1.0 - hp_momentum
+    lerp = torch.ops.aten.lerp.Scalar(dequantize_default, grad, sub);  dequantize_default = sub = None
+    lerp_1 = torch.ops.aten.lerp.Scalar(grad, lerp, hp_momentum);  grad = hp_momentum = None
+    _to_copy = torch.ops.aten._to_copy.default(lerp_1, dtype = torch.bfloat16);  lerp_1 = None
+    quantize__default = torch.ops.lowbit.quantize_.default(lerp, momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, 'sqrt8:512:0:s');  lerp = momentum_buffer_codes = momentum_buffer_scales = momentum_buffer_patch_values = momentum_buffer_patch_index = quantize__default = None
+    copy__default = torch.ops.aten.copy_.default(tmp_0, _to_copy);  tmp_0 = _to_copy = copy__default = None
     return None""")
         self.assertExpectedInline(staged.stage_1.code.strip(), """\
-def forward(self, grad, hp_momentum, hp_ns_coefficients_0, hp_ns_coefficients_1, hp_ns_coefficients_2, hp_eps, tmp_0):
-    lerp_1 = torch.ops.aten.lerp.Scalar(grad, tmp_0, hp_momentum);  grad = tmp_0 = hp_momentum = None
-    _to_copy = torch.ops.aten._to_copy.default(lerp_1, dtype = torch.bfloat16);  lerp_1 = None
-    permute_copy = torch.ops.aten.permute.default(_to_copy, [1, 0]);  _to_copy = None
+def forward(self, hp_ns_coefficients_0, hp_ns_coefficients_1, hp_ns_coefficients_2, hp_eps, tmp_0):
+    permute_copy = torch.ops.aten.permute.default(tmp_0, [1, 0]);  tmp_0 = None
     linalg_vector_norm = torch.ops.aten.linalg_vector_norm.default(permute_copy)
     clamp = torch.ops.aten.clamp.default(linalg_vector_norm, hp_eps);  linalg_vector_norm = hp_eps = None
     div = torch.ops.aten.div.Tensor(permute_copy, clamp);  permute_copy = clamp = None
@@ -81,8 +81,9 @@ def forward(self, param, hp_lr, hp_weight_decay, tmp_1):
 def forward(self, param, grad, state_momentum_buffer, hp_momentum, tmp_0):
     sub = 1.0 - hp_momentum;  hp_momentum = None
     lerp = torch.ops.aten.lerp.Scalar(state_momentum_buffer, grad, sub);  grad = sub = None
-    copy__1 = torch.ops.aten.copy_.default(state_momentum_buffer, lerp);  state_momentum_buffer = copy__1 = None
-    copy__default = torch.ops.aten.copy_.default(tmp_0, lerp);  tmp_0 = lerp = copy__default = None
+    _to_copy = torch.ops.aten._to_copy.default(lerp, dtype = torch.bfloat16)
+    copy__1 = torch.ops.aten.copy_.default(state_momentum_buffer, lerp);  state_momentum_buffer = lerp = copy__1 = None
+    copy__default = torch.ops.aten.copy_.default(tmp_0, _to_copy);  tmp_0 = _to_copy = copy__default = None
     return None""")
 
 

@@ -60,7 +60,7 @@ def label_roles(gm: GraphModule, staged: bool = False) -> GraphModule:
             args, _ = tree_flatten((node.args, node.kwargs))
             touches = any(isinstance(a, Node) and is_per_element(a) for a in args)
             set_per_element(node, touches)
-            if touches and not _elementwise(node, param_shape):
+            if touches and not (_elementwise(node, param_shape) or staged and _cast(node, param_shape)):
                 if not staged:
                     raise NotElementwiseError(
                         f"the optimizer's step applies {node.target} to a per-element tensor "
@@ -69,6 +69,13 @@ def label_roles(gm: GraphModule, staged: bool = False) -> GraphModule:
                     )
                 set_whole_tensor(node)
     return gm
+
+
+def _cast(node: Node, param_shape: torch.Size) -> bool:
+    """A dtype cast of a per-element value (Muon's ``.bfloat16()``): a staged step's elementwise stage
+    writes it, at half the bytes of the fp32 value, instead of a whole-tensor stage making it."""
+    return (node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
+            and tuple(_val(node).shape) == tuple(param_shape))
 
 
 def _elementwise(node: Node, param_shape: torch.Size) -> bool:

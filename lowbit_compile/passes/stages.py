@@ -5,9 +5,8 @@ write-backs, quantized or not, stay in them), and whole-tensor ones, run as torc
 A value one stage gives a later one is a *temporary*: a tensor that exists while one parameter steps,
 never across steps. An elementwise stage writes each temporary it gives with ``copy_`` into an input
 of its own (a per-element state input keyed :class:`Temporary`, allocated by the top graph), so the
-kernels need nothing new; a whole-tensor stage returns them. Elementwise nodes that only feed
-whole-tensor ones (Muon's nesterov ``lerp`` and its bf16 cast) run with them as torch ops, so the
-temporaries a step needs are the values around the state I/O, not every intermediate.
+kernels need nothing new; a whole-tensor stage returns them. Elementwise work stays in the kernels, so
+a temporary is what the whole-tensor ops take (Muon's bf16 nesterov update), not an fp32 intermediate.
 
 The result is a GraphModule whose children ``stage_0``, ``stage_1``, ... (even: elementwise, odd:
 whole-tensor) are wired by its own graph from the original inputs; it runs stage by stage.
@@ -86,6 +85,7 @@ def split_stages(gm: GraphModule) -> GraphModule:
             for i, node in enumerate(outputs):
                 env[node] = top.call_function(operator.getitem, (call, i))
                 env[node].name = f"tmp_{temporaries[node]}"
+                env[node].meta.update(val=node.meta.get("val"))
     top.output(None)
     return GraphModule(root, top, "StagedStep")
 
@@ -111,8 +111,8 @@ def _copy_storage_reads(graph: Graph) -> None:
 
 
 def _eager_nodes(ops: list[Node]) -> set[Node]:
-    """The nodes that run as torch ops: the whole-tensor ones, the elementwise ones between two of
-    them, and elementwise ones whose every use runs as a torch op (none that reads or writes storage)."""
+    """The nodes that run as torch ops: the whole-tensor ones and the elementwise ones between two of
+    them (Muon's division by the norm, between the norm and the matmuls)."""
     whole = {n for n in ops if is_whole_tensor(n)}
     after: set[Node] = set()
     for node in ops:
@@ -122,22 +122,7 @@ def _eager_nodes(ops: list[Node]) -> set[Node]:
     for node in reversed(ops):
         if any(u in whole or u in before for u in node.users):
             before.add(node)
-    eager = whole | {n for n in ops if is_per_element(n) and n in after and n in before}
-    for node in reversed(ops):
-        if node in eager or not is_per_element(node) or _touches_storage(node):
-            continue
-        if node.users and all(u in eager for u in node.users):
-            eager.add(node)
-    return eager
-
-
-def _touches_storage(node: Node) -> bool:
-    """Whether ``node`` reads or writes an input in place (the param, a state or its storage)."""
-    if state_access(node) is not None or node.target is aten.copy_.default:
-        return True
-    if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "lowbit":
-        return True
-    return any(a.op == "placeholder" and role_of(a) in _MUTABLE for a in node.all_input_nodes)
+    return whole | {n for n in ops if is_per_element(n) and n in after and n in before}
 
 
 def _stage_numbers(ops: list[Node], eager: set[Node]) -> dict[Node, int]:
@@ -261,6 +246,7 @@ def _elementwise_stage(nodes: list[Node], stage: dict[Node, int], temporaries: d
         buffer = top.call_function(aten.empty_like.default, (env[param],),
                                    {"dtype": node.meta["val"].dtype, "memory_format": torch.contiguous_format})
         buffer.name = f"tmp_{temporaries[node]}"
+        buffer.meta.update(val=node.meta.get("val"))
         env[node] = buffer
         args.append(buffer)
         write = graph.call_function(aten.copy_.default, (ph, local[node]))
