@@ -4,12 +4,16 @@ fp32 is stock bit for bit on every optim_db input torch has for it, its 8-bit mo
 from __future__ import annotations
 
 import io
+import logging
+import signal
+import sys
 
 import pytest
 import torch
 from torch.testing._internal.common_optimizers import optim_db
 
-from lowbit_compile import checkpoint, lowbit_compile
+from lowbit_compile import checkpoint, enable, is_wrapped, lowbit_compile, memory_report, optim
+from lowbit_compile.cli import main
 from lowbit_compile.state import QuantizedState
 
 STEPS = 8
@@ -148,3 +152,74 @@ def test_a_stock_checkpoint_loads_quantized_and_exports_back_to_stock():
     again = torch.optim.Muon(params, lr=0.02)
     again.load_state_dict(checkpoint.stock_state_dict(opt))
     _train(again, params, 1, seed=3)
+
+
+def test_the_muon_class_steps_like_the_explicit_wrap():
+    params = _matrices()
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    by_class = optim.Muon(params, lr=0.02, min_8bit_size=0)
+    explicit = lowbit_compile(torch.optim.Muon(twins, lr=0.02), min_8bit_size=0)
+    assert isinstance(by_class, torch.optim.Muon) and is_wrapped(by_class)
+    _train(by_class, params, 3, seed=1)
+    _train(explicit, twins, 3, seed=1)
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+
+
+def test_enable_rewrites_muon_and_adamw_beside_it():
+    matrices = _matrices()
+    vector = torch.nn.Parameter(torch.randn(96))
+    with enable(min_8bit_size=0):
+        muon, adamw = torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW([vector], lr=1e-3)
+        _train(muon, matrices, 2, seed=1)
+        _train(adamw, [vector], 2, seed=1)
+    assert is_wrapped(muon) and is_wrapped(adamw)
+    assert isinstance(muon.state[matrices[0]]["momentum_buffer"], QuantizedState)
+
+
+def test_memory_report_gives_the_transient_of_the_largest_matrix():
+    params = _matrices()
+    opt = lowbit_compile(torch.optim.Muon(params, lr=0.02), min_8bit_size=0)
+    _train(opt, params, 1, seed=1)
+    report = memory_report(opt)
+    assert report.per_state["momentum_buffer"].bytes_per_param < 1.1
+    n = params[0].numel()
+    # the bf16 update and the Newton-Schulz iterates, at most the fp32 update's bytes twice over
+    assert 2 * n < report.transient <= 8 * n
+    assert "transient" in str(report)
+    adamw = lowbit_compile(torch.optim.AdamW(params), min_8bit_size=0)
+    _train(adamw, params, 1, seed=1)
+    assert memory_report(adamw).transient == 0
+
+
+RUN_SCRIPT = '''
+import sys, torch
+model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64))
+matrices = [p for p in model.parameters() if p.dim() == 2]
+rest = [p for p in model.parameters() if p.dim() != 2]
+muon, adamw = torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)
+for _ in range(2):
+    model(torch.randn(4, 64)).square().mean().backward()
+    muon.step(); adamw.step(); muon.zero_grad(); adamw.zero_grad()
+print("muon", type(muon.state[matrices[0]]["momentum_buffer"]).__name__)
+'''
+
+
+def test_run_rewrites_an_unmodified_muon_script(tmp_path, monkeypatch, capsys):
+    (tmp_path / "train.py").write_text(RUN_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    usr2, log = signal.getsignal(signal.SIGUSR2), logging.getLogger("lowbit_compile")
+    handlers, level = list(log.handlers), log.level
+    try:
+        code = main(["run", "--min-8bit-size", "0", "train.py"])
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        signal.signal(signal.SIGUSR2, usr2)
+        log.handlers[:], log.level = handlers, level
+    out = capsys.readouterr()
+    assert code in (0, None), out.err
+    assert "muon QuantizedState" in out.out
+    assert "2 optimizer(s) rewritten" in out.err
