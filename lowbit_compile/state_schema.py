@@ -112,7 +112,14 @@ def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor)
                 "values as a whole; lowbit-compile only rewrites steps that are elementwise over each parameter")
         else:
             init.append((name, ("tensor", value) if isinstance(value, torch.Tensor) else ("value", value)))
-    nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first, shape if shaped else None)
+    try:
+        nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first,
+                               shape if shaped else None)
+    except NotElementwiseError:  # a norm or a sum over the flat values (their order does not matter)
+        if shaped:
+            raise
+        shaped = True
+        nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first, shape)
     return StateSchema(tuple(per_element), tuple(init), nonneg, shaped)
 
 

@@ -3,7 +3,6 @@ fp32 is stock bit for bit on every optim_db input torch has for it, its 8-bit mo
 
 from __future__ import annotations
 
-import io
 import logging
 import signal
 import sys
@@ -15,6 +14,8 @@ from torch.testing._internal.common_optimizers import optim_db
 from lowbit_compile import checkpoint, enable, is_wrapped, lowbit_compile, memory_report, optim
 from lowbit_compile.cli import main
 from lowbit_compile.state import QuantizedState
+from tests.test_checkpoint import assert_same, saved_and_loaded, state_bits, train
+from tests.test_exactness import _run
 
 STEPS = 8
 
@@ -43,25 +44,12 @@ def _twins(kwargs, split=True):
     return a, b, torch.optim.Muon(groups(a), **kwargs), torch.optim.Muon(groups(b), **kwargs)
 
 
-def _run(a, b, opt_a, opt_b, steps=STEPS):
-    gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        for i, (p, q) in enumerate(zip(a, b)):
-            if i == 1 and step % 3 == 0:  # this param sometimes has no grad
-                p.grad = q.grad = None
-                continue
-            g = torch.randn(p.shape, generator=gen)
-            p.grad, q.grad = torch.empty_like(p).copy_(g), torch.empty_like(q).copy_(g)
-        opt_a.step()
-        opt_b.step()
-
-
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("kwargs", _db_inputs())
 def test_fp32_is_bitwise_stock(kwargs, backend):
     a, b, opt_a, opt_b = _twins(kwargs)
     lowbit_compile(opt_a, "fp32", backend=backend)
-    _run(a, b, opt_a, opt_b)
+    _run(a, b, opt_a, opt_b, steps=STEPS)
     for p, q in zip(a, b):
         assert torch.equal(p, q)
         assert torch.equal(opt_a.state[p]["momentum_buffer"], opt_b.state[q]["momentum_buffer"])
@@ -75,21 +63,6 @@ def test_fp32_is_bitwise_stock_on_triton():
         assert torch.equal(p, q)
 
 
-def _saved_and_loaded(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
-def _train(opt, params, steps, seed):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
-        opt.step()
-
-
 def _matrices():
     return [torch.nn.Parameter(torch.randn(s)) for s in [(96, 48), (48, 96)]]
 
@@ -98,8 +71,8 @@ def test_8bit_momentum_trains_close_to_stock():
     params = _matrices()
     stock = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = lowbit_compile(torch.optim.Muon(params, lr=0.02), min_8bit_size=0)
-    _train(opt, params, 5, seed=1)
-    _train(torch.optim.Muon(stock, lr=0.02), stock, 5, seed=1)
+    train(opt, params, 5, seed=1)
+    train(torch.optim.Muon(stock, lr=0.02), stock, 5, seed=1)
     for p, q in zip(params, stock):
         assert isinstance(opt.state[p]["momentum_buffer"], QuantizedState)
         assert opt.state[p]["momentum_buffer"].fmt.name == "sqrt8"
@@ -111,47 +84,43 @@ def test_8bit_momentum_is_the_reference_lowering_bitwise():
     ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = lowbit_compile(torch.optim.Muon(params, lr=0.02), min_8bit_size=0, backend="cpu")
     opt_ref = lowbit_compile(torch.optim.Muon(ref, lr=0.02), min_8bit_size=0, backend="reference")
-    _train(opt, params, 3, seed=1)
-    _train(opt_ref, ref, 3, seed=1)
-    for p, q in zip(params, ref):
-        assert torch.equal(p, q)
-        assert all(torch.equal(x, y) for x, y in zip(opt.state[p]["momentum_buffer"].storage_parts,
-                                                       opt_ref.state[q]["momentum_buffer"].storage_parts))
+    train(opt, params, 3, seed=1)
+    train(opt_ref, ref, 3, seed=1)
+    assert_same([p.detach() for p in params], [q.detach() for q in ref])
+    assert_same(state_bits(opt, params), state_bits(opt_ref, ref))
 
 
 def test_resume_continues_bitwise_like_an_uninterrupted_run():
     params = _matrices()
     opt = lowbit_compile(torch.optim.Muon(params, lr=0.02), min_8bit_size=0)
-    _train(opt, params, 3, seed=1)
-    saved = _saved_and_loaded({"params": [p.detach().clone() for p in params], "optim": opt.state_dict()})
-    _train(opt, params, 3, seed=2)
+    train(opt, params, 3, seed=1)
+    saved = saved_and_loaded({"params": [p.detach().clone() for p in params], "optim": opt.state_dict()})
+    train(opt, params, 3, seed=2)
 
     resumed = [torch.nn.Parameter(p) for p in saved["params"]]
     opt2 = lowbit_compile(torch.optim.Muon(resumed, lr=0.5), min_8bit_size=0)
     opt2.load_state_dict(saved["optim"])
     assert opt2.param_groups[0]["lr"] == 0.02
-    _train(opt2, resumed, 3, seed=2)
-    for p, q in zip(params, resumed):
-        assert torch.equal(p, q)
-        assert all(torch.equal(x, y) for x, y in zip(opt.state[p]["momentum_buffer"].storage_parts,
-                                                       opt2.state[q]["momentum_buffer"].storage_parts))
+    train(opt2, resumed, 3, seed=2)
+    assert_same([p.detach() for p in params], [q.detach() for q in resumed])
+    assert_same(state_bits(opt, params), state_bits(opt2, resumed))
 
 
 def test_a_stock_checkpoint_loads_quantized_and_exports_back_to_stock():
     params = _matrices()
     stock = torch.optim.Muon(params, lr=0.02)
-    _train(stock, params, 2, seed=1)
+    train(stock, params, 2, seed=1)
     opt = lowbit_compile(torch.optim.Muon(params, lr=0.02), min_8bit_size=0)
-    opt.load_state_dict(_saved_and_loaded(stock.state_dict()))
+    opt.load_state_dict(saved_and_loaded(stock.state_dict()))
     for p in params:
         value = opt.state[p]["momentum_buffer"]
         assert isinstance(value, QuantizedState)
         assert torch.equal(value.dequantize(), QuantizedState.from_dense(stock.state[p]["momentum_buffer"],
                                                                          value.fmt).dequantize())
-    _train(opt, params, 1, seed=2)
+    train(opt, params, 1, seed=2)
     again = torch.optim.Muon(params, lr=0.02)
     again.load_state_dict(checkpoint.stock_state_dict(opt))
-    _train(again, params, 1, seed=3)
+    train(again, params, 1, seed=3)
 
 
 def test_the_muon_class_steps_like_the_explicit_wrap():
@@ -160,8 +129,8 @@ def test_the_muon_class_steps_like_the_explicit_wrap():
     by_class = optim.Muon(params, lr=0.02, min_8bit_size=0)
     explicit = lowbit_compile(torch.optim.Muon(twins, lr=0.02), min_8bit_size=0)
     assert isinstance(by_class, torch.optim.Muon) and is_wrapped(by_class)
-    _train(by_class, params, 3, seed=1)
-    _train(explicit, twins, 3, seed=1)
+    train(by_class, params, 3, seed=1)
+    train(explicit, twins, 3, seed=1)
     for p, q in zip(params, twins):
         assert torch.equal(p, q)
 
@@ -171,8 +140,8 @@ def test_enable_rewrites_muon_and_adamw_beside_it():
     vector = torch.nn.Parameter(torch.randn(96))
     with enable(min_8bit_size=0):
         muon, adamw = torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW([vector], lr=1e-3)
-        _train(muon, matrices, 2, seed=1)
-        _train(adamw, [vector], 2, seed=1)
+        train(muon, matrices, 2, seed=1)
+        train(adamw, [vector], 2, seed=1)
     assert is_wrapped(muon) and is_wrapped(adamw)
     assert isinstance(muon.state[matrices[0]]["momentum_buffer"], QuantizedState)
 
@@ -180,7 +149,7 @@ def test_enable_rewrites_muon_and_adamw_beside_it():
 def test_memory_report_gives_the_transient_of_the_largest_matrix():
     params = _matrices()
     opt = lowbit_compile(torch.optim.Muon(params, lr=0.02), min_8bit_size=0)
-    _train(opt, params, 1, seed=1)
+    train(opt, params, 1, seed=1)
     report = memory_report(opt)
     assert report.per_state["momentum_buffer"].bytes_per_param < 1.1
     n = params[0].numel()
@@ -188,7 +157,7 @@ def test_memory_report_gives_the_transient_of_the_largest_matrix():
     assert 2 * n < report.transient <= 8 * n
     assert "transient" in str(report)
     adamw = lowbit_compile(torch.optim.AdamW(params), min_8bit_size=0)
-    _train(adamw, params, 1, seed=1)
+    train(adamw, params, 1, seed=1)
     assert memory_report(adamw).transient == 0
 
 

@@ -227,11 +227,15 @@ def _position(nodes: list[Node]):
     return lambda n: order[n]
 
 
-def _temporary_input(graph: Graph, node: Node, index: int) -> Node:
+def _temporary_input(graph: Graph, node: Node, index: int, param: Node) -> Node:
+    """A temporary as an elementwise stage's input: per-element when shaped like the param, else a
+    scalar one (a norm: 0-d), which the stage's prologue passes to its body like a scalar state."""
     ph = graph.placeholder(f"tmp_{index}")
-    ph.meta.update(val=node.meta.get("val"))
-    set_input(ph, GraphInput(Role.PER_ELEMENT_STATE, Temporary(index)))
-    set_per_element(ph, True)
+    val = node.meta.get("val")
+    ph.meta.update(val=val)
+    shaped = isinstance(val, torch.Tensor) and tuple(val.shape) == tuple(param.meta["val"].shape)
+    set_input(ph, GraphInput(Role.PER_ELEMENT_STATE if shaped else Role.SCALAR_STATE, Temporary(index)))
+    set_per_element(ph, shaped)
     return ph
 
 
@@ -240,7 +244,7 @@ def _elementwise_stage(nodes: list[Node], stage: dict[Node, int], temporaries: d
     """A stage lowered like a whole elementwise step: it writes the temporaries it gives in place."""
     outputs = [n for n in nodes if n in temporaries]
     graph, local, inputs, written = _stage_graph(nodes, temporaries, [param],
-                                                 lambda g, n: _temporary_input(g, n, temporaries[n]), outputs)
+                                                 lambda g, n: _temporary_input(g, n, temporaries[n], param), outputs)
     args = [env[n] for n in inputs]
     for node, ph in zip(outputs, written):
         buffer = top.call_function(aten.empty_like.default, (env[param],),
