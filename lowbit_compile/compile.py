@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import sharding
 from .config import Config
 from .kernels.backends import lower
 from .kernels.contract import Role, input_of
@@ -94,6 +95,13 @@ def step_request(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     opmath = fp32_opmath(group, dtype, formats)  # a master's step is traced in fp32 already
     stochastic = config.stochastic(formats)
     shape = schema.trace_shape(param)
+    if shape is not None and (dtype is not torch.float32 or master is not None):
+        raise NotImplementedError(f"lowbit-compile steps {type(opt).__name__} (a step that is not elementwise) for "
+                                  f"fp32 parameters only, not {param.dtype} ones; keep its parameters in fp32")
+    if shape is not None and sharding.is_sharded(param):
+        raise NotImplementedError(
+            f"lowbit-compile steps {type(opt).__name__} (a step that is not elementwise: it needs the whole "
+            "parameter) on unsharded parameters only; this one is a sharded DTensor (FSDP2)")
     key = (trace_key(opt, tgroup, slots, dtype, param.device, example, schema.per_element, shape),
            tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
            master.tag() if master is not None else None, opmath, tuple(sorted(stochastic)))
@@ -209,9 +217,6 @@ class _Builder:
                         f"states fp32 (fmt={{..., {', '.join(f'{k!r}: {chr(39)}fp32{chr(39)}' for k in states)}}})",
                         stacklevel=2)
         rewritten = quantize_states(roles, self.formats, self.stochastic)
-        if self.shape is not None and (self.opmath or self.master is not None):
-            raise NotImplementedError(f"lowbit-compile steps {type(self.opt).__name__} (a step that is not "
-                                      "elementwise) for fp32 parameters only; keep its parameters in fp32")
         if self.opmath:
             rewritten = compute_in_fp32(rewritten)
         if self.master is not None:

@@ -192,3 +192,13 @@ def test_run_rewrites_an_unmodified_muon_script(tmp_path, monkeypatch, capsys):
     assert code in (0, None), out.err
     assert "muon QuantizedState" in out.out
     assert "2 optimizer(s) rewritten" in out.err
+
+
+def test_a_bf16_matrix_is_refused_before_anything_changes():
+    param = torch.nn.Parameter(torch.randn(24, 8, dtype=torch.bfloat16))
+    before = param.detach().clone()
+    opt = lowbit_compile(torch.optim.Muon([param]))
+    param.grad = torch.randn_like(param)
+    with pytest.raises(NotImplementedError, match="fp32 parameters only, not torch.bfloat16"):
+        opt.step()
+    assert torch.equal(param, before) and not opt.state[param]
