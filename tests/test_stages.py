@@ -134,3 +134,36 @@ def test_a_state_a_matmul_reads_in_place_is_read_before_its_write_back(backend):
         opt_b.step()
     assert torch.equal(a[0], b[0])
     assert torch.equal(opt_a.state[a[0]]["buf"], opt_b.state[b[0]]["buf"])
+
+
+class _CountedNormalized(torch.optim.Optimizer):
+    """A step count read after a norm: every stage must see the count the step started with."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0)
+                state["step"] += 1
+                p.add_(p.grad / p.grad.norm(), alpha=-group["lr"] / state["step"].item())
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_step_count_is_written_after_every_stage_read_it(backend):
+    from lowbit_compile import lowbit_compile
+
+    a = [torch.nn.Parameter(torch.randn(6, 4))]
+    b = [torch.nn.Parameter(a[0].detach().clone())]
+    opt_a, opt_b = lowbit_compile(_CountedNormalized(a), "fp32", backend=backend), _CountedNormalized(b)
+    for _ in range(3):
+        g = torch.randn(6, 4)
+        a[0].grad, b[0].grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    assert torch.equal(a[0], b[0])
+    assert torch.equal(opt_a.state[a[0]]["step"], opt_b.state[b[0]]["step"])

@@ -55,7 +55,10 @@ def split_stages(gm: GraphModule) -> GraphModule:
     for node in ops:
         if node in stage:
             members[stage[node]].append(node)
-    side_effects = [n for n in ops if n not in stage and _has_side_effect(n)]
+    # branch checks run first, before anything is written; scalar write-backs (a step count) last, so
+    # every stage computes from the value the step started with
+    checks = [n for n in ops if n not in stage and _has_side_effect(n) and n.target is not aten.copy_.default]
+    writes = [n for n in ops if n not in stage and n.target is aten.copy_.default]
 
     temporaries: dict[Node, int] = {}  # a value crossing stages -> its temporary's index
     for node in ops:
@@ -72,11 +75,11 @@ def split_stages(gm: GraphModule) -> GraphModule:
     param = next(n for n in placeholders if role_of(n) is Role.PARAM)
     root = torch.nn.Module()
     for k, nodes in enumerate(members):
-        extra = side_effects if k == 0 else []
+        extra = (checks if k == 0 else []) + (writes if k == len(members) - 1 else [])
         if k % 2 == 0:
             child, args = _elementwise_stage(nodes + extra, stage, temporaries, param, top, env)
         else:
-            child, args = _whole_tensor_stage(nodes, temporaries, top, env)
+            child, args = _whole_tensor_stage(nodes + extra, temporaries, top, env)
         name = f"stage_{k}"
         setattr(root, name, child)
         call = top.call_module(name, tuple(args))
@@ -154,7 +157,9 @@ def _stage_numbers(ops: list[Node], eager: set[Node]) -> dict[Node, int]:
 
 
 def _written_at(ops: list[Node], stage: dict[Node, int]) -> dict[Node, int]:
-    """The stage of each input's last in-place write (its write-back, or a quantize into its parts)."""
+    """The stage of each input's last in-place write (its write-back, or a quantize into its parts); a
+    scalar state's is the last stage."""
+    last = max(stage.values(), default=0)
     written: dict[Node, int] = {}
     for node in ops:
         access = state_access(node)
@@ -163,7 +168,7 @@ def _written_at(ops: list[Node], stage: dict[Node, int]) -> dict[Node, int]:
             targets.append(node.args[0])
         for t in targets:
             if t.op == "placeholder":
-                written[t] = max(written.get(t, -1), stage.get(node, 0))
+                written[t] = max(written.get(t, -1), stage.get(node, last))
     return written
 
 
