@@ -92,14 +92,13 @@ def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor)
     shape = _probe_shape(param.dim())
     n = math.prod(shape)
     shaped = param.dim() != 1 and _steps_by_shape(opt, tgroup, param, shape)
-    if shaped:
-        n = shape  # per-element states are shaped like the probe
-    flat = _probe(opt, tgroup, param, shape if shaped else (n,), offset=0.0)
-    other = _probe(opt, tgroup, param, shape if shaped else (n,), offset=0.625)
+    probed = shape if shaped else (n,)  # a per-element state is shaped like the probe
+    flat = _probe(opt, tgroup, param, probed, offset=0.0)
+    other = _probe(opt, tgroup, param, probed, offset=0.625)
     per_element, init = [], []
     for name, value in flat.initial.items():
         again = other.initial.get(name)
-        if isinstance(value, torch.Tensor) and value.shape == (n if shaped else (n,)):
+        if isinstance(value, torch.Tensor) and value.shape == probed:
             per_element.append(name)
             first = value.reshape(-1)[0]
             if torch.all(value == first) and _same(value, again):

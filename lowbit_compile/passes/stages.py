@@ -33,9 +33,9 @@ from ..kernels.contract import (
     set_per_element,
     state_access,
 )
+from .trace import check_branch
 
 aten = torch.ops.aten
-lowbit = torch.ops.lowbit
 
 # inputs a step writes in place: a stage after the one that writes them must not read them
 _MUTABLE = frozenset({Role.PARAM, Role.PER_ELEMENT_STATE, Role.STATE_PART, Role.MASTER_PART})
@@ -76,6 +76,8 @@ def split_stages(gm: GraphModule) -> GraphModule:
     root = torch.nn.Module()
     for k, nodes in enumerate(members):
         extra = (checks if k == 0 else []) + (writes if k == len(members) - 1 else [])
+        if not nodes and not extra:  # nothing elementwise before the first whole-tensor op
+            continue
         if k % 2 == 0:
             child, args = _elementwise_stage(nodes + extra, stage, temporaries, param, top, env)
         else:
@@ -184,7 +186,7 @@ def _check_order(graph: Graph, stage: dict[Node, int]) -> None:
 
 def _has_side_effect(node: Node) -> bool:
     """A scalar node the step runs for its effect (a scalar state's write-back, a branch check)."""
-    return node.target is aten.copy_.default or getattr(node.target, "__name__", "") == "check_branch"
+    return node.target is aten.copy_.default or node.target is check_branch
 
 
 def _scalar_closure(nodes: list[Node]) -> list[Node]:
