@@ -3,7 +3,7 @@ the hidden matrices and AdamW on the rest (embeddings, head, norms, biases), onc
 and once with both optimizers wrapped by ``lowbit_compile`` at the default format, over paired seeds.
 
     python bench/muon_quality.py                              # char_gpt, 3 seeds: a few minutes
-    python bench/muon_quality.py --tasks char_gpt_2m --seeds 0 1 2 --step-scale 0.4
+    python bench/muon_quality.py --tasks char_gpt char_gpt_2m --step-scale 1 0.4
 
 Muon uses ``adjust_lr_fn="match_rms_adamw"`` (Moonshot's scaling), so both optimizers follow the
 task's AdamW learning rate and schedule. Writes ``bench/results/muon_quality.{json,md}``.
@@ -24,7 +24,7 @@ import torch
 
 from bench.quality import scale_steps
 from examples.tasks import TASKS, Hyper, train
-from lowbit_compile import lowbit_compile, memory_report
+from lowbit_compile import lowbit_compile, memory_report, stats
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = ("fp32", "ours")
@@ -86,15 +86,18 @@ def run(task_name: str, variant: str, seed: int, step_scale: float) -> dict:
     hist = train(task, keep, seed)
     muon = made[0].parts[0]
     report = memory_report(muon) if variant == "ours" else None
+    # the momentum's share of non-zero values stored as 0, on the last batch's grads (the monitor's figure)
+    flush = max(s.zero_flush for s in stats(muon) if s.state == "momentum_buffer") if report else None
     return {"task": task_name, "variant": variant, "seed": seed, "steps": task.hyper.steps,
             "val_loss": hist.final["loss"], "seconds": time.perf_counter() - start,
             "muon_params": sum(p.numel() for g in muon.param_groups for p in g["params"]),
             "momentum_bytes_per_param": (report.per_state["momentum_buffer"].bytes_per_param if report else 4.0),
-            "muon_transient_bytes": report.transient if report else None}
+            "muon_transient_bytes": report.transient if report else None, "momentum_zero_flush": flush}
 
 
 def markdown(runs: list[dict]) -> str:
-    lines = ["| task | seed | fp32 val loss | ours val loss | gap |", "|---|---|---|---|---|"]
+    lines = ["| task | steps | seed | fp32 val loss | ours val loss | gap | momentum zero flush |",
+             "|---|---|---|---|---|---|---|"]
     gaps: dict[str, list[float]] = {}
     for r in runs:
         if r["variant"] != "ours":
@@ -102,10 +105,11 @@ def markdown(runs: list[dict]) -> str:
         ref = next(x for x in runs if x["variant"] == "fp32" and x["task"] == r["task"] and x["seed"] == r["seed"])
         gap = 100 * (r["val_loss"] - ref["val_loss"]) / ref["val_loss"]
         gaps.setdefault(r["task"], []).append(gap)
-        lines.append(f"| {r['task']} | {r['seed']} | {ref['val_loss']:.4f} | {r['val_loss']:.4f} | {gap:+.2f}% |")
+        lines.append(f"| {r['task']} | {r['steps']} | {r['seed']} | {ref['val_loss']:.4f} | {r['val_loss']:.4f} | "
+                     f"{gap:+.2f}% | {r['momentum_zero_flush']:.1e} |")
     for task, g in gaps.items():
         spread = statistics.stdev(g) if len(g) > 1 else 0.0
-        lines.append(f"| {task} | mean | | | {statistics.mean(g):+.2f}% (sd {spread:.2f}) |")
+        lines.append(f"| {task} | | mean | | | {statistics.mean(g):+.2f}% (sd {spread:.2f}) | |")
     return "\n".join(lines)
 
 
@@ -113,16 +117,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", nargs="+", default=["char_gpt"], choices=list(TASKS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--step-scale", type=float, default=1.0)
+    ap.add_argument("--step-scale", type=float, nargs="+", default=[1.0], help="per task (one: every task)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     runs = []
-    for task in args.tasks:
+    scales = args.step_scale * len(args.tasks) if len(args.step_scale) == 1 else args.step_scale
+    for task, scale in zip(args.tasks, scales, strict=True):
         for seed in args.seeds:
             for variant in VARIANTS:
-                runs.append(run(task, variant, seed, args.step_scale))
+                runs.append(run(task, variant, seed, scale))
                 print(json.dumps(runs[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "muon_quality.json").write_text(json.dumps({"step_scale": args.step_scale, "runs": runs}, indent=1))

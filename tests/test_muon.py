@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing._internal.common_optimizers import optim_db
 
-from lowbit_compile import checkpoint, enable, is_wrapped, lowbit_compile, memory_report, optim
+from lowbit_compile import checkpoint, enable, is_wrapped, lowbit_compile, memory_report, optim, stats
 from lowbit_compile.cli import main
 from lowbit_compile.state import QuantizedState
 from tests.test_checkpoint import assert_same, saved_and_loaded, state_bits, train
@@ -202,3 +202,14 @@ def test_a_bf16_matrix_is_refused_before_anything_changes():
     with pytest.raises(NotImplementedError, match="fp32 parameters only, not torch.bfloat16"):
         opt.step()
     assert torch.equal(param, before) and not opt.state[param]
+
+
+def test_stats_measure_the_whole_matrix():
+    """Muon's step is not elementwise, so stats (and the monitor) measure its momentum on the whole
+    matrix, never on sampled blocks."""
+    params = _matrices()
+    opt = lowbit_compile(torch.optim.Muon(params, lr=0.02), min_8bit_size=0)
+    train(opt, params, 2, seed=1)
+    sampled, whole = stats(opt, max_blocks=2), stats(opt)
+    assert [(s.rel_error, s.zero_flush) for s in sampled] == [(s.rel_error, s.zero_flush) for s in whole]
+    assert all(0 < s.rel_error < 0.05 and s.sampled == 1.0 for s in sampled)
