@@ -385,18 +385,23 @@ def _step(c: Contender, opt: torch.optim.Optimizer) -> None:
 # ---- every stock optimizer against its stock twin ------------------------------------------------------
 # hyperparameters beyond lr: SGD with momentum (plain SGD has no state to quantize)
 OPTIMIZERS = {"Adam": {}, "AdamW": {"weight_decay": WEIGHT_DECAY}, "SGD": {"momentum": 0.9}, "Adagrad": {},
-              "Adamax": {}, "NAdam": {}, "RAdam": {}, "RMSprop": {}, "Adadelta": {}, "ASGD": {}, "Rprop": {}}
+              "Adamax": {}, "NAdam": {}, "RAdam": {}, "RMSprop": {}, "Adadelta": {}, "ASGD": {}, "Rprop": {},
+              "Muon": {}}
+MATRICES_ONLY = {"Muon"}  # steps 2-D params only: it gets the set's matrices
 
 
 def stock_twin(cls: type) -> str:
-    """``"fused"`` where torch has a fused CPU implementation of ``cls``, else ``"foreach"``."""
-    p = torch.nn.Parameter(torch.zeros(8))
-    p.grad = torch.ones(8)
-    try:
-        cls([p], lr=LR, fused=True).step()
-    except (RuntimeError, ValueError, TypeError):
-        return "foreach"
-    return "fused"
+    """``"fused"`` where torch has a fused CPU implementation of ``cls``, else ``"foreach"``, else (Muon)
+    ``"for-loop"``."""
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    p.grad = torch.ones(8, 8)
+    for impl in ("fused", "foreach"):
+        try:
+            cls([p], lr=LR, **{impl: True}).step()
+        except (RuntimeError, ValueError, TypeError):
+            continue
+        return impl
+    return "for-loop"
 
 
 def kernel_backends(opt: torch.optim.Optimizer) -> set[str]:
@@ -419,8 +424,10 @@ def run_optimizers(size: str, names: list[str], threads: int, rounds: int, forma
         for name in names:
             cls, kwargs = getattr(torch.optim, name), OPTIMIZERS[name]
             impl = stock_twin(cls)
-            built = [(f"torch {impl}", cls(params, lr=LR, **kwargs, **{impl: True}))]
-            built += [(f"lowbit {fmt}", lowbit_compile(cls(params, lr=LR, **kwargs), fmt)) for fmt in formats]
+            ps = [p for p in params if p.dim() == 2] if name in MATRICES_ONLY else params
+            n_stepped = sum(p.numel() for p in ps)
+            built = [(f"torch {impl}", cls(ps, lr=LR, **kwargs, **({impl: True} if impl != "for-loop" else {})))]
+            built += [(f"lowbit {fmt}", lowbit_compile(cls(ps, lr=LR, **kwargs), fmt)) for fmt in formats]
             for _, opt in built:
                 opt.step()
                 opt.step()
@@ -438,10 +445,11 @@ def run_optimizers(size: str, names: list[str], threads: int, rounds: int, forma
             twin = med[f"torch {impl}"]
             row = {"optimizer": name, "kwargs": dict(kwargs), "twin": impl, "twin_ms": twin,
                    "formats": {fmt: {"ms": med[f"lowbit {fmt}"], "x_twin": med[f"lowbit {fmt}"] / twin,
-                                     "state_bytes_per_param": state_bytes(o) / n, "backends": ["cpu"]}
+                                     "state_bytes_per_param": state_bytes(o) / n_stepped, "backends": ["cpu"]}
                                for fmt, (_, o) in zip(formats, built[1:])},
-                   "twin_state_bytes_per_param": state_bytes(built[0][1]) / n,
+                   "twin_state_bytes_per_param": state_bytes(built[0][1]) / n_stepped,
                    "step_ms_all": {label: [x * 1e3 for x in t] for label, t in times.items()}}
+            row["params"] = n_stepped
             rows.append(row)
             log(f"  {name}: torch {impl} {twin:.1f} ms; " + ", ".join(
                 f"{fmt} {f['ms']:.1f} ms ({f['x_twin']:.2f}x)" for fmt, f in row["formats"].items()))

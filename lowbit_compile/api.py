@@ -25,19 +25,22 @@ from .state import QuantizedState
 from .state_schema import probe_schema
 from .wrapped import wrapped_of
 
-# The stock optimizers whose step is elementwise over each parameter: enable() rewrites these. Any
-# other torch.optim.Optimizer subclass is accepted by lowbit_compile() once its step is traced and
-# found elementwise; these stock ones are refused up front, with the reason.
+# The stock optimizers whose step is elementwise over each parameter: enable() rewrites these (and STAGED).
+# Any other torch.optim.Optimizer subclass is accepted by lowbit_compile() once its step is traced and
+# found elementwise or staged; these stock ones are refused up front, with the reason.
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad,
              torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
              torch.optim.Rprop)
+# The stock optimizers whose step is not elementwise but runs in stages (passes/stages.py): traced at
+# each parameter's shape, its matmuls and norms as torch ops, its per-element states low-bit.
+STAGED = (torch.optim.Muon,)
+REWRITTEN = SUPPORTED + STAGED  # what enable() rewrites and lowbit_compile() accepts without a probe
 REFUSED = {
     torch.optim.LBFGS: "its step re-evaluates the closure in a line search and mixes every parameter "
                        "(dot products and a history over the flattened gradient)",
     torch.optim.SparseAdam: "it steps sparse gradients only, updating the rows they touch",
     torch.optim.Adafactor: "it factors the second moment of a matrix into row and column means and scales "
                            "the update by its norm",
-    torch.optim.Muon: "it orthogonalizes each matrix update (Newton-Schulz iterations over the whole matrix)",
 }
 
 
@@ -131,7 +134,7 @@ def _check_optimizer(opt: object) -> None:
             )
     for i, group in enumerate(opt.param_groups):
         _check_group(f"param_groups[{i}]", group)
-    if not isinstance(opt, SUPPORTED):  # one's own optimizer: trace its step now, to refuse it here if need be
+    if not isinstance(opt, REWRITTEN):  # one's own optimizer: trace its step now, to refuse it here if need be
         for group in opt.param_groups:
             for param in {p.dim(): p for p in group["params"]}.values():
                 probe_schema(opt, group, param)
@@ -158,7 +161,7 @@ def check_new_group(opt: torch.optim.Optimizer, param_group: dict) -> None:
     param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
     group = {**opt.defaults, **param_group}
     _check_group(f"the new param group (param_groups[{len(opt.param_groups)}])", group)
-    if not isinstance(opt, SUPPORTED):
+    if not isinstance(opt, REWRITTEN):
         for param in {p.dim(): p for p in group["params"]}.values():
             probe_schema(opt, group, param)
     backend = wrapped_of(opt).config.backend
@@ -197,7 +200,7 @@ _STATE_KEY = "_lowbit_options"  # where __getstate__ keeps the options a copy is
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 _classes: dict[type, type] = {}  # stock class -> its low-bit subclass
-_OPTIM_MODULE = __name__.rsplit(".", 1)[0] + ".optim"  # where the classes of SUPPORTED are importable
+_OPTIM_MODULE = __name__.rsplit(".", 1)[0] + ".optim"  # where the classes of REWRITTEN are importable
 
 
 def lowbit_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
@@ -207,7 +210,7 @@ def lowbit_class(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer
     made = _classes.get(cls)
     if made is None:
         # a stock class lowbit_compile.optim names is made there; one of one's own is made at run time
-        made = _classes[cls] = _make_class(cls, _OPTIM_MODULE if cls in SUPPORTED else cls.__module__)
+        made = _classes[cls] = _make_class(cls, _OPTIM_MODULE if cls in REWRITTEN else cls.__module__)
     return made
 
 
@@ -342,4 +345,4 @@ def _signature(stock: inspect.Signature, own: tuple[str, ...]) -> inspect.Signat
 # The stock-step guard leaves alone a wrapped optimizer (its step converts what a loader left in its
 # state) and optimizers that are not stock elementwise ones (ZeroRedundancyOptimizer keeps a copy of
 # its inner optimizer's state but steps the inner one).
-checkpoint.defer_to(lambda opt: is_wrapped(opt) or not isinstance(opt, SUPPORTED))
+checkpoint.defer_to(lambda opt: is_wrapped(opt) or not isinstance(opt, REWRITTEN))

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import sharding
 from .config import Config
 from .kernels.backends import lower
 from .kernels.contract import Role, input_of
@@ -24,12 +25,14 @@ from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
 from .kernels.residual import KEYS as MASTER_KEYS
 from .kernels.residual import MasterFormat
 from .kernels.rounding import SEED as ROUNDING_SEED
+from .kernels.staged import StagedStep
 from .passes.master_weights import master_weights
 from .passes.opmath import LOW_PRECISION, compute_in_fp32
 from .passes.quantize_states import quantize_states
 from .passes.roles import label_roles
 from .passes.signs import NonnegProof, prove_nonneg
 from .passes.split import split_prologue
+from .passes.stages import elementwise_stage, split_stages
 from .passes.trace import BranchFlipped, HyperSlot, TracedStep, check_branch, hyper_slots
 from .state_schema import StateSchema, example_state
 from .trace_cache import TRACE_LOCK, LruCache, skeleton, trace_example, trace_group, trace_key, traced
@@ -91,12 +94,20 @@ def step_request(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     example = trace_example(example_state(state, schema, param.device))
     opmath = fp32_opmath(group, dtype, formats)  # a master's step is traced in fp32 already
     stochastic = config.stochastic(formats)
-    key = (trace_key(opt, tgroup, slots, dtype, param.device, example, schema.per_element),
+    shape = schema.trace_shape(param)
+    if shape is not None and (dtype is not torch.float32 or master is not None):
+        raise NotImplementedError(f"lowbit-compile steps {type(opt).__name__} (a step that is not elementwise) for "
+                                  f"fp32 parameters only, not {param.dtype} ones; keep its parameters in fp32")
+    if shape is not None and sharding.is_sharded(param):
+        raise NotImplementedError(
+            f"lowbit-compile steps {type(opt).__name__} (a step that is not elementwise: it needs the whole "
+            "parameter) on unsharded parameters only; this one is a sharded DTensor (FSDP2)")
+    key = (trace_key(opt, tgroup, slots, dtype, param.device, example, schema.per_element, shape),
            tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
            master.tag() if master is not None else None, opmath, tuple(sorted(stochastic)))
     return StepRequest(key, [s.get(tgroup) for s in slots],
                        lambda: _Builder(skeleton(opt), _without_params(tgroup), slots, dtype, param.device, example,
-                                        schema, formats, config.backend, master, opmath, stochastic))
+                                        schema, formats, config.backend, master, opmath, stochastic, shape))
 
 
 def _without_params(tgroup: dict) -> dict:
@@ -163,11 +174,13 @@ class _Builder:
     master: MasterFormat | None = None
     opmath: bool = False
     stochastic: frozenset[str] = frozenset()  # the states that round stochastically
+    shape: tuple[int, ...] | None = None  # a shaped step's (Muon's) param shape: traced and run in stages
 
     def compile(self, values: list) -> tuple[Callable, Callable[[], CompiledStep]]:
         """Trace and rewrite the step for these hyperparameter values and start building its kernel:
         the guard of the result, and what waits for the build and gives it."""
-        trace = traced(self.opt, self.tgroup, self.dtype, self.device, self.example, self.schema.per_element)
+        trace = traced(self.opt, self.tgroup, self.dtype, self.device, self.example, self.schema.per_element,
+                       shape=self.shape)
         guard, building = self.lower(trace, values)
 
         def finish() -> CompiledStep:
@@ -180,7 +193,7 @@ class _Builder:
 
     def lower(self, trace: TracedStep, values: list) -> tuple[Callable, Callable[[], CompiledStep]]:
         """Rewrite and lower a trace: the guard of the result, and what waits for its kernel and gives it."""
-        roles = label_roles(trace.graph)
+        roles = label_roles(trace.graph, staged=self.shape is not None)
         guard = trace.guard
         quantized = {k for k, f in self.formats.items() if not f.passthrough}
         if quantized:
@@ -208,12 +221,18 @@ class _Builder:
             rewritten = compute_in_fp32(rewritten)
         if self.master is not None:
             rewritten = master_weights(rewritten, self.master)
-        graph = split_prologue(rewritten)
+        graph = split_stages(rewritten) if self.shape is not None else split_prologue(rewritten)
         inputs = tuple(binding(n) for n in graph.graph.nodes if n.op == "placeholder")
         dtypes = {k: rest[-1] for k, (kind, *rest) in self.schema.init if kind in ("fill", "computed")}
         fresh = tuple((k, self.formats[k], dtypes[k]) for k in trace.fresh)
-        kernel = lower(graph, self.backend, self.device)
+        kernel = self._staged(graph) if self.shape is not None else lower(graph, self.backend, self.device)
         return guard, lambda: CompiledStep(kernel(), inputs, guard, graph, fresh)
+
+    def _staged(self, graph: torch.fx.GraphModule) -> Callable[[], StagedStep]:
+        """The kernel of a staged step: each elementwise stage lowered as a step of its own."""
+        building = {name: lower(split_prologue(stage), self.backend, self.device)
+                    for name, stage in graph.named_children() if elementwise_stage(name)}
+        return lambda: StagedStep(graph, {name: build() for name, build in building.items()}, self.shape)
 
     def relower(self, args: Sequence[Any], inputs: tuple, exclude: frozenset[int]) -> tuple[TracedStep, CompiledStep]:
         """Trace (or reuse a trace of) the branches the step takes for these inputs, and lower it."""
@@ -232,7 +251,8 @@ class _Builder:
             elif role is Role.SCALAR_STATE and key not in COUNTER_KEYS:
                 example[key] = value
         with TRACE_LOCK:
-            trace = traced(self.opt, tgroup, self.dtype, self.device, example, self.schema.per_element, exclude)
+            trace = traced(self.opt, tgroup, self.dtype, self.device, example, self.schema.per_element, exclude,
+                           self.shape)
             return trace, self.lower(trace, values)[1]()
 
 

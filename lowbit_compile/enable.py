@@ -39,7 +39,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import checkpoint
-from .api import SUPPORTED, _check_optimizer, is_wrapped, lowbit_compile, restore
+from .api import REWRITTEN, _check_optimizer, is_wrapped, lowbit_compile, restore
 from .config import Config, param_names
 from .memory import memory_report
 from .monitor import Monitor
@@ -153,7 +153,7 @@ class Scope(contextlib.ContextDecorator):
 
     def _rewrites(self, opt: torch.optim.Optimizer) -> bool:
         """Whether this scope rewrites ``opt`` (counting why not, when not)."""
-        if not isinstance(opt, SUPPORTED):
+        if not isinstance(opt, REWRITTEN):
             self.skipped[f"{type(opt).__name__} (not an optimizer lowbit_compile rewrites)"] += 1
             return False
         if self._restore_requested:
@@ -331,7 +331,7 @@ class Scope(contextlib.ContextDecorator):
 
 
 def enable(fmt: str | Mapping[str, str] | Callable = DEFAULT_FMT, **options: Any) -> Any:
-    """Rewrite every supported ``torch.optim`` optimizer (``api.SUPPORTED``: Adam, AdamW, SGD,
+    """Rewrite every supported ``torch.optim`` optimizer (``api.REWRITTEN``: Adam, AdamW, SGD, ..., Muon,
     RMSprop, ...) stepped inside the scope with low-bit states; others are left stock and counted.
 
     Use as ``@enable(fmt="int8")``, bare ``@enable``, or ``with enable(...):``. Options are those of

@@ -1,4 +1,5 @@
-"""Training-memory estimate for Adam/AdamW: stock fp32 states against a low-bit format, per component.
+"""Training-memory estimate for Adam/AdamW (and Muon on the matrices with AdamW on the rest): stock
+fp32 states against a low-bit format, per component.
 
 The same accounting people do by hand ("7B params, fp16 weights and grads, fp32 m, v and master
 weights: 7e9 x (2 + 2 + 4 + 4 + 4) B = 112 GB"), with the low-bit states' sizes taken from the real
@@ -80,8 +81,11 @@ def estimate(
     shards: int = 1,
     zero_stage: int = 3,
     amsgrad: bool = False,
+    muon_params: int = 0,
 ) -> Estimate:
-    """Bytes per device for ``params`` parameters trained with Adam/AdamW.
+    """Bytes per device for ``params`` parameters trained with Adam/AdamW, or ``muon_params`` of them
+    (the matrices) with Muon, whose one state is its momentum, and the rest with AdamW. Muon's
+    transient (one matrix's Newton-Schulz temporaries while it steps) is not counted.
 
     Gradients have the parameters' dtype. The optimizer steps the fp32 master weights when
     ``master_weights`` (mixed precision), else the parameters, and stock states have the dtype of
@@ -101,14 +105,15 @@ def estimate(
         raise ValueError(f"shards must be a positive int, got {shards!r}")
     if zero_stage not in (1, 2, 3):
         raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage!r}")
+    if not isinstance(muon_params, int) or not 0 <= muon_params <= params:
+        raise ValueError(f"muon_params must be an int between 0 and params ({params:,}), got {muon_params!r}")
     config = Config.of(Options(fmt, block_size, outliers, min_8bit_size=0, backend="reference"))
 
-    def local(kind: str) -> int:
-        return -(-params // shards) if zero_stage >= _SHARDED_FROM_STAGE[kind] else params
+    def local(kind: str, n: int = params) -> int:
+        return -(-n // shards) if zero_stage >= _SHARDED_FROM_STAGE[kind] else n
 
     p_bytes = PARAM_DTYPES[param_dtype].itemsize
     state_dtype = torch.float32 if mode else PARAM_DTYPES[param_dtype]
-    n_state = local("states")
     rows = [
         Row(f"params ({param_dtype})", local("params") * p_bytes, local("params") * p_bytes),
         Row(f"grads ({param_dtype})", local("grads") * p_bytes, local("grads") * p_bytes),
@@ -122,10 +127,13 @@ def estimate(
         rows.append(Row(f"master ({mode} residual)", n_master * 4, held))
     extra = 0
     states = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    states = [(key, local("states", params - muon_params)) for key in states]
+    if muon_params:
+        states.append(("momentum_buffer", local("states", muon_params)))
     short = {"exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "max v"}
     dtype_name = next(k for k, v in PARAM_DTYPES.items() if v == state_dtype)
-    for key in states:
-        label = f"{key} ({short[key]}, {dtype_name})"
+    for key, n_state in states:
+        label = f"{key} ({short[key]}, {dtype_name})" if key in short else f"Muon momentum ({dtype_name})"
         state_fmt = StateFormat.make(config.format_name(key), block_size, outliers, key in NONNEG_STATES)
         stock = n_state * state_dtype.itemsize
         if state_fmt.passthrough:
@@ -139,7 +147,8 @@ def estimate(
     what = f"{param_dtype} params and grads" + (", fp32 master weights" if mode else "")
     where = "1 device" if shards == 1 else f"per device of {shards} (ZeRO stage {zero_stage})"
     fmt_text = config.fmt if isinstance(config.fmt, str) else dict(config.fmt)
-    title = (f"Adam/AdamW memory for {params:,} parameters ({what}), {where}; low-bit: fmt={fmt_text}, "
+    which = f"Muon ({muon_params:,} of them) + AdamW" if muon_params else "Adam/AdamW"
+    title = (f"{which} memory for {params:,} parameters ({what}), {where}; low-bit: fmt={fmt_text}, "
              f"block_size={block_size}, outliers={outliers}"
              + (f", master_weights={mode!r}" if mode in MASTER_MODES else ""))
     return Estimate(tuple(rows), title, params if shards == 1 else 0)

@@ -8,6 +8,7 @@ import torch
 
 from . import sharding
 from .state import QuantizedState
+from .wrapped import wrapped_of
 
 
 @dataclass(frozen=True)
@@ -22,16 +23,21 @@ class StateMemory:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Per state key (``exp_avg``, ...), the bytes held over all parameters, and the total."""
+    """Per state key (``exp_avg``, ...), the bytes held over all parameters, and the total;
+    ``transient``: the bytes a step allocates while it runs, beyond the states (a staged step's,
+    Muon's, temporaries for its largest parameter, one parameter at a time; 0 for elementwise steps)."""
 
     per_state: dict[str, StateMemory]
     total: StateMemory
+    transient: int = 0
 
     def __str__(self) -> str:
         lines = [f"{'state':<16}{'bytes':>16}{'B/param':>10}"]
         for key, mem in sorted(self.per_state.items()):
             lines.append(f"{key:<16}{mem.bytes:>16,}{mem.bytes_per_param:>10.3f}")
         lines.append(f"{'total':<16}{self.total.bytes:>16,}{self.total.bytes_per_param:>10.3f}")
+        if self.transient:
+            lines.append(f"{'transient':<16}{self.transient:>16,}  (while a step runs, one parameter at a time)")
         return "\n".join(lines)
 
 
@@ -59,4 +65,5 @@ def memory_report(opt: torch.optim.Optimizer) -> MemoryReport:
                     per.setdefault(key, [0])[0] += tensor_bytes(value)
     per_state = {k: StateMemory(v[0], n_params) for k, v in per.items()}
     total = StateMemory(sum(v.bytes for v in per_state.values()), n_params)
-    return MemoryReport(per_state, total)
+    wrapped = wrapped_of(opt)
+    return MemoryReport(per_state, total, wrapped.transient if wrapped is not None else 0)

@@ -16,7 +16,7 @@ import torch
 
 from .api import _rebuild, describe, lowbit_class, stock_class  # noqa: F401 (_rebuild: what older pickles name)
 
-# One class per supported stock optimizer (api.SUPPORTED), importable as lowbit_compile.optim.<Name>.
+# One class per supported stock optimizer (api.REWRITTEN), importable as lowbit_compile.optim.<Name>.
 Adam = lowbit_class(torch.optim.Adam)
 AdamW = lowbit_class(torch.optim.AdamW)
 SGD = lowbit_class(torch.optim.SGD)
@@ -28,6 +28,7 @@ RAdam = lowbit_class(torch.optim.RAdam)
 Adadelta = lowbit_class(torch.optim.Adadelta)
 ASGD = lowbit_class(torch.optim.ASGD)
 Rprop = lowbit_class(torch.optim.Rprop)
+Muon = lowbit_class(torch.optim.Muon)
 
-__all__ = ["ASGD", "SGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop",
-           "lowbit_class", "stock_class"]
+__all__ = ["ASGD", "SGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Muon", "NAdam", "RAdam", "RMSprop",
+           "Rprop", "lowbit_class", "stock_class"]

@@ -174,6 +174,7 @@ def _locked_step(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
     if plan is None or not plan.refresh(opt, config):
         plan, on_meta = _prepare(opt, wrapped)
         wrapped.plan = plan if plan.reusable and not on_meta else None
+        wrapped.transient = plan.transient
     if grad_scale is not None:
         for grad in plan.grads():
             grad.div_(grad_scale)

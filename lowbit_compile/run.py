@@ -166,6 +166,9 @@ class StepPlan:
             bucket.rows.append(args)
         for bucket in self.buckets.values():
             bucket.launch = bucket.compiled.kernel.launch(bucket.rows)
+        # one parameter at a time: the largest of the kernels' own temporaries (a staged step's)
+        self.transient = max((getattr(b.compiled.kernel, "transient_bytes", 0) for b in self.buckets.values()),
+                             default=0)
         # the params of each group in order, with their member (None: stepped without a grad)
         step = unhooked_step(type(opt))
         self.groups = [(group, group["params"], len(group["params"]), group_signature(group, step)[0],

@@ -28,11 +28,18 @@ class StateSchema:
     a per-element state that starts from a constant, ``("computed", dtype)`` for one the first step
     computes (SGD's ``momentum_buffer = grad.clone()``), ``("tensor", example)`` for a scalar state,
     ``("value", obj)`` otherwise. ``nonneg``: the per-element states proven never negative.
+    ``shaped``: the step treats a parameter by its shape, not as its flat values (Muon's orthogonalized
+    update), so it is traced at each parameter's shape and run in stages (``passes.stages``).
     """
 
     per_element: tuple[str, ...]
     init: tuple[tuple[str, tuple], ...]
     nonneg: frozenset[str] = frozenset()
+    shaped: bool = False
+
+    def trace_shape(self, param: torch.Tensor) -> tuple[int, ...] | None:
+        """The shape ``param``'s step is traced at: its own for a shaped step, None (1-D) otherwise."""
+        return tuple(sharding.local(param).shape) if self.shaped else None
 
 
 class _RecordingState(dict):
@@ -57,9 +64,11 @@ def probe_schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor) -
     Each probe runs two stock steps on a few elements. A state entry shaped like the probe is
     per-element; it starts from a constant (``"fill"``) when that constant is the same for two
     probes with different values, otherwise the first traced step computes it (``"computed"``).
-    A probe shaped like ``param`` (2-D, 4-D...) must step exactly like the same values laid out
-    flat, or the step is not elementwise (a factored second moment, an orthogonalized update).
-    Which per-element states are never negative is proven on the traced step (``passes.signs``).
+    A probe shaped like ``param`` (2-D, 4-D...) that steps differently from the same values laid out
+    flat (or that the stock step refuses flat: Muon takes matrices only) makes the step *shaped*: it
+    is probed at that shape, traced at each parameter's shape and split into elementwise and
+    non-elementwise stages. Which per-element states are never negative is proven on the traced step
+    (``passes.signs``).
     """
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
@@ -72,18 +81,20 @@ def probe_schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor) -
 
 
 def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor) -> StateSchema:
-    n = math.prod(_probe_shape(param.dim()))
-    flat = _probe(opt, tgroup, param, (n,), offset=0.0)
-    other = _probe(opt, tgroup, param, (n,), offset=0.625)
-    if param.dim() != 1:
-        _check_same_as_flat(opt, _probe(opt, tgroup, param, _probe_shape(param.dim()), offset=0.0), flat, n)
+    shape = _probe_shape(param.dim())
+    n = math.prod(shape)
+    shaped = param.dim() != 1 and _steps_by_shape(opt, tgroup, param, shape)
+    probed = shape if shaped else (n,)  # a per-element state is shaped like the probe
+    flat = _probe(opt, tgroup, param, probed, offset=0.0)
+    other = _probe(opt, tgroup, param, probed, offset=0.625)
     per_element, init = [], []
     for name, value in flat.initial.items():
         again = other.initial.get(name)
-        if isinstance(value, torch.Tensor) and value.shape == (n,):
+        if isinstance(value, torch.Tensor) and value.shape == probed:
             per_element.append(name)
-            if torch.all(value == value[0]) and _same(value, again):
-                init.append((name, ("fill", value[0].item(), value.dtype)))
+            first = value.reshape(-1)[0]
+            if torch.all(value == first) and _same(value, again):
+                init.append((name, ("fill", first.item(), value.dtype)))
             else:
                 init.append((name, ("computed", value.dtype)))
         elif not _same(value, again):
@@ -92,8 +103,28 @@ def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor)
                 "values as a whole; lowbit-compile only rewrites steps that are elementwise over each parameter")
         else:
             init.append((name, ("tensor", value) if isinstance(value, torch.Tensor) else ("value", value)))
-    nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first)
-    return StateSchema(tuple(per_element), tuple(init), nonneg)
+    try:
+        nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first,
+                               shape if shaped else None)
+    except NotElementwiseError:  # a norm or a sum over the flat values (their order does not matter)
+        if shaped:
+            raise
+        shaped = True
+        nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first, shape)
+    return StateSchema(tuple(per_element), tuple(init), nonneg, shaped)
+
+
+def _steps_by_shape(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether the stock step treats a parameter of ``shape`` other than its values laid out flat
+    (or refuses them flat)."""
+    n = math.prod(shape)
+    shaped = _probe(opt, tgroup, param, shape, offset=0.0)
+    try:
+        flat = _probe(opt, tgroup, param, (n,), offset=0.0)
+        _check_same_as_flat(opt, shaped, flat, n)
+    except (NotElementwiseError, ValueError, RuntimeError):
+        return True
+    return False
 
 
 def _value_key(value: object) -> object:
@@ -183,7 +214,7 @@ def _check_same_as_flat(opt: torch.optim.Optimizer, shaped: _ProbeRun, flat: _Pr
 
 
 def _infer_nonneg(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor, per_element: tuple[str, ...],
-                  init: list, after_first: dict[str, Any]) -> frozenset[str]:
+                  init: list, after_first: dict[str, Any], shape: tuple[int, ...] | None) -> frozenset[str]:
     """The per-element states that every traced step keeps >= 0 (and that start >= 0): the first
     step's graph and, when the first step creates states, the graph of the steps after it."""
     first = {}
@@ -201,8 +232,8 @@ def _infer_nonneg(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor,
     values = {s: s.get(tgroup) for s in hyper_slots(tgroup)}
     proven = {k for k, (kind, *rest) in init if k in per_element and (kind != "fill" or rest[0] >= 0)}
     for example in examples:
-        trace = traced(opt, tgroup, param.dtype, param.device, example, per_element)
-        proven &= prove_nonneg(label_roles(trace.graph), values).states
+        trace = traced(opt, tgroup, param.dtype, param.device, example, per_element, shape=shape)
+        proven &= prove_nonneg(label_roles(trace.graph, staged=shape is not None), values).states
     return frozenset(proven)
 
 

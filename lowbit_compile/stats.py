@@ -18,6 +18,7 @@ from .kernels import blockquant
 from .kernels.formats import StateFormat
 from .passes.trace import shell_optimizer, unhooked_step
 from .state import QuantizedState
+from .state_schema import probe_schema
 from .trace_cache import trace_group
 
 
@@ -73,7 +74,7 @@ def stats(opt: torch.optim.Optimizer,
     labelled ``group<i>.<j>``. ``max_blocks`` measures the next step on at most that many
     quantization blocks per parameter, evenly spaced from ``offset`` (the step is elementwise and
     blocks quantize independently, so the figures are those of the blocks measured, exactly);
-    ``None`` measures every block.
+    ``None`` measures every block, as does a step that is not elementwise (Muon's).
     """
     if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 1):
         raise ValueError(f"max_blocks must be a positive int or None, got {max_blocks!r}")
@@ -86,7 +87,9 @@ def stats(opt: torch.optim.Optimizer,
             quantized = {k: v for k, v in state.items() if isinstance(v, QuantizedState)}
             if not quantized:
                 continue
-            index = _sample(param.numel(), quantized.values(), max_blocks, offset)
+            # a step that is not elementwise (Muon's) is measured on the whole parameter, never on blocks
+            whole = probe_schema(opt, group, param).shaped
+            index = None if whole else _sample(param.numel(), quantized.values(), max_blocks, offset)
             nxt, ratio = _next_step(opt, group, param, state, index) if param.grad is not None else ({}, None)
             share = 1.0 if index is None else index.numel() / max(param.numel(), 1)
             for key, value in quantized.items():

@@ -64,8 +64,10 @@ def trace_example(state: dict) -> dict:
 
 
 def trace_key(opt: torch.optim.Optimizer, tgroup: dict, slots: tuple[HyperSlot, ...], dtype: torch.dtype,
-              device: torch.device, example: dict, per_element: tuple[str, ...]) -> tuple:
+              device: torch.device, example: dict, per_element: tuple[str, ...],
+              shape: tuple[int, ...] | None = None) -> tuple:
     return (
+        shape,  # None: the 1-D elementwise trace; a shaped step's (Muon's) holds for that shape only
         type(opt), unhooked_step(type(opt)), static_group_items(tgroup, slots, unhooked_step(type(opt))),
         tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots),
         dtype, device.type,
@@ -77,29 +79,32 @@ def trace_key(opt: torch.optim.Optimizer, tgroup: dict, slots: tuple[HyperSlot, 
 
 
 def traced(opt: torch.optim.Optimizer, tgroup: dict, dtype: torch.dtype, device: torch.device, example: dict,
-           per_element: tuple[str, ...], exclude: frozenset[int] = frozenset()) -> TracedStep:
+           per_element: tuple[str, ...], exclude: frozenset[int] = frozenset(),
+           shape: tuple[int, ...] | None = None) -> TracedStep:
     """A trace of the step for this example state whose guard holds (not one of ``exclude``, by id),
-    shared by every state format; traced now if there is none."""
+    shared by every state format; traced now if there is none (at ``shape``, for a shaped step)."""
     slots = hyper_slots(tgroup)
     values = [s.get(tgroup) for s in slots]
     with TRACE_LOCK:
-        traces = _traces.setdefault(trace_key(opt, tgroup, slots, dtype, device, example, per_element), [])
+        traces = _traces.setdefault(trace_key(opt, tgroup, slots, dtype, device, example, per_element, shape), [])
         for trace in traces:
             if id(trace) not in exclude and trace.guard(values):
                 return trace
-        trace = trace_step(opt, tgroup, dtype, device, example, per_element)
+        trace = trace_step(opt, tgroup, dtype, device, example, per_element, shape)
         traces.append(trace)
         # a trace learns which group entries the step reads: the key without the others finds it too
-        known = _traces.setdefault(trace_key(opt, tgroup, slots, dtype, device, example, per_element), [])
+        known = _traces.setdefault(trace_key(opt, tgroup, slots, dtype, device, example, per_element, shape), [])
         if known is not traces:
             known.append(trace)
         return trace
 
 
 def trace_for(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
-              per_element: tuple[str, ...]) -> TracedStep:
-    """The traced stock step of ``param`` in ``group`` with this state (cached)."""
-    return traced(opt, trace_group(group), param.dtype, param.device, trace_example(state), per_element)
+              per_element: tuple[str, ...], shape: tuple[int, ...] | None = None) -> TracedStep:
+    """The traced stock step of ``param`` in ``group`` with this state (cached; at ``shape`` for a shaped
+    step)."""
+    return traced(opt, trace_group(group), param.dtype, param.device, trace_example(state), per_element,
+                  shape=shape)
 
 
 def skeleton(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -31,6 +31,7 @@ class Wrapped:
         # per parameter, reused while valid; weak, so a parameter the optimizer lets go of is freed
         self.prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.plan: StepPlan | None = None  # the last step's bound launches, reused while they fit
+        self.transient = 0  # bytes a step allocates for one parameter at a time (a staged step's temporaries)
         # one step at a time: two threads stepping one optimizer take turns (stock's step is not
         # atomic either, but ours binds rows that a second step would rebind under the first)
         self.lock = threading.RLock()

@@ -140,3 +140,16 @@ def test_cli_rejects_a_bad_format(capsys):
         main(["estimate", "--params", "7B", "--fmt", "int4"])
     assert exit_info.value.code == 2
     assert "fmt must be one of" in capsys.readouterr().err
+
+
+def test_a_muon_and_adamw_mix_counts_one_momentum_for_the_muon_params():
+    n, muon = 10**9, 9 * 10**8
+    est = estimate(n, muon_params=muon)
+    assert est.row("exp_avg (m, fp32)").stock == est.row("exp_avg_sq (v, fp32)").stock == (n - muon) * 4
+    assert est.row("Muon momentum (fp32)").stock == muon * 4
+    assert est.row("Muon momentum (fp32)").lowbit == muon  # one byte per element
+    assert est.row("scales + patches").lowbit == (_side_bytes(n - muon) * 2 + _side_bytes(muon))
+    assert est.stock_total == n * 4 * 2 + (n - muon) * 8 + muon * 4
+    assert est.title.startswith("Muon (900,000,000 of them) + AdamW memory")
+    with pytest.raises(ValueError, match="muon_params"):
+        estimate(n, muon_params=n + 1)

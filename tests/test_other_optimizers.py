@@ -3,8 +3,9 @@ same trace -> passes -> lower pipeline with no per-optimizer code.
 
 fmt="fp32" is the stock ``foreach=False`` step bit for bit on every CPU float32 input of PyTorch's
 ``optim_db`` for these optimizers (branches on the step count included: RAdam's rectification,
-ASGD's averaging); quantized states keep the progress of a small regression; optimizers whose step
-is not elementwise are refused with the reason.
+ASGD's averaging); quantized states keep the progress of a small regression; one's own optimizers
+with a norm or a shape-dependent update run in stages; the stock ones that cannot run are refused
+with the reason.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from bench.other_optimizers import run as run_other
 from examples.lion import Lion
 from lowbit_compile import QuantizedState, compile, lowbit_compile, restore, state_schema, trace_cache, trace_count
 from lowbit_compile.config import DEFAULT_FMT
-from lowbit_compile.passes.roles import NotElementwiseError
 
 from .helpers import each_param, optim_db_params, slow_but, step_twins, twin_optimizers
 
@@ -167,7 +167,6 @@ def test_a_branch_on_the_step_count_is_traced_once_per_outcome(monkeypatch, cls,
     (torch.optim.LBFGS, {}, "line search"),
     (torch.optim.SparseAdam, {}, "sparse gradients only"),
     (torch.optim.Adafactor, {}, "row and column means"),
-    (torch.optim.Muon, {}, "orthogonalizes each matrix update"),
 ])
 def test_stock_optimizers_that_are_not_elementwise_are_refused_with_the_reason(cls, kwargs, reason):
     opt = cls([torch.nn.Parameter(torch.randn(8, 4))], **kwargs)
@@ -207,8 +206,6 @@ class PythonStepCount(torch.optim.Optimizer):
 
 
 @pytest.mark.parametrize(("cls", "error", "match"), [
-    (NormalizedSGD, NotElementwiseError, "linalg_vector_norm"),
-    (MatrixDamped, NotElementwiseError, "steps a 2-D parameter differently from the same values laid out flat"),
     (PythonStepCount, NotImplementedError, "changes state 't', a Python int"),
 ])
 def test_own_optimizers_that_cannot_be_rewritten_are_refused_when_wrapped(cls, error, match):
@@ -218,6 +215,24 @@ def test_own_optimizers_that_cannot_be_rewritten_are_refused_when_wrapped(cls, e
     with pytest.raises(error, match=match):
         lowbit_compile(opt)
     assert "step" not in opt.__dict__ and not opt.state
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("cls", [NormalizedSGD, MatrixDamped])
+def test_own_optimizers_that_are_not_elementwise_over_the_flat_values_run_in_stages(cls, backend):
+    """A norm over the parameter, or an update that depends on its shape: traced at each parameter's
+    shape and run in stages (passes/stages.py), stock bit for bit in fp32."""
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, stock = lowbit_compile(cls(params), "fp32", backend=backend), cls(twins)
+    for _ in range(3):
+        for p, q in zip(params, twins):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        stock.step()
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
 
 
 def test_own_elementwise_optimizer_holds_8_bit_states_and_restores():

@@ -62,6 +62,14 @@ class GraphInput:
     part: Part | None = None
 
 
+@dataclass(frozen=True)
+class Temporary:
+    """The key of a per-element input that is no state: a value one stage of a staged step gives a
+    later one (``passes.stages``), alive while one parameter steps."""
+
+    index: int
+
+
 _PLAIN_KEY = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)*")
 _HASHED_KEY = re.compile(r"k[0-9a-f]{32}")
 
@@ -79,6 +87,7 @@ def identifier(key: object) -> str:
 
 _INPUT = "lowbit_input"
 _PER_ELEMENT = "lowbit_per_element"
+_WHOLE_TENSOR = "lowbit_whole_tensor"
 
 
 def set_input(node: Node, value: GraphInput) -> None:
@@ -102,6 +111,16 @@ def set_per_element(node: Node, value: bool) -> None:
 def is_per_element(node: Node) -> bool:
     """Whether ``node`` holds (or computes from) a value per element of the param."""
     return bool(node.meta.get(_PER_ELEMENT, False))
+
+
+def set_whole_tensor(node: Node) -> None:
+    """Mark ``node`` as computing from a per-element value across elements (a matmul, a norm, a
+    transpose): it cannot run one block at a time, only as a torch op on the whole tensor."""
+    node.meta[_WHOLE_TENSOR] = True
+
+
+def is_whole_tensor(node: Node) -> bool:
+    return bool(node.meta.get(_WHOLE_TENSOR, False))
 
 
 @dataclass(frozen=True)

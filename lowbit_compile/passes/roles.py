@@ -4,7 +4,8 @@ The trace labels each state entry ``Role.STATE``; this pass tells ``PER_ELEMENT_
 the param) from ``SCALAR_STATE`` (e.g. the step count) and marks which nodes compute per element.
 Every node that computes from a per-element value must be a pointwise aten op (or a copy back into a
 per-element input): a reduction or reshape over the parameter cannot be run one block at a time, so
-it is refused with the op's name.
+it is refused with the op's name, unless the step is *staged* (traced at the parameter's shape, see
+``passes.stages``): then such a node is marked whole-tensor, to run as a torch op.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..kernels.contract import (
     role_of,
     set_input,
     set_per_element,
+    set_whole_tensor,
 )
 
 aten = torch.ops.aten
@@ -39,10 +41,10 @@ def _val(node: Node):
     return node.meta.get("val")
 
 
-def label_roles(gm: GraphModule) -> GraphModule:
+def label_roles(gm: GraphModule, staged: bool = False) -> GraphModule:
     """Return a copy of ``gm`` whose state inputs are labelled per-element or scalar and whose nodes
     are marked per element or not (``kernels.contract``); raise :class:`NotElementwiseError` on a
-    non-elementwise step."""
+    non-elementwise step, or with ``staged`` mark its non-elementwise nodes whole-tensor."""
     gm = copy.deepcopy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     param_shape = next(_val(n).shape for n in placeholders if role_of(n) is Role.PARAM)
@@ -58,12 +60,25 @@ def label_roles(gm: GraphModule) -> GraphModule:
             args, _ = tree_flatten((node.args, node.kwargs))
             touches = any(isinstance(a, Node) and is_per_element(a) for a in args)
             set_per_element(node, touches)
-            if touches:
-                _check_elementwise(node, param_shape)
+            if touches and not (_elementwise(node, param_shape) or staged and _cast(node, param_shape)):
+                if not staged:
+                    raise NotElementwiseError(
+                        f"the optimizer's step applies {node.target} to a per-element tensor "
+                        f"(node {node.name!r}); lowbit-compile only rewrites steps that are elementwise over "
+                        "each parameter (no norms, sums or reshapes across it)"
+                    )
+                set_whole_tensor(node)
     return gm
 
 
-def _check_elementwise(node: Node, param_shape: torch.Size) -> None:
+def _cast(node: Node, param_shape: torch.Size) -> bool:
+    """A dtype cast of a per-element value (Muon's ``.bfloat16()``): a staged step's elementwise stage
+    writes it, at half the bytes of the fp32 value, instead of a whole-tensor stage making it."""
+    return (node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
+            and tuple(_val(node).shape) == tuple(param_shape))
+
+
+def _elementwise(node: Node, param_shape: torch.Size) -> bool:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         pointwise = torch.Tag.pointwise in target.tags or target in _ALLOWED_NON_POINTWISE
@@ -71,10 +86,5 @@ def _check_elementwise(node: Node, param_shape: torch.Size) -> None:
             pointwise = True
         val = _val(node)
         same_shape = val is None or not isinstance(val, torch.Tensor) or tuple(val.shape) == tuple(param_shape)
-        if pointwise and same_shape:
-            return
-    raise NotElementwiseError(
-        f"the optimizer's step applies {target} to a per-element tensor "
-        f"(node {node.name!r}); lowbit-compile only rewrites steps that are elementwise over each "
-        "parameter (no norms, sums or reshapes across it)"
-    )
+        return pointwise and same_shape
+    return False

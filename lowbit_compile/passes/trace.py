@@ -354,18 +354,19 @@ def _insert_branch_check(sym_node: Any, result: Any) -> None:
 
 
 def read_back_hints(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, device: torch.device,
-                    state: dict[str, Any], per_element: Sequence[str]) -> list[float | int]:
+                    state: dict[str, Any], per_element: Sequence[str],
+                    shape: tuple[int, ...] | None = None) -> list[float | int]:
     """The values the stock step reads back into Python, from one real step on small tensors with
     the real scalar states and hyperparameters (per-element values cannot reach a read-back of an
-    elementwise step)."""
-    param = torch.ones(_HINT_ELEMENTS, dtype=param_dtype, device=device)
+    elementwise step); a step traced at a ``shape`` steps a param of that shape."""
+    param = torch.ones(shape or _HINT_ELEMENTS, dtype=param_dtype, device=device)
     param.grad = torch.full_like(param, 0.5)
     st: dict[str, Any] = {}
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             st[key] = value
         elif key in per_element:
-            st[key] = torch.zeros(_HINT_ELEMENTS, dtype=value.dtype, device=device)
+            st[key] = torch.zeros_like(param, dtype=value.dtype)
         else:
             st[key] = value.clone()
     recorder = _ReadBacks()
@@ -381,6 +382,7 @@ def trace_step(
     device: torch.device,
     state: dict[str, torch.Tensor | Any],
     per_element: Sequence[str],
+    shape: tuple[int, ...] | None = None,
 ) -> TracedStep:
     """Trace ``type(opt).step`` for one parameter of ``group``.
 
@@ -390,17 +392,20 @@ def trace_step(
 
     Read-back values are first left unknown (most steps only compute with them); a step that
     branches on one is traced again with them backed by their current values.
+
+    ``shape`` (None: a 1-D param of :data:`TRACE_ELEMENTS`) is the param's shape, for a step that is
+    not elementwise (Muon's orthogonalized update): its graph holds for parameters of that shape only.
     """
     try:
-        return _trace(opt, group, param_dtype, device, state, per_element, None)
+        return _trace(opt, group, param_dtype, device, state, per_element, None, shape)
     except _NeedsReadBacks:
-        hints = read_back_hints(opt, group, param_dtype, device, state, per_element)
-        return _trace(opt, group, param_dtype, device, state, per_element, hints)
+        hints = read_back_hints(opt, group, param_dtype, device, state, per_element, shape)
+        return _trace(opt, group, param_dtype, device, state, per_element, hints, shape)
 
 
 def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, device: torch.device,
            state: dict[str, torch.Tensor | Any], per_element: Sequence[str],
-           hints: Sequence[float | int] | None) -> TracedStep:
+           hints: Sequence[float | int] | None, shape: tuple[int, ...] | None = None) -> TracedStep:
     global _trace_count
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -422,13 +427,13 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
     fresh_keys = [k for k in per_element if not isinstance(state.get(k), torch.Tensor)]
     others = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor) and k not in fresh_keys}
     with fake_mode:
-        p = torch.empty(TRACE_ELEMENTS, dtype=param_dtype, device=device)
+        p = torch.empty(shape or TRACE_ELEMENTS, dtype=param_dtype, device=device)
         g = torch.empty_like(p)
         fake_state = []
         for key in tensor_keys:
             real = state[key]
             if key in per_element:
-                fake_state.append(torch.empty(TRACE_ELEMENTS, dtype=real.dtype, device=device))
+                fake_state.append(torch.empty_like(p, dtype=real.dtype))
             else:
                 fake_state.append(torch.empty(real.shape, dtype=real.dtype, device=real.device))
         # a created state's dtype is the param's until the step says otherwise (checked below)
