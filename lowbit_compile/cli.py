@@ -30,7 +30,7 @@ _RUNNER_FLAGS: tuple[tuple[str, dict], ...] = (
 )
 # Keyword names in library errors, as the flag a user of the CLI types instead.
 _FLAG_NAMES = {**{f.name: flag for f, flag in _OPTION_FLAGS}, "param_dtype": "--param-dtype", "zero_stage":
-               "--zero-stage", "shards": "--shards"}
+               "--zero-stage", "shards": "--shards", "muon_params": "--muon-params"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     est.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
                      help="what --shards splits: 1 states, 2 +grads, 3 +params (FSDP full shard)")
     est.add_argument("--amsgrad", action="store_true", help="count the max_exp_avg_sq state too")
+    est.add_argument("--muon-params", type=parse_count, default=0,
+                     help="how many of the params (the matrices) Muon steps, with one momentum; AdamW the rest")
 
     if argv[:1] == ["run"]:
         ours, target, script_args = _split_run_argv(argv[1:])
@@ -74,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = _given(fmt=parse_spec(args.fmt, "--fmt") if args.fmt is not None else None,
                          block_size=args.block_size, outliers=args.outliers)
         print(estimate(args.params, param_dtype=args.param_dtype, master_weights=args.master_weights,
-                       shards=args.shards, zero_stage=args.zero_stage, amsgrad=args.amsgrad, **options))
+                       shards=args.shards, zero_stage=args.zero_stage, amsgrad=args.amsgrad,
+                       muon_params=args.muon_params, **options))
     except ValueError as err:
         est.error(_as_flags(str(err)))
     return 0

@@ -178,12 +178,20 @@ def test_argument_errors_come_before_torch_loads_in_a_fresh_interpreter(tmp_path
 @pytest.mark.parametrize("args,error", [
     (["--params", "7B", "--master-weights"], "pass --param-dtype 'bf16' or 'fp16'"),
     (["--params", "7B", "--shards", "0"], "--shards must be a positive int"),
+    (["--params", "7B", "--muon-params", "8B"], "--muon-params must be an int between 0 and"),
 ])
 def test_estimate_errors_name_the_flags(capsys, args, error):
     with pytest.raises(SystemExit) as exit_:
         main(["estimate", *args])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and error in err and "param_dtype" not in err
+
+
+def test_estimate_counts_muon_params_with_one_momentum(capsys):
+    assert main(["estimate", "--params", "1B", "--muon-params", "900M"]) == 0
+    out = capsys.readouterr().out
+    assert "Muon (900,000,000 of them) + AdamW memory for 1,000,000,000 parameters" in out
+    assert "Muon momentum (fp32)" in out
 
 
 def test_progress_lines_and_the_monitor(runner):
