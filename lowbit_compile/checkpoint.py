@@ -66,7 +66,7 @@ _PENDING = "_lowbit_pending"
 _TABLES = ("block_scales", "block_patch_values", "block_patch_index")
 _TEXT = ("lowbit_format", "shape", "dtype", "row_splits")
 _RECORD_DTYPES = (torch.float32, blockquant.PATCH_VALUE_DTYPE, blockquant.PATCH_INDEX_DTYPE)
-LOWBIT_STEP = "lowbit_step"
+REFUSED_PREFIX = "lowbit_"  # a refused value is saved under this prefix and its key
 STOCK_REFUSAL = (
     b"this is a lowbit_compile low-bit optimizer state, which a stock optimizer cannot load. Resume it with "
     b"lowbit_compile(opt, ...) (or inside lowbit_compile.enable()) before load_state_dict, and call "
@@ -82,38 +82,62 @@ def is_packed(value: object) -> bool:
 
 # state_dict() ---------------------------------------------------------------------------------------
 class _Refused(dict):
-    """A saved entry with low-bit states: itself in memory, pickled with its step as :data:`STOCK_REFUSAL`
-    (the step under ``lowbit_step``), as an ``OrderedDict`` (which a weights-only ``torch.load`` reads)."""
+    """A saved entry: itself in memory, pickled as an ``OrderedDict`` (which a weights-only ``torch.load``
+    reads) with each of its ``refused`` keys' values as :data:`STOCK_REFUSAL` and the value under
+    ``lowbit_<key>``."""
+
+    def __init__(self, entry: Mapping, refused: tuple[str, ...]) -> None:
+        super().__init__(entry)
+        self.refused = refused
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
-        saved = {**self, "step": STOCK_REFUSAL, LOWBIT_STEP: self["step"]}
+        saved = {**self, **{k: STOCK_REFUSAL for k in self.refused},
+                 **{REFUSED_PREFIX + k: self[k] for k in self.refused}}
         return collections.OrderedDict, (), None, None, iter(saved.items())
 
 
 def mark_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``Optimizer.state_dict`` post hook, the last: every entry with a low-bit state (a packed dict)
-    and a step pickles with its step refused (see the module docstring); fp32-only entries stay stock."""
-    state_dict["state"] = {idx: (_Refused(entry) if "step" in entry and any(isinstance(v, dict) for v in entry.values())
-                                 else entry) for idx, entry in state_dict["state"].items()}
+    """``Optimizer.state_dict`` post hook, the last: where any entry holds a low-bit state (a packed
+    dict), a stock optimizer must not apply any of it. An entry with a step and a low-bit state pickles
+    with its step refused (a stock load fails on it); in an optimizer that keeps no step (SGD), every
+    fp32 state of the entries pickles refused, so a stock step fails at its first param, as it does on
+    a packed one, before anything changes. A state dict without low-bit states stays stock."""
+    state = state_dict["state"]
+    if not any(is_packed(v) for entry in state.values() for v in entry.values()):
+        return state_dict
+
+    def refused(entry: Mapping) -> tuple[str, ...]:
+        if "step" in entry:
+            return ("step",) if any(is_packed(v) for v in entry.values()) else ()
+        return tuple(k for k, v in entry.items() if isinstance(k, str) and isinstance(v, torch.Tensor))
+
+    state_dict["state"] = {idx: (_Refused(entry, keys) if (keys := refused(entry)) else entry)
+                           for idx, entry in state.items()}
     return state_dict
 
 
 def unmarked(entry: Mapping) -> Mapping:
-    """A saved entry with its own step back where a pickled low-bit entry had :data:`STOCK_REFUSAL`."""
-    if not isinstance(entry, Mapping) or not isinstance(entry.get("step"), bytes):
+    """A saved entry with its own values back where a pickled entry had :data:`STOCK_REFUSAL`."""
+    if not isinstance(entry, Mapping):
         return entry
-    if LOWBIT_STEP not in entry:
-        raise ValueError("a saved entry's step is bytes without its 'lowbit_step': the checkpoint is corrupt")
-    kept = {k: v for k, v in entry.items() if k != LOWBIT_STEP}
-    return {**kept, "step": entry[LOWBIT_STEP]}
+    refused = [k for k, v in entry.items() if isinstance(v, bytes)]
+    if not refused:
+        return entry
+    if any(not isinstance(k, str) or REFUSED_PREFIX + k not in entry for k in refused):
+        raise ValueError(f"a saved entry's {refused} are bytes without their 'lowbit_<name>': the checkpoint "
+                         "is corrupt")
+    moved = {REFUSED_PREFIX + k for k in refused}
+    return {**{k: v for k, v in entry.items() if k not in moved}, **{k: entry[REFUSED_PREFIX + k] for k in refused}}
 
 
 def step_restored(state: Mapping) -> dict:
-    """The changes (None: removed) that put back the step of a live state a loader left as pickled
+    """The changes (None: removed) that put back the values of a live state a loader left as pickled
     (``ZeroRedundancyOptimizer`` copies entries into its inner optimizer's state itself)."""
-    if not isinstance(state.get("step"), bytes):
+    restored = unmarked(state)
+    if restored is state:
         return {}
-    return {"step": unmarked(state)["step"], LOWBIT_STEP: None}
+    return {**{k: v for k, v in restored.items() if state.get(k) is not v},
+            **{k: None for k in state if k not in restored}}
 
 
 def unmarked_state_dict(state_dict: dict) -> dict:

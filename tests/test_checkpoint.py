@@ -288,15 +288,32 @@ def test_a_stock_sgd_fails_on_a_low_bit_momentum_before_its_first_parameter_chan
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "open (issue 37, item 2): SGD keeps no step for a checkpoint to make its load fail, so a stock SGD whose "
-    "first parameter's momentum is fp32 (below min_8bit_size) updates it before failing on a packed one"))
-def test_a_stock_sgd_whose_first_momentum_is_fp32_changes_nothing(tmp_path):
-    opt, params, grads = _trained_for_export(*SGD, shapes=[(8,), (64, 64)], min_8bit_size=64)
-    assert [checkpoint.is_packed(e["momentum_buffer"]) for e in opt.state_dict()["state"].values()] == [False, True]
-    out = _stock_step_in_a_fresh_process(tmp_path, *SGD, opt.state_dict(), params, grads)
-    assert out["error"] is not None
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_stock_sgd_whose_first_momentum_is_fp32_changes_nothing(tmp_path, foreach):
+    """SGD keeps no step to refuse: where a checkpoint holds any low-bit momentum, its fp32 momenta
+    pickle refused too, so a stock SGD fails at its first param whichever kind it holds; in memory and
+    through our own load they are the tensors."""
+    name, kwargs = SGD[0], {**SGD[1], "foreach": foreach}
+    opt, params, grads = _trained_for_export(name, kwargs, shapes=[(8,), (64, 64)], min_8bit_size=64)
+    sd = opt.state_dict()
+    assert [checkpoint.is_packed(e["momentum_buffer"]) for e in sd["state"].values()] == [False, True]
+    assert type(sd["state"][0]["momentum_buffer"]) is torch.Tensor
+    saved = saved_and_loaded(sd)
+    assert saved["state"][0]["momentum_buffer"] == checkpoint.STOCK_REFUSAL
+    out = _stock_step_in_a_fresh_process(tmp_path, name, kwargs, sd, params, grads)
+    assert out["error"] is not None and out["error"].startswith("step: ")
     assert all(torch.equal(a, b) for a, b in zip(out["params"], out["before"]))
+    twin = lowbit_compile(torch.optim.SGD([torch.nn.Parameter(p.detach().clone()) for p in params], **kwargs),
+                          "int8", **{**OPTIONS, "min_8bit_size": 64})
+    twin.load_state_dict(saved)
+    assert torch.equal(twin.state[twin.param_groups[0]["params"][0]]["momentum_buffer"],
+                       opt.state[params[0]]["momentum_buffer"])
+
+
+def test_an_sgd_state_dict_without_low_bit_states_stays_stock():
+    opt, _, _ = _trained_for_export(*SGD, shapes=[(8,), (16,)], min_8bit_size=1000)
+    saved = saved_and_loaded(opt.state_dict())
+    assert all(type(e["momentum_buffer"]) is torch.Tensor for e in saved["state"].values())
 
 
 def test_a_saved_low_bit_entry_keeps_its_step_aside_and_loads_back_exactly():
