@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,11 +19,14 @@ from . import checkpoint, master
 from .config import Config, param_names
 from .kernels.backends import BackendError, resolve
 from .memory import memory_report
-from .options import DEFAULT_FMT, FmtSpec, Options, args_doc, entry_signature, from_keywords
+from .options import DEFAULT_FMT, FmtSpec, OptionKeywords, Options, args_doc, entry_signature, from_keywords
 from .rewritten_step import conform_updates, install, uninstall
 from .state import QuantizedState
 from .state_schema import probe_schema
 from .wrapped import wrapped_of
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # torch's dependency; only type checkers read it here
 
 # The stock optimizers whose step is elementwise over each parameter: enable() rewrites these (and STAGED).
 # Any other torch.optim.Optimizer subclass is accepted by lowbit_compile() once its step is traced and
@@ -44,7 +47,8 @@ REFUSED = {
 }
 
 
-def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT, **options: Any) -> torch.optim.Optimizer:
+def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT,
+                   **options: Unpack[OptionKeywords]) -> torch.optim.Optimizer:
     """Keep every per-element state of ``opt`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
     block-quantized, and run its step through the traced, rewritten update.
 

@@ -13,7 +13,7 @@ import inspect
 import re
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
     import torch
@@ -176,6 +176,20 @@ class ScopeOptions:
 def keywords(options: Options | ScopeOptions) -> dict[str, Any]:
     """``options`` as the keywords that make it (a shallow view: values are not copied)."""
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+
+
+class OptionKeywords(TypedDict, total=False):
+    """The keywords of ``lowbit_compile`` after ``fmt``, for static type checkers (``**options:
+    Unpack[OptionKeywords]``); ``tests/test_options.py`` holds them to :class:`Options`."""
+
+    block_size: int
+    outliers: int
+    min_8bit_size: int
+    backend: str
+    overrides: Overrides | None
+    model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None
+    master_weights: str | None
+    rounding: RoundingSpec
 
 
 def from_keywords(where: str, given: Mapping[str, Any], *schemas: type) -> list[Any]:

@@ -79,3 +79,16 @@ def test_a_state_format_defaults_to_the_shipped_blocks():
 
     fmt = StateFormat("int8")
     assert (fmt.block_size, fmt.outliers) == (DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS) == (512, 0)
+
+
+def test_type_checkers_see_every_keyword_of_lowbit_compile():
+    """``**options`` is typed ``Unpack[OptionKeywords]``: its keys and annotations are the schema's fields
+    after ``fmt`` (annotations as text, as ``from __future__ import annotations`` keeps them)."""
+    import dataclasses
+
+    from lowbit_compile.options import OptionKeywords, Options
+
+    fields = [f for f in dataclasses.fields(Options) if f.name != "fmt"]
+    assert list(OptionKeywords.__annotations__) == [f.name for f in fields]
+    annotations = [getattr(a, "__forward_arg__", a) for a in OptionKeywords.__annotations__.values()]
+    assert annotations == [str(f.type) for f in fields]
