@@ -1,4 +1,4 @@
-"""Does Muon train like fp32 with an 8-bit momentum? Trains tasks of ``examples/tasks.py`` with Muon on
+"""Does Muon train like fp32 with an 8-bit momentum? Trains tasks of ``bench/tasks.py`` with Muon on
 the hidden matrices and AdamW on the rest (embeddings, head, norms, biases), once with stock fp32 states
 and once with both optimizers wrapped by ``lowbit_compile`` at the default format, over paired seeds.
 
@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find examples/ and bench/
 
 import torch
-from examples.tasks import TASKS, Hyper, train
 
 from bench.quality import scale_steps
+from bench.tasks import TASKS, Hyper, train
 from lowbit_compile import lowbit_compile, memory_report, stats
 
 RESULTS = Path(__file__).resolve().parent / "results"
