@@ -8,7 +8,8 @@ in each state format, interleaved in one process on transformer-shaped parameter
     python bench/step_bench.py --sizes 25M --formats dynamic8,dynamic8+sr   # rounding to nearest vs stochastic
 
 Per contender: state bytes/param counted from the tensors its optimizer holds; step time (median and
-interquartile range over rounds in which every contender steps once, in rotating order); the ratio
+interquartile range over rounds in which every contender steps once, in rotating order, on grad
+tensors that are new each round as in training, with the same values); the ratio
 to torch's fused fp32 AdamW on the same parameters; GB/s of the minimal bytes a step moves (read and
 write p, read g, read and write every state) and that as % of the stream bandwidth measured in the
 same section; the first step in a fresh process with a cold and then a warm compile cache; the peak
@@ -337,6 +338,9 @@ def run_section(size: str, dtype: torch.dtype, threads_list: list[int], cands: l
         _step(c, opt)
         _step(c, opt)
         log(f"  warm-up {c.name}: {time.perf_counter() - start:.1f} s")
+    # every round hands the optimizers new grad tensors (same values), as zero_grad(set_to_none=True) and a
+    # backward do in training: a step that caches anything about a grad pays for finding it changed
+    grad_sets = [[p.grad for p in params], [p.grad.clone() for p in params]]
     sections = []
     for threads in threads_list:
         bandwidth = stream_bandwidth(threads)
@@ -344,6 +348,8 @@ def run_section(size: str, dtype: torch.dtype, threads_list: list[int], cands: l
         times: dict[str, list[float]] = {c.name: [] for c, _ in built}
         with torch_threads(threads):
             for r in range(rounds):
+                for p, g in zip(params, grad_sets[r % 2]):
+                    p.grad = g
                 order = built[r % len(built):] + built[:r % len(built)]
                 for c, opt in order:
                     start = time.perf_counter()

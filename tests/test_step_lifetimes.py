@@ -166,6 +166,34 @@ def test_a_strided_grad_updated_in_place_is_read_as_it_is_now(backend):
         assert all(torch.equal(p, q) for p, q in zip(params, twin)), step
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_a_grad_given_a_view_of_its_own_storage_is_read_as_it_is_now(backend):
+    """``p.grad.data = p.grad.t()`` keeps the grad object, its data pointer and its version, and only
+    changes its strides: each step reads it as it is now; a shorter view (``.data = g[:n]``, the same
+    address again) is refused, not read past its end."""
+    params = _params([(48, 48), (64, 64)])
+    twin, stock = _stock_twin(params)
+    opt = wrap(torch.optim.AdamW(params, weight_decay=0.1), "fp32", backend=backend)
+    gen = torch.Generator().manual_seed(5)
+    for p, q in zip(params, twin):
+        p.grad, q.grad = torch.zeros(p.shape), torch.zeros(p.shape)
+    for step in range(3):
+        for p, q in zip(params, twin):
+            ptr, version = p.grad.data_ptr(), p.grad._version
+            if step:
+                p.grad.data = p.grad.data.t()
+                q.grad.data = q.grad.data.t()
+            assert (p.grad.data_ptr(), p.grad._version) == (ptr, version)
+            g = torch.randn(p.shape, generator=gen)
+            with torch.no_grad():
+                p.grad.copy_(g)
+                q.grad.copy_(g)
+        opt.step()
+        stock.step()
+        assert all(torch.equal(p, q) for p, q in zip(params, twin)), step
+    params[1].grad.data = params[1].grad.data.reshape(-1)[:100]
+    with pytest.raises((ValueError, RuntimeError)):
+        opt.step()
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import weakref
 from array import array
 from collections.abc import Callable, Sequence
 
@@ -83,10 +82,9 @@ class CpuLaunch:
     the other rows' scalar states are set to its result. The param's pointer stays in the table: the
     caller checks its ``data_ptr()`` before each run.
 
-    A grad checked by an earlier run is not checked again while it is the same object (a weak
-    reference: the launch keeps no grad alive) with the same ``data_ptr()`` and ``_version``: what
-    changes a tensor's storage, size or strides in place (``set_``, ``resize_``, ``as_strided_``,
-    ``t_``) moves one of them, and ``.data =`` another storage moves its pointer."""
+    Every run checks each grad's dtype, size and layout and takes its ``data_ptr()`` afresh (a few
+    attribute reads): training hands the step new grads every time, and a grad changed in place
+    (``set_``, ``resize_``, ``.data =``, a transposed view) is caught as well. No grad is kept."""
 
     def __init__(self, step: CpuStep, rows: Sequence[list]) -> None:
         self.step = step
@@ -107,14 +105,12 @@ class CpuLaunch:
         step = self.step
         grad_slot = next((k for k, (i, _, _) in enumerate(step.checks) if i == self.grad_arg), None)
         self.calls: list[tuple[list[int], array]] = []
-        # [a call's table, the slot of a grad pointer, row, and the grad the last run checked: a weak
-        # reference to it (None: none checked), its data_ptr() and _version]
-        self.grad_slots: list[list] = []
+        self.grad_slots: list[tuple[array, int, int]] = []  # (a call's table, the slot of a grad pointer, row)
         for members in same_scalar_states(self.rows, step.scalar_states):
             table = array("q")
             for r in members:
                 if grad_slot is not None:
-                    self.grad_slots.append([table, len(table) + 1 + grad_slot, r, None, 0, 0])
+                    self.grad_slots.append((table, len(table) + 1 + grad_slot, r))
                 table.append(self.sizes[r])
                 table.extend(self.pointers[r])
             self.calls.append((members, table))
@@ -127,26 +123,16 @@ class CpuLaunch:
 
     def _bind_grads(self, copies: list[torch.Tensor]) -> None:
         """Point every table at its rows' current grads, checked; strided ones through fresh copies."""
-        rows, gi = self.rows, self.grad_arg
-        for bound in self.grad_slots:
-            grad = rows[bound[2]][gi]
-            ptr = grad.data_ptr()
-            ref = bound[3]
-            if ref is not None and ref() is grad and bound[4] == ptr and bound[5] == grad._version:
-                bound[0][bound[1]] = ptr
-                continue
-            r = bound[2]
-            if grad.dtype is not self.grad_dtype or grad.numel() != self.sizes[r]:
-                raise ValueError(f"the grad of row {r}: expected {self.sizes[r]} elements of {self.grad_dtype}, "
+        rows, gi, dtype, sizes = self.rows, self.grad_arg, self.grad_dtype, self.sizes
+        for table, slot, r in self.grad_slots:
+            grad = rows[r][gi]
+            if grad.dtype is not dtype or grad.numel() != sizes[r]:
+                raise ValueError(f"the grad of row {r}: expected {sizes[r]} elements of {dtype}, "
                                  f"got {grad.numel()} of {grad.dtype}")
-            if grad.is_contiguous():
-                bound[3:] = weakref.ref(grad), ptr, grad._version
-            else:
-                bound[3] = None
+            if not grad.is_contiguous():
                 grad = grad.contiguous()
                 copies.append(grad)
-                ptr = grad.data_ptr()
-            bound[0][bound[1]] = ptr
+            table[slot] = grad.data_ptr()
 
     def run(self) -> None:
         step = self.step
