@@ -1,17 +1,24 @@
 """Helpers shared by several test modules (and bench/numerics.py, bench/zero_point.py): parameter sets
 and twin runs against stock, optim_db's inputs, bit views, probe values of the state formats, the C++
-prelude's test harness, the formats' error bounds, and the parameter loop of one's own optimizers."""
+prelude's test harness, the formats' error bounds, the parameter loop of one's own optimizers, checkpoint
+round trips, and ``python -m lowbit_compile run`` in this process."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import io
+import logging
+import signal
+import sys
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch.testing._internal.common_optimizers import optim_db
 
+from lowbit_compile import QuantizedState
+from lowbit_compile.cli import main
 from lowbit_compile.kernels import cpp_printer, cpu_build
 from lowbit_compile.kernels.formats import StateFormat, decode, dynamic_map, dynamic_thresholds
 
@@ -295,3 +302,51 @@ def slow_but(params: list, *fast_ids: str) -> list:
     assert not missing, f"no such cases (renamed?): {sorted(missing)}"
     return [p if p.id in fast_ids else pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.slow])
             for p in params]
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+def train(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+
+
+def saved_and_loaded(obj: object) -> object:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def state_bits(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor that makes up the states of ``params``, quantized parts included."""
+    out = []
+    for p in params:
+        for value in opt.state[p].values():
+            out += list(value.storage_parts) if isinstance(value, QuantizedState) else [value]
+    return out
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+
+
+# -- the run command in this process ----------------------------------------------------------------
+def run_command(monkeypatch: pytest.MonkeyPatch, *args: str) -> int | str | None:
+    """``python -m lowbit_compile run ARGS`` in this process, from the current directory (the trace
+    cache is warm, so it is quick): its exit code; argv, sys.path, the logger and SIGUSR2 are put back."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    usr2, log = signal.getsignal(signal.SIGUSR2), logging.getLogger("lowbit_compile")
+    handlers, level = list(log.handlers), log.level
+    try:
+        return main(["run", *args])
+    except SystemExit as exit_:
+        return exit_.code
+    finally:
+        signal.signal(signal.SIGUSR2, usr2)
+        log.handlers[:], log.level = handlers, level

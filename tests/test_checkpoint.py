@@ -22,6 +22,8 @@ from lowbit_compile.kernels.formats import (
     upgrade_dynamic8_codes,
 )
 
+from .helpers import assert_same, saved_and_loaded, state_bits, train
+
 # odd shapes on purpose: partial blocks, blocks that span rows, a 1-D and a 0-d parameter
 SHAPES = [(67, 33), (300,), (), (5, 1, 7)]
 OPTIONS = {"block_size": 64, "min_8bit_size": 0}
@@ -32,39 +34,9 @@ def make_params(shapes=SHAPES) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
 
 
-def train(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-        opt.step()
-
-
 def text(value: str) -> int:
     """How a packed state stores its text fields (format, shape, dtype, row splits): one int each."""
     return int.from_bytes(value.encode(), "little")
-
-
-def saved_and_loaded(obj: object) -> object:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
-def state_bits(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every tensor that makes up the states of ``params``, quantized parts included."""
-    out = []
-    for p in params:
-        for value in opt.state[p].values():
-            out += list(value.storage_parts) if isinstance(value, QuantizedState) else [value]
-    return out
-
-
-def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
 
 
 def packed_bytes(packed: dict) -> int:

@@ -4,11 +4,9 @@ argv, exits with its own code, and the runner prints what it rewrote and the byt
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 
@@ -16,6 +14,8 @@ import pytest
 
 from lowbit_compile.cli import _split_run_argv, main
 from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS
+
+from .helpers import run_command
 
 # A training script that knows nothing of lowbit-compile except to report what happened to it.
 SCRIPT = '''
@@ -50,25 +50,15 @@ def runner(tmp_path, monkeypatch, capsys):
     returns (exit code, stdout, stderr), and puts back argv, sys.path, logging and SIGUSR2."""
     (tmp_path / "train.py").write_text(SCRIPT)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    usr2 = signal.getsignal(signal.SIGUSR2)
-    log = logging.getLogger("lowbit_compile")
-    handlers, level = list(log.handlers), log.level
 
     def run(*args: str, **env: str) -> tuple[int, str, str]:
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        try:
-            code = main(["run", *args])
-        except SystemExit as exit_:
-            code = exit_.code
+        code = run_command(monkeypatch, *args)
         out = capsys.readouterr()
         return code, out.out, out.err
 
-    yield run
-    signal.signal(signal.SIGUSR2, usr2)
-    log.handlers[:], log.level = handlers, level
+    return run
 
 
 def summary_row(stderr: str) -> list[str]:

@@ -3,19 +3,13 @@ fp32 is stock bit for bit on every optim_db input torch has for it, its 8-bit mo
 
 from __future__ import annotations
 
-import logging
-import signal
-import sys
-
 import pytest
 import torch
 from torch.testing._internal.common_optimizers import optim_db
 
 from lowbit_compile import checkpoint, enable, is_wrapped, lowbit_compile, memory_report, optim, stats
-from lowbit_compile.cli import main
 from lowbit_compile.state import QuantizedState
-from tests.helpers import step_twins
-from tests.test_checkpoint import assert_same, saved_and_loaded, state_bits, train
+from tests.helpers import assert_same, run_command, saved_and_loaded, state_bits, step_twins, train
 
 STEPS = 8
 
@@ -177,17 +171,7 @@ print("muon", type(muon.state[matrices[0]]["momentum_buffer"]).__name__)
 def test_run_rewrites_an_unmodified_muon_script(tmp_path, monkeypatch, capsys):
     (tmp_path / "train.py").write_text(RUN_SCRIPT)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    usr2, log = signal.getsignal(signal.SIGUSR2), logging.getLogger("lowbit_compile")
-    handlers, level = list(log.handlers), log.level
-    try:
-        code = main(["run", "--min-8bit-size", "0", "train.py"])
-    except SystemExit as exit_:
-        code = exit_.code
-    finally:
-        signal.signal(signal.SIGUSR2, usr2)
-        log.handlers[:], log.level = handlers, level
+    code = run_command(monkeypatch, "--min-8bit-size", "0", "train.py")
     out = capsys.readouterr()
     assert code in (0, None), out.err
     assert "muon QuantizedState" in out.out

@@ -15,6 +15,8 @@ from lowbit_compile.passes.stages import split_stages
 from lowbit_compile.state_schema import init_state, probe_schema
 from lowbit_compile.trace_cache import trace_for
 
+from .helpers import each_param
+
 
 def _muon_graphs(shape=(6, 4), fmt="sqrt8", **kwargs):
     param = torch.nn.Parameter(torch.randn(shape))
@@ -109,16 +111,13 @@ class _Sandwich(torch.optim.Optimizer):
     def __init__(self, params, lr=0.1):
         super().__init__(params, {"lr": lr})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if "buf" not in state:
-                    state["buf"] = torch.zeros_like(p)
-                buf = state["buf"]
-                p.add_(buf @ buf.T @ buf, alpha=-group["lr"])
-                buf.mul_(0.5).add_(p.grad)
+    @each_param
+    def step(self, group, p, state):
+        if "buf" not in state:
+            state["buf"] = torch.zeros_like(p)
+        buf = state["buf"]
+        p.add_(buf @ buf.T @ buf, alpha=-group["lr"])
+        buf.mul_(0.5).add_(p.grad)
 
 
 class _CountedNormalized(torch.optim.Optimizer):
@@ -127,15 +126,12 @@ class _CountedNormalized(torch.optim.Optimizer):
     def __init__(self, params, lr=0.1):
         super().__init__(params, {"lr": lr})
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0)
-                state["step"] += 1
-                p.add_(p.grad / p.grad.norm(), alpha=-group["lr"] / state["step"].item())
+    @each_param
+    def step(self, group, p, state):
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)
+        state["step"] += 1
+        p.add_(p.grad / p.grad.norm(), alpha=-group["lr"] / state["step"].item())
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

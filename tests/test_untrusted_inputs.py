@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import builtins
 import copy
-import logging
 import os
 import re
-import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lowbit_compile import enable, lowbit_compile, optim
-from lowbit_compile.cli import main
 from lowbit_compile.kernels import cpu_build
 from lowbit_compile.kernels.contract import identifier
 
-from .helpers import each_param
+from .helpers import each_param, run_command
 
 SHAPES = [(64, 80), (80,)]  # one tensor quantized (>= min_8bit_size=4096 elements), one kept fp32
 SENTINEL = "lowbit_untrusted_code_ran"
@@ -222,17 +218,7 @@ def test_hostile_keys_through_the_run_command_run_nothing(marker, tmp_path, monk
     torch.save(crafted_checkpoint(keys), tmp_path / "ckpt.pt")
     (tmp_path / "train.py").write_text(SCRIPT.format(shapes=SHAPES))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    usr2, log = signal.getsignal(signal.SIGUSR2), logging.getLogger("lowbit_compile")
-    handlers, level = list(log.handlers), log.level
-    try:
-        code = main(["run", "--fmt", "fp32", "--backend", "reference", "train.py", "ckpt.pt", "out.pt"])
-    except SystemExit as exit_:
-        code = exit_.code
-    finally:
-        signal.signal(signal.SIGUSR2, usr2)
-        log.handlers[:], log.level = handlers, level
+    code = run_command(monkeypatch, "--fmt", "fp32", "--backend", "reference", "train.py", "ckpt.pt", "out.pt")
     assert code in (0, None), capsys.readouterr().err
     assert_same(torch.load(tmp_path / "out.pt"), stepped(stock, crafted_checkpoint(keys)))
 
