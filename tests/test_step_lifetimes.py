@@ -166,41 +166,27 @@ def test_a_strided_grad_updated_in_place_is_read_as_it_is_now(backend):
         assert all(torch.equal(p, q) for p, q in zip(params, twin)), step
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_a_grad_given_a_view_of_its_own_storage_is_read_as_it_is_now(backend):
-    """``p.grad.data = p.grad.t()`` keeps the grad object, its data pointer and its version, and only
-    changes its strides: each step reads it as it is now; a shorter view (``.data = g[:n]``, the same
-    address again) is refused, not read past its end."""
-    params = _params([(48, 48), (64, 64)])
-    twin, stock = _stock_twin(params)
-    opt = wrap(torch.optim.AdamW(params, weight_decay=0.1), "fp32", backend=backend)
-    gen = torch.Generator().manual_seed(5)
-    for p, q in zip(params, twin):
-        p.grad, q.grad = torch.zeros(p.shape), torch.zeros(p.shape)
-    for step in range(3):
-        for p, q in zip(params, twin):
-            ptr, version = p.grad.data_ptr(), p.grad._version
-            if step:
-                p.grad.data = p.grad.data.t()
-                q.grad.data = q.grad.data.t()
-            assert (p.grad.data_ptr(), p.grad._version) == (ptr, version)
-            g = torch.randn(p.shape, generator=gen)
-            with torch.no_grad():
-                p.grad.copy_(g)
-                q.grad.copy_(g)
-        opt.step()
-        stock.step()
-        assert all(torch.equal(p, q) for p, q in zip(params, twin)), step
-    params[1].grad.data = params[1].grad.data.reshape(-1)[:100]
-    with pytest.raises((ValueError, RuntimeError)):
-        opt.step()
+def _transpose_data(grad: torch.Tensor) -> None:
+    grad.data = grad.data.t()
 
 
+def _shorten_data(grad: torch.Tensor) -> None:
+    grad.data = grad.data.reshape(-1)[:100]
+
+
+# how a grad is restrided, then shrunk, at the same address; whether its version stays too
+RESTRIDES = {"in place": (torch.Tensor.t_, lambda g: g.resize_(63, 64), False),
+             "data": (_transpose_data, _shorten_data, True)}
+
+
+@pytest.mark.parametrize("restride", list(RESTRIDES))
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_a_grad_restrided_in_place_at_the_same_address_is_read_as_it_is_now(backend):
-    """The same grad objects, at the same data pointers, transposed in place (``t_``) between steps
-    and written in place: a launch that skips checking a grad it saw before still reads the grad's
-    current layout, and a grad shrunk in place (``resize_``) is refused, not read past its end."""
+def test_a_grad_restrided_at_the_same_address_is_read_as_it_is_now(restride, backend):
+    """The same grad objects at the same data pointers, transposed between steps (``t_`` in place, or
+    ``.data =`` a transposed view of its own storage, which keeps its version too) and written in
+    place: each step reads the grad's current layout; a grad shrunk at the same address (``resize_``,
+    ``.data = g[:n]``) is refused, not read past its end."""
+    transpose, shrink, same_version = RESTRIDES[restride]
     params = _params([(48, 48), (64, 64)])
     twin, stock = _stock_twin(params)
     opt = wrap(torch.optim.AdamW(params, weight_decay=0.1), "fp32", backend=backend)
@@ -209,20 +195,23 @@ def test_a_grad_restrided_in_place_at_the_same_address_is_read_as_it_is_now(back
         p.grad, q.grad = torch.zeros(p.shape), torch.zeros(p.shape)
     for step in range(4):
         for p, q in zip(params, twin):
-            ptr = p.grad.data_ptr()
+            ptr, version = p.grad.data_ptr(), p.grad._version
             if step:
-                p.grad.t_()
-                q.grad.t_()
-            g = torch.randn(p.shape, generator=gen)
-            p.grad.copy_(g)
-            q.grad.copy_(g)
+                transpose(p.grad)
+                transpose(q.grad)
             assert p.grad.data_ptr() == ptr
+            assert p.grad._version == version or not same_version
+            g = torch.randn(p.shape, generator=gen)
+            with torch.no_grad():
+                p.grad.copy_(g)
+                q.grad.copy_(g)
         opt.step()
         stock.step()
         assert all(torch.equal(p, q) for p, q in zip(params, twin)), step
-    params[1].grad.resize_(63, 64)
+    shrink(params[1].grad)
     with pytest.raises((ValueError, RuntimeError)):
         opt.step()
+
 
 # add_param_group after wrapping ----------------------------------------------------------------------
 @pytest.mark.parametrize("group", [
