@@ -122,10 +122,16 @@ def step_body(case: Case) -> torch.fx.GraphModule:
     return captured[-1].body
 
 
-def emitted_for(case: Case, arch: int):
-    from lowbit_compile.kernels.formats import StateFormat
+def target_for(arch: int):
+    """The lowering target of a GPU of compute capability ``arch`` (its FP8 path included)."""
     from lowbit_compile.kernels.lowering import Target
     from lowbit_compile.kernels.triton_backend import FP8_NATIVE_ARCH
+
+    return Target("cuda", fp8_native=arch >= FP8_NATIVE_ARCH)
+
+
+def emitted_for(case: Case, arch: int):
+    from lowbit_compile.kernels.formats import StateFormat
     from lowbit_compile.kernels.triton_printer import dequantize_graph, emit_kernel, quantize_graph
 
     if case.state_kernel:
@@ -134,7 +140,7 @@ def emitted_for(case: Case, arch: int):
         name = f"lowbit_{case.state_kernel}"
     else:
         graph, name = step_body(case), "lowbit_step"
-    return graph, emit_kernel(graph, name, Target("cuda", fp8_native=arch >= FP8_NATIVE_ARCH))
+    return graph, emit_kernel(graph, name, target_for(arch))
 
 
 def bytes_per_element(graph: torch.fx.GraphModule, emitted) -> float:
@@ -242,17 +248,34 @@ def compile_case(case: Case, arch: int) -> dict:
     row = {"kernel": case.name, "block": emitted.block, "rows": emitted.rows, **options,
            "elements_per_thread": elements, "bytes_per_element": round(bytes_per_element(graph, emitted), 4),
            **figures(compiled, arch, options["num_warps"], elements)}
-    lib = common_path_lib()
-    fig = row
-    if lib is not None:  # kernels without rare fix-ups (before any_set) run their whole static path
-        lib_import = "from lowbit_compile.kernels import triton_lib as lb"
-        common = dataclasses.replace(emitted, source=emitted.source.replace(lib_import, f"import {lib} as lb"))
-        fig = cubin_figures(triton_backend.compile_emitted(common, arch, aligned=True).asm["cubin"])
+    # kernels without rare fix-ups (before any_set) run their whole static path
+    fig = common_path_figures(emitted, arch) or row
     row["sass_common"] = fig["sass"]
     row["sass_common_per_element"] = round(fig["sass"] / elements, 1)
     if not case.state_kernel:  # the launch GPU users get for aligned tensors: BatchedLaunch's kernel
         row.update(batched_figures(graph, emitted, arch, elements))
     return row
+
+
+def compiled_figures(emitted, arch: int) -> dict:
+    """:func:`cubin_figures` of ``emitted`` compiled for ``arch`` as a launch on aligned tensors."""
+    from lowbit_compile.kernels import triton_backend
+
+    return cubin_figures(triton_backend.compile_emitted(emitted, arch, aligned=True).asm["cubin"])
+
+
+def common_path_figures(emitted, arch: int) -> dict | None:
+    """:func:`compiled_figures` of ``emitted`` built on :func:`common_path_lib` (None without one)."""
+    lib = common_path_lib()
+    if lib is None:
+        return None
+    lib_import = "from lowbit_compile.kernels import triton_lib as lb"
+    common = dataclasses.replace(emitted, source=emitted.source.replace(lib_import, f"import {lib} as lb"))
+    return compiled_figures(common, arch)
+
+
+def spilled(fig: dict) -> bool:
+    return fig["local_bytes"] > 0 or fig["stack_bytes"] > 0
 
 
 FULL_TILE = "    if (first_block + ROWS) * BLOCK <= n_total:"
@@ -262,25 +285,15 @@ def batched_figures(graph: torch.fx.GraphModule, emitted, arch: int, elements: f
     """Registers and spills of the batched kernel (both of its tile branches), and the SASS per element
     of the path a full tile runs (the kernel with its last-tile branch folded away): all of it, and
     without the rare fix-ups (as ``sass_common``)."""
-    from lowbit_compile.kernels import triton_backend
-    from lowbit_compile.kernels.lowering import Target
     from lowbit_compile.kernels.triton_printer import emit_kernel
 
-    target = Target("cuda", fp8_native=arch >= triton_backend.FP8_NATIVE_ARCH)
-    batched = emit_kernel(graph, "lowbit_step_batched", target, batched=True)
-    whole = cubin_figures(triton_backend.compile_emitted(batched, arch, aligned=True).asm["cubin"])
+    batched = emit_kernel(graph, "lowbit_step_batched", target_for(arch), batched=True)
+    whole = compiled_figures(batched, arch)
     assert batched.source.count(FULL_TILE) == 1, "the batched kernel's tile test changed: update bench/gpu_cost.py"
     full = dataclasses.replace(batched, source=batched.source.replace(FULL_TILE, "    if True:"))
-    path = cubin_figures(triton_backend.compile_emitted(full, arch, aligned=True).asm["cubin"])
-    lib = common_path_lib()
-    if lib is not None:
-        lib_import = "from lowbit_compile.kernels import triton_lib as lb"
-        full = dataclasses.replace(full, source=full.source.replace(lib_import, f"import {lib} as lb"))
-        path_common = cubin_figures(triton_backend.compile_emitted(full, arch, aligned=True).asm["cubin"])
-    else:
-        path_common = path
-    spills = whole["local_bytes"] > 0 or whole["stack_bytes"] > 0
-    return {"batched_registers": whole["registers"], "batched_spills": spills,
+    path = compiled_figures(full, arch)
+    path_common = common_path_figures(full, arch) or path
+    return {"batched_registers": whole["registers"], "batched_spills": spilled(whole),
             "batched_sass_per_element": round(path["sass"] / elements, 1),
             "batched_common_per_element": round(path_common["sass"] / elements, 1)}
 
@@ -288,7 +301,7 @@ def batched_figures(graph: torch.fx.GraphModule, emitted, arch: int, elements: f
 def figures(compiled, arch: int, warps: int, elements: float) -> dict:
     fig = cubin_figures(compiled.asm["cubin"])
     shared = compiled.metadata.shared
-    return {**fig, "shared_bytes": shared, "spills": fig["local_bytes"] > 0 or fig["stack_bytes"] > 0,
+    return {**fig, "shared_bytes": shared, "spills": spilled(fig),
             "sass_per_element": round(fig["sass"] / elements, 1), **occupancy(arch, fig["registers"], shared, warps)}
 
 
