@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 from . import cpu_build
 from .contract import Role, role_of
 from .cpp_printer import ENTRY, EmittedStep, PointerInput, emit_step
-from .kernel import body_sources, same_scalar_states
+from .kernel import body_sources, check_grad, same_scalar_states
 from .lowering import Target
 
 
@@ -126,9 +126,7 @@ class CpuLaunch:
         rows, gi, dtype, sizes = self.rows, self.grad_arg, self.grad_dtype, self.sizes
         for table, slot, r in self.grad_slots:
             grad = rows[r][gi]
-            if grad.dtype is not dtype or grad.numel() != sizes[r]:
-                raise ValueError(f"the grad of row {r}: expected {sizes[r]} elements of {dtype}, "
-                                 f"got {grad.numel()} of {grad.dtype}")
+            check_grad(grad, dtype, sizes[r], r)
             if not grad.is_contiguous():
                 grad = grad.contiguous()
                 copies.append(grad)

@@ -68,6 +68,14 @@ class RowLaunch:
         self._run(flat_rows)
 
 
+def check_grad(grad: torch.Tensor, dtype: torch.dtype, numel: int, row: int) -> None:
+    """Refuse the grad of launch row ``row`` unless it has ``numel`` elements of ``dtype`` (a launch binds
+    it by pointer: a wrong one must fail here, not be read past its end)."""
+    if grad.dtype is not dtype or grad.numel() != numel:
+        raise ValueError(f"the grad of row {row}: expected {numel} elements of {dtype}, "
+                         f"got {grad.numel()} of {grad.dtype}")
+
+
 def per_step_inputs(step: GraphModule) -> tuple[int, ...]:
     """The positions of a split step's param and grad among its top-level inputs."""
     top = [n for n in step.graph.nodes if n.op == "placeholder"]

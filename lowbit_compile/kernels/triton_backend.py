@@ -27,7 +27,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from . import blockquant
 from .contract import Role, role_of
 from .formats import StateFormat, dynamic_level_table
-from .kernel import BuildError, RowLaunch, body_sources, per_step_inputs, same_scalar_states
+from .kernel import BuildError, RowLaunch, body_sources, check_grad, per_step_inputs, same_scalar_states
 from .lowering import Target
 from .triton_env import interpreting
 from .triton_printer import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
@@ -405,10 +405,7 @@ class BatchedLaunch:
         """A per-step tensor input on the launch's device, flat, contiguous and 16-byte aligned (through a
         copy kept for this run where it is not); a grad checked against its param."""
         if kind == "arg" and i == self.step.grad_arg:
-            param = self.rows[r][self.step.param_arg]
-            if value.dtype != param.dtype or value.numel() != self.sizes[r]:
-                raise ValueError(f"the grad of row {r}: expected {self.sizes[r]} elements of {param.dtype}, "
-                                 f"got {value.numel()} of {value.dtype}")
+            check_grad(value, self.rows[r][self.step.param_arg].dtype, self.sizes[r], r)
             value = value.reshape(-1)
         if not isinstance(value, torch.Tensor):
             value = torch.tensor(value, dtype=torch.float32)
