@@ -25,6 +25,8 @@ import torch
 
 from bench.quality import load_runs, results_header, run_meta, run_pool, state_bytes, summarize
 from bench.rounding import check_name, make_optimizer
+from bench.state_drift import ShadowProbe
+from bench.state_drift import summary as drift_summary
 from bench.tasks import CharGPT, char_gpt_2m, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -41,22 +43,26 @@ def long_task(steps: int) -> CharGPT:
     return task
 
 
-def run_one(job: tuple[str, int, int, int]) -> dict:
-    variant, seed, steps, threads = job
+def run_one(job: tuple[str, int, int, int, bool]) -> dict:
+    variant, seed, steps, threads, diagnose = job
     torch.set_num_threads(threads)
     task = long_task(steps)
     make = make_optimizer(variant, seed=seed)
     built: list[torch.optim.Optimizer] = []
+    probes: list[ShadowProbe] = []
 
     def build(params, hyper):
         built.append(make(params, hyper))
+        if diagnose:
+            probes.append(ShadowProbe(built[-1], every=hyper.eval_every))
         return built[-1]
 
-    hist = train(task, build, seed)
+    hist = train(task, build, seed, on_step=(lambda step, loss: probes[0].after_step()) if diagnose else None)
     n_params = sum(p.numel() for g in built[0].param_groups for p in g["params"])
     return {"task": TASK, "variant": variant, "seed": seed, "steps": steps, "train_loss": hist.train_loss,
             "val_steps": hist.val_steps, "val": hist.val, "seconds": hist.seconds,
-            "state_bytes_per_param": state_bytes(built[0]) / n_params}
+            "state_bytes_per_param": state_bytes(built[0]) / n_params,
+            **({"drift": probes[0].records} if diagnose else {})}
 
 
 def summary_at(runs: list[dict], step: int) -> dict:
@@ -90,6 +96,9 @@ def markdown(runs: list[dict]) -> str:
     lines += [f"| (fp32 seed spread) | | {spread} | | | |", "",
               "Gap: mean ± std over seeds of the paired gap of the validation loss (loss / fp32 loss of the same "
               "seed - 1) at that step of the 2,000-step schedule; ≈ fp32 as in `quality.md`."]
+    for r in sorted((r for r in runs if r.get("drift")), key=lambda r: (_order(r["variant"]), r["seed"])):
+        lines += ["", f"#### {r['variant']}, seed {r['seed']}: stored moments against fp32 moments of the same "
+                  "gradients (bench/state_drift.py)", "", *drift_summary(r["drift"])]
     return "\n".join(lines)
 
 
@@ -153,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--resume", action="store_true", help="reuse runs already in OUT/long_run.json")
     ap.add_argument("--report", action="store_true", help="only rebuild the table and plot from the JSON")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="also record how far the stored moments drift from fp32 ones (bench/state_drift.py)")
     args = ap.parse_args(argv)
     json_path = args.out / "long_run.json"
     runs: list[dict] = []
@@ -165,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         for v in args.variants:
             check_name(v)
         done = {(r["variant"], r["seed"]) for r in runs}
-        jobs = [(v, s, args.steps, args.threads) for s in args.seeds for v in args.variants if (v, s) not in done]
+        jobs = [(v, s, args.steps, args.threads, args.diagnose)
+                for s in args.seeds for v in args.variants if (v, s) not in done]
         args.out.mkdir(parents=True, exist_ok=True)
 
         def save() -> None:

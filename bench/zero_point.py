@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
+from bench.state_drift import stored_moments
 from bench.tasks import PEERS, Hyper, OptimizerSpec
 from tests.helpers import transformer_params
 
@@ -44,18 +45,6 @@ class ZeroPoint:
     max_off_lr: float  # after the last step: max |param - fp32 param| / lr
     mean_off_lr: float
     seconds: float
-
-
-def stored_v(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
-    """The second moment ``opt`` holds for ``p``, decoded to fp32 (ours, torchao, bitsandbytes, stock)."""
-    state = opt.state[p]
-    if "state2" in state:  # bitsandbytes: uint8 codes into the unsigned dynamic map, blocks of 256
-        v = state["state2"]
-        if v.dtype == torch.uint8:
-            v = state["qmap2"][v.reshape(-1).long()] * state["absmax2"].repeat_interleave(256)[: p.numel()]
-        return v.reshape(p.shape).float()
-    v = state["exp_avg_sq"]
-    return (v.dequantize() if hasattr(v, "dequantize") else v).reshape(p.shape).float()
 
 
 def _steps(params0: list[torch.Tensor], spec: OptimizerSpec, steps: int, seed: int):
@@ -88,7 +77,8 @@ def zero_point_check(names: list[str], size: dict, steps: int = STEPS, seed: int
         zeros = []
         for params, opt in _steps(params0, OptimizerSpec(name, backend=backend), steps, seed):
             mask = positive[len(zeros)]
-            zeros.append(sum(int(((stored_v(opt, p) == 0) & m).sum()) for p, m in zip(params, mask)))
+            zeros.append(sum(int(((stored_moments(opt, p)["exp_avg_sq"] == 0) & m).sum())
+                             for p, m in zip(params, mask)))
         seconds = time.perf_counter() - start
         n_pos = [sum(int(m.sum()) for m in mask) for mask in positive]
         off = torch.cat([(p.detach() - r.detach()).abs().flatten() for p, r in zip(params, ref)]) / HYPER.lr

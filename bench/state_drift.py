@@ -1,0 +1,151 @@
+"""How far an optimizer's stored Adam moments drift from the fp32 moments of the same gradients.
+
+A ``ShadowProbe`` keeps fp32 AdamW moments ``m``, ``v`` of every gradient a run's optimizer steps
+with (the gradients of the low-bit trajectory itself), so what it measures is the error the stored
+states have accumulated, not the difference of two trajectories. Every ``every`` steps it records,
+per moment, the stored / shadow ratios (quantiles of ``log2``; the shares above x1.5 and below x2/3),
+the share stored as 0 where the shadow is not, and for the second moment the share at its
+format's smallest positive code (where the zero-point lift raised it); and the Adam direction
+``m / (sqrt(v) + eps)`` (bias-corrected) of the stored moments against the shadow's: the norm ratio
+and the cosine. For ours it also records ``lowbit_compile.stats`` (the monitor's round-trip error
+and zero-flush share of the next step), numel-weighted over parameters.
+
+Used by ``bench/long_run.py --diagnose``; reads ours, stock AdamW, torchao and bitsandbytes states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+BNB_BLOCK = 256
+
+
+def stored_moments(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The first and second moments ``opt`` holds for ``p``, decoded to fp32 and shaped like ``p``
+    (ours and torchao dequantize; bitsandbytes' uint8 codes index its dynamic maps, blocks of 256)."""
+    state = opt.state[p]
+    out = {}
+    for key, bnb in (("exp_avg", "1"), ("exp_avg_sq", "2")):
+        if f"state{bnb}" in state:
+            s = state[f"state{bnb}"]
+            if s.dtype == torch.uint8:
+                absmax = state[f"absmax{bnb}"].repeat_interleave(BNB_BLOCK)[: p.numel()]
+                s = state[f"qmap{bnb}"][s.reshape(-1).long()] * absmax
+        else:
+            s = state[key]
+            s = s.dequantize() if hasattr(s, "dequantize") else s
+        out[key] = s.reshape(p.shape).float()
+    return out
+
+
+def _smallest_code_share(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> float | None:
+    """Of ours' quantized second moments, the share of elements stored at the smallest positive code."""
+    from lowbit_compile.state import QuantizedState
+
+    hit = total = 0
+    for p in params:
+        v = opt.state[p].get("exp_avg_sq")
+        if not isinstance(v, QuantizedState) or not v.fmt.blockwise:
+            continue
+        hit += int((v.codes.view(torch.uint8) == 1).sum())  # every format's smallest positive code
+        total += v.codes.numel()
+    return hit / total if total else None
+
+
+class ShadowProbe:
+    """fp32 AdamW moments of the gradients ``opt`` steps with, and the drift figures of its stored ones."""
+
+    def __init__(self, opt: torch.optim.Optimizer, every: int, min_numel: int = 4096) -> None:
+        group = opt.param_groups[0]
+        self.opt = opt
+        self.every = every
+        self.betas = tuple(float(b) for b in group["betas"])
+        self.eps = float(group["eps"])
+        self.params = [p for g in opt.param_groups for p in g["params"] if p.numel() >= min_numel]
+        self.m = {p: torch.zeros_like(p, dtype=torch.float32) for p in self.params}
+        self.v = {p: torch.zeros_like(p, dtype=torch.float32) for p in self.params}
+        self.t = 0
+        self.records: list[dict] = []
+        self.monitor: dict[str, float] = {}
+        opt.register_step_pre_hook(self._pre_step)
+
+    def _pre_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """On a recorded step, the monitor's figures of what that step will store (ours only)."""
+        from lowbit_compile import is_wrapped, stats
+
+        if (self.t + 1) % self.every or not is_wrapped(opt):
+            return
+
+        weighted: dict[str, list[float]] = {}
+        for s in stats(opt):
+            if s.rel_error is None:
+                continue
+            acc = weighted.setdefault(s.state, [0.0, 0.0, 0.0])
+            acc[0] += s.rel_error * s.numel
+            acc[1] += s.zero_flush * s.numel
+            acc[2] += s.numel
+        self.monitor = {f"{figure}/{state}": acc[i] / acc[2] for state, acc in weighted.items()
+                        for i, figure in enumerate(("rel_error", "zero_flush"))}
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Fold this step's gradients into the shadow; on every ``every``-th step record the figures."""
+        b1, b2 = self.betas
+        self.t += 1
+        for p in self.params:
+            g = p.grad.float()
+            self.m[p].lerp_(g, 1 - b1)
+            self.v[p].mul_(b2).addcmul_(g, g, value=1 - b2)
+        if self.t % self.every == 0:
+            self.records.append(self.figures())
+
+    @torch.no_grad()
+    def figures(self) -> dict:
+        b1, b2 = self.betas
+        c1, c2 = 1 - b1**self.t, 1 - b2**self.t
+        stored = {p: stored_moments(self.opt, p) for p in self.params}
+        rec: dict = {"step": self.t, **self.monitor}
+        for key, shadow in (("exp_avg", self.m), ("exp_avg_sq", self.v)):
+            s = torch.cat([stored[p][key].reshape(-1) for p in self.params])
+            t = torch.cat([shadow[p].reshape(-1) for p in self.params])
+            live = t != 0
+            ratio = s[live] / t[live]
+            positive = ratio > 0
+            logs = ratio[positive].log2()
+            q = torch.quantile(logs[:: max(1, logs.numel() // 1_000_000)], torch.tensor([0.1, 0.5, 0.9]))
+            rec[key] = {"log2_ratio_p10_p50_p90": [round(float(x), 4) for x in q],
+                        "over_1.5x": float((ratio > 1.5).float().mean()),
+                        "under_0.67x": float((ratio < 2 / 3).float().mean()),
+                        "flipped_sign": float((ratio < 0).float().mean()),
+                        "zero_where_shadow_not": float((s[live] == 0).float().mean()),
+                        "rel_error": float((s - t).norm() / t.norm())}
+        smallest = _smallest_code_share(self.opt, self.params)
+        if smallest is not None:
+            rec["exp_avg_sq"]["smallest_code"] = smallest
+        dots = norms_s = norms_t = 0.0
+        for p in self.params:
+            u_s = (stored[p]["exp_avg"] / c1) / ((stored[p]["exp_avg_sq"] / c2).sqrt() + self.eps)
+            u_t = (self.m[p] / c1) / ((self.v[p] / c2).sqrt() + self.eps)
+            dots += float((u_s * u_t).sum())
+            norms_s += float(u_s.square().sum())
+            norms_t += float(u_t.square().sum())
+        rec["update"] = {"norm_ratio": (norms_s / norms_t) ** 0.5, "cosine": dots / (norms_s * norms_t) ** 0.5}
+        return rec
+
+
+def summary(records: Iterable[dict]) -> list[str]:
+    """Markdown rows: one per recorded step."""
+    lines = ["| step | v p10/p50/p90 log2(stored/fp32) | v >1.5x | v <0.67x | v smallest code | m rel err "
+             "| m zero | update norm ratio | update cosine | monitor v err / flush |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        v, m, u = r["exp_avg_sq"], r["exp_avg"], r["update"]
+        mon = (f"{r['rel_error/exp_avg_sq']:.3f} / {r['zero_flush/exp_avg_sq']:.2e}"
+               if "rel_error/exp_avg_sq" in r else "–")
+        lines.append(f"| {r['step']} | {' / '.join(f'{x:+.3f}' for x in v['log2_ratio_p10_p50_p90'])} "
+                     f"| {v['over_1.5x']:.3%} | {v['under_0.67x']:.3%} | {v.get('smallest_code', float('nan')):.3%} "
+                     f"| {m['rel_error']:.3f} | {m['zero_where_shadow_not']:.3%} | {u['norm_ratio']:.4f} "
+                     f"| {u['cosine']:.4f} | {mon} |")
+    return lines
