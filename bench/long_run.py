@@ -6,6 +6,7 @@ seeds with the same weights and batches per seed; the paired gap to fp32 at 250,
     python bench/long_run.py                         # 4 optimizers x 3 seeds: ~20 minutes a run on a busy core
     python bench/long_run.py --steps 60 --seeds 0 --out /tmp/long   # a smoke run
     python bench/long_run.py --variants dynamic8+sr-proto --seeds 0 --resume   # a rounding prototype
+    python bench/long_run.py --data docstrings --variants fp32 sqrt8 --out /tmp/fresh   # text read once, not 10x
 
 Writes ``bench/results/long_run.{json,md,png}``; names of optimizers as in ``bench/rounding.py``.
 """
@@ -27,26 +28,28 @@ from bench.quality import load_runs, results_header, run_meta, run_pool, state_b
 from bench.rounding import check_name, make_optimizer
 from bench.state_drift import ShadowProbe
 from bench.state_drift import summary as drift_summary
-from bench.tasks import CharGPT, char_gpt_2m, train
+from bench.tasks import CharGPT, char_gpt_2m, docstring_text, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TASK = "char_gpt_2m_long"
+TASKS = {"pydoc": "char_gpt_2m_long", "docstrings": "char_gpt_2m_fresh_long"}
 GRID = ["fp32", "sqrt8", "dynamic8", "int8", "fp8_e4m3"]
 SEEDS = (0, 1, 2)
 CHECKPOINTS = (250, 1000, 2000)
 
 
-def long_task(steps: int) -> CharGPT:
-    task = char_gpt_2m()
-    task.name = TASK
+def long_task(steps: int, data: str = "pydoc") -> CharGPT:
+    """``char_gpt_2m`` for ``steps`` steps on ``data``: the pydoc topics (418k training characters, each
+    read about 10 times in 2,000 steps) or ``docstrings`` (``tasks.docstring_text``: 6.1M, about once)."""
+    task = char_gpt_2m(docstring_text() if data == "docstrings" else None)
+    task.name = TASKS[data]
     task.hyper = replace(task.hyper, steps=steps, warmup=min(100, steps // 10), eval_every=125 if steps >= 500 else 10)
     return task
 
 
-def run_one(job: tuple[str, int, int, int, bool]) -> dict:
-    variant, seed, steps, threads, diagnose = job
+def run_one(job: tuple[str, int, int, int, bool, str]) -> dict:
+    variant, seed, steps, threads, diagnose, data = job
     torch.set_num_threads(threads)
-    task = long_task(steps)
+    task = long_task(steps, data)
     make = make_optimizer(variant, seed=seed)
     built: list[torch.optim.Optimizer] = []
     probes: list[ShadowProbe] = []
@@ -59,16 +62,16 @@ def run_one(job: tuple[str, int, int, int, bool]) -> dict:
 
     hist = train(task, build, seed, on_step=(lambda step, loss: probes[0].after_step()) if diagnose else None)
     n_params = sum(p.numel() for g in built[0].param_groups for p in g["params"])
-    return {"task": TASK, "variant": variant, "seed": seed, "steps": steps, "train_loss": hist.train_loss,
+    return {"task": task.name, "variant": variant, "seed": seed, "steps": steps, "train_loss": hist.train_loss,
             "val_steps": hist.val_steps, "val": hist.val, "seconds": hist.seconds,
-            "state_bytes_per_param": state_bytes(built[0]) / n_params,
+            "params": n_params, "state_bytes_per_param": state_bytes(built[0]) / n_params,
             **({"drift": probes[0].records} if diagnose else {})}
 
 
 def summary_at(runs: list[dict], step: int) -> dict:
     """``bench/quality.summarize`` of the runs' validation loss at ``step`` (the runs cut there)."""
     cut = [{**r, "val": r["val"][: r["val_steps"].index(step) + 1]} for r in runs if step in r["val_steps"]]
-    return summarize(cut)[TASK] if cut else {}
+    return summarize(cut)[runs[0]["task"]] if cut else {}
 
 
 def _order(variant: str) -> tuple:
@@ -81,8 +84,9 @@ def markdown(runs: list[dict]) -> str:
     at = {c: summary_at(runs, c) for c in checkpoints}
     last = at[checkpoints[-1]]
     fp32 = last.get("fp32", {})
-    n_params = sum(p.numel() for p in long_task(steps).model(0).parameters())
-    lines = [f"### {TASK}: {n_params:,} params, {steps} steps of 16 x 128 characters, seeds {fp32.get('seeds')}", "",
+    task = runs[0]["task"]
+    n_params = runs[0].get("params") or sum(p.numel() for p in long_task(steps).model(0).parameters())
+    lines = [f"### {task}: {n_params:,} params, {steps} steps of 16 x 128 characters, seeds {fp32.get('seeds')}", "",
              "| optimizer | state B/param | " + " | ".join(f"gap to fp32 at {c}" for c in checkpoints)
              + f" | val loss at {checkpoints[-1]} | ≈ fp32 at {checkpoints[-1]} | s/run |",
              "|---|---:|" + "---:|" * len(checkpoints) + "---:|:-:|---:|"]
@@ -137,7 +141,8 @@ def plot(runs: list[dict], path: Path) -> None:
         spread = [statistics.stdev(r["val"][j]["loss"] for r in base.values())
                   / statistics.fmean(r["val"][j]["loss"] for r in base.values()) * 100 for j in range(len(steps))]
         axes[1].fill_between(steps, [-s for s in spread], spread, color="0.88", label="fp32 seed std")
-    axes[0].set(title=f"{TASK}: validation loss (mean over seeds)", xlabel="step", ylabel="val loss", yscale="log")
+    axes[0].set(title=f"{runs[0]['task']}: validation loss (mean over seeds)", xlabel="step", ylabel="val loss",
+                yscale="log")
     axes[1].set(title="validation loss gap to fp32 (paired, mean over seeds)", xlabel="step", ylabel="%")
     axes[2].set(title="training loss gap to fp32 (paired, 100-step windows)", xlabel="step", ylabel="%")
     for ax in axes[1:]:
@@ -162,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--resume", action="store_true", help="reuse runs already in OUT/long_run.json")
     ap.add_argument("--report", action="store_true", help="only rebuild the table and plot from the JSON")
+    ap.add_argument("--data", choices=sorted(TASKS), default="pydoc",
+                    help="the training text: pydoc (read ~10 times in 2,000 steps) or docstrings (~once)")
     ap.add_argument("--diagnose", action="store_true",
                     help="also record how far the stored moments drift from fp32 ones (bench/state_drift.py)")
     args = ap.parse_args(argv)
@@ -170,13 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_meta(args.jobs, args.threads, False)
     if (args.resume or args.report) and json_path.exists():
         runs, saved_meta = load_runs(json_path)
-        runs = [r for r in runs if r["steps"] == args.steps]
+        runs = [r for r in runs if r["steps"] == args.steps and r["task"] == TASKS[args.data]]
         meta = saved_meta if args.report else meta
     if not args.report:
         for v in args.variants:
             check_name(v)
         done = {(r["variant"], r["seed"]) for r in runs}
-        jobs = [(v, s, args.steps, args.threads, args.diagnose)
+        jobs = [(v, s, args.steps, args.threads, args.diagnose, args.data)
                 for s in args.seeds for v in args.variants if (v, s) not in done]
         args.out.mkdir(parents=True, exist_ok=True)
 
