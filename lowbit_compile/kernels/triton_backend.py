@@ -27,7 +27,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from . import blockquant
 from .contract import Role, role_of
-from .formats import StateFormat, dynamic_level_table
+from .formats import StateFormat, dynamic_lookup_table
 from .kernel import BuildError, RowLaunch, body_sources, check_grad, per_step_inputs, same_scalar_states
 from .lowering import Target
 from .triton_env import interpreting
@@ -223,9 +223,9 @@ def _compile(source: str, name: str, key: str) -> Callable:
 
 @functools.cache
 def _table(kind: str, nonneg: bool, device: torch.device) -> torch.Tensor:
-    """A dynamic8 table on ``device`` (``kind`` is ``"levels"``, the one table kernels read)."""
-    assert kind == "levels", kind
-    return dynamic_level_table(nonneg).reshape(-1).to(device)
+    """A dynamic8 table on ``device`` (``kind`` is ``"lookup"``, the one table kernels read)."""
+    assert kind == "lookup", kind
+    return dynamic_lookup_table(nonneg).to(device)
 
 
 _KERNELS: dict[str, TritonKernel] = {}

@@ -55,7 +55,7 @@ class KernelParam:
     """One runtime argument of an emitted kernel, in order.
 
     ``kind`` is ``"input"`` (the body input at ``index``: a pointer when ``tensor``, else a number)
-    or ``"table"`` (the launcher supplies ``formats.dynamic_level_table``).
+    or ``"table"`` (the launcher supplies ``formats.dynamic_lookup_table``).
     ``dtype`` is what a pointer points to (None for a number).
     """
 
@@ -311,7 +311,7 @@ class TritonPrinter:
 
     def dequantize(self, state: StateAccess) -> Value:
         fmt = state.fmt
-        table = self._table("levels", fmt) if fmt.name == "dynamic8" else "None"
+        table = self._table("lookup", fmt) if fmt.name == "dynamic8" else "None"
         name = self._ident(state.node.name)
         self.lines.append(f"# {fmt.tag()}")
         self.lines += _call_lines(f"{name} = lb.dequantize", self._state_args(state) + [
@@ -322,7 +322,7 @@ class TritonPrinter:
     def quantize(self, state: StateAccess, value: Value, seed: Value | None) -> None:
         fmt = state.fmt
         self.written.update(state.parts)
-        table = self._table("levels", fmt) if fmt.name == "dynamic8" else "None"
+        table = self._table("lookup", fmt) if fmt.name == "dynamic8" else "None"
         def inv(divisor: float) -> float:
             return _fp32_reciprocal(divisor) if self.target.cuda else 0.0
 
