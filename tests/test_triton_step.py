@@ -5,6 +5,7 @@ last blocks, several blocks per program, and element offsets past 2**31."""
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 
 import pytest
@@ -202,3 +203,26 @@ def test_many_small_tensors_step_in_two_launches_with_the_bits_of_one_launch_eac
             parts = zip(ours.storage_parts, theirs.storage_parts) if hasattr(ours, "storage_parts") else [(ours, theirs)]
             for a, b in parts:
                 assert torch.equal(bits(a.reshape(-1)), bits(b.reshape(-1))), key
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["per-tensor", "batched"])
+def test_building_a_step_kernel_compiles_each_variant_with_arguments_of_its_signature(batched):
+    """On CUDA a step's kernel is compiled when the step is built (``TritonKernel.build`` warms it up): the
+    per-tensor kernel once, the batched kernel's whole-tile and last-tile variants each with the arguments
+    its launches pass (the row and program tables, not the tensors)."""
+    from .graphs import body
+
+    emitted = triton_backend.emit_kernel(body(torch.optim.AdamW([torch.nn.Parameter(torch.randn(64))])), "step",
+                                         triton_backend.Target("cuda"), batched=batched)
+    kernel = triton_backend.TritonKernel(emitted)
+    signature = inspect.signature(kernel.fn.fn)
+    variants = []
+
+    class Recorder:
+        def warmup(self, *args, grid, num_warps, enable_fp_fusion, **constexprs):
+            signature.bind(*args, **constexprs)  # raises where the arguments do not fit the kernel
+            variants.append(constexprs.get("MASKED"))
+
+    kernel.fn, kernel.interpreted = Recorder(), False
+    kernel.build(torch.device("cuda"))
+    assert variants == ([False, True] if batched else [None])
