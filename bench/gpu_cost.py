@@ -5,8 +5,9 @@ Compiles every step kernel users get (each format with fp32 and bf16 params, mas
 bundled ptxas, and reports per kernel: registers per thread, spill (local memory) bytes, shared memory,
 SASS instructions per element (the cubin's instructions, ``cuobjdump -sass``, over the elements one
 thread handles), the occupancy registers, shared memory and warps allow, and the bytes per element the
-kernel must move; for a step, also its batched kernel (one launch over many tensors, what aligned
-tensors get): registers, and the SASS per element of a full tile's path. Beside them the same for
+kernel must move; for a step, also the two variants of its batched kernel (what aligned tensors get: one
+launch over many tensors' whole tiles, one over their partial last tiles): registers, occupancy and SASS
+per element of each. Beside them the same for
 ``floor_adamw8``, a plain blockwise 8-bit AdamW kernel (the GPU's floor, the counterpart of the CPU
 memory floor). ``python -m bench.gpu_cost [--arch 90 80]``: prints a table, writes
 ``bench/results/gpu_cost.json`` (``--out`` another path). Run with ``TRITON_INTERPRET`` unset.
@@ -242,60 +243,63 @@ def compile_case(case: Case, arch: int) -> dict:
     from lowbit_compile.kernels import triton_backend
 
     graph, emitted = emitted_for(case, arch)
-    compiled = triton_backend.compile_emitted(emitted, arch, aligned=True)
     options = triton_backend.launch_options(emitted)
-    elements = emitted.block * emitted.rows / (options["num_warps"] * 32)
     row = {"kernel": case.name, "block": emitted.block, "rows": emitted.rows, **options,
-           "elements_per_thread": elements, "bytes_per_element": round(bytes_per_element(graph, emitted), 4),
-           **figures(compiled, arch, options["num_warps"], elements)}
+           "elements_per_thread": elements_per_thread(emitted),
+           "bytes_per_element": round(bytes_per_element(graph, emitted), 4), **compiled_figures(emitted, arch)}
     # kernels without rare fix-ups (before any_set) run their whole static path
     fig = common_path_figures(emitted, arch) or row
     row["sass_common"] = fig["sass"]
-    row["sass_common_per_element"] = round(fig["sass"] / elements, 1)
+    row["sass_common_per_element"] = fig["sass_per_element"]
     if not case.state_kernel:  # the launch GPU users get for aligned tensors: BatchedLaunch's kernel
-        row.update(batched_figures(graph, emitted, arch, elements))
+        row.update(batched_figures(graph, arch))
     return row
 
 
-def compiled_figures(emitted, arch: int) -> dict:
-    """:func:`cubin_figures` of ``emitted`` compiled for ``arch`` as a launch on aligned tensors."""
+def elements_per_thread(emitted) -> float:
     from lowbit_compile.kernels import triton_backend
 
-    return cubin_figures(triton_backend.compile_emitted(emitted, arch, aligned=True).asm["cubin"])
+    return emitted.block * emitted.rows / (triton_backend.launch_options(emitted)["num_warps"] * 32)
 
 
-def common_path_figures(emitted, arch: int) -> dict | None:
+def compiled_figures(emitted, arch: int, masked: bool = False) -> dict:
+    """:func:`figures` of ``emitted`` compiled for ``arch`` as a launch on aligned tensors (``masked``: a
+    batched kernel's last-tile variant)."""
+    from lowbit_compile.kernels import triton_backend
+
+    compiled = triton_backend.compile_emitted(emitted, arch, aligned=True, masked=masked)
+    return figures(compiled, arch, triton_backend.launch_options(emitted)["num_warps"], elements_per_thread(emitted))
+
+
+def common_path_figures(emitted, arch: int, masked: bool = False) -> dict | None:
     """:func:`compiled_figures` of ``emitted`` built on :func:`common_path_lib` (None without one)."""
     lib = common_path_lib()
     if lib is None:
         return None
     lib_import = "from lowbit_compile.kernels import triton_lib as lb"
     common = dataclasses.replace(emitted, source=emitted.source.replace(lib_import, f"import {lib} as lb"))
-    return compiled_figures(common, arch)
+    return compiled_figures(common, arch, masked)
 
 
 def spilled(fig: dict) -> bool:
     return fig["local_bytes"] > 0 or fig["stack_bytes"] > 0
 
 
-FULL_TILE = "    if (first_block + ROWS) * BLOCK <= n_total:"
-
-
-def batched_figures(graph: torch.fx.GraphModule, emitted, arch: int, elements: float) -> dict:
-    """Registers and spills of the batched kernel (both of its tile branches), and the SASS per element
-    of the path a full tile runs (the kernel with its last-tile branch folded away): all of it, and
-    without the rare fix-ups (as ``sass_common``)."""
+def batched_figures(graph: torch.fx.GraphModule, arch: int) -> dict:
+    """Registers, spills, occupancy and SASS per element (all of it, and without the rare fix-ups, as
+    ``sass_common``) of the batched kernel's two variants: ``batched_*`` the one every whole tile runs,
+    ``last_tile_*`` the masked one of each tensor's partial last tile."""
     from lowbit_compile.kernels.triton_printer import emit_kernel
 
     batched = emit_kernel(graph, "lowbit_step_batched", target_for(arch), batched=True)
-    whole = compiled_figures(batched, arch)
-    assert batched.source.count(FULL_TILE) == 1, "the batched kernel's tile test changed: update bench/gpu_cost.py"
-    full = dataclasses.replace(batched, source=batched.source.replace(FULL_TILE, "    if True:"))
-    path = compiled_figures(full, arch)
-    path_common = common_path_figures(full, arch) or path
-    return {"batched_registers": whole["registers"], "batched_spills": spilled(whole),
-            "batched_sass_per_element": round(path["sass"] / elements, 1),
-            "batched_common_per_element": round(path_common["sass"] / elements, 1)}
+    out = {}
+    for prefix, masked in (("batched", False), ("last_tile", True)):
+        fig = compiled_figures(batched, arch, masked)
+        common = common_path_figures(batched, arch, masked) or fig
+        out.update({f"{prefix}_registers": fig["registers"], f"{prefix}_spills": fig["spills"],
+                    f"{prefix}_occupancy": fig["occupancy"], f"{prefix}_sass_per_element": fig["sass_per_element"],
+                    f"{prefix}_common_per_element": common["sass_per_element"]})
+    return out
 
 
 def figures(compiled, arch: int, warps: int, elements: float) -> dict:
@@ -365,13 +369,16 @@ COLUMNS = [("arch", "sm", 3), ("kernel", "kernel", 42), ("registers", "regs", 5)
            ("shared_bytes", "smem", 6), ("num_warps", "warps", 5), ("elements_per_thread", "el/thr", 6),
            ("sass", "SASS", 6), ("sass_per_element", "SASS/el", 7), ("x_floor_sass", "xfloor", 6),
            ("sass_common_per_element", "common/el", 9), ("x_floor_common", "xfloor", 6),
-           ("batched_registers", "b.regs", 6), ("batched_common_per_element", "b.common/el", 11),
-           ("x_floor_batched", "xfloor", 6), ("occupancy", "occ", 5), ("bytes_per_element", "B/el", 6)]
+           ("occupancy", "occ", 5), ("batched_registers", "b.regs", 6),
+           ("batched_common_per_element", "b.common/el", 11), ("x_floor_batched", "xfloor", 6),
+           ("batched_occupancy", "b.occ", 5), ("last_tile_registers", "l.regs", 6),
+           ("last_tile_common_per_element", "l.common/el", 11), ("last_tile_occupancy", "l.occ", 5),
+           ("bytes_per_element", "B/el", 6)]
 
 
 def _cell(row: dict, key: str, width: int) -> str:
     value = row.get(key, "")
-    if key == "occupancy":
+    if key.endswith("occupancy") and value != "":
         value = f"{value:.0%}"
     elif isinstance(value, float):
         value = f"{value:g}"

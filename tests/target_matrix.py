@@ -5,7 +5,7 @@ of that architecture takes (integer bit operations before sm_89, float8 conversi
 the fp8 cells of sm_89/sm_90 on the integer path too (what ``bench/gpu_check.py`` forces there). Per
 architecture and dtype one fused step (Adam with amsgrad, AdamW or NAdam, rotating, with rotating
 flags, every other one rounding its states stochastically, per tensor or batched as the launches
-take it) takes two or three formats as its states, and standalone quantize or dequantize kernels take
+take it: the batched kernel's full-tile and masked last-tile variants each once per architecture) takes two or three formats as its states, and standalone quantize or dequantize kernels take
 the formats left over, always including an fp8 one; block layouts and signed/unsigned states rotate
 over the state kernels. So each kernel kind meets every architecture while each compile covers as
 many cells as it can: compile time is what limits this test. ``python -m tests.target_matrix``
@@ -77,12 +77,13 @@ class Kernel:
     flags: dict = field(default_factory=dict, compare=False)  # steps
     rounding: str = "nearest"  # steps: every other one rounds its states stochastically
     batched: bool = False  # steps: the kernel of a launch over many tensors (BatchedLaunch)
+    masked: bool = False  # batched steps: the variant of partial last tiles (else of whole tiles)
 
     def __str__(self) -> str:
         states = "/".join(self.formats) + (":u" if self.nonneg else "")
         kind = self.kind if self.kind in STATE_KERNELS else f"{self.kind}({','.join(sorted(self.flags))})"
         sr = " sr" if self.rounding == "stochastic" else ""
-        kind += " batched" if self.batched else ""
+        kind += (" batched last-tiles" if self.masked else " batched") if self.batched else ""
         return f"{self.target} {kind}{sr} {states} {str(self.dtype)[6:]} block {self.layout[0]} k{self.layout[1]}"
 
     def cells(self) -> set[tuple[Target, str, torch.dtype]]:
@@ -129,7 +130,8 @@ def plan() -> list[Kernel]:
                 left.append(fp8)
             kernels.append(Kernel(target, name, dtype, tuple(slots), STEP_LAYOUT,
                                   flags=flag_sets[i % len(flag_sets)],
-                                  rounding=("nearest", "stochastic")[(i + j) % 2], batched=j % 2 == 0))
+                                  rounding=("nearest", "stochastic")[(i + j) % 2], batched=j % 2 == 0,
+                                  masked=j == 2))
             for k, fmt in enumerate(left):
                 seen = sum(kernel.formats == (fmt,) for kernel in kernels)  # each format: q, dq, q unsigned, ...
                 kernels.append(Kernel(target, STATE_KERNELS[seen % 2], dtype, (fmt,),
@@ -155,7 +157,8 @@ def main() -> None:
     for kernel, graph in zip(kernels, graphs):
         wall, cpu = time.perf_counter(), _cpu_seconds()
         try:
-            compile_for_target(graph, kernel.target.arch, fp8_native=kernel.target.fp8_native, batched=kernel.batched)
+            compile_for_target(graph, kernel.target.arch, fp8_native=kernel.target.fp8_native, batched=kernel.batched,
+                               masked=kernel.masked)
             error = None
         except Exception as e:  # reported per kernel; the test fails on any
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"

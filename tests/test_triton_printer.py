@@ -142,6 +142,37 @@ def adamw_step(
                 POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True)
 """)
 
+    def test_batched_kernel_differs_only_where_a_program_finds_its_tensor_and_tile(self):
+        graph = body(torch.optim.AdamW(one_param()))
+        single, batched = (printer.emit_kernel(graph, "adamw_step", CUDA, batched=b).source.splitlines()
+                           for b in (False, True))
+        diff = [line for line in difflib.unified_diff(single, batched, "per-tensor", "batched", n=0, lineterm="")
+                if not line.startswith("@@")]
+        self.assertExpectedInline("\n".join(diff), """\
+--- per-tensor
++++ batched
+-    param_ptr, grad_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, sub,
+-    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
++    sub, sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, row_table_ptr, program_rows_ptr, BLOCK: tl.constexpr,
++    ROWS: tl.constexpr, MASKED: tl.constexpr,
+-    rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
++    pid = tl.program_id(0).to(tl.int64)
++    entry = row_table_ptr + tl.load(program_rows_ptr + pid).to(tl.int64) * 8
++    n_total = tl.load(entry + 1)
++    if MASKED:  # the tensor's last tile, partial: bounded by the tensor's size
++        first_block = n_total // (ROWS * BLOCK) * ROWS
++        n_elements = n_total
++    else:  # a tile wholly inside its tensor: a bound the compiler knows is a multiple of the tile
++        first_block = (pid - tl.load(entry)) * ROWS
++        n_elements = (first_block + ROWS) * BLOCK
++    param_ptr = tl.multiple_of(tl.load(entry + 2).to(tl.pointer_type(tl.float32), bitcast=True), 16)
++    grad_ptr = tl.multiple_of(tl.load(entry + 3).to(tl.pointer_type(tl.float32), bitcast=True), 16)
++    exp_avg_codes_ptr = tl.multiple_of(tl.load(entry + 4).to(tl.pointer_type(tl.int8), bitcast=True), 16)
++    exp_avg_scales_ptr = tl.multiple_of(tl.load(entry + 5).to(tl.pointer_type(tl.float32), bitcast=True), 16)
++    exp_avg_sq_codes_ptr = tl.multiple_of(tl.load(entry + 6).to(tl.pointer_type(tl.uint8), bitcast=True), 16)
++    exp_avg_sq_scales_ptr = tl.multiple_of(tl.load(entry + 7).to(tl.pointer_type(tl.float32), bitcast=True), 16)
++    rows = first_block + tl.arange(0, ROWS).to(tl.int64)""")
+
     def test_cpu_flavor_differs_only_where_eager_cpu_rounds_differently(self):
         graph = body(torch.optim.AdamW(one_param()))
         cuda, cpu = (printer.emit_kernel(graph, "adamw_step", t).source.splitlines() for t in (CUDA, CPU))

@@ -5,6 +5,7 @@ last blocks, several blocks per program, and element offsets past 2**31."""
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 
 import pytest
@@ -153,11 +154,18 @@ def test_offsets_past_two_to_the_31(tmp_path, monkeypatch):
         assert torch.equal(bits(big[big.shape[0] - small.shape[0]:]), bits(small))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp32"])
-def test_many_small_tensors_step_in_one_launch_with_the_bits_of_one_launch_each(monkeypatch, fmt):
-    """Seven params of odd sizes (one element, partial blocks, several blocks) in one group: the batched
-    launch gives the bits of one launch per tensor, in one kernel call per step (fp32: also stock's values, to an ulp a step)."""
-    sizes = [1, 7, 255, 256, 257, 1000, 3 * 256 + 5]
+RAGGED = [1, 7, 255, 256, 257, 1000, 3 * 256 + 5]
+
+
+# (format, param sizes, batched kernel calls per step): int8 tiles are its 256-blocks, fp32's 2048 elements
+@pytest.mark.parametrize("fmt, sizes, calls", [("int8", RAGGED, 2), ("fp32", RAGGED, 1),
+                                               ("int8", [256, 512, 3 * 256], 1), ("int8", [1, 7, 255], 1)],
+                         ids=["int8", "fp32", "whole-tiles", "last-tiles"])
+def test_many_small_tensors_step_in_two_launches_with_the_bits_of_one_launch_each(monkeypatch, fmt, sizes, calls):
+    """Params of one group, of odd sizes (one element, partial blocks, several blocks) or whole tiles only
+    or partial last tiles only: the batched launch gives the bits of one launch per tensor, in one kernel
+    call per step over the whole tiles and one over the partial last tiles, where any tensor has them
+    (fp32: also stock's values, to an ulp a step)."""
 
     def launches() -> int:  # step kernels are cached per signature, across optimizers: count them all
         # type(), not isinstance: gc also lists weak proxies, and isinstance on a dead one raises
@@ -184,7 +192,7 @@ def test_many_small_tensors_step_in_one_launch_with_the_bits_of_one_launch_each(
     batched, opt_b, stock, launches_b = run(per_tensor=False)
     single, opt_s, _, launches_s = run(per_tensor=True)
     assert launches_s == 3 * len(sizes)
-    assert launches_b == 3  # one step kernel, one call per step
+    assert launches_b == 3 * calls
     for pb, ps, q in zip(batched, single, stock.param_groups[0]["params"]):
         assert torch.equal(bits(pb.detach()), bits(ps.detach()))
         if fmt == "fp32":  # torch's CPU sqrt is off by an ulp on some inputs, the kernel's is correctly
@@ -195,3 +203,26 @@ def test_many_small_tensors_step_in_one_launch_with_the_bits_of_one_launch_each(
             parts = zip(ours.storage_parts, theirs.storage_parts) if hasattr(ours, "storage_parts") else [(ours, theirs)]
             for a, b in parts:
                 assert torch.equal(bits(a.reshape(-1)), bits(b.reshape(-1))), key
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["per-tensor", "batched"])
+def test_building_a_step_kernel_compiles_each_variant_with_arguments_of_its_signature(batched):
+    """On CUDA a step's kernel is compiled when the step is built (``TritonKernel.build`` warms it up): the
+    per-tensor kernel once, the batched kernel's whole-tile and last-tile variants each with the arguments
+    its launches pass (the row and program tables, not the tensors)."""
+    from .graphs import body
+
+    emitted = triton_backend.emit_kernel(body(torch.optim.AdamW([torch.nn.Parameter(torch.randn(64))])), "step",
+                                         triton_backend.Target("cuda"), batched=batched)
+    kernel = triton_backend.TritonKernel(emitted)
+    signature = inspect.signature(kernel.fn.fn)
+    variants = []
+
+    class Recorder:
+        def warmup(self, *args, grid, num_warps, enable_fp_fusion, **constexprs):
+            signature.bind(*args, **constexprs)  # raises where the arguments do not fit the kernel
+            variants.append(constexprs.get("MASKED"))
+
+    kernel.fn, kernel.interpreted = Recorder(), False
+    kernel.build(torch.device("cuda"))
+    assert variants == ([False, True] if batched else [None])

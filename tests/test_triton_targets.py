@@ -250,7 +250,8 @@ def test_the_compile_plan_covers_every_cell_and_each_kernel_kind_meets_every_arc
         assert {k.kind for k in steps} == set(tm.STEPS)
         assert {k.kind for k in states} == set(tm.STATE_KERNELS)
         assert {k.dtype for k in steps} == set(tm.DTYPES)
-        assert {k.batched for k in steps} == {False, True}  # both launch layouts on every architecture
+        # every launch layout on every architecture: per tensor, batched whole tiles, batched last tiles
+        assert {(k.batched, k.masked) for k in steps} == {(False, False), (True, False), (True, True)}
         for fmt in tm.FP8:  # the formats whose code depends on the architecture: in a step and a state kernel
             assert any(fmt in k.formats for k in steps) and any(fmt in k.formats for k in states), (target, fmt)
         if target.fp8_native == (target.arch >= tm.FIRST_FP8_ARCH):

@@ -222,7 +222,36 @@ def dynamic_thresholds(nonneg: bool) -> torch.Tensor:
     return torch.tensor([(a + b) / 2 for a, b in zip(mags, mags[1:])], dtype=torch.float32)
 
 
-# Per level, in this order, what the kernels read (formats.dynamic_level_table): the lower bound,
+# The dynamic8 lookup table of the Triton kernels (dynamic_lookup_table): the 256 codes' values, then one
+# cell per 2**-DYNAMIC_CELL_BITS of each binade of magnitudes, from 2**DYNAMIC_FIRST_EXPONENT up to [1, 2).
+DYNAMIC_CELL_BITS = 7
+DYNAMIC_FIRST_EXPONENT = -25
+DYNAMIC_CELLS = (1 - DYNAMIC_FIRST_EXPONENT) << DYNAMIC_CELL_BITS
+DYNAMIC_NO_EDGE = 1 << (23 - DYNAMIC_CELL_BITS)  # a cell's edge offset where no edge lies inside it
+
+
+@functools.cache
+def dynamic_lookup_table(nonneg: bool) -> torch.Tensor:
+    """What the Triton kernels read to decode and encode dynamic8, fp32 (256 + ``DYNAMIC_CELLS``): the
+    value of each code (:func:`dynamic_map`), then per cell of magnitudes (a binade's values sharing
+    their top ``DYNAMIC_CELL_BITS`` mantissa bits, from ``2**DYNAMIC_FIRST_EXPONENT`` on; smaller ones
+    take the first cell, larger the last) the bits of the int32 ``p | offset << 8``: p the code
+    magnitude of the cell's lowest value, offset how far above it, in the cell's low mantissa bits, the
+    lower edge of magnitude p + 1 lies (``DYNAMIC_NO_EDGE`` where it lies beyond the cell). No cell
+    holds two edges, so one gather and one compare encode exactly to nearest (:func:`dynamic_thresholds`)."""
+    edges = dynamic_thresholds(nonneg).view(torch.int32)
+    first = (127 + DYNAMIC_FIRST_EXPONENT) << DYNAMIC_CELL_BITS
+    low = (torch.arange(DYNAMIC_CELLS, dtype=torch.int32) + first) << (23 - DYNAMIC_CELL_BITS)  # the cells' bits
+    p = torch.searchsorted(edges, low, right=True).to(torch.int32)
+    above = torch.cat([edges, torch.tensor([0x7F800000, 0x7F800000], dtype=torch.int32)])  # no edge above the top
+    inside = above[p] < low + DYNAMIC_NO_EDGE
+    assert not torch.any(above[p + 1] < low + DYNAMIC_NO_EDGE), "a cell holds two edges: raise DYNAMIC_CELL_BITS"
+    assert not inside[0], "the first cell holds an edge: lower DYNAMIC_FIRST_EXPONENT"
+    offset = torch.where(inside, above[p] - low, DYNAMIC_NO_EDGE)
+    return torch.cat([dynamic_map(nonneg), (p | offset << 8).view(torch.float32)])
+
+
+# Per level, in this order, what the CPU kernel reads (formats.dynamic_level_table): the lower bound,
 # an estimate of the code magnitude (p ~ |x| * recip + bias, never above the true bucket and at
 # most one below), the decode spacing and offset, the lower edge of bucket p + 1 as
 # ``spacing * p + step``, the level's last code magnitude, and the code of zero.

@@ -3,8 +3,9 @@ standalone quantize/dequantize kernels of one state.
 
 A per-parameter launch goes through a ``torch.library`` custom op (``lowbit::fused_step``,
 ``lowbit::quantize_triton``, ``lowbit::dequantize_triton``) with a fake implementation, so a graph
-captured by ``torch.compile`` holds an opaque call it can run; a batched launch (many parameters in
-one kernel call) runs in a ``lowbit::fused_step_batched`` profiler range. Either way every kernel call
+captured by ``torch.compile`` holds an opaque call it can run; each call of a batched launch (many
+parameters' full tiles, or their partial last tiles, in one kernel call) runs in a
+``lowbit::fused_step_batched`` profiler range. Either way every kernel call
 shows by name in the profiler. On CUDA the kernels are compiled; CPU tensors run only under
 ``TRITON_INTERPRET=1`` (set before the first kernel is built: ``triton.jit`` reads it when it
 decorates), which the tests use.
@@ -26,7 +27,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from . import blockquant
 from .contract import Role, role_of
-from .formats import StateFormat, dynamic_level_table
+from .formats import StateFormat, dynamic_lookup_table
 from .kernel import BuildError, RowLaunch, body_sources, check_grad, per_step_inputs, same_scalar_states
 from .lowering import Target
 from .triton_env import interpreting
@@ -85,9 +86,15 @@ class TritonKernel:
         if self.interpreted or device.type != "cuda":
             return
         e = self.emitted
-        args = [p.dtype if p.dtype is not None else 1.0 for p in e.params]
+        args = [p.dtype if p.dtype is not None else 1.0 for p in e.params
+                if not (e.batched and p in e.tensor_params)]  # a batched kernel reads those from its row table
         try:
-            self.fn.warmup(*args, 1 << 20, 0, BLOCK=e.block, ROWS=e.rows, grid=(1,), **launch_options(e))
+            if e.batched:  # both variants, after the int64 row table and the int32 program table
+                for masked in (False, True):
+                    self.fn.warmup(*args, torch.int64, torch.int32, **e.constexprs(masked), grid=(1,),
+                                   **launch_options(e))
+            else:
+                self.fn.warmup(*args, 1 << 20, 0, **e.constexprs(), grid=(1,), **launch_options(e))
         except Exception as err:  # triton's compile errors have no common base class
             raise BuildError(f"compiling the Triton kernel {e.name} for {device} failed: {err}") from err
 
@@ -128,8 +135,7 @@ class TritonKernel:
         blocks = triton.cdiv(n, e.block) - first_block
         if blocks <= 0:
             return
-        self.fn[(triton.cdiv(blocks, e.rows),)](*args, n, first_block, BLOCK=e.block, ROWS=e.rows,
-                                                **launch_options(e))
+        self.fn[(triton.cdiv(blocks, e.rows),)](*args, n, first_block, **e.constexprs(), **launch_options(e))
 
     def _list_of(self, p: KernelParam) -> str:
         if not p.tensor:
@@ -156,20 +162,22 @@ def launch_options(e: EmittedKernel) -> dict[str, Any]:
 
 
 def compile_for_target(graph: GraphModule, arch: int = 90, fp8_native: bool | None = None,
-                       name: str = "lowbit_step", batched: bool = False):
+                       name: str = "lowbit_step", batched: bool = False, masked: bool = False):
     """Emit the CUDA kernel of ``graph`` (a split step's body, or a standalone state graph) as a GPU of
     compute capability ``arch`` would run it, FP8 path included (``fp8_native`` forces one), per tensor or
-    ``batched`` (a step's launch over many tensors), and compile it without a GPU (Triton's bundled
-    ptxas): GPU-only compile errors show on any machine. Not available under the interpreter."""
+    ``batched`` (a step's launch over many tensors: its full-tile variant, or with ``masked`` its last-tile
+    one), and compile it without a GPU (Triton's bundled ptxas): GPU-only compile errors show on any
+    machine. Not available under the interpreter."""
     native = arch >= FP8_NATIVE_ARCH if fp8_native is None else fp8_native
-    return compile_emitted(emit_kernel(graph, name, Target("cuda", fp8_native=native), batched=batched), arch)
+    emitted = emit_kernel(graph, name, Target("cuda", fp8_native=native), batched=batched)
+    return compile_emitted(emitted, arch, masked=masked)
 
 
-def compile_emitted(emitted: EmittedKernel, arch: int = 90, aligned: bool = False):
+def compile_emitted(emitted: EmittedKernel, arch: int = 90, aligned: bool = False, masked: bool = False):
     """Compile ``emitted`` for a GPU of compute capability ``arch`` with the options its launches use,
     without a GPU: the compiled kernel (its ``asm`` holds the PTX and the cubin). ``aligned``: as Triton
     specializes a launch whose pointers and integers are multiples of 16 (a large tensor's), else for
-    any arguments."""
+    any arguments. ``masked``: a batched kernel's last-tile variant (:meth:`EmittedKernel.constexprs`)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -178,13 +186,14 @@ def compile_emitted(emitted: EmittedKernel, arch: int = 90, aligned: bool = Fals
     params = [p for p in emitted.params if not (emitted.batched and p in emitted.tensor_params)]
     signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else "fp32" for p in params}
     if emitted.batched:  # the tensors' pointers are read from the row table (BatchedLaunch's int64/int32 tables)
-        signature.update(row_table_ptr="*i64", program_rows_ptr="*i32", BLOCK="constexpr", ROWS="constexpr")
+        signature.update(row_table_ptr="*i64", program_rows_ptr="*i32", BLOCK="constexpr", ROWS="constexpr",
+                         MASKED="constexpr")
     else:
         signature.update(n_elements="i64", first_block="i64", BLOCK="constexpr", ROWS="constexpr")
     fn = _compile(emitted.source, emitted.name, kernel_key(emitted))
     attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
              if aligned and (kind.startswith("*") or kind == "i64")}
-    source = ASTSource(fn, signature, constexprs={"BLOCK": emitted.block, "ROWS": emitted.rows}, attrs=attrs)
+    source = ASTSource(fn, signature, constexprs=emitted.constexprs(masked), attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=launch_options(emitted))
 
 
@@ -214,9 +223,9 @@ def _compile(source: str, name: str, key: str) -> Callable:
 
 @functools.cache
 def _table(kind: str, nonneg: bool, device: torch.device) -> torch.Tensor:
-    """A dynamic8 table on ``device`` (``kind`` is ``"levels"``, the one table kernels read)."""
-    assert kind == "levels", kind
-    return dynamic_level_table(nonneg).reshape(-1).to(device)
+    """A dynamic8 table on ``device`` (``kind`` is ``"lookup"``, the one table kernels read)."""
+    assert kind == "lookup", kind
+    return dynamic_lookup_table(nonneg).to(device)
 
 
 _KERNELS: dict[str, TritonKernel] = {}
@@ -269,9 +278,9 @@ class FusedStepBody(torch.nn.Module):
 
 class TritonStep:
     """A split step whose body is one Triton kernel, emitted and built when this is made; the scalar
-    prologue runs on the host, as in the reference. A launch steps all its rows in one kernel call per
-    set of rows with equal scalar states (:class:`BatchedLaunch`), or one call per row where a row's
-    storage is not 16-byte aligned."""
+    prologue runs on the host, as in the reference. A launch steps all its rows in two kernel calls per
+    set of rows with equal scalar states, full tiles and partial last tiles (:class:`BatchedLaunch`), or
+    one call per row where a row's storage is not 16-byte aligned."""
 
     backend = "triton"
 
@@ -321,12 +330,13 @@ class TritonStep:
 
 
 class BatchedLaunch:
-    """Kernel calls over fixed rows, kept between steps: one call of the batched kernel per set of rows
-    with equal scalar states, over a 1-D grid of all their tiles. Each call's row table (first program,
-    element count and the tensor inputs' pointers per row) and program-to-row table are built once;
-    :meth:`run` rewrites the per-step pointers (grads, tensor hyperparameters and prologue results) and
-    uploads the row table only when a pointer changed. Like ``CpuLaunch``, the prologue runs once per
-    call on its first row and the other rows' scalar states are set to its result. No grad (nor a copy
+    """Kernel calls over fixed rows, kept between steps: per set of rows with equal scalar states, one call
+    of the batched kernel's full-tile variant over a 1-D grid of all their whole tiles, and one of its
+    masked variant over their partial last tiles (where any row has one). Each set's row table (first
+    program, element count and the tensor inputs' pointers per row) and program-to-row tables are built
+    once; :meth:`run` rewrites the per-step pointers (grads, tensor hyperparameters and prologue results)
+    and uploads the row table only when a pointer changed. Like ``CpuLaunch``, the prologue runs once per
+    set on its first row and the other rows' scalar states are set to its result. No grad (nor a copy
     of one) is referenced once :meth:`run` returns: the tables hold integers."""
 
     def __init__(self, step: TritonStep, rows: Sequence[list]) -> None:
@@ -347,19 +357,22 @@ class BatchedLaunch:
 
     def _build(self) -> None:
         step, e = self.step, self.step.batched.emitted
-        self.calls = []  # (members, host row table, device row table, device program rows, programs)
+        tile = e.block * e.rows
+        # (members, host row table, device row table, [(masked, device program rows, programs)])
+        self.calls = []
         for members in same_scalar_states(self.rows, step.scalar_states):
-            table, program_rows = [], []
+            table, full_rows, last_rows = [], [], []
             for j, r in enumerate(members):
-                programs = triton.cdiv(triton.cdiv(self.sizes[r], e.block), e.rows)
-                entry = [len(program_rows), self.sizes[r]] + [0] * (self.stride - 2)
+                entry = [len(full_rows), self.sizes[r]] + [0] * (self.stride - 2)
                 bound = {p.index: t for p, t in zip((p for _, p in self.static), step._bound(self.rows[r]))}
                 for k, p in self.static:
                     entry[2 + k] = bound[p.index].data_ptr()
                 table += entry
-                program_rows += [j] * programs
-            program_rows_t = torch.tensor(program_rows, dtype=torch.int32).to(self.device)
-            self.calls.append([members, table, None, program_rows_t, len(program_rows)])
+                full_rows += [j] * (self.sizes[r] // tile)
+                last_rows += [j] * (self.sizes[r] % tile != 0)
+            grids = [(masked, torch.tensor(programs, dtype=torch.int32).to(self.device), len(programs))
+                     for masked, programs in ((False, full_rows), (True, last_rows)) if programs]
+            self.calls.append([members, table, None, grids])
         self.scalar_tensors = [self.rows[r][k] for r in range(len(self.rows)) for k in step.scalar_states]
         self.versions = [t._version for t in self.scalar_tensors]
 
@@ -370,7 +383,7 @@ class BatchedLaunch:
             self._build()  # the step counts were changed from outside: group the rows again
         keep: list[torch.Tensor] = []  # this run's copies (strided or unaligned grads, host hyperparameters)
         for call in self.calls:
-            members, table, _, program_rows, programs = call
+            members, table, _, grids = call
             first = self.rows[members[0]]
             outputs = step.prologue(*(first[i] for i in step.prologue_args))
             if len(members) > 1 and step.scalar_states:
@@ -385,8 +398,6 @@ class BatchedLaunch:
                     new[j * self.stride + 2 + k] = value.data_ptr()
             if new != table or call[2] is None:
                 call[1], call[2] = new, torch.tensor(new, dtype=torch.int64).to(self.device)
-            if programs == 0:
-                continue
             args: list[Any] = []
             for p in e.params:
                 if p.kind == "table":
@@ -394,10 +405,11 @@ class BatchedLaunch:
                 elif not p.tensor:
                     kind, i = step.sources[p.index]
                     args.append(float(outputs[i] if kind == "pro" else first[i]))
-            with torch.profiler.record_function("lowbit::fused_step_batched"):
-                step.batched.fn[(programs,)](*args, call[2], program_rows, BLOCK=e.block, ROWS=e.rows,
-                                             **launch_options(e))
-            step.launches += 1
+            for masked, program_rows, programs in grids:
+                with torch.profiler.record_function("lowbit::fused_step_batched"):
+                    step.batched.fn[(programs,)](*args, call[2], program_rows, **e.constexprs(masked),
+                                                 **launch_options(e))
+                step.launches += 1
         if step.scalar_states:
             self.versions = [t._version for t in self.scalar_tensors]
 

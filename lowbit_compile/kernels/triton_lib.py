@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .formats import FORMAT_IDS
+from .formats import DYNAMIC_CELL_BITS, DYNAMIC_CELLS, DYNAMIC_FIRST_EXPONENT, DYNAMIC_NO_EDGE, FORMAT_IDS
 
 # Element formats (constexpr ids, formats.FORMAT_IDS); fp32 states never reach a kernel.
 INT8 = tl.constexpr(FORMAT_IDS["int8"])
@@ -162,45 +162,38 @@ def fp8_value(code, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     return (bits | ((u & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
-# Rows of a dynamic8 levels table (formats.DYNAMIC_LEVEL_FIELDS, 8 levels each).
-_LOWER, _RECIP, _BIAS, _SPACING, _OFFSET, _STEP, _LAST, _ZERO = (tl.constexpr(8 * i) for i in range(8))
+# The dynamic8 lookup table (formats.dynamic_lookup_table): 256 code values, then the cells of magnitudes.
+_CELL_SHIFT = tl.constexpr(23 - DYNAMIC_CELL_BITS)
+_FIRST_CELL = tl.constexpr((127 + DYNAMIC_FIRST_EXPONENT) << DYNAMIC_CELL_BITS)
+_LAST_CELL = tl.constexpr(DYNAMIC_CELLS - 1)
+_IN_CELL = tl.constexpr(DYNAMIC_NO_EDGE - 1)  # the mantissa bits below a cell's
 
 
 @triton.jit
-def dynamic8_code(y, levels_ptr, NONNEG: tl.constexpr):
-    """``formats.encode`` of dynamic8 by arithmetic over ``formats.dynamic_level_table`` (the CPU
-    kernel's ``lb_encode_dynamic8``): the level is the count of level bounds <= |y|, the estimate
-    ``floor(|y| * recip + bias)`` is the bucket or the one below (0 below level 0's bound, where
-    zero ends), one exact compare settles it."""
+def dynamic8_code(y, table_ptr, NONNEG: tl.constexpr):
+    """``formats.encode`` of dynamic8 through ``formats.dynamic_lookup_table``: |y|'s cell (its exponent
+    and top mantissa bits) gives the code magnitude p of the cell's lowest value and where in the cell
+    the lower edge of p + 1 lies; one compare of |y|'s low mantissa bits with it settles the code."""
     a = y if NONNEG else tl.abs(y)
-    level = tl.zeros(y.shape, dtype=tl.int32)
-    for i in tl.static_range(1, 8 if NONNEG else 7):
-        level += (a >= tl.load(levels_ptr + _LOWER + i)).to(tl.int32)
-    p = tl.floor(a * tl.load(levels_ptr + _RECIP + level) + tl.load(levels_ptr + _BIAS + level))
-    edge = p * tl.load(levels_ptr + _SPACING + level) + tl.load(levels_ptr + _STEP + level)  # exact
-    p = tl.where(a >= edge, p + 1.0, p)
-    p = tl.minimum(p, tl.load(levels_ptr + _LAST + level))
+    bits = a.to(tl.int32, bitcast=True)
+    cell = tl.minimum(tl.maximum((bits >> _CELL_SHIFT) - _FIRST_CELL, 0), _LAST_CELL)
+    entry = tl.load(table_ptr + 256 + cell).to(tl.int32, bitcast=True)
+    p = (entry & 0xFF) + ((bits & _IN_CELL) >= (entry >> 8)).to(tl.int32)
     if NONNEG:
-        code = tl.where(y > 0, tl.maximum(p, 1.0), 0.0).to(tl.int32)  # a positive value never becomes 0
+        code = tl.where(y > 0, tl.maximum(p, 1), 0)  # a positive value never becomes 0
     else:
-        code = 127 + tl.where(y < 0, neg(p), p).to(tl.int32)
+        code = 127 + tl.where(y < 0, -p, p)
     return tl.where(y != y, 255, code).to(tl.uint8)
 
 
 @triton.jit
-def dynamic8_value(codes, levels_ptr):
-    """``formats.decode`` of dynamic8 codes (uint8) by arithmetic: code magnitude p of level L (the
-    exponent of p) is ``spacing * p + offset``, exact in fp32; the table's zero code gives the sign."""
-    s = codes.to(tl.int32) - tl.load(levels_ptr + _ZERO).to(tl.int32)
-    p = tl.abs(s).to(tl.float32)
-    level = tl.minimum(tl.maximum((p.to(tl.int32, bitcast=True) >> 23) - 127, 0), 7)
-    v = p * tl.load(levels_ptr + _SPACING + level) + tl.load(levels_ptr + _OFFSET + level)  # exact
-    v = tl.where(s == 0, 0.0, v)
-    return tl.where(s < 0, neg(v), v)
+def dynamic8_value(codes, table_ptr):
+    """``formats.decode`` of dynamic8 codes (uint8): the value table of ``formats.dynamic_lookup_table``."""
+    return tl.load(table_ptr + codes.to(tl.int32))
 
 
 @triton.jit
-def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr,
+def encode(y, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr,
            MIN_POSITIVE: tl.constexpr, FP8_NATIVE: tl.constexpr = True):
     """``formats.encode``: normalized values (``formats.normalize``: times their block's ``qmax / absmax``,
     sqrt8's in the root domain) to codes (fp8 codes as float8, or as their uint8 bits where not
@@ -220,7 +213,7 @@ def encode(y, bounds_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.cons
             c = rne(tl.minimum(tl.abs(y), QMAX**0.5))
             return tl.where(y < 0, neg(c), c).to(tl.int8)
     elif FMT == DYNAMIC8:
-        return dynamic8_code(y, bounds_ptr, NONNEG)
+        return dynamic8_code(y, table_ptr, NONNEG)
     elif FMT == BF16_CODES:
         return bf16_code(y, NONNEG).to(tl.bfloat16, bitcast=True)
     else:
@@ -269,7 +262,7 @@ def bf16_code_stochastic(x, bits, NONNEG: tl.constexpr):
 
 
 @triton.jit
-def code_value(bits, levels_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
+def code_value(bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
     """The value (relative to the block scale) of 8-bit codes held as their uint8 bits."""
     if FMT == INT8:
         if NONNEG:
@@ -283,7 +276,7 @@ def code_value(bits, levels_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
             c = bits.to(tl.int8, bitcast=True).to(tl.float32)
         return c * tl.abs(c)
     elif FMT == DYNAMIC8:
-        return dynamic8_value(bits, levels_ptr)
+        return dynamic8_value(bits, table_ptr)
     elif FMT == FP8_E4M3:
         return fp8_value(bits, 3, -6)
     else:
@@ -291,7 +284,7 @@ def code_value(bits, levels_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
 
 
 @triton.jit
-def round_stochastic(x, code, bits, levels_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr):
+def round_stochastic(x, code, bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr):
     """``formats.round_stochastic`` of 8-bit codes (uint8 bits) from the nearest ``code`` of ``x``: the
     adjacent code on x's side (code +- 1 in byte arithmetic) replaces it where ``u * |w - v| < |x - v|``,
     ``u`` the top 24 random ``bits`` over 2^24 (``cpu_prelude.h``'s ``lb_round_stochastic``)."""
@@ -300,14 +293,14 @@ def round_stochastic(x, code, bits, levels_ptr, FMT: tl.constexpr, NONNEG: tl.co
     else:
         y = tl.minimum(tl.maximum(x, -QMAX), QMAX)
     y = tl.where(x != x, x, y)
-    v = code_value(code, levels_ptr, FMT, NONNEG)
+    v = code_value(code, table_ptr, FMT, NONNEG)
     if FMT == FP8_E4M3 or FMT == FP8_E5M2:
         away = tl.abs(y) > tl.abs(v)
     else:
         away = y > v
     q = code.to(tl.int32)
     other = tl.where(y == v, q, (q + tl.where(away, 1, -1)) & 0xFF)
-    w = code_value(other.to(tl.uint8), levels_ptr, FMT, NONNEG)
+    w = code_value(other.to(tl.uint8), table_ptr, FMT, NONNEG)
     u = (bits >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
     out = tl.where((u * tl.abs(w - v) < tl.abs(y - v)) & (tl.abs(x) < float("inf")), other, q)
     if NONNEG:
@@ -377,7 +370,7 @@ def code_bits(codes, FMT: tl.constexpr, FP8_NATIVE: tl.constexpr):
 
 
 @triton.jit
-def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr, rows, cols, offsets, mask,
+def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_ptr, rows, cols, offsets, mask,
                row_mask, FMT: tl.constexpr, K: tl.constexpr, FP8_NATIVE: tl.constexpr = True,
                POS_INF_CODE: tl.constexpr = 0, NEG_INF_CODE: tl.constexpr = 0, NAN_CODE: tl.constexpr = 0):
     """``blockquant.dequantize`` of one tile of ``[ROWS, BLOCK]`` elements (one block per row) in fp32:
@@ -391,7 +384,7 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
     else:
         if FMT == DYNAMIC8:
             codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
-            values = dynamic8_value(codes, map_ptr)
+            values = dynamic8_value(codes, table_ptr)
         elif FMT == INT8:
             codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
             values = codes.to(tl.float32)
@@ -427,7 +420,7 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, map_ptr
 
 
 @triton.jit
-def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds_ptr, rows, cols, offsets, mask,
+def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_ptr, rows, cols, offsets, mask,
              row_mask, FMT: tl.constexpr, NONNEG: tl.constexpr, K: tl.constexpr, QMAX: tl.constexpr,
              MIN_POSITIVE: tl.constexpr, INV_QMAX: tl.constexpr, FP8_NATIVE: tl.constexpr = True,
              NEG_QMAX: tl.constexpr = 0.0, INV_NEG_QMAX: tl.constexpr = 0.0, FLAGGED_QMAX: tl.constexpr = 0.0,
@@ -452,7 +445,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
             tl.store(codes_ptr + offsets, bf16_code_stochastic(x, bits, NONNEG).to(tl.bfloat16, bitcast=True),
                      mask=mask)
         else:
-            tl.store(codes_ptr + offsets, encode(x, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE),
+            tl.store(codes_ptr + offsets, encode(x, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE),
                      mask=mask)
     else:
         # a non-finite value ranks below every finite magnitude, a patched one below those
@@ -512,12 +505,12 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, bounds
             if any_flagged:
                 y = tl.where(flagged & (tl.abs(x) < float("inf")),
                              tl.minimum(tl.maximum(y, -FLAGGED_QMAX), FLAGGED_QMAX), y)
-        codes = encode(y, bounds_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
+        codes = encode(y, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
         code = code_bits(codes, FMT, FP8_NATIVE)
         if STREAM != 0:  # from the value (sqrt8: the root's square)
             if FMT == SQRT8:
                 y = y * tl.abs(y)
-            code = round_stochastic(y, code, bits, bounds_ptr, FMT, NONNEG, QMAX)
+            code = round_stochastic(y, code, bits, table_ptr, FMT, NONNEG, QMAX)
         if any_flagged:
             special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
             code = tl.where(flagged & ~(tl.abs(x) < float("inf")), special, code)

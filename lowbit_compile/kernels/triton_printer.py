@@ -42,7 +42,8 @@ DEFAULT_TILE = 2048  # elements per program instance when blocks are smaller (an
 
 _DTYPE_IDS = {torch.float32: "lb.F32", torch.bfloat16: "lb.BF16", torch.float16: "lb.F16"}
 _RESERVED = frozenset({"pid", "rows", "cols", "offsets", "mask", "row_mask", "n_elements", "first_block",
-                       "BLOCK", "ROWS", "lb", "tl", "triton", "entry", "n_total", "row_table_ptr", "program_rows_ptr"})
+                       "BLOCK", "ROWS", "lb", "tl", "triton", "entry", "n_total", "row_table_ptr", "program_rows_ptr",
+                       "MASKED"})
 _POINTEE = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16",
             torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.int16: "tl.int16", torch.int32: "tl.int32",
             torch.int64: "tl.int64", torch.bool: "tl.int8", torch.float8_e4m3fn: "tl.float8e4nv",
@@ -54,7 +55,7 @@ class KernelParam:
     """One runtime argument of an emitted kernel, in order.
 
     ``kind`` is ``"input"`` (the body input at ``index``: a pointer when ``tensor``, else a number)
-    or ``"table"`` (the launcher supplies ``formats.dynamic_level_table``).
+    or ``"table"`` (the launcher supplies ``formats.dynamic_lookup_table``).
     ``dtype`` is what a pointer points to (None for a number).
     """
 
@@ -73,7 +74,7 @@ class EmittedKernel:
     constexprs ``BLOCK`` (elements per row: the quantization block) and ``ROWS`` (rows per program).
     A ``batched`` kernel steps many tensors in one launch: its tensor params are not arguments but
     read per program from a row table (:func:`emit_kernel`); its arguments are the number and table
-    params, then ``row_table_ptr, program_rows_ptr``.
+    params, then ``row_table_ptr, program_rows_ptr`` and the constexpr ``MASKED`` (which tiles a launch runs).
     ``numel_input`` is the body input whose numel is the element count; ``written`` the body inputs
     the kernel stores into. ``approximate``: the kernel stores 8-bit states, so it takes the contract of
     quantized formats (docs/numerics.md, "The GPU kernels") instead of bit-identity: approximate division and square
@@ -89,6 +90,13 @@ class EmittedKernel:
     approximate: bool = False
     batched: bool = False
 
+    def constexprs(self, masked: bool = False) -> dict[str, int | bool]:
+        """The constexpr arguments of a launch: a batched kernel's also say which of its two compiled
+        variants runs (``masked``: the tensors' partial last tiles, else their full tiles)."""
+        if masked and not self.batched:
+            raise ValueError(f"{self.name} is a per-tensor kernel: only a batched kernel has a masked variant")
+        return {"BLOCK": self.block, "ROWS": self.rows, **({"MASKED": masked} if self.batched else {})}
+
     @property
     def tensor_params(self) -> tuple[KernelParam, ...]:
         """The tensor inputs, in the order of a batched kernel's row-table entries (after the entry's
@@ -103,9 +111,11 @@ def emit_kernel(body: GraphModule, name: str, target: Target, batched: bool = Fa
     ``batched``: one launch steps many parameters (small tensors cost one launch, not one each).
     Program ``pid`` reads its row ``r = program_rows[pid]``, and row ``r``'s entry of the int64 row
     table: its first program, its element count, then one pointer per tensor input (16-byte aligned,
-    which the launcher checks). Tiles wholly inside their tensor run the body with a bound the
-    compiler knows is a multiple of the tile (vector loads and stores), the tensor's last tile with
-    its exact size."""
+    which the launcher checks). The constexpr ``MASKED`` makes two compiled kernels of one source, each
+    with one path: ``MASKED=False`` runs tiles wholly inside their tensor with a bound the compiler knows
+    is a multiple of the tile (vector loads and stores, and the registers of the per-tensor kernel),
+    ``MASKED=True`` each tensor's partial last tile with its exact size (its program table lists one
+    program per tensor that has one)."""
     printer = TritonPrinter(body.graph, name, target)
     lower_body(body, printer, target)
     return printer.kernel(batched)
@@ -223,26 +233,27 @@ class TritonPrinter:
     def _batched_source(self, params: tuple[KernelParam, ...]) -> str:
         tensors = [p for p in params if p.kind == "input" and p.tensor]
         signature = [p.name for p in params if not (p.kind == "input" and p.tensor)] + [
-            "row_table_ptr", "program_rows_ptr", "BLOCK: tl.constexpr", "ROWS: tl.constexpr"]
+            "row_table_ptr", "program_rows_ptr", "BLOCK: tl.constexpr", "ROWS: tl.constexpr", "MASKED: tl.constexpr"]
         head = [
             *self._header(signature),
             "    pid = tl.program_id(0).to(tl.int64)",
             f"    entry = row_table_ptr + tl.load(program_rows_ptr + pid).to(tl.int64) * {2 + len(tensors)}",
-            "    first_block = (pid - tl.load(entry)) * ROWS",
             "    n_total = tl.load(entry + 1)",
+            "    if MASKED:  # the tensor's last tile, partial: bounded by the tensor's size",
+            "        first_block = n_total // (ROWS * BLOCK) * ROWS",
+            "        n_elements = n_total",
+            "    else:  # a tile wholly inside its tensor: a bound the compiler knows is a multiple of the tile",
+            "        first_block = (pid - tl.load(entry)) * ROWS",
+            "        n_elements = (first_block + ROWS) * BLOCK",
             *(f"    {p.name} = tl.multiple_of(tl.load(entry + {2 + k}).to(tl.pointer_type({_POINTEE[p.dtype]}), "
               "bitcast=True), 16)" for k, p in enumerate(tensors)),
             "    rows = first_block + tl.arange(0, ROWS).to(tl.int64)",
             "    cols = tl.arange(0, BLOCK)",
             "    offsets = rows[:, None] * BLOCK + cols[None, :]",
+            "    mask = offsets < n_elements",
+            "    row_mask = rows * BLOCK < n_elements",
         ]
-        branches = []
-        for test, bound in (("if (first_block + ROWS) * BLOCK <= n_total:", "(first_block + ROWS) * BLOCK"),
-                            ("else:", "n_total")):
-            branches += [f"    {test}", f"        n_elements = {bound}", "        mask = offsets < n_elements",
-                         "        row_mask = rows * BLOCK < n_elements"]
-            branches += ["        " + line for line in self.lines]
-        return "\n".join(head + branches) + "\n"
+        return "\n".join(head + ["    " + line for line in self.lines]) + "\n"
 
     def _ident(self, name: str) -> str:
         if name not in self.names:
@@ -300,7 +311,7 @@ class TritonPrinter:
 
     def dequantize(self, state: StateAccess) -> Value:
         fmt = state.fmt
-        table = self._table("levels", fmt) if fmt.name == "dynamic8" else "None"
+        table = self._table("lookup", fmt) if fmt.name == "dynamic8" else "None"
         name = self._ident(state.node.name)
         self.lines.append(f"# {fmt.tag()}")
         self.lines += _call_lines(f"{name} = lb.dequantize", self._state_args(state) + [
@@ -311,7 +322,7 @@ class TritonPrinter:
     def quantize(self, state: StateAccess, value: Value, seed: Value | None) -> None:
         fmt = state.fmt
         self.written.update(state.parts)
-        table = self._table("levels", fmt) if fmt.name == "dynamic8" else "None"
+        table = self._table("lookup", fmt) if fmt.name == "dynamic8" else "None"
         def inv(divisor: float) -> float:
             return _fp32_reciprocal(divisor) if self.target.cuda else 0.0
 
