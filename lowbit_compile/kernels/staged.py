@@ -65,7 +65,7 @@ def peak_bytes(gm: GraphModule, kernels: frozenset[str] = frozenset()) -> int:
         if node.op == "call_module":
             child = getattr(gm, node.target)
             inner = peak_bytes(child) if node.target not in kernels else 0
-        elif node.op == "call_function" and not _is_view(node):
+        elif node.op == "call_function" and not is_view(node.target):
             live[node] = _nbytes(node.meta.get("val"))
         peak = max(peak, sum(live.values()) + inner)
         for a in node.all_input_nodes:
@@ -74,8 +74,8 @@ def peak_bytes(gm: GraphModule, kernels: frozenset[str] = frozenset()) -> int:
     return peak
 
 
-def _is_view(node: torch.fx.Node) -> bool:
-    target = node.target
+def is_view(target: object) -> bool:
+    """Whether the op ``target`` returns a view of its input."""
     schema = getattr(target, "_schema", None)
     return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
 
