@@ -38,9 +38,9 @@ class StateSchema:
     shaped: bool = False
 
     def trace_shape(self, param: torch.Tensor) -> Layout | None:
-        """The shape ``param``'s step is traced at: its own (with its strides) for a shaped step, None
-        (1-D) otherwise."""
-        return Layout.of(sharding.local(param)) if self.shaped else None
+        """The shape ``param``'s step is traced at: its own (with its strides; a ``DTensor``'s global
+        one) for a shaped step, None (1-D) otherwise."""
+        return Layout.of(param) if self.shaped else None
 
 
 class _RecordingState(dict):
