@@ -522,8 +522,8 @@ class MuonNet(torch.nn.Sequential):
         return super().forward(x).square().mean()
 
 
-def fsdp_muon_net() -> MuonNet:
-    net = MuonNet()
+def fsdp_muon_net(dtype: torch.dtype = torch.float32) -> MuonNet:
+    net = MuonNet().to(dtype)
     for layer in net:
         fully_shard(layer)
     fully_shard(net)
@@ -532,13 +532,28 @@ def fsdp_muon_net() -> MuonNet:
 
 def fsdp_muon(rank: int, world: int, workdir: Path) -> None:
     """Muon on FSDP2 shards: Newton-Schulz runs on the DTensors as stock's does, so fp32 states are
-    stock Muon under the same sharding bit for bit; an int8 momentum is sharded like the param and
-    resumes from a DCP checkpoint bit for bit."""
+    stock Muon under the same sharding bit for bit (fp32 and bf16 params), exact master weights the
+    recipe on the same shards; an int8 momentum is sharded like the param and resumes from a DCP
+    checkpoint bit for bit."""
+    from lowbit_compile import master_params
+
     ours, stock = fsdp_muon_net(), fsdp_muon_net()
     opt = lowbit_compile(torch.optim.Muon(ours.parameters(), lr=0.02), "fp32")
     train(ours, opt, 3, seed=1)
     train(stock, torch.optim.Muon(stock.parameters(), lr=0.02), 3, seed=1)
     assert bitwise(full(ours), full(stock)), "fp32 Muon on FSDP2 shards differs from stock Muon"
+
+    ours16, stock16 = fsdp_muon_net(torch.bfloat16), fsdp_muon_net(torch.bfloat16)
+    train16(ours16, lowbit_compile(torch.optim.Muon(ours16.parameters(), lr=0.02), "fp32"), 3, seed=1)
+    train16(stock16, torch.optim.Muon(stock16.parameters(), lr=0.02), 3, seed=1)
+    assert bitwise(full(ours16), full(stock16)), "fp32 Muon on bf16 FSDP2 shards differs from stock Muon"
+    net16, recipe_net = fsdp_muon_net(torch.bfloat16), fsdp_muon_net(torch.bfloat16)
+    opt16 = lowbit_compile(torch.optim.Muon(net16.parameters(), lr=0.02), **MASTER)
+    recipe = FP32MasterCopy(list(recipe_net.parameters()), lambda ms: torch.optim.Muon(ms, lr=0.02))
+    train16(net16, opt16, 3, seed=1)
+    train16(recipe_net, recipe, 3, seed=1)
+    assert bitwise(full(net16), full(recipe_net)), "exact master weights of Muon on FSDP2 differ from the recipe"
+    assert bitwise([m.full_tensor() for m in master_params(opt16)], [m.detach().full_tensor() for m in recipe.masters])
 
     net = fsdp_muon_net()
     opt = lowbit_compile(torch.optim.Muon(net.parameters(), lr=0.02), **CONFIG)
