@@ -125,6 +125,15 @@ def forward(self, param, hp_lr, hp_weight_decay, tmp_1):
         self.assertNotIn(aten.add.Tensor, [n.target for n in staged.stage_1.graph.nodes])
 
 
+def test_a_whole_tensor_stage_gives_its_outputs_the_strides_they_run_with():
+    """A tall matrix's update leaves Newton-Schulz transposed (views run as views, the trace copied
+    them dense): the next stage reads it with those strides, which its CPU lowering follows."""
+    for shape, stride in [((6, 4), (1, 6)), ((4, 6), (6, 1))]:
+        _, staged = _muon_graphs(shape=shape)
+        tmp = next(n for n in staged.stage_2.graph.nodes if n.name == "tmp_1")
+        assert tmp.meta["val"].stride() == stride
+
+
 def test_the_schema_of_a_step_that_is_not_elementwise_is_shaped():
     param = torch.nn.Parameter(torch.randn(6, 4))
     schema = probe_schema(torch.optim.Muon([param]), torch.optim.Muon([param]).param_groups[0], param)

@@ -288,19 +288,23 @@ def _whole_tensor_stage(nodes: list[Node], temporaries: dict[Node, int], top: Gr
 
 
 def _run_strides(graph: Graph) -> None:
-    """Give each tensor of a whole-tensor stage the strides it has when the stage runs: a view (views
-    run as views) the strides of that view of its input, any other op's result (and an input) dense,
-    as traced (the functional trace copied every view into a dense tensor)."""
+    """Give each tensor of a whole-tensor stage the strides it has when the stage runs (the functional
+    trace copied every view into a dense tensor): a view (views run as views) those of that view of
+    its input; a pointwise op's result dense in the dim order of its first input of its shape, as
+    TensorIterator lays it out; an input (a temporary) and any other result contiguous."""
     strided: dict[Node, torch.Tensor] = {}
     for node in graph.nodes:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
         source = node.args[0] if node.op == "call_function" and is_view(node.target) else None
+        like = [strided[a] for a in node.all_input_nodes if a in strided and strided[a].shape == val.shape]
         if isinstance(source, Node) and source in strided:
             strided[node] = node.target(strided[source], *node.args[1:], **node.kwargs)
+        elif like and torch.Tag.pointwise in getattr(node.target, "tags", ()):
+            strided[node] = torch.empty_like(like[0])
         else:
-            strided[node] = torch.empty_strided(val.shape, val.stride(), device="meta")
+            strided[node] = torch.empty(val.shape, device="meta")
         if strided[node].stride() != val.stride():
             with val.fake_mode:
                 node.meta["val"] = torch.empty_strided(val.shape, strided[node].stride(), dtype=val.dtype,
