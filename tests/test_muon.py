@@ -200,6 +200,18 @@ def test_memory_report_gives_the_transient_of_the_largest_matrix():
     assert memory_report(adamw).transient == 0
 
 
+def test_16bit_params_hand_newton_schulz_the_bf16_update_of_fp32_ones():
+    """With an 8-bit momentum a 16-bit matrix's fused stages compute in fp32, yet the update they hand
+    Newton-Schulz is the bf16 one stock gives it: the same temporaries as an fp32 matrix's."""
+    transients = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _matrices()]
+        opt = lowbit_compile(torch.optim.Muon(params, lr=0.02), min_8bit_size=0)
+        train(opt, params, 1, seed=1)
+        transients.append(memory_report(opt).transient)
+    assert transients[0] > 0 and transients == [transients[0]] * 3
+
+
 RUN_SCRIPT = '''
 import sys, torch
 model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64))
