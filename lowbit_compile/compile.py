@@ -33,7 +33,7 @@ from .passes.roles import label_roles
 from .passes.signs import NonnegProof, prove_nonneg
 from .passes.split import split_prologue
 from .passes.stages import elementwise_stage, split_stages
-from .passes.trace import BranchFlipped, HyperSlot, TracedStep, check_branch, hyper_slots
+from .passes.trace import BranchFlipped, HyperSlot, Layout, TracedStep, check_branch, hyper_slots
 from .state_schema import StateSchema, example_state
 from .trace_cache import TRACE_LOCK, LruCache, skeleton, trace_example, trace_group, trace_key, traced
 
@@ -95,19 +95,15 @@ def step_request(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     opmath = fp32_opmath(group, dtype, formats)  # a master's step is traced in fp32 already
     stochastic = config.stochastic(formats)
     shape = schema.trace_shape(param)
-    if shape is not None and (dtype is not torch.float32 or master is not None):
-        raise NotImplementedError(f"lowbit-compile steps {type(opt).__name__} (a step that is not elementwise) for "
-                                  f"fp32 parameters only, not {param.dtype} ones; keep its parameters in fp32")
-    if shape is not None and sharding.is_sharded(param):
-        raise NotImplementedError(
-            f"lowbit-compile steps {type(opt).__name__} (a step that is not elementwise: it needs the whole "
-            "parameter) on unsharded parameters only; this one is a sharded DTensor (FSDP2)")
-    key = (trace_key(opt, tgroup, slots, dtype, param.device, example, schema.per_element, shape),
+    # a shaped step of a DTensor (FSDP2) runs its torch ops on DTensors of the mesh, as stock does
+    placement = sharding.placement(param) if shape is not None else None
+    key = (trace_key(opt, tgroup, slots, dtype, param.device, example, schema.per_element, shape), placement,
            tuple(sorted((k, f.tag()) for k, f in formats.items())), config.backend,
            master.tag() if master is not None else None, opmath, tuple(sorted(stochastic)))
     return StepRequest(key, [s.get(tgroup) for s in slots],
                        lambda: _Builder(skeleton(opt), _without_params(tgroup), slots, dtype, param.device, example,
-                                        schema, formats, config.backend, master, opmath, stochastic, shape))
+                                        schema, formats, config.backend, master, opmath, stochastic, shape,
+                                        placement))
 
 
 def _without_params(tgroup: dict) -> dict:
@@ -174,7 +170,8 @@ class _Builder:
     master: MasterFormat | None = None
     opmath: bool = False
     stochastic: frozenset[str] = frozenset()  # the states that round stochastically
-    shape: tuple[int, ...] | None = None  # a shaped step's (Muon's) param shape: traced and run in stages
+    shape: Layout | None = None  # a shaped step's (Muon's) param layout: traced and run in stages
+    placement: tuple | None = None  # a shaped step's DTensor (device mesh, placements): its torch ops run on those
 
     def compile(self, values: list) -> tuple[Callable, Callable[[], CompiledStep]]:
         """Trace and rewrite the step for these hyperparameter values and start building its kernel:
@@ -232,7 +229,8 @@ class _Builder:
         """The kernel of a staged step: each elementwise stage lowered as a step of its own."""
         building = {name: lower(split_prologue(stage), self.backend, self.device)
                     for name, stage in graph.named_children() if elementwise_stage(name)}
-        return lambda: StagedStep(graph, {name: build() for name, build in building.items()}, self.shape)
+        return lambda: StagedStep(graph, {name: build() for name, build in building.items()}, self.shape.shape,
+                                  self.placement)
 
     def relower(self, args: Sequence[Any], inputs: tuple, exclude: frozenset[int]) -> tuple[TracedStep, CompiledStep]:
         """Trace (or reuse a trace of) the branches the step takes for these inputs, and lower it."""

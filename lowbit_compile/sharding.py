@@ -32,6 +32,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_sharded(t) else t
 
 
+def placement(t: torch.Tensor) -> tuple | None:
+    """``(device mesh, placements)`` of a ``DTensor``; None for a plain tensor."""
+    return (t.device_mesh, tuple(t.placements)) if is_sharded(t) else None
+
+
 def like(local_value: torch.Tensor, template: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """``local_value`` (this rank's part) as a ``DTensor`` on ``template``'s mesh and placements, of
     global ``shape`` (default: ``template``'s); ``local_value`` itself if ``template`` is not sharded."""

@@ -15,7 +15,7 @@ from . import sharding
 from .kernels.formats import StateFormat
 from .passes.roles import NotElementwiseError, label_roles
 from .passes.signs import prove_nonneg
-from .passes.trace import hyper_slots, shell_optimizer, static_group_items, tensor_meta, unhooked_step
+from .passes.trace import Layout, hyper_slots, shell_optimizer, static_group_items, tensor_meta, unhooked_step
 from .state import QuantizedState
 from .trace_cache import TRACE_LOCK, LruCache, trace_group, traced
 
@@ -37,9 +37,10 @@ class StateSchema:
     nonneg: frozenset[str] = frozenset()
     shaped: bool = False
 
-    def trace_shape(self, param: torch.Tensor) -> tuple[int, ...] | None:
-        """The shape ``param``'s step is traced at: its own for a shaped step, None (1-D) otherwise."""
-        return tuple(sharding.local(param).shape) if self.shaped else None
+    def trace_shape(self, param: torch.Tensor) -> Layout | None:
+        """The shape ``param``'s step is traced at: its own (with its strides; a ``DTensor``'s global
+        one) for a shaped step, None (1-D) otherwise."""
+        return Layout.of(param) if self.shaped else None
 
 
 class _RecordingState(dict):

@@ -14,7 +14,16 @@ from typing import Any
 
 import torch
 
-from .passes.trace import HyperSlot, TracedStep, hyper_slots, static_group_items, tensor_meta, trace_step, unhooked_step
+from .passes.trace import (
+    HyperSlot,
+    Layout,
+    TracedStep,
+    hyper_slots,
+    static_group_items,
+    tensor_meta,
+    trace_step,
+    unhooked_step,
+)
 from .state import QuantizedState
 
 # Group flags that select the foreach/fused implementations: the trace always takes the
@@ -65,9 +74,9 @@ def trace_example(state: dict) -> dict:
 
 def trace_key(opt: torch.optim.Optimizer, tgroup: dict, slots: tuple[HyperSlot, ...], dtype: torch.dtype,
               device: torch.device, example: dict, per_element: tuple[str, ...],
-              shape: tuple[int, ...] | None = None) -> tuple:
+              shape: tuple[int, ...] | Layout | None = None) -> tuple:
     return (
-        shape,  # None: the 1-D elementwise trace; a shaped step's (Muon's) holds for that shape only
+        shape,  # None: the 1-D elementwise trace; a shaped step's (Muon's) holds for that layout only
         type(opt), unhooked_step(type(opt)), static_group_items(tgroup, slots, unhooked_step(type(opt))),
         tuple((s, tensor_meta(s.get(tgroup)) if s.is_tensor else None) for s in slots),
         dtype, device.type,
@@ -80,7 +89,7 @@ def trace_key(opt: torch.optim.Optimizer, tgroup: dict, slots: tuple[HyperSlot, 
 
 def traced(opt: torch.optim.Optimizer, tgroup: dict, dtype: torch.dtype, device: torch.device, example: dict,
            per_element: tuple[str, ...], exclude: frozenset[int] = frozenset(),
-           shape: tuple[int, ...] | None = None) -> TracedStep:
+           shape: tuple[int, ...] | Layout | None = None) -> TracedStep:
     """A trace of the step for this example state whose guard holds (not one of ``exclude``, by id),
     shared by every state format; traced now if there is none (at ``shape``, for a shaped step)."""
     slots = hyper_slots(tgroup)
@@ -100,7 +109,7 @@ def traced(opt: torch.optim.Optimizer, tgroup: dict, dtype: torch.dtype, device:
 
 
 def trace_for(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
-              per_element: tuple[str, ...], shape: tuple[int, ...] | None = None) -> TracedStep:
+              per_element: tuple[str, ...], shape: Layout | None = None) -> TracedStep:
     """The traced stock step of ``param`` in ``group`` with this state (cached; at ``shape`` for a shaped
     step)."""
     return traced(opt, trace_group(group), param.dtype, param.device, trace_example(state), per_element,

@@ -82,3 +82,9 @@ def test_fsdp2_master_weights_are_the_recipe_and_resume_exactly_at_any_world_siz
     resume), then its checkpoint resumed on 1 rank, bit for bit."""
     print(launch("fsdp_master", 2, workdir))
     print(launch("reshard_master", 1, workdir))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp2_muon_is_stock_and_resumes_exactly(workdir, world):
+    """Muon's staged step on FSDP2 shards (Newton-Schulz on the DTensors) at 1 and 2 ranks."""
+    print(launch("fsdp_muon", world, workdir))

@@ -283,6 +283,8 @@ OPTIMIZERS = {
     "Rprop": (torch.optim.Rprop, {}),
 }
 FORMATS = ("fp32", "dynamic8", "int8", "fp8_e4m3", "fp8_e5m2", "bf16", "sqrt8")
+# a staged step (passes/stages.py): Newton-Schulz on the fp32 master's update; matrices only
+STAGED = {"Muon": (torch.optim.Muon, {"lr": 0.02})}
 
 
 def model_params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -325,13 +327,14 @@ def check_exact(name: str, fmt: str, dtype: torch.dtype, backend: str, steps: in
     end, every master bit. The recipe steps its fp32 copies with the stock optimizer for fp32 states on
     the CPU kernel and the reference (both are stock bit for bit), else with lowbit_compile on the same
     backend and format."""
-    cls, kwargs = OPTIMIZERS[name]
-    ours = model_params(dtype)
+    cls, kwargs = {**OPTIMIZERS, **STAGED}[name]
+    ours = [p for p in model_params(dtype) if name not in STAGED or p.dim() == 2]
     theirs = twin(ours)
     opt = lowbit_compile(cls(ours, **kwargs), fmt, master_weights="exact", backend=backend, min_8bit_size=0,
                          block_size=256)
     if fmt == "fp32" and backend != "triton":
-        recipe = Recipe(theirs, lambda ms: cls(ms, **kwargs, foreach=False))
+        single = {} if name in STAGED else {"foreach": False}  # Muon has one implementation
+        recipe = Recipe(theirs, lambda ms: cls(ms, **kwargs, **single))
     else:
         recipe = Recipe(theirs, lambda ms: lowbit_compile(cls(ms, **kwargs), fmt, backend=backend, min_8bit_size=0,
                                                           block_size=256))
@@ -369,6 +372,14 @@ def test_exact_with_fp32_states_is_stock_on_an_fp32_copy_bit_for_bit_on_the_cpu_
 @pytest.mark.parametrize(("name", "fmt"), [("AdamW", "dynamic8"), ("AdamW", "int8"), ("RMSprop-centered", "fp8_e4m3")])
 def test_exact_with_quantized_states_is_the_recipe_on_the_cpu_kernel(name, fmt):
     check_exact(name, fmt, BF16, "cpu")
+
+
+@pytest.mark.parametrize(("fmt", "dtype", "backend"), [("fp32", BF16, "cpu"), ("sqrt8", BF16, "cpu"),
+                                                    ("fp32", FP16, "cpu"), ("int8", BF16, "reference")])
+def test_exact_muon_is_the_recipe_bit_for_bit(fmt, dtype, backend):
+    """Muon's staged step through the master: the fused stages read and write the 16-bit param and its
+    residual, Newton-Schulz takes the bf16 update of the fp32 master's momentum, as the recipe's."""
+    check_exact("Muon", fmt, dtype, backend)
 
 
 @pytest.mark.slow
@@ -499,24 +510,24 @@ def test_8bit_is_the_same_on_every_backend(name, fmt, backends, dtype):
 
 
 @torch.no_grad()
-def test_8bit_master_stays_within_one_residual_step_of_each_fp32_step():
+@pytest.mark.parametrize("name", ["AdamW", "Muon"])
+def test_8bit_master_stays_within_one_residual_step_of_each_fp32_step(name):
     """Each step: the stock fp32 step from the stored master gives x; afterwards the param is x rounded
     to nearest even and the stored master is within 256 fp32 bit patterns of x (1/256 of bf16's
     spacing there)."""
-    params = model_params(BF16)
-    opt = lowbit_compile(torch.optim.AdamW(params, weight_decay=0.1), "fp32", master_weights="8bit",
-                         backend="cpu", min_8bit_size=0)
+    cls, kwargs = {**OPTIMIZERS, **STAGED}[name]
+    params = [p for p in model_params(BF16) if name not in STAGED or p.dim() == 2]
+    opt = lowbit_compile(cls(params, **kwargs), "fp32", master_weights="8bit", backend="cpu", min_8bit_size=0)
     gen = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         set_grads([params], step, gen)
         before = master_params(opt)
         shadow = [torch.nn.Parameter(m.clone()) for m in before]
-        stock = torch.optim.AdamW(shadow, weight_decay=0.1, foreach=False)
+        stock = cls(shadow, **kwargs)
         for p, s in zip(params, shadow):
             s.grad = None if p.grad is None else p.grad.float()
             if p in opt.state:
-                stock.state[s] = {k: v.clone() for k, v in opt.state[p].items() if k in ("step", "exp_avg",
-                                                                                        "exp_avg_sq")}
+                stock.state[s] = {k: v.clone() for k, v in opt.state[p].items() if k not in residual.KEYS}
         stock.step()
         opt.step()
         for p, s, m in zip(params, shadow, master_params(opt)):

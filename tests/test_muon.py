@@ -21,15 +21,17 @@ def _db_inputs():
             for inp in info.optim_inputs_func(device="cpu", dtype=torch.float32)]
 
 
-def _params():
-    """Wide, tall and square matrices (the step transposes tall ones), and a non-contiguous one."""
-    params = [torch.nn.Parameter(torch.randn(s)) for s in [(24, 8), (8, 24), (12, 12)]]
-    params.append(torch.nn.Parameter(torch.randn(20, 12).t()))
+def _params(dtype=torch.float32):
+    """Wide, tall and square matrices (the step transposes tall ones), and a non-contiguous one; of
+    whole multiples of 32 elements: ATen's CPU bf16/fp16 kernels step a last (n mod 32) elements
+    through a path that rounds an add with alpha differently (tests/test_cpu_lowering.py)."""
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in [(24, 8), (8, 24), (16, 16)]]
+    params.append(torch.nn.Parameter(torch.randn(32, 12).to(dtype).t()))
     return params
 
 
-def _twins(kwargs, split=True):
-    a = _params()
+def _twins(kwargs, split=True, dtype=torch.float32):
+    a = _params(dtype)
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     for p, q in zip(a, b):  # keep the non-contiguous layout in the twin
         if not p.is_contiguous():
@@ -47,6 +49,49 @@ def test_fp32_is_bitwise_stock(kwargs, backend):
     for p, q in zip(a, b):
         assert torch.equal(p, q)
         assert torch.equal(opt_a.state[p]["momentum_buffer"], opt_b.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kwargs", _db_inputs())
+def test_fp32_is_bitwise_stock_for_16bit_params(kwargs, dtype):
+    """Stock Muon steps a bf16/fp16 matrix in its dtype (a momentum of that dtype, Newton-Schulz in
+    bf16); the staged step with fp32 (passthrough) states does the same bit for bit on the CPU kernel,
+    which rounds as ATen's loop for the layouts of the param and the update (a tall matrix's update is
+    transposed: ATen steps it element by element, rounding ``alpha * update`` to bf16 first)."""
+    a, b, opt_a, opt_b = _twins(kwargs, dtype=dtype)
+    lowbit_compile(opt_a, "fp32", backend="cpu")
+    step_twins(a, b, opt_a, opt_b, steps=STEPS)
+    for p, q in zip(a, b):
+        assert p.dtype == dtype and torch.equal(p, q)
+        assert torch.equal(opt_a.state[p]["momentum_buffer"], opt_b.state[q]["momentum_buffer"])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_8bit_momentum_of_16bit_params_steps_as_stock_fp32_from_its_state(dtype, backend):
+    """With an 8-bit momentum a 16-bit matrix steps in fp32 and rounds once (as for every optimizer):
+    each step is stock fp32 Muon's, from the param and the stored momentum, rounded to the param's
+    dtype bit for bit (Newton-Schulz still takes the bf16 update); the new momentum is stored within
+    the format's error."""
+    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _matrices()]
+    opt = lowbit_compile(torch.optim.Muon(params, lr=0.02), min_8bit_size=0, backend=backend)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        shadow = [torch.nn.Parameter(p.detach().float()) for p in params]
+        stock = torch.optim.Muon(shadow, lr=0.02)
+        for p, s in zip(params, shadow):
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            s.grad = p.grad.float()
+            if p in opt.state:
+                stock.state[s] = {"momentum_buffer": opt.state[p]["momentum_buffer"].dequantize(torch.float32)}
+        stock.step()
+        opt.step()
+        for p, s in zip(params, shadow):
+            assert p.dtype == dtype and torch.equal(p, s.detach().to(dtype))
+            buf, ours = stock.state[s]["momentum_buffer"], opt.state[p]["momentum_buffer"]
+            assert isinstance(ours, QuantizedState) and ours.dtype == dtype
+            assert 0 < (ours.dequantize(torch.float32) - buf).abs().max() < 0.02 * buf.abs().max()
 
 
 def test_fp32_is_bitwise_stock_on_triton():
@@ -155,6 +200,18 @@ def test_memory_report_gives_the_transient_of_the_largest_matrix():
     assert memory_report(adamw).transient == 0
 
 
+def test_16bit_params_hand_newton_schulz_the_bf16_update_of_fp32_ones():
+    """With an 8-bit momentum a 16-bit matrix's fused stages compute in fp32, yet the update they hand
+    Newton-Schulz is the bf16 one stock gives it: the same temporaries as an fp32 matrix's."""
+    transients = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _matrices()]
+        opt = lowbit_compile(torch.optim.Muon(params, lr=0.02), min_8bit_size=0)
+        train(opt, params, 1, seed=1)
+        transients.append(memory_report(opt).transient)
+    assert transients[0] > 0 and transients == [transients[0]] * 3
+
+
 RUN_SCRIPT = '''
 import sys, torch
 model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64))
@@ -176,16 +233,6 @@ def test_run_rewrites_an_unmodified_muon_script(tmp_path, monkeypatch, capsys):
     assert code in (0, None), out.err
     assert "muon QuantizedState" in out.out
     assert "2 optimizer(s) rewritten" in out.err
-
-
-def test_a_bf16_matrix_is_refused_before_anything_changes():
-    param = torch.nn.Parameter(torch.randn(24, 8, dtype=torch.bfloat16))
-    before = param.detach().clone()
-    opt = lowbit_compile(torch.optim.Muon([param]))
-    param.grad = torch.randn_like(param)
-    with pytest.raises(NotImplementedError, match="fp32 parameters only, not torch.bfloat16"):
-        opt.step()
-    assert torch.equal(param, before) and not opt.state[param]
 
 
 def test_stats_measure_the_whole_matrix():

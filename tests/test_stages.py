@@ -7,8 +7,10 @@ import pytest
 import torch
 from expecttest import TestCase
 
+from lowbit_compile.compile import fp32_opmath
 from lowbit_compile.config import Config
 from lowbit_compile.options import Options
+from lowbit_compile.passes.opmath import compute_in_fp32
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import NotElementwiseError, label_roles
 from lowbit_compile.passes.stages import split_stages
@@ -18,8 +20,8 @@ from lowbit_compile.trace_cache import trace_for
 from .helpers import each_param
 
 
-def _muon_graphs(shape=(6, 4), fmt="sqrt8", **kwargs):
-    param = torch.nn.Parameter(torch.randn(shape))
+def _muon_graphs(shape=(6, 4), fmt="sqrt8", dtype=torch.float32, **kwargs):
+    param = torch.nn.Parameter(torch.randn(shape).to(dtype))
     opt = torch.optim.Muon([param], ns_steps=1, **kwargs)
     group = opt.param_groups[0]
     schema = probe_schema(opt, group, param)
@@ -27,8 +29,10 @@ def _muon_graphs(shape=(6, 4), fmt="sqrt8", **kwargs):
     formats = dict(config.formats_for(param, schema.per_element, nonneg=schema.nonneg))
     state = init_state(param, schema, formats)
     traced = trace_for(opt, group, param, state, schema.per_element, shape=schema.trace_shape(param)).graph
-    roles = label_roles(traced, staged=True)
-    return traced, split_stages(quantize_states(roles, formats))
+    rewritten = quantize_states(label_roles(traced, staged=True), formats)
+    if fp32_opmath(group, dtype, formats):
+        rewritten = compute_in_fp32(rewritten)
+    return traced, split_stages(rewritten)
 
 
 class TestMuonStages(TestCase):
@@ -90,11 +94,52 @@ def forward(self, param, grad, state_momentum_buffer, hp_momentum, tmp_0):
     return None""")
 
 
+class TestSixteenBitStages(TestCase):
+    def test_bf16_param_with_8bit_momentum_rounds_the_update_once_for_the_torch_ops(self):
+        """The fused stages compute in fp32 (opmath); Newton-Schulz takes the bf16 update stock gives it."""
+        _, staged = _muon_graphs(dtype=torch.bfloat16)
+        # the momentum decodes to fp32 and the bf16 grad is read as fp32; only the temporary is bf16
+        casts = [(n.args[0].name, n.kwargs["dtype"]) for n in staged.stage_0.graph.nodes
+                 if n.target is torch.ops.aten._to_copy.default]
+        self.assertEqual(casts, [("grad", torch.float32), ("lerp_1", torch.bfloat16)])
+        self.assertEqual(next(n for n in staged.graph.nodes if n.name == "tmp_0").kwargs["dtype"], torch.bfloat16)
+        self.assertExpectedInline(staged.stage_2.code.strip(), """\
+def forward(self, param, hp_lr, hp_weight_decay, tmp_1):
+    _to_copy_default = torch.ops.aten._to_copy.default(param, dtype = torch.float32)
+    mul = hp_lr * 1.224744871391589
+    mul_1 = hp_lr * hp_weight_decay;  hp_lr = hp_weight_decay = None
+    sub_1 = 1.0 - mul_1;  mul_1 = None
+    mul_2 = torch.ops.aten.mul.Tensor(_to_copy_default, sub_1);  _to_copy_default = sub_1 = None
+    neg = -mul;  mul = None
+    add = torch.ops.aten.add.Tensor(mul_2, tmp_1, alpha = neg);  mul_2 = tmp_1 = neg = None
+    copy_ = torch.ops.aten.copy_.default(param, add);  param = add = copy_ = None
+    return None""")
+
+    def test_fp16_param_writes_its_update_back_in_a_fused_stage(self):
+        """fp16 + the bf16 update computes in fp32; its cast back to fp16 is elementwise, not a torch op."""
+        _, staged = _muon_graphs(fmt="fp32", dtype=torch.float16)
+        self.assertEqual([name for name, _ in staged.named_children()], ["stage_0", "stage_1", "stage_2"])
+        aten = torch.ops.aten
+        tail = [n.target for n in staged.stage_2.graph.nodes if n.op == "call_function"][-3:]
+        self.assertEqual(tail, [aten.add.Tensor, aten._to_copy.default, aten.copy_.default])
+        self.assertNotIn(aten.add.Tensor, [n.target for n in staged.stage_1.graph.nodes])
+
+
+def test_a_whole_tensor_stage_gives_its_outputs_the_strides_they_run_with():
+    """A tall matrix's update leaves Newton-Schulz transposed (views run as views, the trace copied
+    them dense): the next stage reads it with those strides, which its CPU lowering follows."""
+    for shape, stride in [((6, 4), (1, 6)), ((4, 6), (6, 1))]:
+        _, staged = _muon_graphs(shape=shape)
+        tmp = next(n for n in staged.stage_2.graph.nodes if n.name == "tmp_1")
+        assert tmp.meta["val"].stride() == stride
+
+
 def test_the_schema_of_a_step_that_is_not_elementwise_is_shaped():
     param = torch.nn.Parameter(torch.randn(6, 4))
     schema = probe_schema(torch.optim.Muon([param]), torch.optim.Muon([param]).param_groups[0], param)
     assert schema.shaped and schema.per_element == ("momentum_buffer",)
-    assert schema.trace_shape(param) == (6, 4)
+    assert schema.trace_shape(param) == ((6, 4), (4, 1))
+    assert schema.trace_shape(torch.nn.Parameter(torch.randn(4, 6).t())) == ((6, 4), (1, 6))  # traced as laid out
     adam = torch.optim.Adam([param])
     assert not probe_schema(adam, adam.param_groups[0], param).shaped
 

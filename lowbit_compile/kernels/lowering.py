@@ -10,7 +10,9 @@ printer. The rules (each checked against eager torch where a device was at hand)
   comparisons and ``where``, reads a scalar *second* operand of mul and div in fp32 (a first one is
   cast), and takes ``alpha`` cast to the dtype; CUDA reads host scalars (numbers, 0-d CPU tensors)
   in fp32 everywhere and divides by one as a multiply by its fp32 reciprocal (BinaryDivTrueKernel.cu);
-* fmas where ATen's kernels have them: add/sub with alpha (ufunc add: ``fma(other, alpha, self)``),
+* fmas where ATen's kernels have them: add/sub with alpha (ufunc add: ``fma(other, alpha, self)``;
+  on CPU, a bf16/fp16 one whose operands' layouts differ, which TensorIterator steps element by
+  element, rounds ``alpha * other`` to the dtype first: c10::BFloat16 arithmetic, Muon's transposed update),
   lerp (Lerp.h / lerp_vec: one fma from the nearer end point), addcmul (CPU contracts
   ``fma(value * t1, t2, self)``; CUDA DeviceAddCmulCdiv.cuh checks ``value == 1`` at run time:
   ``fma(t1, t2, self)`` else ``fma(value, t1 * t2, self)``), addcdiv (CPU ``self + value * t1 / t2``;
@@ -243,7 +245,21 @@ def _add(L: Lowerer, node: Node) -> Value:
     scale = L.operand(alpha, dtype, opmath=cuda)
     if subtract:
         scale = L.p.neg(scale)
+    if not cuda and dtype in (torch.bfloat16, torch.float16) and not _vectorized_on_cpu(node):
+        return L.result(node, L.p.add(x, L.p.round_to(L.p.mul(y, scale), dtype)))
     return L.result(node, L.p.fma(y, scale, x))
+
+
+def _vectorized_on_cpu(node: Node) -> bool:
+    """Whether ATen's CPU TensorIterator runs ``node`` vectorized: every tensor operand steps by one
+    element along the output's fastest dimension (its traced strides; a 1-D trace always does)."""
+    out = node.meta["val"]
+    dims = [d for d in range(out.dim()) if out.shape[d] > 1]
+    if not dims:
+        return True
+    fastest = min(dims, key=lambda d: out.stride(d))
+    vals = [a.meta.get("val") for a in node.args if isinstance(a, Node)]
+    return all(v.stride(fastest) == 1 for v in vals if isinstance(v, torch.Tensor) and v.dim() == out.dim())
 
 
 @lowers(aten.mul.Tensor)

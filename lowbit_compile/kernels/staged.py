@@ -1,6 +1,11 @@
 """The kernel of a staged step (``passes.stages``): its elementwise stages run as lowered kernels of
 their own, its whole-tensor stages as torch ops, one parameter at a time, so the temporaries between
-stages exist for one parameter at once and never outlive its step."""
+stages exist for one parameter at once and never outlive its step.
+
+A sharded parameter (an FSDP2 ``DTensor``) steps its local shard in the elementwise stages; its
+whole-tensor stages take their shaped inputs as ``DTensor`` of the parameter's mesh and placements,
+so the torch ops (and their collectives) are the ones stock runs on the ``DTensor``, and give back
+their outputs' local shards in the parameter's placements."""
 
 from __future__ import annotations
 
@@ -30,17 +35,50 @@ class _StageKernel(torch.nn.Module):
         self.kernel.launch([row]).run()
 
 
+class _ShardedStage(torch.nn.Module):
+    """A whole-tensor stage of a sharded parameter's step: run on ``DTensor`` inputs (its shaped ones
+    local shards of the parameter's shape ``shape``), its outputs' local shards in the parameter's
+    placements (a scalar one replicated)."""
+
+    def __init__(self, stage: GraphModule, shape: tuple[int, ...], placement: tuple) -> None:
+        super().__init__()
+        self.stage = stage
+        self.shape = torch.Size(shape)
+        self.mesh, self.placements = placement
+        self.shaped = [_shape_of(n) == self.shape for n in stage.graph.nodes if n.op == "placeholder"]
+
+    def forward(self, *args: object) -> tuple:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        stride = torch.empty(self.shape, device="meta").stride()
+        inputs = [DTensor.from_local(a, self.mesh, self.placements, run_check=False, shape=self.shape, stride=stride)
+                  if shaped else a for a, shaped in zip(args, self.shaped)]
+        out = []
+        for value in self.stage(*inputs):
+            if isinstance(value, DTensor):
+                placements = self.placements if value.shape == self.shape else [Replicate()] * self.mesh.ndim
+                value = value.redistribute(self.mesh, placements).to_local()
+            out.append(value)
+        return tuple(out)
+
+
 class StagedStep:
     """A staged step: ``step`` (the split graph of ``passes.stages``) with each elementwise stage run by
-    its kernel in ``kernels``, parameter by parameter, at ``shape`` (what the step was traced at)."""
+    its kernel in ``kernels``, parameter by parameter, at ``shape`` (what the step was traced at); with
+    ``placement`` (device mesh, placements), on the local shards of ``DTensor`` parameters of that
+    global ``shape``."""
 
-    def __init__(self, step: GraphModule, kernels: dict[str, StepKernel], shape: tuple[int, ...]) -> None:
+    def __init__(self, step: GraphModule, kernels: dict[str, StepKernel], shape: tuple[int, ...],
+                 placement: tuple | None = None) -> None:
         self.step = step
         self.backend = next(iter(kernels.values())).backend
-        self.shape = shape
+        self.shape = shape if placement is None else _local_shape(shape, placement)
         self.runner = copy.copy(step)  # the same graph, its elementwise children replaced by their kernels
         for name, kernel in kernels.items():
             setattr(self.runner, name, _StageKernel(kernel, getattr(step, name)))
+        for name, child in step.named_children() if placement is not None else ():
+            if name not in kernels:
+                setattr(self.runner, name, _ShardedStage(child, shape, placement))
         self.shaped = [role_of(n) in _SHAPED for n in step.graph.nodes if n.op == "placeholder"]
         self.transient_bytes = peak_bytes(step, frozenset(kernels))
 
@@ -50,6 +88,19 @@ class StagedStep:
     def _run(self, rows: Sequence[list]) -> None:
         for row in rows:
             self.runner(*(v.view(self.shape) if shaped else v for v, shaped in zip(row, self.shaped)))
+
+
+def _shape_of(node: torch.fx.Node) -> torch.Size | None:
+    val = node.meta.get("val")
+    return val.shape if isinstance(val, torch.Tensor) else None
+
+
+def _local_shape(shape: tuple[int, ...], placement: tuple) -> tuple[int, ...]:
+    """This rank's shard shape of a ``DTensor`` of global ``shape`` on (device mesh, placements)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = placement
+    return tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[0])
 
 
 def peak_bytes(gm: GraphModule, kernels: frozenset[str] = frozenset()) -> int:
@@ -65,7 +116,7 @@ def peak_bytes(gm: GraphModule, kernels: frozenset[str] = frozenset()) -> int:
         if node.op == "call_module":
             child = getattr(gm, node.target)
             inner = peak_bytes(child) if node.target not in kernels else 0
-        elif node.op == "call_function" and not _is_view(node):
+        elif node.op == "call_function" and not is_view(node.target):
             live[node] = _nbytes(node.meta.get("val"))
         peak = max(peak, sum(live.values()) + inner)
         for a in node.all_input_nodes:
@@ -74,8 +125,8 @@ def peak_bytes(gm: GraphModule, kernels: frozenset[str] = frozenset()) -> int:
     return peak
 
 
-def _is_view(node: torch.fx.Node) -> bool:
-    target = node.target
+def is_view(target: object) -> bool:
+    """Whether the op ``target`` returns a view of its input."""
     schema = getattr(target, "_schema", None)
     return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
 

@@ -7,6 +7,9 @@ step graph to that arithmetic: each low-precision per-element input is upcast on
 read, quantized states decode straight to fp32, every per-element intermediate is fp32, and only
 the write-backs round (``copy_`` into the param or a stock-format state casts to its dtype; a
 quantized state's ``quantize_`` takes the fp32 value). The scalar prologue is unchanged.
+
+In a staged step (``passes.stages``) the nodes that run as torch ops (Muon's Newton-Schulz) keep the
+stock dtypes: a value the fused part gives them is rounded once to the dtype stock gives them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 from ..kernels import ops
 from ..kernels.contract import Role, is_per_element, role_of, set_per_element
+from .stages import eager_nodes
 
 aten = torch.ops.aten
 lowbit = torch.ops.lowbit
@@ -31,31 +35,40 @@ def compute_in_fp32(gm: GraphModule) -> GraphModule:
     gm = copy.deepcopy(gm)
     graph = gm.graph
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    eager = eager_nodes([n for n in graph.nodes if n.op == "call_function"])
     for node in list(graph.nodes):
-        if not is_per_element(node) or node.op == "output":
+        if not is_per_element(node) or node.op == "output" or node in eager:
             continue
+        stock = node.meta["val"].dtype if _low(node) else None
         if node.op == "placeholder":
-            if role_of(node) is not Role.STATE_PART and _low(node):
-                _upcast_reads(graph, node, first_op)
-        elif node.target is lowbit.dequantize.default:
+            if role_of(node) is not Role.STATE_PART and stock is not None:
+                _upcast_reads(graph, node, first_op, eager)
+            continue
+        if node.target is lowbit.dequantize.default:
             node.args = (*node.args[:-1], ops.dtype_name(torch.float32))
             _widen(node)
-        elif node.target is aten._to_copy.default and _low(node) and _float(node.args[0]):
-            node.replace_all_uses_with(node.args[0])  # an intermediate rounding fp32 opmath does not do
-            graph.erase_node(node)
+        elif node.target is aten._to_copy.default and stock is not None and _float(node.args[0]):
+            if not any(u in eager for u in node.users):  # a rounding for the torch ops stays
+                node.replace_all_uses_with(node.args[0])  # an intermediate rounding fp32 opmath does not do
+                graph.erase_node(node)
+            continue
         elif node.target is not aten.copy_.default:
             if node.kwargs.get("dtype") in LOW_PRECISION:
                 node.kwargs = {**node.kwargs, "dtype": torch.float32}
             _widen(node)
+        if stock is not None:
+            _round_for(graph, node, stock, eager)
     graph.lint()
     gm.recompile()
     return gm
 
 
-def _upcast_reads(graph: torch.fx.Graph, node: Node, first_op: Node) -> None:
-    """Every read of the low-precision input ``node`` goes through one fp32 copy of it; its
-    write-back (``copy_(node, new)``) keeps writing the input itself, rounding once."""
-    reads = [u for u in node.users if not (u.target is aten.copy_.default and u.args[0] is node)]
+def _upcast_reads(graph: torch.fx.Graph, node: Node, first_op: Node, eager: set[Node]) -> None:
+    """Every read of the low-precision input ``node`` by the fused part goes through one fp32 copy of
+    it; its write-back (``copy_(node, new)``) keeps writing the input itself, rounding once, and the
+    torch ops (``eager``) read it as it is."""
+    reads = [u for u in node.users
+             if not (u.target is aten.copy_.default and u.args[0] is node) and u not in eager]
     if not reads:
         return
     with graph.inserting_before(first_op):
@@ -64,6 +77,20 @@ def _upcast_reads(graph: torch.fx.Graph, node: Node, first_op: Node) -> None:
     set_per_element(up, True)
     for user in reads:
         user.replace_input_with(node, up)
+
+
+def _round_for(graph: torch.fx.Graph, node: Node, dtype: torch.dtype, eager: set[Node]) -> None:
+    """The torch ops (``eager``) that read the widened ``node`` read it rounded once to ``dtype``, the
+    dtype stock computes them in."""
+    users = [u for u in node.users if u in eager]
+    if not users:
+        return
+    with graph.inserting_after(node):
+        rounded = graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+    _set_val(rounded, node.meta["val"].to(dtype))
+    set_per_element(rounded, True)
+    for user in users:
+        user.replace_input_with(node, rounded)
 
 
 def _low(node: Node) -> bool:

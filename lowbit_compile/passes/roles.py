@@ -72,9 +72,11 @@ def label_roles(gm: GraphModule, staged: bool = False) -> GraphModule:
 
 
 def _cast(node: Node, param_shape: torch.Size) -> bool:
-    """A dtype cast of a per-element value (Muon's ``.bfloat16()``): a staged step's elementwise stage
-    writes it, at half the bytes of the fp32 value, instead of a whole-tensor stage making it."""
-    return (node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"}
+    """A dtype cast of a per-element value (Muon's ``.bfloat16()``, a 16-bit param's write-back of an
+    update promoted to fp32): a staged step's elementwise stage computes it, instead of a whole-tensor
+    stage (at half the bytes of the fp32 value, where it makes a temporary)."""
+    return (node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype", "layout"}
+            and node.kwargs.get("layout", torch.strided) is torch.strided
             and tuple(_val(node).shape) == tuple(param_shape))
 
 

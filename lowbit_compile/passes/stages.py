@@ -33,6 +33,7 @@ from ..kernels.contract import (
     set_per_element,
     state_access,
 )
+from ..kernels.staged import is_view
 from .trace import check_branch
 
 aten = torch.ops.aten
@@ -47,7 +48,7 @@ def split_stages(gm: GraphModule) -> GraphModule:
     graph = gm.graph
     _copy_storage_reads(graph)
     ops = [n for n in graph.nodes if n.op == "call_function"]
-    eager = _eager_nodes(ops)
+    eager = eager_nodes(ops)
     stage = _stage_numbers(ops, eager)
     _check_order(graph, stage)
 
@@ -115,7 +116,7 @@ def _copy_storage_reads(graph: Graph) -> None:
                 node.replace_input_with(arg, clone)
 
 
-def _eager_nodes(ops: list[Node]) -> set[Node]:
+def eager_nodes(ops: list[Node]) -> set[Node]:
     """The nodes that run as torch ops: the whole-tensor ones and the elementwise ones between two of
     them (Muon's division by the norm, between the norm and the matmuls)."""
     whole = {n for n in ops if is_whole_tensor(n)}
@@ -277,9 +278,37 @@ def _whole_tensor_stage(nodes: list[Node], temporaries: dict[Node, int], top: Gr
         view = _view_of(node.target)
         if view is not None:
             node.target = view
+    _run_strides(graph)
+    for node in nodes:
+        if node in temporaries:  # what the next stage reads: its lowering follows ATen's loop for these strides
+            node.meta["val"] = local[node].meta["val"]
     graph.output(tuple(local[n] for n in nodes if n in temporaries))
     graph.eliminate_dead_code()
     return GraphModule(torch.nn.Module(), graph, "WholeTensor"), [env[n] for n in inputs]
+
+
+def _run_strides(graph: Graph) -> None:
+    """Give each tensor of a whole-tensor stage the strides it has when the stage runs (the functional
+    trace copied every view into a dense tensor): a view (views run as views) those of that view of
+    its input; a pointwise op's result dense in the dim order of its first input of its shape, as
+    TensorIterator lays it out; an input (a temporary) and any other result contiguous."""
+    strided: dict[Node, torch.Tensor] = {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        source = node.args[0] if node.op == "call_function" and is_view(node.target) else None
+        like = [strided[a] for a in node.all_input_nodes if a in strided and strided[a].shape == val.shape]
+        if isinstance(source, Node) and source in strided:
+            strided[node] = node.target(strided[source], *node.args[1:], **node.kwargs)
+        elif like and torch.Tag.pointwise in getattr(node.target, "tags", ()):
+            strided[node] = torch.empty_like(like[0])
+        else:
+            strided[node] = torch.empty(val.shape, device="meta")
+        if strided[node].stride() != val.stride():
+            with val.fake_mode:
+                node.meta["val"] = torch.empty_strided(val.shape, strided[node].stride(), dtype=val.dtype,
+                                                       device=val.device)
 
 
 def _plain_input(graph: Graph, node: Node, index: int) -> Node:
@@ -294,6 +323,4 @@ def _view_of(target: object) -> object | None:
         return None
     packet = getattr(aten, target._schema.name.split("::")[1][:-len("_copy")], None)
     view = getattr(packet, target._overloadname, None) if packet is not None else None
-    if view is None or not view._schema.returns or view._schema.returns[0].alias_info is None:
-        return None
-    return view
+    return view if is_view(view) else None

@@ -27,7 +27,7 @@ import functools
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -44,6 +44,31 @@ if TYPE_CHECKING:
 
 TRACE_ELEMENTS = 16  # size of the fake 1-D parameter; the traced body is elementwise, any size runs it
 _HINT_ELEMENTS = 2  # size of the real parameter whose step gives the read-back values their hints
+
+
+class Layout(NamedTuple):
+    """The shape and strides a shaped step (Muon's) is traced at, its parameter's own: ATen picks an
+    op's CPU loop, and with it a 16-bit op's rounding, by its operands' strides."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Layout:
+        """``t``'s layout; a dense one as it is, any other as the dense one the runner steps."""
+        expected = 1
+        for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+            if stride != expected:
+                return cls(tuple(t.shape), tuple(torch.empty(t.shape, device="meta").stride()))
+            expected *= size
+        return cls(tuple(t.shape), tuple(t.stride()))
+
+
+def _example_param(shape: tuple[int, ...] | Layout, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized param of ``shape`` (a plain one contiguous), for a trace or its hints."""
+    if isinstance(shape, Layout):
+        return torch.empty_strided(shape.shape, shape.stride, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 _trace_count = 0
 
@@ -355,11 +380,11 @@ def _insert_branch_check(sym_node: Any, result: Any) -> None:
 
 def read_back_hints(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, device: torch.device,
                     state: dict[str, Any], per_element: Sequence[str],
-                    shape: tuple[int, ...] | None = None) -> list[float | int]:
+                    shape: tuple[int, ...] | Layout | None = None) -> list[float | int]:
     """The values the stock step reads back into Python, from one real step on small tensors with
     the real scalar states and hyperparameters (per-element values cannot reach a read-back of an
     elementwise step); a step traced at a ``shape`` steps a param of that shape."""
-    param = torch.ones(shape or _HINT_ELEMENTS, dtype=param_dtype, device=device)
+    param = _example_param(shape or (_HINT_ELEMENTS,), param_dtype, device).fill_(1)
     param.grad = torch.full_like(param, 0.5)
     st: dict[str, Any] = {}
     for key, value in state.items():
@@ -382,7 +407,7 @@ def trace_step(
     device: torch.device,
     state: dict[str, torch.Tensor | Any],
     per_element: Sequence[str],
-    shape: tuple[int, ...] | None = None,
+    shape: tuple[int, ...] | Layout | None = None,
 ) -> TracedStep:
     """Trace ``type(opt).step`` for one parameter of ``group``.
 
@@ -393,8 +418,9 @@ def trace_step(
     Read-back values are first left unknown (most steps only compute with them); a step that
     branches on one is traced again with them backed by their current values.
 
-    ``shape`` (None: a 1-D param of :data:`TRACE_ELEMENTS`) is the param's shape, for a step that is
-    not elementwise (Muon's orthogonalized update): its graph holds for parameters of that shape only.
+    ``shape`` (None: a 1-D param of :data:`TRACE_ELEMENTS`) is the param's shape (a :class:`Layout`:
+    and strides), for a step that is not elementwise (Muon's orthogonalized update): its graph holds
+    for parameters of that shape (and layout) only.
     """
     try:
         return _trace(opt, group, param_dtype, device, state, per_element, None, shape)
@@ -405,7 +431,7 @@ def trace_step(
 
 def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, device: torch.device,
            state: dict[str, torch.Tensor | Any], per_element: Sequence[str],
-           hints: Sequence[float | int] | None, shape: tuple[int, ...] | None = None) -> TracedStep:
+           hints: Sequence[float | int] | None, shape: tuple[int, ...] | Layout | None = None) -> TracedStep:
     global _trace_count
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -427,7 +453,7 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
     fresh_keys = [k for k in per_element if not isinstance(state.get(k), torch.Tensor)]
     others = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor) and k not in fresh_keys}
     with fake_mode:
-        p = torch.empty(shape or TRACE_ELEMENTS, dtype=param_dtype, device=device)
+        p = _example_param(shape or (TRACE_ELEMENTS,), param_dtype, device)
         g = torch.empty_like(p)
         fake_state = []
         for key in tensor_keys:
