@@ -27,6 +27,7 @@ import torch
 from bench.quality import load_runs, results_header, run_meta, run_pool, state_bytes, summarize
 from bench.rounding import check_name, make_optimizer
 from bench.state_drift import ShadowProbe
+from bench.state_drift import plot as plot_drift
 from bench.state_drift import summary as drift_summary
 from bench.tasks import CharGPT, char_gpt_2m, docstring_text, train
 
@@ -100,7 +101,8 @@ def markdown(runs: list[dict]) -> str:
     lines += [f"| (fp32 seed spread) | | {spread} | | | |", "",
               "Gap: mean ± std over seeds of the paired gap of the validation loss (loss / fp32 loss of the same "
               "seed - 1) at that step of the 2,000-step schedule; ≈ fp32 as in `quality.md`."]
-    for r in sorted((r for r in runs if r.get("drift")), key=lambda r: (_order(r["variant"]), r["seed"])):
+    diagnosed = [r for r in runs if r.get("drift") and r["variant"] != "fp32"]
+    for r in sorted(diagnosed, key=lambda r: (_order(r["variant"]), r["seed"])):
         lines += ["", f"#### {r['variant']}, seed {r['seed']}: stored moments against fp32 moments of the same "
                   "gradients (bench/state_drift.py)", "", *drift_summary(r["drift"])]
     return "\n".join(lines)
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     text = results_header(meta, runs) + markdown(runs)
     (args.out / "long_run.md").write_text(text + "\n")
     plot(runs, args.out / "long_run.png")
+    if any(r.get("drift") for r in runs):
+        plot_drift(runs, args.out / "long_run_drift.png")
     print(text)
 
 

@@ -149,3 +149,36 @@ def summary(records: Iterable[dict]) -> list[str]:
                      f"| {m['rel_error']:.3f} | {m['zero_where_shadow_not']:.3%} | {u['norm_ratio']:.4f} "
                      f"| {u['cosine']:.4f} | {mon} |")
     return lines
+
+
+def plot(runs: list[dict], path) -> None:
+    """The drift figures of the runs that recorded them (``drift``), along training."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in runs if r.get("drift") and r["variant"] != "fp32"]  # fp32 is its own shadow
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(runs):
+        color, label = colors[i % len(colors)], f"{r['variant']} s{r['seed']}"
+        steps = [d["step"] for d in r["drift"]]
+        q = [d["exp_avg_sq"]["log2_ratio_p10_p50_p90"] for d in r["drift"]]
+        axes[0].plot(steps, [x[1] for x in q], color=color, label=f"{label} median")
+        axes[0].fill_between(steps, [x[0] for x in q], [x[2] for x in q], color=color, alpha=0.15)
+        axes[1].plot(steps, [d["update"]["norm_ratio"] for d in r["drift"]], color=color, label=f"{label} norm ratio")
+        axes[1].plot(steps, [d["update"]["cosine"] for d in r["drift"]], color=color, ls="--", label=f"{label} cosine")
+        axes[2].plot(steps, [d["exp_avg"]["rel_error"] for d in r["drift"]], color=color, label=f"{label} m")
+        axes[2].plot(steps, [d["exp_avg_sq"]["rel_error"] for d in r["drift"]], color=color, ls="--",
+                     label=f"{label} v")
+    axes[0].set(title="v stored / v fp32 of the same gradients: log2, median and p10-p90", xlabel="step")
+    axes[1].set(title="Adam direction m/(sqrt(v)+eps), stored vs fp32 moments", xlabel="step")
+    axes[2].set(title="||stored - fp32|| / ||fp32|| per moment", xlabel="step", yscale="log")
+    axes[0].axhline(0, color="black", lw=0.8)
+    axes[1].axhline(1, color="black", lw=0.8)
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
