@@ -8,7 +8,8 @@ moves 1% a step), the diffusion task (``bench/diffusion.py``) and the long GPT r
     python bench/long_run.py --variants dynamic8+sr-proto --seeds 0 --resume
 
 Optimizer names (here and in the two benches above): ``fp32``; one of ours as in ``bench/tasks.py``
-(``dynamic8``, ``int8-b2048-k0``, ...: the library, rounding to nearest); ``<ours>+sr``: the library with
+(``dynamic8``, ``int8-b2048-k0``, ...: the library, rounding to nearest); ``<ours>+sr-v``: the library
+with stochastic rounding of the second moments only; ``<ours>+sr``: the library with
 ``rounding="stochastic"``; a peer.
 
 PROTOTYPE, not the library feature: ``<ours>+nearest-proto`` and ``<ours>+sr-proto`` emulate 8-bit states
@@ -45,7 +46,7 @@ from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, decode, dy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
-ROUNDINGS = ("+sr", "+nearest-proto", "+sr-proto")
+ROUNDINGS = ("+sr", "+sr-v", "+nearest-proto", "+sr-proto")
 SEEDS = (0, 1, 2)
 MakeStock = Callable[[list[nn.Parameter], Hyper], torch.optim.Optimizer]
 
@@ -74,7 +75,7 @@ def check_name(name: str) -> None:
         spec.lowbit_options()
     if rounding and spec.kind != "ours":
         raise ValueError(f"{name!r}: a rounding suffix applies to our formats only, not to {base!r}")
-    if rounding == "+sr" and not library_has_rounding():
+    if rounding.startswith("+sr") and not rounding.endswith("-proto") and not library_has_rounding():
         raise ValueError(f"{name!r}: lowbit_compile has no rounding= option yet; the plain-torch prototype is "
                          f"{base}+sr-proto")
 
@@ -95,7 +96,8 @@ def make_optimizer(name: str, make_stock: MakeStock = adamw, compile_peers: bool
         options = spec.lowbit_options()
         if rounding.endswith("-proto"):
             return emulate_states(opt, **options, stochastic=rounding == "+sr-proto", seed=seed)
-        extra = {"rounding": "stochastic"} if rounding == "+sr" else {}
+        extra = {"+sr": {"rounding": "stochastic"},
+                 "+sr-v": {"rounding": {"exp_avg_sq": "stochastic", "max_exp_avg_sq": "stochastic"}}}.get(rounding, {})
         return lowbit_compile(opt, **options, **extra)
 
     return build
