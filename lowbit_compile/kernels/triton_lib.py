@@ -127,39 +127,53 @@ def round_to_fp8(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     return tl.where(y.to(tl.int32, bitcast=True) < 0, neg(magnitude), magnitude)
 
 
-@triton.jit
-def fp8_code(r, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    """The fp8 bit pattern (as uint8) of ``r``, a finite value :func:`round_to_fp8` returned, or NaN
-    (0x7F with the sign): the fp32 exponent rebiased and the mantissa truncated (exact, no bits are
-    lost), or below the smallest normal the multiple of the subnormal unit. ``cpu_prelude.h``'s
-    ``lb_encode_fp8`` gives the same codes, rounding the fp32 bits themselves."""
-    bits = r.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    magnitude = bits & 0x7FFFFFFF
-    smallest_normal = (127 + MIN_EXPONENT) << 23
-    normal = (magnitude >> (23 - MANTISSA_BITS)) - ((127 + MIN_EXPONENT - 1) << MANTISSA_BITS)
-    below = tl.minimum(magnitude, smallest_normal).to(tl.float32, bitcast=True)  # in range of the int cast
-    subnormal = (below * (2.0 ** (MANTISSA_BITS - MIN_EXPONENT))).to(tl.int32)
-    code = tl.where(magnitude >= smallest_normal, normal, subnormal)
-    return (tl.where(r != r, 0x7F, code) | sign).to(tl.uint8)
+# fp32 bit patterns of the fp8 formats' largest finite values (formats.StateFormat.qmax, 448 and 57344)
+E4M3_TOP_BITS = tl.constexpr(0x43E00000)
+E5M2_TOP_BITS = tl.constexpr(0x47600000)
 
 
 @triton.jit
-def fp8_value(code, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    """The fp32 value of fp8 codes held in uint8, subnormals, infinities (e5m2) and NaNs included: the
-    exponent rebiased into fp32's, or the subnormal multiple of ``2**(MIN_EXPONENT - MANTISSA_BITS)``.
-    ``cpu_prelude.h``'s ``lb_decode_fp8`` gives the same values through an fp16 conversion."""
-    u = code.to(tl.int32)
-    exponent = (u & 0x7F) >> MANTISSA_BITS
-    mantissa = u & ((1 << MANTISSA_BITS) - 1)
-    normal = ((exponent + (127 + MIN_EXPONENT - 1)) << 23) | (mantissa << (23 - MANTISSA_BITS))
-    subnormal = (mantissa.to(tl.float32) * (2.0 ** (MIN_EXPONENT - MANTISSA_BITS))).to(tl.int32, bitcast=True)
-    bits = tl.where(exponent == 0, subnormal, normal)
-    if MANTISSA_BITS == 3:  # e4m3fn: no infinities, only S.1111.111 is NaN
-        bits = tl.where((u & 0x7F) == 0x7F, 0x7FC00000, bits)
-    else:  # e5m2: the top exponent is infinity or NaN, as in IEEE
-        bits = tl.where(exponent == 31, (255 << 23) | (mantissa << 21), bits)
-    return (bits | ((u & 0x80) << 24)).to(tl.float32, bitcast=True)
+def fp8_code(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, NONNEG: tl.constexpr):
+    """``formats.encode`` of fp8 as uint8 bits, by integer arithmetic on fp32's: |y| clamped to the
+    largest finite value (NaN too: only a flagged block holds one, and its special code replaces it),
+    from the smallest normal up the bits rounded to ``MANTISSA_BITS`` half to even with the exponent
+    rebiased, below it the subnormal multiple that adding a power of two rounds in fp32; the sign bit as
+    is (-0 is 0x80), and for a non-negative state a positive y at least code 1. ``cpu_prelude.h``'s
+    ``lb_encode_fp8`` is the same."""
+    bits = y.to(tl.int32, bitcast=True)
+    a = tl.minimum(bits & 0x7FFFFFFF, E4M3_TOP_BITS if MANTISSA_BITS == 3 else E5M2_TOP_BITS)
+    normal = (a + (((1 << (22 - MANTISSA_BITS)) - 1) - ((126 + MIN_EXPONENT) << 23)) +
+              ((a >> (23 - MANTISSA_BITS)) & 1)) >> (23 - MANTISSA_BITS)
+    # |y| + 2^(MIN_EXPONENT - MANTISSA_BITS + 23), where fp32's unit is the subnormal unit
+    carrier = a.to(tl.float32, bitcast=True) + 2.0 ** (MIN_EXPONENT - MANTISSA_BITS + 23)
+    subnormal = carrier.to(tl.int32, bitcast=True) - ((127 + MIN_EXPONENT - MANTISSA_BITS + 23) << 23)
+    code = tl.where(a < ((127 + MIN_EXPONENT) << 23), subnormal, normal) | ((bits >> 24) & 0x80)
+    if NONNEG:
+        code = tl.maximum(code, tl.minimum(bits, 1))  # bits > 0 is y > 0
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def fp8_scaled_value(code, MANTISSA_BITS: tl.constexpr):
+    """fp8 codes held in uint8 to fp32 through fp16, whose conversion is exact (``cpu_prelude.h``'s
+    ``lb_decode_fp8``): e5m2 is fp16's high byte; e4m3's sign at fp16's and its magnitude under fp16's
+    top exponent bit are the fp16 of the value / 256 (subnormals too), an all-ones magnitude carrying
+    into that bit, which makes it NaN. The value is this times 256 for e4m3, times 1 for e5m2."""
+    if MANTISSA_BITS == 2:
+        h = code.to(tl.int32) << 8
+    else:
+        s = code.to(tl.int8, bitcast=True).to(tl.int32) << 7  # the sign in bits 14 and up, the magnitude 7-13
+        h = s ^ ((s + 0x80) & 0x4000)  # bit 14 cleared, or set for all-ones
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def fp8_value(code, MANTISSA_BITS: tl.constexpr):
+    """The fp32 value of fp8 codes held in uint8, subnormals, infinities (e5m2) and NaNs included."""
+    if MANTISSA_BITS == 3:
+        return fp8_scaled_value(code, MANTISSA_BITS) * 256.0
+    else:
+        return fp8_scaled_value(code, MANTISSA_BITS)
 
 
 # The dynamic8 lookup table (formats.dynamic_lookup_table): 256 code values, then the cells of magnitudes.
@@ -217,19 +231,16 @@ def encode(y, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.const
     elif FMT == BF16_CODES:
         return bf16_code(y, NONNEG).to(tl.bfloat16, bitcast=True)
     else:
-        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        if NONNEG:
-            y = tl.where(y > 0, tl.maximum(y, MIN_POSITIVE), y)
-        if FMT == FP8_E4M3:
-            if FP8_NATIVE:
+        if not FP8_NATIVE:
+            return fp8_code(y, 3 if FMT == FP8_E4M3 else 2, -6 if FMT == FP8_E4M3 else -14, NONNEG)
+        else:
+            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+            if NONNEG:
+                y = tl.where(y > 0, tl.maximum(y, MIN_POSITIVE), y)
+            if FMT == FP8_E4M3:
                 return round_to_fp8(y, 3, -6).to(tl.float8e4nv)
             else:
-                return fp8_code(round_to_fp8(y, 3, -6), 3, -6)
-        else:
-            if FP8_NATIVE:
                 return round_to_fp8(y, 2, -14).to(tl.float8e5)
-            else:
-                return fp8_code(round_to_fp8(y, 2, -14), 2, -14)
 
 
 @triton.jit
@@ -278,9 +289,9 @@ def code_value(bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
     elif FMT == DYNAMIC8:
         return dynamic8_value(bits, table_ptr)
     elif FMT == FP8_E4M3:
-        return fp8_value(bits, 3, -6)
+        return fp8_value(bits, 3)
     else:
-        return fp8_value(bits, 2, -14)
+        return fp8_value(bits, 2)
 
 
 @triton.jit
@@ -395,14 +406,14 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_p
         elif FP8_NATIVE:  # float8 codes (no `other`: the interpreter cannot cast a fill value to fp8)
             codes = tl.load(codes_ptr + offsets, mask=mask)
             values = tl.where(mask, codes.to(tl.float32), 0.0)
-        elif FMT == FP8_E4M3:  # fp8 codes as their uint8 bits
+        else:  # fp8 codes as their uint8 bits, decoded to values / unit (the unit goes into the scale)
             codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
-            values = fp8_value(codes, 3, -6)
-        else:
-            codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
-            values = fp8_value(codes, 2, -14)
+            values = fp8_scaled_value(codes, 3 if FMT == FP8_E4M3 else 2)
         scale = tl.load(scales_ptr + rows, mask=row_mask, other=0.0)
-        scaled = values * tl.abs(scale)[:, None]
+        if FMT == FP8_E4M3 and not FP8_NATIVE:
+            scaled = values * (tl.abs(scale) * 256.0)[:, None]  # exact: the scale is below FLT_MAX / 448
+        else:
+            scaled = values * tl.abs(scale)[:, None]
         if any_set(scale.to(tl.int32, bitcast=True) < 0):  # a flagged block
             flagged = (scale.to(tl.int32, bitcast=True) < 0)[:, None]
             bits = code_bits(codes, FMT, FP8_NATIVE)
