@@ -296,24 +296,47 @@ def code_value(bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
 
 @triton.jit
 def round_stochastic(x, code, bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr):
-    """``formats.round_stochastic`` of 8-bit codes (uint8 bits) from the nearest ``code`` of ``x``: the
-    adjacent code on x's side (code +- 1 in byte arithmetic) replaces it where ``u * |w - v| < |x - v|``,
-    ``u`` the top 24 random ``bits`` over 2^24 (``cpu_prelude.h``'s ``lb_round_stochastic``)."""
-    if NONNEG and FMT != FP8_E4M3 and FMT != FP8_E5M2:
-        y = tl.minimum(tl.maximum(x, 0.0), QMAX)
-    else:
-        y = tl.minimum(tl.maximum(x, -QMAX), QMAX)
-    y = tl.where(x != x, x, y)
-    v = code_value(code, table_ptr, FMT, NONNEG)
-    if FMT == FP8_E4M3 or FMT == FP8_E5M2:
-        away = tl.abs(y) > tl.abs(v)
-    else:
-        away = y > v
-    q = code.to(tl.int32)
-    other = tl.where(y == v, q, (q + tl.where(away, 1, -1)) & 0xFF)
-    w = code_value(other.to(tl.uint8), table_ptr, FMT, NONNEG)
+    """``formats.round_stochastic`` of 8-bit codes (uint8 bits) from the nearest ``code`` of a finite
+    ``x`` (sqrt8's in the root domain; the caller gives a non-finite x its special code): the adjacent
+    code on x's side (code +- 1 in byte arithmetic) replaces it where ``u * |w - v| < |x - v|``, ``u``
+    the top 24 random ``bits`` over 2^24 (``cpu_prelude.h``'s ``lb_round_stochastic``). Where x is a
+    code's value nothing moves (``|x - v|`` is 0), so the adjacent code needs no case of its own. int8's
+    neighbours are 1 apart; sqrt8 works on magnitudes, the value the square of the clamped root, its
+    code's value ``c * c`` and the neighbour's ``|2c +- 1|`` away, all exact: neither decodes twice."""
     u = (bits >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
-    out = tl.where((u * tl.abs(w - v) < tl.abs(y - v)) & (tl.abs(x) < float("inf")), other, q)
+    if FMT == SQRT8:  # the clamp and rounding of encode, which the compiler shares
+        if NONNEG:
+            a = tl.minimum(tl.maximum(x, 0.0), QMAX**0.5)
+        else:
+            a = tl.minimum(tl.abs(x), QMAX**0.5)
+        c = rne(a)
+        y = a * a
+        v = c * c
+        step = tl.where(y > v, 1.0, -1.0)
+        m = tl.where(u * tl.abs(tl.fma(c, 2.0, step)) < tl.abs(y - v), c + step, c)
+        if NONNEG:
+            out = m.to(tl.int32)
+        else:
+            out = tl.where(x < 0, neg(m), m).to(tl.int8).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        if NONNEG and FMT != FP8_E4M3 and FMT != FP8_E5M2:
+            y = tl.minimum(tl.maximum(x, 0.0), QMAX)
+        else:
+            y = tl.minimum(tl.maximum(x, -QMAX), QMAX)
+        q = code.to(tl.int32)
+        if FMT == INT8:
+            c = code_value(code, table_ptr, FMT, NONNEG)
+            up = y > c
+            out = tl.where(u < tl.abs(y - c), q + tl.where(up, 1, -1), q)
+        else:
+            v = code_value(code, table_ptr, FMT, NONNEG)
+            if FMT == FP8_E4M3 or FMT == FP8_E5M2:
+                away = tl.abs(y) > tl.abs(v)
+            else:
+                away = y > v
+            other = (q + tl.where(away, 1, -1)) & 0xFF
+            w = code_value(other.to(tl.uint8), table_ptr, FMT, NONNEG)
+            out = tl.where(u * tl.abs(w - v) < tl.abs(y - v), other, q)
     if NONNEG:
         out = tl.where((x > 0) & (out == 0), 1, out)
     return out.to(tl.uint8)
@@ -518,9 +541,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
                              tl.minimum(tl.maximum(y, -FLAGGED_QMAX), FLAGGED_QMAX), y)
         codes = encode(y, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
         code = code_bits(codes, FMT, FP8_NATIVE)
-        if STREAM != 0:  # from the value (sqrt8: the root's square)
-            if FMT == SQRT8:
-                y = y * tl.abs(y)
+        if STREAM != 0:
             code = round_stochastic(y, code, bits, table_ptr, FMT, NONNEG, QMAX)
         if any_flagged:
             special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
