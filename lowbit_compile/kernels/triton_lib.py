@@ -75,8 +75,10 @@ def f32_to_bf16_bits(x):
 @triton.jit
 def round_to(x, DTYPE: tl.constexpr):
     """``x`` rounded to DTYPE (to nearest even) and held in fp32: what an eager op of that dtype stores."""
-    if DTYPE == BF16:
-        return bf16_bits_to_f32(f32_to_bf16_bits(x))
+    if DTYPE == BF16:  # f32_to_bf16_bits in place: the rounded pattern's low half cleared
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        return tl.where(x != x, (bits | 0x400000) & -65536, rounded).to(tl.float32, bitcast=True)
     elif DTYPE == F16:
         return x.to(tl.float16).to(tl.float32)
     else:
@@ -93,10 +95,15 @@ def load_elements(ptr, offsets, mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def store_elements(ptr, offsets, x, mask, DTYPE: tl.constexpr):
-    """Store fp32 values into a tensor of DTYPE, rounding to nearest even (``copy_``)."""
+def store_elements(ptr, offsets, x, mask, DTYPE: tl.constexpr, ROUNDED: tl.constexpr = False):
+    """Store fp32 values into a tensor of DTYPE, rounding to nearest even (``copy_``); ``ROUNDED``: ``x``
+    already holds DTYPE values (:func:`round_to`'s), so a bf16's bits are the top half of x's."""
     if DTYPE == BF16:
-        tl.store(ptr + offsets, f32_to_bf16_bits(x).to(tl.bfloat16, bitcast=True), mask=mask)
+        if ROUNDED:
+            bits = (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+        else:
+            bits = f32_to_bf16_bits(x)
+        tl.store(ptr + offsets, bits.to(tl.bfloat16, bitcast=True), mask=mask)
     elif DTYPE == F16:
         tl.store(ptr + offsets, x.to(tl.float16), mask=mask)
     else:
