@@ -56,12 +56,22 @@ def _encode_kernel(y_ptr, codes_ptr, n, FMT: tl.constexpr, NONNEG: tl.constexpr,
 
 @triton.jit
 def _fp8_code_kernel(y_ptr, codes_ptr, n, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     NONNEG: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     y = tl.load(y_ptr + offsets, mask=mask, other=0.0)
-    tl.store(codes_ptr + offsets, lb.fp8_code(lb.round_to_fp8(y, MANTISSA_BITS, MIN_EXPONENT), MANTISSA_BITS,
-                                              MIN_EXPONENT), mask=mask)
+    tl.store(codes_ptr + offsets, lb.fp8_code(y, MANTISSA_BITS, MIN_EXPONENT, NONNEG), mask=mask)
+
+
+@triton.jit
+def _bf16_kernel(x_ptr, rounded_ptr, stored_ptr, stored_rounded_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    rounded = lb.round_to(x, lb.BF16)
+    tl.store(rounded_ptr + offsets, rounded, mask=mask)
+    lb.store_elements(stored_ptr, offsets, x, mask, lb.BF16)
+    lb.store_elements(stored_rounded_ptr, offsets, rounded, mask, lb.BF16, ROUNDED=True)
 
 
 def _fp8_probe_values(fmt: StateFormat) -> torch.Tensor:
@@ -105,7 +115,7 @@ def test_the_integer_fp8_path_types_codes_uint8_and_says_so_at_each_state_call()
                                        mask, row_mask, FMT=lb.FP8_E4M3, K=0, FP8_NATIVE=False, POS_INF_CODE=126,
                                        NEG_INF_CODE=254, NAN_CODE=127)
     dequantize_default = lb.round_to(dequantize_default, lb.BF16)
-    lb.store_elements(out_ptr, offsets, dequantize_default, mask, lb.BF16)
+    lb.store_elements(out_ptr, offsets, dequantize_default, mask, lb.BF16, ROUNDED=True)
 """)
     # int8 and the other formats read no FP8 path: their kernels are the same on both
     int8 = StateFormat.make("int8", 512, 0, False)
@@ -130,17 +140,44 @@ def test_both_fp8_paths_encode_like_the_reference_and_the_cpu_kernel(name, nonne
         assert wrong.numel() == 0, (native, y[wrong[:5]].tolist(), codes.view(torch.uint8)[wrong[:5]].tolist())
 
 
-@pytest.mark.parametrize("name", target_matrix.FP8)
-def test_integer_fp8_code_is_the_float8_cast_on_its_whole_domain(name):
-    """:func:`fp8_code` of every rounded finite value and of NaNs of either sign, against torch's cast
-    (the clamp in ``encode`` keeps NaN from reaching it today, the CPU kernel's twin handles it too)."""
-    fmt = StateFormat(name, 64, 0, False)
-    y = _fp8_probe_values(fmt).clamp(-fmt.qmax, fmt.qmax)
-    y = torch.cat([y, torch.tensor([float("nan"), -float("nan")] + [0.0] * 14)])
+@pytest.mark.parametrize(("name", "nonneg"), FP8_STATES)
+def test_integer_fp8_code_is_the_reference_encode_on_the_whole_float_range(name, nonneg):
+    """:func:`fp8_code` of every 4099th fp32 bit pattern of either sign (every exponent, subnormals,
+    infinities) against ``formats.encode``; NaN, which the reference makes code 0x7F, saturates at the
+    largest finite magnitude with its sign (only a flagged block holds a NaN, and its special code
+    replaces whatever this gives)."""
+    fmt = StateFormat(name, 64, 0, nonneg)
+    pattern = torch.arange(0, 0x7F800001, 4099, dtype=torch.int64)
+    pattern = torch.cat([pattern, pattern | 0x80000000, torch.tensor([0x7F800000, 0xFF800000])])
+    y = torch.where(pattern >= 2**31, pattern - 2**32, pattern).to(torch.int32).view(torch.float32)
+    y = torch.cat([y, _fp8_probe_values(fmt), torch.tensor([float("nan"), -float("nan")])])
     codes = torch.empty(y.numel(), dtype=torch.uint8)
-    m, e = (3, -6) if name == "fp8_e4m3" else (2, -14)
-    _fp8_code_kernel[(triton.cdiv(y.numel(), 1024),)](y, codes, y.numel(), m, e, BLOCK=1024)
-    assert torch.equal(codes, y.to(fmt.code_dtype).view(torch.uint8))
+    m, e = fmt.mantissa_bits, fmt.min_exponent
+    _fp8_code_kernel[(triton.cdiv(y.numel(), 2**16),)](y, codes, y.numel(), m, e, nonneg, BLOCK=2**16)
+    number = ~torch.isnan(y)
+    assert torch.equal(codes[number], encode(y[number], fmt).view(torch.uint8))
+    top = encode(torch.tensor([fmt.qmax, -fmt.qmax]), fmt).view(torch.uint8)
+    assert torch.equal(codes[~number], top)
+
+
+def test_bf16_rounding_and_stores_are_to_nearest_even_on_the_whole_float_range():
+    """``round_to`` bf16, the rounding bf16 store and the ``ROUNDED`` one (the top half of a rounded
+    value) against torch's cast: every 4099th fp32 pattern of either sign and the ties and their
+    neighbours of every 7th bf16 (subnormals, overflow to inf, inf); NaN stays NaN."""
+    pattern = torch.cat([torch.arange(0, 2**32, 4099, dtype=torch.int64),
+                         *((torch.arange(0, 2**16, 7, dtype=torch.int64) << 16) | low for low in (0x7FFF, 0x8000, 0x8001)),
+                         torch.tensor([0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7FC00001])])
+    x = torch.where(pattern >= 2**31, pattern - 2**32, pattern).to(torch.int32).view(torch.float32)
+    rounded, stored, stored_rounded = torch.empty_like(x), *(torch.empty(x.numel(), dtype=torch.bfloat16)
+                                                            for _ in range(2))
+    _bf16_kernel[(triton.cdiv(x.numel(), 2**16),)](x, rounded, stored, stored_rounded, x.numel(), BLOCK=2**16)
+    expected = x.to(torch.bfloat16)
+    number = ~torch.isnan(x)
+    assert torch.equal(bits(rounded[number]), bits(expected[number].float()))
+    for out in (stored, stored_rounded):
+        assert torch.equal(bits(out[number]), bits(expected[number]))
+        assert out[~number].isnan().all()
+    assert rounded[~number].isnan().all()
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # signalling NaNs

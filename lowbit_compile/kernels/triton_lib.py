@@ -75,8 +75,10 @@ def f32_to_bf16_bits(x):
 @triton.jit
 def round_to(x, DTYPE: tl.constexpr):
     """``x`` rounded to DTYPE (to nearest even) and held in fp32: what an eager op of that dtype stores."""
-    if DTYPE == BF16:
-        return bf16_bits_to_f32(f32_to_bf16_bits(x))
+    if DTYPE == BF16:  # f32_to_bf16_bits in place: the rounded pattern's low half cleared
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        return tl.where(x != x, (bits | 0x400000) & -65536, rounded).to(tl.float32, bitcast=True)
     elif DTYPE == F16:
         return x.to(tl.float16).to(tl.float32)
     else:
@@ -93,10 +95,15 @@ def load_elements(ptr, offsets, mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def store_elements(ptr, offsets, x, mask, DTYPE: tl.constexpr):
-    """Store fp32 values into a tensor of DTYPE, rounding to nearest even (``copy_``)."""
+def store_elements(ptr, offsets, x, mask, DTYPE: tl.constexpr, ROUNDED: tl.constexpr = False):
+    """Store fp32 values into a tensor of DTYPE, rounding to nearest even (``copy_``); ``ROUNDED``: ``x``
+    already holds DTYPE values (:func:`round_to`'s), so a bf16's bits are the top half of x's."""
     if DTYPE == BF16:
-        tl.store(ptr + offsets, f32_to_bf16_bits(x).to(tl.bfloat16, bitcast=True), mask=mask)
+        if ROUNDED:
+            bits = (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+        else:
+            bits = f32_to_bf16_bits(x)
+        tl.store(ptr + offsets, bits.to(tl.bfloat16, bitcast=True), mask=mask)
     elif DTYPE == F16:
         tl.store(ptr + offsets, x.to(tl.float16), mask=mask)
     else:
@@ -127,39 +134,53 @@ def round_to_fp8(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     return tl.where(y.to(tl.int32, bitcast=True) < 0, neg(magnitude), magnitude)
 
 
-@triton.jit
-def fp8_code(r, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    """The fp8 bit pattern (as uint8) of ``r``, a finite value :func:`round_to_fp8` returned, or NaN
-    (0x7F with the sign): the fp32 exponent rebiased and the mantissa truncated (exact, no bits are
-    lost), or below the smallest normal the multiple of the subnormal unit. ``cpu_prelude.h``'s
-    ``lb_encode_fp8`` gives the same codes, rounding the fp32 bits themselves."""
-    bits = r.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    magnitude = bits & 0x7FFFFFFF
-    smallest_normal = (127 + MIN_EXPONENT) << 23
-    normal = (magnitude >> (23 - MANTISSA_BITS)) - ((127 + MIN_EXPONENT - 1) << MANTISSA_BITS)
-    below = tl.minimum(magnitude, smallest_normal).to(tl.float32, bitcast=True)  # in range of the int cast
-    subnormal = (below * (2.0 ** (MANTISSA_BITS - MIN_EXPONENT))).to(tl.int32)
-    code = tl.where(magnitude >= smallest_normal, normal, subnormal)
-    return (tl.where(r != r, 0x7F, code) | sign).to(tl.uint8)
+# fp32 bit patterns of the fp8 formats' largest finite values (formats.StateFormat.qmax, 448 and 57344)
+E4M3_TOP_BITS = tl.constexpr(0x43E00000)
+E5M2_TOP_BITS = tl.constexpr(0x47600000)
 
 
 @triton.jit
-def fp8_value(code, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    """The fp32 value of fp8 codes held in uint8, subnormals, infinities (e5m2) and NaNs included: the
-    exponent rebiased into fp32's, or the subnormal multiple of ``2**(MIN_EXPONENT - MANTISSA_BITS)``.
-    ``cpu_prelude.h``'s ``lb_decode_fp8`` gives the same values through an fp16 conversion."""
-    u = code.to(tl.int32)
-    exponent = (u & 0x7F) >> MANTISSA_BITS
-    mantissa = u & ((1 << MANTISSA_BITS) - 1)
-    normal = ((exponent + (127 + MIN_EXPONENT - 1)) << 23) | (mantissa << (23 - MANTISSA_BITS))
-    subnormal = (mantissa.to(tl.float32) * (2.0 ** (MIN_EXPONENT - MANTISSA_BITS))).to(tl.int32, bitcast=True)
-    bits = tl.where(exponent == 0, subnormal, normal)
-    if MANTISSA_BITS == 3:  # e4m3fn: no infinities, only S.1111.111 is NaN
-        bits = tl.where((u & 0x7F) == 0x7F, 0x7FC00000, bits)
-    else:  # e5m2: the top exponent is infinity or NaN, as in IEEE
-        bits = tl.where(exponent == 31, (255 << 23) | (mantissa << 21), bits)
-    return (bits | ((u & 0x80) << 24)).to(tl.float32, bitcast=True)
+def fp8_code(y, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, NONNEG: tl.constexpr):
+    """``formats.encode`` of fp8 as uint8 bits, by integer arithmetic on fp32's: |y| clamped to the
+    largest finite value (NaN too: only a flagged block holds one, and its special code replaces it),
+    from the smallest normal up the bits rounded to ``MANTISSA_BITS`` half to even with the exponent
+    rebiased, below it the subnormal multiple that adding a power of two rounds in fp32; the sign bit as
+    is (-0 is 0x80), and for a non-negative state a positive y at least code 1. ``cpu_prelude.h``'s
+    ``lb_encode_fp8`` is the same."""
+    bits = y.to(tl.int32, bitcast=True)
+    a = tl.minimum(bits & 0x7FFFFFFF, E4M3_TOP_BITS if MANTISSA_BITS == 3 else E5M2_TOP_BITS)
+    normal = (a + (((1 << (22 - MANTISSA_BITS)) - 1) - ((126 + MIN_EXPONENT) << 23)) +
+              ((a >> (23 - MANTISSA_BITS)) & 1)) >> (23 - MANTISSA_BITS)
+    # |y| + 2^(MIN_EXPONENT - MANTISSA_BITS + 23), where fp32's unit is the subnormal unit
+    carrier = a.to(tl.float32, bitcast=True) + 2.0 ** (MIN_EXPONENT - MANTISSA_BITS + 23)
+    subnormal = carrier.to(tl.int32, bitcast=True) - ((127 + MIN_EXPONENT - MANTISSA_BITS + 23) << 23)
+    code = tl.where(a < ((127 + MIN_EXPONENT) << 23), subnormal, normal) | ((bits >> 24) & 0x80)
+    if NONNEG:
+        code = tl.maximum(code, tl.minimum(bits, 1))  # bits > 0 is y > 0
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def fp8_scaled_value(code, MANTISSA_BITS: tl.constexpr):
+    """fp8 codes held in uint8 to fp32 through fp16, whose conversion is exact (``cpu_prelude.h``'s
+    ``lb_decode_fp8``): e5m2 is fp16's high byte; e4m3's sign at fp16's and its magnitude under fp16's
+    top exponent bit are the fp16 of the value / 256 (subnormals too), an all-ones magnitude carrying
+    into that bit, which makes it NaN. The value is this times 256 for e4m3, times 1 for e5m2."""
+    if MANTISSA_BITS == 2:
+        h = code.to(tl.int32) << 8
+    else:
+        s = code.to(tl.int8, bitcast=True).to(tl.int32) << 7  # the sign in bits 14 and up, the magnitude 7-13
+        h = s ^ ((s + 0x80) & 0x4000)  # bit 14 cleared, or set for all-ones
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def fp8_value(code, MANTISSA_BITS: tl.constexpr):
+    """The fp32 value of fp8 codes held in uint8, subnormals, infinities (e5m2) and NaNs included."""
+    if MANTISSA_BITS == 3:
+        return fp8_scaled_value(code, MANTISSA_BITS) * 256.0
+    else:
+        return fp8_scaled_value(code, MANTISSA_BITS)
 
 
 # The dynamic8 lookup table (formats.dynamic_lookup_table): 256 code values, then the cells of magnitudes.
@@ -217,19 +238,16 @@ def encode(y, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.const
     elif FMT == BF16_CODES:
         return bf16_code(y, NONNEG).to(tl.bfloat16, bitcast=True)
     else:
-        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        if NONNEG:
-            y = tl.where(y > 0, tl.maximum(y, MIN_POSITIVE), y)
-        if FMT == FP8_E4M3:
-            if FP8_NATIVE:
+        if not FP8_NATIVE:
+            return fp8_code(y, 3 if FMT == FP8_E4M3 else 2, -6 if FMT == FP8_E4M3 else -14, NONNEG)
+        else:
+            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+            if NONNEG:
+                y = tl.where(y > 0, tl.maximum(y, MIN_POSITIVE), y)
+            if FMT == FP8_E4M3:
                 return round_to_fp8(y, 3, -6).to(tl.float8e4nv)
             else:
-                return fp8_code(round_to_fp8(y, 3, -6), 3, -6)
-        else:
-            if FP8_NATIVE:
                 return round_to_fp8(y, 2, -14).to(tl.float8e5)
-            else:
-                return fp8_code(round_to_fp8(y, 2, -14), 2, -14)
 
 
 @triton.jit
@@ -278,31 +296,54 @@ def code_value(bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
     elif FMT == DYNAMIC8:
         return dynamic8_value(bits, table_ptr)
     elif FMT == FP8_E4M3:
-        return fp8_value(bits, 3, -6)
+        return fp8_value(bits, 3)
     else:
-        return fp8_value(bits, 2, -14)
+        return fp8_value(bits, 2)
 
 
 @triton.jit
 def round_stochastic(x, code, bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr):
-    """``formats.round_stochastic`` of 8-bit codes (uint8 bits) from the nearest ``code`` of ``x``: the
-    adjacent code on x's side (code +- 1 in byte arithmetic) replaces it where ``u * |w - v| < |x - v|``,
-    ``u`` the top 24 random ``bits`` over 2^24 (``cpu_prelude.h``'s ``lb_round_stochastic``)."""
-    if NONNEG and FMT != FP8_E4M3 and FMT != FP8_E5M2:
-        y = tl.minimum(tl.maximum(x, 0.0), QMAX)
-    else:
-        y = tl.minimum(tl.maximum(x, -QMAX), QMAX)
-    y = tl.where(x != x, x, y)
-    v = code_value(code, table_ptr, FMT, NONNEG)
-    if FMT == FP8_E4M3 or FMT == FP8_E5M2:
-        away = tl.abs(y) > tl.abs(v)
-    else:
-        away = y > v
-    q = code.to(tl.int32)
-    other = tl.where(y == v, q, (q + tl.where(away, 1, -1)) & 0xFF)
-    w = code_value(other.to(tl.uint8), table_ptr, FMT, NONNEG)
+    """``formats.round_stochastic`` of 8-bit codes (uint8 bits) from the nearest ``code`` of a finite
+    ``x`` (sqrt8's in the root domain; the caller gives a non-finite x its special code): the adjacent
+    code on x's side (code +- 1 in byte arithmetic) replaces it where ``u * |w - v| < |x - v|``, ``u``
+    the top 24 random ``bits`` over 2^24 (``cpu_prelude.h``'s ``lb_round_stochastic``). Where x is a
+    code's value nothing moves (``|x - v|`` is 0), so the adjacent code needs no case of its own. int8's
+    neighbours are 1 apart; sqrt8 works on magnitudes, the value the square of the clamped root, its
+    code's value ``c * c`` and the neighbour's ``|2c +- 1|`` away, all exact: neither decodes twice."""
     u = (bits >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
-    out = tl.where((u * tl.abs(w - v) < tl.abs(y - v)) & (tl.abs(x) < float("inf")), other, q)
+    if FMT == SQRT8:  # the clamp and rounding of encode, which the compiler shares
+        if NONNEG:
+            a = tl.minimum(tl.maximum(x, 0.0), QMAX**0.5)
+        else:
+            a = tl.minimum(tl.abs(x), QMAX**0.5)
+        c = rne(a)
+        y = a * a
+        v = c * c
+        step = tl.where(y > v, 1.0, -1.0)
+        m = tl.where(u * tl.abs(tl.fma(c, 2.0, step)) < tl.abs(y - v), c + step, c)
+        if NONNEG:
+            out = m.to(tl.int32)
+        else:
+            out = tl.where(x < 0, neg(m), m).to(tl.int8).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        if NONNEG and FMT != FP8_E4M3 and FMT != FP8_E5M2:
+            y = tl.minimum(tl.maximum(x, 0.0), QMAX)
+        else:
+            y = tl.minimum(tl.maximum(x, -QMAX), QMAX)
+        q = code.to(tl.int32)
+        if FMT == INT8:
+            c = code_value(code, table_ptr, FMT, NONNEG)
+            up = y > c
+            out = tl.where(u < tl.abs(y - c), q + tl.where(up, 1, -1), q)
+        else:
+            v = code_value(code, table_ptr, FMT, NONNEG)
+            if FMT == FP8_E4M3 or FMT == FP8_E5M2:
+                away = tl.abs(y) > tl.abs(v)
+            else:
+                away = y > v
+            other = (q + tl.where(away, 1, -1)) & 0xFF
+            w = code_value(other.to(tl.uint8), table_ptr, FMT, NONNEG)
+            out = tl.where(u * tl.abs(w - v) < tl.abs(y - v), other, q)
     if NONNEG:
         out = tl.where((x > 0) & (out == 0), 1, out)
     return out.to(tl.uint8)
@@ -395,14 +436,14 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_p
         elif FP8_NATIVE:  # float8 codes (no `other`: the interpreter cannot cast a fill value to fp8)
             codes = tl.load(codes_ptr + offsets, mask=mask)
             values = tl.where(mask, codes.to(tl.float32), 0.0)
-        elif FMT == FP8_E4M3:  # fp8 codes as their uint8 bits
+        else:  # fp8 codes as their uint8 bits, decoded to values / unit (the unit goes into the scale)
             codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
-            values = fp8_value(codes, 3, -6)
-        else:
-            codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
-            values = fp8_value(codes, 2, -14)
+            values = fp8_scaled_value(codes, 3 if FMT == FP8_E4M3 else 2)
         scale = tl.load(scales_ptr + rows, mask=row_mask, other=0.0)
-        scaled = values * tl.abs(scale)[:, None]
+        if FMT == FP8_E4M3 and not FP8_NATIVE:
+            scaled = values * (tl.abs(scale) * 256.0)[:, None]  # exact: the scale is below FLT_MAX / 448
+        else:
+            scaled = values * tl.abs(scale)[:, None]
         if any_set(scale.to(tl.int32, bitcast=True) < 0):  # a flagged block
             flagged = (scale.to(tl.int32, bitcast=True) < 0)[:, None]
             bits = code_bits(codes, FMT, FP8_NATIVE)
@@ -507,9 +548,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
                              tl.minimum(tl.maximum(y, -FLAGGED_QMAX), FLAGGED_QMAX), y)
         codes = encode(y, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
         code = code_bits(codes, FMT, FP8_NATIVE)
-        if STREAM != 0:  # from the value (sqrt8: the root's square)
-            if FMT == SQRT8:
-                y = y * tl.abs(y)
+        if STREAM != 0:
             code = round_stochastic(y, code, bits, table_ptr, FMT, NONNEG, QMAX)
         if any_flagged:
             special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)

@@ -296,7 +296,9 @@ class TritonPrinter:
     def store(self, node: Node, value: Value) -> None:
         dtype = node.meta["val"].dtype
         self.written.add(node)
-        self.lines.append(f"lb.store_elements({self.param(node)}, offsets, {value.text}, mask, {_DTYPE_IDS[dtype]})")
+        rounded = ", ROUNDED=True" if dtype == torch.bfloat16 and value.dtype == dtype else ""  # held as bf16
+        self.lines.append(f"lb.store_elements({self.param(node)}, offsets, {value.text}, mask, {_DTYPE_IDS[dtype]}"
+                          f"{rounded})")
 
     def _state_args(self, access: StateAccess) -> list[str]:
         codes, scales, patch_values, patch_index = access.parts
