@@ -36,14 +36,12 @@ SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.R
              torch.optim.Rprop)
 # The stock optimizers whose step is not elementwise but runs in stages (passes/stages.py): traced at
 # each parameter's shape, its matmuls and norms as torch ops, its per-element states low-bit.
-STAGED = (torch.optim.Muon,)
+STAGED = (torch.optim.Muon, torch.optim.Adafactor)
 REWRITTEN = SUPPORTED + STAGED  # what enable() rewrites and lowbit_compile() accepts without a probe
 REFUSED = {
     torch.optim.LBFGS: "its step re-evaluates the closure in a line search and mixes every parameter "
                        "(dot products and a history over the flattened gradient)",
     torch.optim.SparseAdam: "it steps sparse gradients only, updating the rows they touch",
-    torch.optim.Adafactor: "it factors the second moment of a matrix into row and column means and scales "
-                           "the update by its norm",
 }
 
 
@@ -138,7 +136,7 @@ def _check_optimizer(opt: object) -> None:
             )
     for i, group in enumerate(opt.param_groups):
         _check_group(f"param_groups[{i}]", group)
-    if not isinstance(opt, REWRITTEN):  # one's own optimizer: trace its step now, to refuse it here if need be
+    if not isinstance(opt, SUPPORTED):  # a staged or one's own step: trace it now, to refuse it here if need be
         for group in opt.param_groups:
             for param in {p.dim(): p for p in group["params"]}.values():
                 probe_schema(opt, group, param)

@@ -166,7 +166,6 @@ def test_a_branch_on_the_step_count_is_traced_once_per_outcome(monkeypatch, cls,
 @pytest.mark.parametrize(("cls", "kwargs", "reason"), [
     (torch.optim.LBFGS, {}, "line search"),
     (torch.optim.SparseAdam, {}, "sparse gradients only"),
-    (torch.optim.Adafactor, {}, "row and column means"),
 ])
 def test_stock_optimizers_that_are_not_elementwise_are_refused_with_the_reason(cls, kwargs, reason):
     opt = cls([torch.nn.Parameter(torch.randn(8, 4))], **kwargs)

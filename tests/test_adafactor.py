@@ -1,0 +1,165 @@
+"""Adafactor runs in stages like Muon: its row and column factors are states reduced over the
+parameter (the pass tells them from per-element ones by their shape) and keep their stock storage; a
+vector's per-element ``variance`` is low-bit like any per-element state. fp32 is stock bit for bit on
+every optim_db input torch has for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit_compile import checkpoint, lowbit_compile, memory_report
+from lowbit_compile.state import QuantizedState
+from lowbit_compile.state_schema import probe_schema
+from tests.helpers import assert_same, optim_db_params, saved_and_loaded, state_bits, step_twins, train
+
+STEPS = 6
+
+
+def _params(dtype=torch.float32):
+    """Wide, tall and 3-D tensors (factored over their last two dimensions), a non-contiguous matrix
+    and a vector (a per-element variance); of whole multiples of 32 elements (as tests/test_muon.py)."""
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in [(24, 8), (8, 24), (2, 4, 32), (64,)]]
+    params.append(torch.nn.Parameter(torch.randn(32, 12).to(dtype).t()))
+    return params
+
+
+def _twins(kwargs, dtype=torch.float32):
+    a = _params(dtype)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b):  # keep the non-contiguous layout in the twin
+        if not p.is_contiguous():
+            q.data = p.detach().t().clone().t()
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.03}]  # noqa: E731
+    return a, b, torch.optim.Adafactor(groups(a), **kwargs), torch.optim.Adafactor(groups(b), **kwargs)
+
+
+def _assert_stock(a, b, opt_a, opt_b):
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        assert opt_a.state[p].keys() == opt_b.state[q].keys()
+        for key, value in opt_b.state[q].items():
+            ours = opt_a.state[p][key]
+            assert type(ours) is torch.Tensor and ours.dtype == value.dtype and torch.equal(ours, value), key
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize(("cls", "kwargs"), optim_db_params([torch.optim.Adafactor]))
+def test_fp32_is_bitwise_stock(cls, kwargs, backend):
+    a, b, opt_a, opt_b = _twins(kwargs)
+    lowbit_compile(opt_a, "fp32", backend=backend)
+    step_twins(a, b, opt_a, opt_b, steps=STEPS)
+    _assert_stock(a, b, opt_a, opt_b)
+
+
+@pytest.mark.parametrize("kwargs", [{"eps": (1e-30, 1e-3), "weight_decay": 0.1}, {"maximize": True}],
+                         ids=["eps1", "maximize"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp32_is_bitwise_stock_for_16bit_params(kwargs, dtype):
+    """Stock Adafactor keeps a 16-bit parameter's factors and variance in its dtype (and its default
+    eps1 is that dtype's epsilon); the staged step with passthrough states does the same."""
+    a, b, opt_a, opt_b = _twins(kwargs, dtype)
+    lowbit_compile(opt_a, "fp32", backend="cpu")
+    step_twins(a, b, opt_a, opt_b, steps=STEPS)
+    _assert_stock(a, b, opt_a, opt_b)
+
+
+def test_reduced_states_are_told_from_per_element_ones_by_the_pass():
+    """No list per optimizer: a state of a matrix's shape reduced over a dimension (row and column
+    factors) keeps its stock storage; a vector's variance is per element, not proven never negative:
+    its lerp weight ``step ** beta2_decay`` is in [0, 1] only for step counts >= 1, which the proof
+    does not assume of a scalar state."""
+    opt = torch.optim.Adafactor([torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))])
+    matrix, vector = (probe_schema(opt, opt.param_groups[0], p) for p in opt.param_groups[0]["params"])
+    assert matrix.shaped and matrix.per_element == ()
+    assert {k: v[0] for k, v in matrix.init} == {"row_var": "reduced", "col_var": "reduced", "step": "tensor"}
+    assert dict(matrix.init)["row_var"][1] == (True, False) and dict(matrix.init)["col_var"][1] == (False, True)
+    assert vector.per_element == ("variance",) and vector.nonneg == frozenset()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_8bit_variance_steps_as_stock_from_its_state_and_factors_stay_stock(backend):
+    """By default the vector's variance is 8-bit: each step is stock fp32's from the stored variance,
+    within the format's error; every factored tensor steps exactly as stock, its factors fp32 tensors
+    of stock's shapes and values."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(96, 48), (2, 16, 24), (4096,)]]
+    shadow = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = lowbit_compile(torch.optim.Adafactor(params, lr=0.01), backend=backend)
+    stock = torch.optim.Adafactor(shadow, lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    vector, twin = params[2], shadow[2]
+    for _ in range(4):
+        twin.data.copy_(vector)
+        if vector in opt.state:
+            stock.state[twin]["variance"] = opt.state[vector]["variance"].dequantize(torch.float32)
+        for p, s in zip(params, shadow):
+            p.grad = torch.randn(p.shape, generator=gen)
+            s.grad = p.grad.clone()
+        opt.step()
+        stock.step()
+        for p, s in zip(params[:2], shadow[:2]):
+            assert torch.equal(p, s)
+            for key in ("row_var", "col_var"):
+                ours, ref = opt.state[p][key], stock.state[s][key]
+                assert type(ours) is torch.Tensor and ours.shape == ref.shape and torch.equal(ours, ref)
+        ours, ref = opt.state[vector]["variance"], stock.state[twin]["variance"]
+        assert isinstance(ours, QuantizedState) and ours.codes.dtype.itemsize == 1
+        assert 0 < (ours.dequantize(torch.float32) - ref).abs().max() < 0.05 * ref.abs().max()
+        assert (vector - twin).abs().max() < 1e-4
+
+
+def _matrices_and_vector():
+    return [torch.nn.Parameter(torch.randn(s)) for s in [(96, 48), (4096,)]]
+
+
+def test_resume_continues_bitwise_like_an_uninterrupted_run():
+    params = _matrices_and_vector()
+    opt = lowbit_compile(torch.optim.Adafactor(params, lr=0.01))
+    train(opt, params, 3, seed=1)
+    assert isinstance(opt.state[params[1]]["variance"], QuantizedState)
+    saved = saved_and_loaded({"params": [p.detach().clone() for p in params], "optim": opt.state_dict()})
+    train(opt, params, 3, seed=2)
+
+    resumed = [torch.nn.Parameter(p) for p in saved["params"]]
+    opt2 = lowbit_compile(torch.optim.Adafactor(resumed, lr=0.5))
+    opt2.load_state_dict(saved["optim"])
+    assert opt2.param_groups[0]["lr"] == 0.01
+    train(opt2, resumed, 3, seed=2)
+    assert_same([p.detach() for p in params], [q.detach() for q in resumed])
+    assert_same(state_bits(opt, params), state_bits(opt2, resumed))
+    for key in ("row_var", "col_var"):
+        assert torch.equal(opt.state[params[0]][key], opt2.state[resumed[0]][key])
+
+
+def test_a_stock_checkpoint_loads_and_exports_back_to_stock():
+    params = _matrices_and_vector()
+    stock = torch.optim.Adafactor(params, lr=0.01)
+    train(stock, params, 2, seed=1)
+    opt = lowbit_compile(torch.optim.Adafactor(params, lr=0.01))
+    opt.load_state_dict(saved_and_loaded(stock.state_dict()))
+    assert isinstance(opt.state[params[1]]["variance"], QuantizedState)
+    assert torch.equal(opt.state[params[0]]["row_var"], stock.state[params[0]]["row_var"])
+    train(opt, params, 1, seed=2)
+    again = torch.optim.Adafactor(params, lr=0.01)
+    again.load_state_dict(checkpoint.stock_state_dict(opt))
+    assert again.state[params[1]]["variance"].dtype == torch.float32
+    train(again, params, 1, seed=3)
+
+
+def test_memory_report_counts_the_factors_in_their_stock_storage():
+    params = _matrices_and_vector()
+    opt = lowbit_compile(torch.optim.Adafactor(params, lr=0.01))
+    train(opt, params, 1, seed=1)
+    report = memory_report(opt)
+    assert report.per_state["row_var"].bytes == 96 * 4 and report.per_state["col_var"].bytes == 48 * 4
+    assert report.per_state["variance"].bytes < 4096 * 1.1
+
+
+def test_a_tensor_lr_is_refused_when_wrapped_with_the_fix():
+    """Adafactor's ``min(lr, 1 / step ** 0.5)`` compares a tensor lr with a number: refused before anything
+    changes, naming the option."""
+    opt = torch.optim.Adafactor([torch.nn.Parameter(torch.randn(8, 4))], lr=torch.tensor(0.01))
+    with pytest.raises(NotImplementedError, match=r"lr=torch.tensor.*Python float"):
+        lowbit_compile(opt)
+    assert "step" not in opt.__dict__ and not opt.state
