@@ -35,7 +35,8 @@ SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.R
              torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
              torch.optim.Rprop)
 # The stock optimizers whose step is not elementwise but runs in stages (passes/stages.py): traced at
-# each parameter's shape, its matmuls and norms as torch ops, its per-element states low-bit.
+# each parameter's shape, its matmuls and norms as torch ops, its per-element states low-bit (Adafactor's
+# row and column factors, reduced over the parameter, keep their stock storage).
 STAGED = (torch.optim.Muon, torch.optim.Adafactor)
 REWRITTEN = SUPPORTED + STAGED  # what enable() rewrites and lowbit_compile() accepts without a probe
 REFUSED = {
@@ -53,7 +54,8 @@ def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT,
     Args:
         opt: a ``torch.optim`` optimizer whose step is elementwise over each parameter (Adam, AdamW,
             SGD, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop, or a subclass of
-            ``torch.optim.Optimizer`` of one's own); its existing fp32 state is converted.
+            ``torch.optim.Optimizer`` of one's own), or one that runs in stages (Muon, Adafactor); its
+            existing fp32 state is converted.
 <OPTIONS>
 
     Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
