@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit_compile import checkpoint, lowbit_compile, memory_report
+from lowbit_compile import checkpoint, enable, is_wrapped, lowbit_compile, memory_report, optim
 from lowbit_compile.state import QuantizedState
 from lowbit_compile.state_schema import probe_schema
 from tests.helpers import assert_same, optim_db_params, saved_and_loaded, state_bits, step_twins, train
@@ -75,6 +75,31 @@ def test_reduced_states_are_told_from_per_element_ones_by_the_pass():
     assert {k: v[0] for k, v in matrix.init} == {"row_var": "reduced", "col_var": "reduced", "step": "tensor"}
     assert dict(matrix.init)["row_var"][1] == (True, False) and dict(matrix.init)["col_var"][1] == (False, True)
     assert vector.per_element == ("variance",) and vector.nonneg == frozenset()
+
+
+def test_factors_of_the_params_shape_stay_stock():
+    """A column vector's row factor has the param's shape, yet it is a reduced state (the probe tells it
+    at a shape where they differ): it stays stock, and 8-bit formats leave such params stock bit for bit."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(64, 1), (1, 64), (1, 1), (3, 1, 5)]]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = lowbit_compile(torch.optim.Adafactor(params, lr=0.01), "int8", min_8bit_size=0, backend="cpu")
+    stock = torch.optim.Adafactor(twins, lr=0.01)
+    step_twins(params, twins, opt, stock, steps=3)
+    _assert_stock(params, twins, opt, stock)
+
+
+def test_the_adafactor_class_and_enable_step_like_the_explicit_wrap():
+    params = _matrices_and_vector()
+    by_class, in_scope = ([torch.nn.Parameter(p.detach().clone()) for p in params] for _ in range(2))
+    explicit = lowbit_compile(torch.optim.Adafactor(params, lr=0.01))
+    train(explicit, params, 3, seed=1)
+    train(optim.Adafactor(by_class, lr=0.01), by_class, 3, seed=1)
+    with enable():
+        scoped = torch.optim.Adafactor(in_scope, lr=0.01)
+        train(scoped, in_scope, 3, seed=1)
+    assert is_wrapped(scoped) and isinstance(scoped.state[in_scope[1]]["variance"], QuantizedState)
+    for p, q, r in zip(params, by_class, in_scope):
+        assert torch.equal(p, q) and torch.equal(p, r)
 
 
 @torch.no_grad()

@@ -557,7 +557,10 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
     # generated Python (and the kernels printed from the graph) name inputs after these
     names = ["param", "grad", *(f"state_{identifier(k)}" for k in state_keys),
              *(f"hp_{identifier(s.name)}" for s in slots)]
-    inputs = [GraphInput(Role.PARAM), GraphInput(Role.GRAD), *(GraphInput(Role.STATE, k) for k in state_keys),
+    # a state not per element is scalar even where its shape is the param's (Adafactor's row factor of
+    # a column vector): the probe of the schema decides, at a shape where they differ
+    inputs = [GraphInput(Role.PARAM), GraphInput(Role.GRAD),
+              *(GraphInput(Role.STATE if k in per_element else Role.SCALAR_STATE, k) for k in state_keys),
               *(GraphInput(Role.HYPERPARAMETER, s) for s in slots)]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name, desc in zip(placeholders, names, inputs):
