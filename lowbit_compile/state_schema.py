@@ -102,14 +102,14 @@ def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor)
                 init.append((name, ("fill", first.item(), value.dtype)))
             else:
                 init.append((name, ("computed", value.dtype)))
-        elif _reduced_dims(value, probed) is not None:
+        elif (kept := _reduced_dims(value, probed)) is not None:
             first = value.reshape(-1)[0]
             if not (torch.all(value == first) and _same(value, again)):
                 raise NotElementwiseError(
                     f"{type(opt).__name__} starts its state {name!r}, reduced over the parameter's dimensions, "
                     "from the parameter's or the gradient's values; lowbit-compile starts such states from a "
                     "constant only")
-            init.append((name, ("reduced", _reduced_dims(value, probed), first.item(), value.dtype)))
+            init.append((name, ("reduced", kept, first.item(), value.dtype)))
         elif not _same(value, again):
             raise NotElementwiseError(
                 f"{type(opt).__name__} starts its state {name!r} from the parameter's or the gradient's "
@@ -137,7 +137,7 @@ def _reduced_dims(value: object, shape: tuple[int, ...]) -> tuple[bool, ...] | N
     return tuple(v == s for v, s in zip(value.shape, shape))
 
 
-def reduced_shape(shape: Sequence[int], kept: tuple[bool, ...]) -> tuple[int, ...]:
+def _reduced_shape(shape: Sequence[int], kept: tuple[bool, ...]) -> tuple[int, ...]:
     """The shape of a state of a parameter of ``shape`` reduced over the dimensions not ``kept``."""
     return tuple(s if k else 1 for s, k in zip(shape, kept))
 
@@ -251,7 +251,7 @@ def _infer_nonneg(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor,
             first[name] = torch.empty(0, dtype=rest[1], device=param.device)
         elif kind == "reduced":
             kept, value, dtype = rest
-            first[name] = torch.full(reduced_shape(shape, kept), value, dtype=dtype, device=param.device)
+            first[name] = torch.full(_reduced_shape(shape, kept), value, dtype=dtype, device=param.device)
         elif kind == "tensor":
             first[name] = rest[0]
         elif kind == "value":
@@ -278,7 +278,7 @@ def init_state(param: torch.Tensor, schema: StateSchema, formats: dict[str, Stat
             state[name] = filled(param, value, formats[name], dtype)
         elif kind == "reduced":
             kept, value, dtype = rest
-            state[name] = torch.full(reduced_shape(param.shape, kept), value, dtype=dtype, device=param.device)
+            state[name] = torch.full(_reduced_shape(param.shape, kept), value, dtype=dtype, device=param.device)
         elif kind == "tensor":
             state[name] = rest[0].clone()
         elif kind == "value":
@@ -311,7 +311,7 @@ def example_state(state: dict, schema: StateSchema, param: torch.Tensor) -> dict
             example[name] = torch.empty(0, dtype=rest[1], device=device)
         elif kind == "reduced":
             kept, value, dtype = rest
-            example[name] = torch.full(reduced_shape(param.shape, kept), value, dtype=dtype, device=device)
+            example[name] = torch.full(_reduced_shape(param.shape, kept), value, dtype=dtype, device=device)
         elif kind in ("tensor", "value"):
             example[name] = rest[0]
     return example
