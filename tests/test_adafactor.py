@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from expecttest import TestCase
 
 from lowbit_compile import checkpoint, enable, is_wrapped, lowbit_compile, memory_report, optim
+from lowbit_compile.config import Config
+from lowbit_compile.options import Options
+from lowbit_compile.passes.quantize_states import quantize_states
+from lowbit_compile.passes.roles import label_roles
+from lowbit_compile.passes.stages import split_stages
 from lowbit_compile.state import QuantizedState
-from lowbit_compile.state_schema import probe_schema
+from lowbit_compile.state_schema import init_state, probe_schema
+from lowbit_compile.trace_cache import trace_for
 from tests.helpers import assert_same, optim_db_params, saved_and_loaded, state_bits, step_twins, train
 
 STEPS = 6
@@ -188,3 +195,70 @@ def test_a_tensor_lr_is_refused_when_wrapped_with_the_fix():
     with pytest.raises(NotImplementedError, match=r"lr=torch.tensor.*Python float"):
         lowbit_compile(opt)
     assert "step" not in opt.__dict__ and not opt.state
+
+
+def _staged(shape, fmt="sqrt8"):
+    param = torch.nn.Parameter(torch.randn(shape))
+    opt = torch.optim.Adafactor([param])
+    group = opt.param_groups[0]
+    schema = probe_schema(opt, group, param)
+    formats = dict(Config.of(Options(fmt, 512, 0, min_8bit_size=0, backend="reference"))
+                   .formats_for(param, schema.per_element, nonneg=schema.nonneg))
+    traced = trace_for(opt, group, param, init_state(param, schema, formats), schema.per_element,
+                       shape=schema.trace_shape(param)).graph
+    return split_stages(quantize_states(label_roles(traced, staged=True), formats))
+
+
+class TestAdafactorStages(TestCase):
+    def test_a_vectors_8bit_variance_is_read_and_written_in_the_first_fused_stage(self):
+        """The update (``rsqrt`` of the variance times the grad) leaves the fused stage as a temporary
+        for its norm; the step size from the param's norm enters the last stage as a host number."""
+        self.assertExpectedInline(_staged((8,)).code.strip(), """\
+def forward(self, param, grad, state_step, variance_codes, variance_scales, variance_patch_values, variance_patch_index, hp_lr, hp_beta2_decay, hp_d, hp_weight_decay):
+    tmp_0 = torch.ops.aten.empty_like.default(param, dtype = torch.float32, memory_format = torch.contiguous_format)
+    tmp_1 = torch.ops.aten.empty_like.default(param, dtype = torch.float32, memory_format = torch.contiguous_format)
+    stage_0 = self.stage_0(param, grad, state_step, variance_codes, variance_scales, variance_patch_values, variance_patch_index, hp_beta2_decay, tmp_0, tmp_1);  grad = variance_codes = variance_scales = variance_patch_values = variance_patch_index = hp_beta2_decay = stage_0 = None
+    stage_1 = self.stage_1(state_step, hp_lr, hp_d, tmp_0, tmp_1);  hp_lr = hp_d = tmp_0 = None
+    tmp_2 = stage_1[0];  stage_1 = None
+    stage_2 = self.stage_2(param, state_step, tmp_1, tmp_2);  param = state_step = tmp_1 = tmp_2 = stage_2 = None
+    return None""")
+
+    def test_a_matrixs_factors_are_written_by_torch_ops(self):
+        self.assertExpectedInline(_staged((6, 4)).stage_1.code.strip(), """\
+def forward(self, grad, state_step, state_row_var, state_col_var, hp_lr, hp_beta2_decay, hp_d, tmp_0):
+    add = torch.ops.aten.add.Tensor(state_step, 1);  state_step = None
+    _local_scalar_dense = torch.ops.aten._local_scalar_dense.default(add);  add = None
+    pow_1 = _local_scalar_dense ** hp_beta2_decay;  hp_beta2_decay = None
+    pow_2 = _local_scalar_dense ** 0.5;  _local_scalar_dense = None
+    truediv = 1.0 / pow_2;  pow_2 = None
+    sym_min = torch.sym_min(hp_lr, truediv);  hp_lr = truediv = None
+    linalg_vector_norm = torch.ops.aten.linalg_vector_norm.default(tmp_0);  tmp_0 = None
+    _local_scalar_dense_1 = torch.ops.aten._local_scalar_dense.default(linalg_vector_norm);  linalg_vector_norm = None
+    truediv_1 = _local_scalar_dense_1 / 4.898979485566356;  _local_scalar_dense_1 = None
+    sym_max = torch.sym_max(truediv_1, 0.001);  truediv_1 = None
+    mul = sym_max * sym_min;  sym_max = sym_min = None
+    linalg_vector_norm_1 = torch.ops.aten.linalg_vector_norm.default(grad, 2, [-1], True)
+    pow_3 = torch.ops.aten.pow.Tensor_Scalar(linalg_vector_norm_1, 2);  linalg_vector_norm_1 = None
+    div = torch.ops.aten.div.Tensor(pow_3, 4);  pow_3 = None
+    lerp = torch.ops.aten.lerp.Scalar(state_row_var, div, pow_1);  div = None
+    linalg_vector_norm_2 = torch.ops.aten.linalg_vector_norm.default(grad, 2, [-2], True)
+    pow_4 = torch.ops.aten.pow.Tensor_Scalar(linalg_vector_norm_2, 2);  linalg_vector_norm_2 = None
+    div_1 = torch.ops.aten.div.Tensor(pow_4, 6);  pow_4 = None
+    lerp_1 = torch.ops.aten.lerp.Scalar(state_col_var, div_1, pow_1);  div_1 = pow_1 = None
+    mm = torch.ops.aten.mm.default(lerp, lerp_1)
+    mean = torch.ops.aten.mean.dim(lerp, [-2], True)
+    clamp = torch.ops.aten.clamp.default(mean, 1.1920928955078125e-07);  mean = None
+    div_2 = torch.ops.aten.div.Tensor(mm, clamp);  mm = clamp = None
+    clamp_1 = torch.ops.aten.clamp.default(div_2, 1.4210854715202004e-14);  div_2 = None
+    rsqrt = torch.ops.aten.rsqrt.default(clamp_1);  clamp_1 = None
+    mul_1 = torch.ops.aten.mul.Tensor(rsqrt, grad);  rsqrt = grad = None
+    linalg_vector_norm_3 = torch.ops.aten.linalg_vector_norm.default(mul_1)
+    _local_scalar_dense_2 = torch.ops.aten._local_scalar_dense.default(linalg_vector_norm_3);  linalg_vector_norm_3 = None
+    mul_2 = 4.898979485566356 * hp_d;  hp_d = None
+    truediv_2 = _local_scalar_dense_2 / mul_2;  _local_scalar_dense_2 = mul_2 = None
+    sym_max_1 = torch.sym_max(truediv_2, 1.0);  truediv_2 = None
+    neg = -mul;  mul = None
+    truediv_3 = neg / sym_max_1;  neg = sym_max_1 = None
+    copy__2 = torch.ops.aten.copy_.default(state_row_var, lerp);  state_row_var = lerp = copy__2 = None
+    copy__3 = torch.ops.aten.copy_.default(state_col_var, lerp_1);  state_col_var = lerp_1 = copy__3 = None
+    return (mul_1, truediv_3)""")
