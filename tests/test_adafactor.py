@@ -188,6 +188,26 @@ def test_memory_report_counts_the_factors_in_their_stock_storage():
     assert report.per_state["variance"].bytes < 4096 * 1.1
 
 
+@pytest.mark.parametrize("where", ["param", "grad"])
+def test_a_nan_stays_in_its_element_as_in_stock(where):
+    """A NaN in the param (its norm) or the grad (the update's norm) is NaN only where stock has it:
+    the step takes ``max(eps2, nan)`` and ``max(1.0, nan)`` in stock's argument order (a matrix's NaN
+    grad reaches its whole row and column factors, and every element, in stock too)."""
+    a, b, opt_a, opt_b = _twins({})
+    lowbit_compile(opt_a, "fp32", backend="cpu")
+    for p, q in zip(a, b):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+        for t in (p, q) if where == "param" else (p.grad, q.grad):
+            t.data[(1,) * t.dim()] = float("nan")
+    opt_a.step()
+    opt_b.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p.isnan(), q.isnan())
+        assert p.isnan().sum() == 1 or where == "grad" and p.dim() > 1
+        assert torch.equal(p.nan_to_num(), q.nan_to_num())
+
+
 def test_a_tensor_lr_is_refused_when_wrapped_with_the_fix():
     """Adafactor's ``min(lr, 1 / step ** 0.5)`` compares a tensor lr with a number: refused before anything
     changes, naming the option."""
@@ -231,11 +251,11 @@ def forward(self, grad, state_step, state_row_var, state_col_var, hp_lr, hp_beta
     pow_1 = _local_scalar_dense ** hp_beta2_decay;  hp_beta2_decay = None
     pow_2 = _local_scalar_dense ** 0.5;  _local_scalar_dense = None
     truediv = 1.0 / pow_2;  pow_2 = None
-    sym_min = torch.sym_min(hp_lr, truediv);  hp_lr = truediv = None
+    sym_min = min(hp_lr, truediv);  hp_lr = truediv = None
     linalg_vector_norm = torch.ops.aten.linalg_vector_norm.default(tmp_0);  tmp_0 = None
     _local_scalar_dense_1 = torch.ops.aten._local_scalar_dense.default(linalg_vector_norm);  linalg_vector_norm = None
     truediv_1 = _local_scalar_dense_1 / 4.898979485566356;  _local_scalar_dense_1 = None
-    sym_max = torch.sym_max(truediv_1, 0.001);  truediv_1 = None
+    sym_max = max(0.001, truediv_1);  truediv_1 = None
     mul = sym_max * sym_min;  sym_max = sym_min = None
     linalg_vector_norm_1 = torch.ops.aten.linalg_vector_norm.default(grad, 2, [-1], True)
     pow_3 = torch.ops.aten.pow.Tensor_Scalar(linalg_vector_norm_1, 2);  linalg_vector_norm_1 = None
@@ -256,7 +276,7 @@ def forward(self, grad, state_step, state_row_var, state_col_var, hp_lr, hp_beta
     _local_scalar_dense_2 = torch.ops.aten._local_scalar_dense.default(linalg_vector_norm_3);  linalg_vector_norm_3 = None
     mul_2 = 4.898979485566356 * hp_d;  hp_d = None
     truediv_2 = _local_scalar_dense_2 / mul_2;  _local_scalar_dense_2 = mul_2 = None
-    sym_max_1 = torch.sym_max(truediv_2, 1.0);  truediv_2 = None
+    sym_max_1 = max(1.0, truediv_2);  truediv_2 = None
     neg = -mul;  mul = None
     truediv_3 = neg / sym_max_1;  neg = sym_max_1 = None
     copy__2 = torch.ops.aten.copy_.default(state_row_var, lerp);  state_row_var = lerp = copy__2 = None

@@ -309,14 +309,29 @@ _NUMBERS = (int, float, torch.SymFloat, torch.SymInt)
 
 
 def _symbolic_extremum(builtin: Callable, sym: Callable) -> Callable:
-    """``builtin`` (``max`` or ``min``) that folds symbolic numbers with ``sym`` (``torch.sym_max``),
-    in argument order as ``builtin`` does, instead of deciding which is larger at trace time."""
+    """``builtin`` (``max`` or ``min``) that folds symbolic numbers with ``sym`` (``torch.sym_max``)
+    instead of deciding which is larger at trace time, recorded in the graph as ``builtin`` of its
+    arguments in their order: ``sym`` puts a symbol first, and ``max(eps, nan)`` is not ``max(nan, eps)``."""
+
+    def pair(a: Any, b: Any) -> Any:
+        result = sym(a, b)
+        if isinstance(a, (torch.SymFloat, torch.SymInt)) or isinstance(b, (torch.SymFloat, torch.SymInt)):
+            from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+            mode = get_proxy_mode()
+            if mode is not None and result in mode.tracer.symnode_tracker:
+                node = get_proxy_slot(result, mode.tracer).force().node
+                if node.target is sym:
+                    swapped = not isinstance(a, (torch.SymFloat, torch.SymInt))
+                    node.target = builtin
+                    node.args = tuple(reversed(node.args)) if swapped else node.args
+        return result
 
     def extremum(*args: Any, **kwargs: Any) -> Any:
         if (kwargs or len(args) < 2 or not all(isinstance(a, _NUMBERS) for a in args)
                 or not any(isinstance(a, (torch.SymFloat, torch.SymInt)) for a in args)):
             return builtin(*args, **kwargs)
-        return functools.reduce(sym, args)
+        return functools.reduce(pair, args)
 
     return extremum
 
