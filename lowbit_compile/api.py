@@ -35,15 +35,14 @@ SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.R
              torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
              torch.optim.Rprop)
 # The stock optimizers whose step is not elementwise but runs in stages (passes/stages.py): traced at
-# each parameter's shape, its matmuls and norms as torch ops, its per-element states low-bit.
-STAGED = (torch.optim.Muon,)
+# each parameter's shape, its matmuls and norms as torch ops, its per-element states low-bit (Adafactor's
+# row and column factors, reduced over the parameter, keep their stock storage).
+STAGED = (torch.optim.Muon, torch.optim.Adafactor)
 REWRITTEN = SUPPORTED + STAGED  # what enable() rewrites and lowbit_compile() accepts without a probe
 REFUSED = {
     torch.optim.LBFGS: "its step re-evaluates the closure in a line search and mixes every parameter "
                        "(dot products and a history over the flattened gradient)",
     torch.optim.SparseAdam: "it steps sparse gradients only, updating the rows they touch",
-    torch.optim.Adafactor: "it factors the second moment of a matrix into row and column means and scales "
-                           "the update by its norm",
 }
 
 
@@ -55,7 +54,8 @@ def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT,
     Args:
         opt: a ``torch.optim`` optimizer whose step is elementwise over each parameter (Adam, AdamW,
             SGD, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop, or a subclass of
-            ``torch.optim.Optimizer`` of one's own); its existing fp32 state is converted.
+            ``torch.optim.Optimizer`` of one's own), or one that runs in stages (Muon, Adafactor); its
+            existing fp32 state is converted.
 <OPTIONS>
 
     Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
@@ -138,7 +138,7 @@ def _check_optimizer(opt: object) -> None:
             )
     for i, group in enumerate(opt.param_groups):
         _check_group(f"param_groups[{i}]", group)
-    if not isinstance(opt, REWRITTEN):  # one's own optimizer: trace its step now, to refuse it here if need be
+    if not isinstance(opt, SUPPORTED):  # a staged or one's own step: trace it now, to refuse it here if need be
         for group in opt.param_groups:
             for param in {p.dim(): p for p in group["params"]}.values():
                 probe_schema(opt, group, param)

@@ -91,7 +91,7 @@ def step_request(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     slots = hyper_slots(tgroup)
     dtype = torch.float32 if master is not None else param.dtype
     state = {k: v for k, v in state.items() if k not in COUNTER_KEYS}
-    example = trace_example(example_state(state, schema, param.device))
+    example = trace_example(example_state(state, schema, param))
     opmath = fp32_opmath(group, dtype, formats)  # a master's step is traced in fp32 already
     stochastic = config.stochastic(formats)
     shape = schema.trace_shape(param)

@@ -29,6 +29,7 @@ Adadelta = lowbit_class(torch.optim.Adadelta)
 ASGD = lowbit_class(torch.optim.ASGD)
 Rprop = lowbit_class(torch.optim.Rprop)
 Muon = lowbit_class(torch.optim.Muon)
+Adafactor = lowbit_class(torch.optim.Adafactor)
 
-__all__ = ["ASGD", "SGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "Muon", "NAdam", "RAdam", "RMSprop",
-           "Rprop", "lowbit_class", "stock_class"]
+__all__ = ["ASGD", "SGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "Muon", "NAdam", "RAdam",
+           "RMSprop", "Rprop", "lowbit_class", "stock_class"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +27,11 @@ class StateSchema:
 
     ``init`` maps each state key to how the stock step creates it: ``("fill", value, dtype)`` for
     a per-element state that starts from a constant, ``("computed", dtype)`` for one the first step
-    computes (SGD's ``momentum_buffer = grad.clone()``), ``("tensor", example)`` for a scalar state,
-    ``("value", obj)`` otherwise. ``nonneg``: the per-element states proven never negative.
+    computes (SGD's ``momentum_buffer = grad.clone()``), ``("reduced", kept, value, dtype)`` for a
+    state reduced over some dimensions of the parameter (Adafactor's row and column factors: the
+    parameter's size where ``kept``, else 1) that starts from a constant and keeps its stock storage,
+    ``("tensor", example)`` for a scalar state, ``("value", obj)`` otherwise. ``nonneg``: the
+    per-element states proven never negative.
     ``shaped``: the step treats a parameter by its shape, not as its flat values (Muon's orthogonalized
     update), so it is traced at each parameter's shape and run in stages (``passes.stages``).
     """
@@ -98,6 +102,14 @@ def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor)
                 init.append((name, ("fill", first.item(), value.dtype)))
             else:
                 init.append((name, ("computed", value.dtype)))
+        elif (kept := _reduced_dims(value, probed)) is not None:
+            first = value.reshape(-1)[0]
+            if not (torch.all(value == first) and _same(value, again)):
+                raise NotElementwiseError(
+                    f"{type(opt).__name__} starts its state {name!r}, reduced over the parameter's dimensions, "
+                    "from the parameter's or the gradient's values; lowbit-compile starts such states from a "
+                    "constant only")
+            init.append((name, ("reduced", kept, first.item(), value.dtype)))
         elif not _same(value, again):
             raise NotElementwiseError(
                 f"{type(opt).__name__} starts its state {name!r} from the parameter's or the gradient's "
@@ -113,6 +125,21 @@ def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor)
         shaped = True
         nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first, shape)
     return StateSchema(tuple(per_element), tuple(init), nonneg, shaped)
+
+
+def _reduced_dims(value: object, shape: tuple[int, ...]) -> tuple[bool, ...] | None:
+    """For a state ``value`` of a parameter of ``shape`` (no dimension of 1) that is the parameter
+    reduced over some of its dimensions (size 1 there, the parameter's elsewhere): which it keeps."""
+    if not isinstance(value, torch.Tensor) or value.dim() != len(shape) or tuple(value.shape) == shape:
+        return None
+    if any(v not in (s, 1) for v, s in zip(value.shape, shape)):
+        return None
+    return tuple(v == s for v, s in zip(value.shape, shape))
+
+
+def _reduced_shape(shape: Sequence[int], kept: tuple[bool, ...]) -> tuple[int, ...]:
+    """The shape of a state of a parameter of ``shape`` reduced over the dimensions not ``kept``."""
+    return tuple(s if k else 1 for s, k in zip(shape, kept))
 
 
 def _steps_by_shape(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor, shape: tuple[int, ...]) -> bool:
@@ -222,6 +249,9 @@ def _infer_nonneg(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor,
     for name, (kind, *rest) in init:
         if kind == "fill":
             first[name] = torch.empty(0, dtype=rest[1], device=param.device)
+        elif kind == "reduced":
+            kept, value, dtype = rest
+            first[name] = torch.full(_reduced_shape(shape, kept), value, dtype=dtype, device=param.device)
         elif kind == "tensor":
             first[name] = rest[0]
         elif kind == "value":
@@ -246,6 +276,9 @@ def init_state(param: torch.Tensor, schema: StateSchema, formats: dict[str, Stat
         if kind == "fill":
             value, dtype = rest
             state[name] = filled(param, value, formats[name], dtype)
+        elif kind == "reduced":
+            kept, value, dtype = rest
+            state[name] = torch.full(_reduced_shape(param.shape, kept), value, dtype=dtype, device=param.device)
         elif kind == "tensor":
             state[name] = rest[0].clone()
         elif kind == "value":
@@ -263,11 +296,12 @@ def filled(param: torch.Tensor, value: float, fmt: StateFormat, dtype: torch.dty
 
 
 
-def example_state(state: dict, schema: StateSchema, device: torch.device) -> dict:
+def example_state(state: dict, schema: StateSchema, param: torch.Tensor) -> dict:
     """The state a parameter will have when its next step runs, as the trace needs it, without
     creating or converting any: per-element states as empty tensors of their stock dtype (whatever
     holds them now: a quantized state, a packed one a loader left, a stock tensor), the other entries
     as they are; for an empty state, the schema's initial one."""
+    device = param.device
     dtypes = {name: rest[-1] for name, (kind, *rest) in schema.init if kind in ("fill", "computed")}
     if state:
         return {k: torch.empty(0, dtype=dtypes[k], device=device) if k in dtypes else v for k, v in state.items()}
@@ -275,6 +309,9 @@ def example_state(state: dict, schema: StateSchema, device: torch.device) -> dic
     for name, (kind, *rest) in schema.init:
         if kind == "fill":
             example[name] = torch.empty(0, dtype=rest[1], device=device)
+        elif kind == "reduced":
+            kept, value, dtype = rest
+            example[name] = torch.full(_reduced_shape(param.shape, kept), value, dtype=dtype, device=device)
         elif kind in ("tensor", "value"):
             example[name] = rest[0]
     return example

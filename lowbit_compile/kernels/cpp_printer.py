@@ -450,8 +450,8 @@ class CppPrinter:
     def fma(self, a: Value, b: Value, c: Value) -> Value:
         return self._call("lb_fma", "__builtin_fmaf", a, b, c)
 
-    def sqrt(self, a: Value) -> Value:
-        if not (self.target.torch_sqrt and a.kind is Kind.ELEMENT and a.dtype == torch.float32):
+    def sqrt(self, a: Value, correctly_rounded: bool = False) -> Value:
+        if correctly_rounded or not (self.target.torch_sqrt and a.kind is Kind.ELEMENT and a.dtype == torch.float32):
             return self._call("lb_sqrt", "__builtin_sqrtf", a)
         # torch's float32 sqrt is MKL's vsSqrt (not correctly rounded): a first pass writes every sqrt
         # input of the block to a buffer, MKL takes the square roots in place, and the second pass

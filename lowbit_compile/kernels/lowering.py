@@ -318,8 +318,9 @@ def _cpu_only(node: Node, target: Target) -> str | None:
 
 @lowers(aten.rsqrt.default, checker=_cpu_only)
 def _rsqrt(L: Lowerer, node: Node) -> Value:
-    """CPU: ``1 / sqrt(x)``, as the vectorized kernel computes it."""
-    return L.result(node, L.p.div(L.p.constant(1.0), L.p.sqrt(L.operand(node.args[0], node_dtype(node)))))
+    """CPU: ``1 / sqrt(x)`` with the correctly rounded root, as the vectorized kernel computes it."""
+    root = L.p.sqrt(L.operand(node.args[0], node_dtype(node)), correctly_rounded=True)
+    return L.result(node, L.p.div(L.p.constant(1.0), root))
 
 
 @lowers(aten.reciprocal.default)

@@ -95,8 +95,9 @@ class Primitives(Protocol):
     def fma(self, a: Value, b: Value, c: Value) -> Value:
         """``a * b + c`` with one rounding."""
 
-    def sqrt(self, a: Value) -> Value:
-        """The target's fp32 square root: correctly rounded, or torch's own where the target says so."""
+    def sqrt(self, a: Value, correctly_rounded: bool = False) -> Value:
+        """The target's fp32 square root: correctly rounded, or torch's own where the target says so
+        (unless ``correctly_rounded``: ATen's CPU ``rsqrt`` takes the vector unit's, not MKL's)."""
 
     def neg(self, a: Value) -> Value: ...
 

@@ -397,7 +397,7 @@ class TritonPrinter:
     def fma(self, a: Value, b: Value, c: Value) -> Value:
         return _call("tl.fma", a, b, c)
 
-    def sqrt(self, a: Value) -> Value:
+    def sqrt(self, a: Value, correctly_rounded: bool = False) -> Value:
         return _call("tl.sqrt" if self.approximate else "tl.sqrt_rn", a)
 
     def neg(self, a: Value) -> Value:

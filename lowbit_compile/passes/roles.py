@@ -60,7 +60,11 @@ def label_roles(gm: GraphModule, staged: bool = False) -> GraphModule:
             args, _ = tree_flatten((node.args, node.kwargs))
             touches = any(isinstance(a, Node) and is_per_element(a) for a in args)
             set_per_element(node, touches)
-            if touches and not (_elementwise(node, param_shape) or staged and _cast(node, param_shape)):
+            # a write into a state that is not per element (Adafactor's row factor of a column vector, of
+            # the param's shape) is no kernel's: the kernels write back per-element states only
+            into_scalar = node.target is aten.copy_.default and role_of(node.args[0]) is Role.SCALAR_STATE
+            if touches and (into_scalar or not (_elementwise(node, param_shape)
+                                                or staged and _cast(node, param_shape))):
                 if not staged:
                     raise NotElementwiseError(
                         f"the optimizer's step applies {node.target} to a per-element tensor "

@@ -376,6 +376,8 @@ _RULES: dict[object, Callable[[Node, Callable], Interval]] = {
     operator.pow: _pow,
     math.sqrt: _const(NONNEG),
     torch.sym_sqrt: _const(NONNEG),
+    max: _binary(_maximum),  # of two numbers (passes/trace.py records a read-back's max so)
+    min: _binary(_minimum),
 }
 
 for _op in (aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.eq.Scalar, aten.ne.Scalar,

@@ -237,12 +237,16 @@ def _position(nodes: list[Node]):
 
 def _temporary_input(graph: Graph, node: Node, index: int, param: Node) -> Node:
     """A temporary as an elementwise stage's input: per-element when shaped like the param, else a
-    scalar one (a norm: 0-d), which the stage's prologue passes to its body like a scalar state."""
+    scalar one (a norm: 0-d), which the stage's prologue passes to its body like a scalar state, or a
+    number read back on the host (Adafactor's step size from the param's norm), which it reads like a
+    hyperparameter."""
     ph = graph.placeholder(f"tmp_{index}")
     val = node.meta.get("val")
     ph.meta.update(val=val)
     shaped = isinstance(val, torch.Tensor) and tuple(val.shape) == tuple(param.meta["val"].shape)
-    set_input(ph, GraphInput(Role.PER_ELEMENT_STATE if shaped else Role.SCALAR_STATE, Temporary(index)))
+    role = Role.PER_ELEMENT_STATE if shaped else Role.SCALAR_STATE if isinstance(val, torch.Tensor) else \
+        Role.HYPERPARAMETER
+    set_input(ph, GraphInput(role, Temporary(index)))
     set_per_element(ph, shaped)
     return ph
 
@@ -274,6 +278,7 @@ def _whole_tensor_stage(nodes: list[Node], temporaries: dict[Node, int], top: Gr
     """A stage run as torch ops, views as views (the functional trace copies them), returning the
     temporaries it gives."""
     graph, local, inputs, _ = _stage_graph(nodes, temporaries, [], lambda g, n: _plain_input(g, n, temporaries[n]))
+    _stock_layouts(graph)
     for node in graph.nodes:
         view = _view_of(node.target)
         if view is not None:
@@ -285,6 +290,33 @@ def _whole_tensor_stage(nodes: list[Node], temporaries: dict[Node, int], top: Gr
     graph.output(tuple(local[n] for n in nodes if n in temporaries))
     graph.eliminate_dead_code()
     return GraphModule(torch.nn.Module(), graph, "WholeTensor"), [env[n] for n in inputs]
+
+
+def _stock_layouts(graph: Graph) -> None:
+    """A temporary an elementwise stage gives (contiguous, as its kernel writes it) is copied into the
+    dense layout it has in the stock step, where that differs (the negated grad of a transposed
+    matrix under ``maximize``): a reduction over it then adds in stock's order."""
+    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
+        val = ph.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() < 2 or val.is_contiguous():
+            continue
+        order = sorted(range(val.dim()), key=lambda d: -val.stride()[d])  # outermost dimension first
+        inverse = sorted(range(val.dim()), key=lambda d: order[d])
+        users = list(ph.users)
+        with graph.inserting_after(ph):
+            permuted = graph.call_function(aten.permute.default, (ph, order))
+        with graph.inserting_after(permuted):
+            dense = graph.call_function(aten.clone.default, (permuted,), {"memory_format": torch.contiguous_format})
+        with graph.inserting_after(dense):
+            back = graph.call_function(aten.permute.default, (dense, inverse))
+        with val.fake_mode:
+            flat = torch.empty(val.shape, dtype=val.dtype, device=val.device)
+            permuted.meta["val"] = flat.permute(order)
+            dense.meta["val"] = permuted.meta["val"].contiguous()
+            back.meta["val"] = dense.meta["val"].permute(inverse)
+        ph.meta["val"] = flat
+        for user in users:
+            user.replace_input_with(ph, back)
 
 
 def _run_strides(graph: Graph) -> None:
@@ -299,7 +331,11 @@ def _run_strides(graph: Graph) -> None:
             continue
         source = node.args[0] if node.op == "call_function" and is_view(node.target) else None
         like = [strided[a] for a in node.all_input_nodes if a in strided and strided[a].shape == val.shape]
-        if isinstance(source, Node) and source in strided:
+        if node.target is aten.copy_.default:  # a write-back into a state input (Adafactor's row factor)
+            strided[node] = strided.get(source, torch.empty(val.shape, device="meta"))
+        elif node.target is aten.clone.default and "memory_format" in node.kwargs:
+            strided[node] = torch.empty(val.shape, device="meta", memory_format=node.kwargs["memory_format"])
+        elif isinstance(source, Node) and source in strided:
             strided[node] = node.target(strided[source], *node.args[1:], **node.kwargs)
         elif like and torch.Tag.pointwise in getattr(node.target, "tags", ()):
             strided[node] = torch.empty_like(like[0])

@@ -286,8 +286,10 @@ class _BackedReadBacks(TorchDispatchMode):
             return
         hint = self.hints[k]
         if isinstance(hint, bool) or not isinstance(hint, (int, float)):
-            raise NotImplementedError(f"the optimizer's step reads back a {type(hint).__name__} "
-                                      "(a tensor of bools?); lowbit-compile traces float and int read-backs")
+            raise NotImplementedError(f"the optimizer's step reads back a {type(hint).__name__} (a comparison "
+                                      "of tensors: a tensor hyperparameter such as lr=torch.tensor(...) compared "
+                                      "with a number?); lowbit-compile traces float and int read-backs: pass such "
+                                      "a hyperparameter as a Python float")
         from torch._dynamo.source import ConstantSource
         from torch.fx.experimental.symbolic_shapes import DimDynamic
 
@@ -298,12 +300,68 @@ class _BackedReadBacks(TorchDispatchMode):
         fake.item_memo = make(sym, hint=hint, source=source)
 
 
+# In-place ops functionalization has no kernel for (they are CompositeImplicitAutograd in ATen), as the
+# ops ATen runs for them: Adafactor's ``norm(...).square_()``.
+_IN_PLACE_FORMS: dict[Callable, Callable] = {torch.Tensor.square_: lambda t: t.pow_(2)}
+
+
+_NUMBERS = (int, float, torch.SymFloat, torch.SymInt)
+
+
+def _symbolic_extremum(builtin: Callable, sym: Callable) -> Callable:
+    """``builtin`` (``max`` or ``min``) that folds symbolic numbers with ``sym`` (``torch.sym_max``)
+    instead of deciding which is larger at trace time, recorded in the graph as ``builtin`` of its
+    arguments in their order: ``sym`` puts a symbol first, and ``max(eps, nan)`` is not ``max(nan, eps)``."""
+
+    def pair(a: Any, b: Any) -> Any:
+        result = sym(a, b)
+        if isinstance(a, (torch.SymFloat, torch.SymInt)) or isinstance(b, (torch.SymFloat, torch.SymInt)):
+            from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+            mode = get_proxy_mode()
+            if mode is not None and result in mode.tracer.symnode_tracker:
+                node = get_proxy_slot(result, mode.tracer).force().node
+                if node.target is sym:
+                    swapped = not isinstance(a, (torch.SymFloat, torch.SymInt))
+                    node.target = builtin
+                    node.args = tuple(reversed(node.args)) if swapped else node.args
+        return result
+
+    def extremum(*args: Any, **kwargs: Any) -> Any:
+        if (kwargs or len(args) < 2 or not all(isinstance(a, _NUMBERS) for a in args)
+                or not any(isinstance(a, (torch.SymFloat, torch.SymInt)) for a in args)):
+            return builtin(*args, **kwargs)
+        return functools.reduce(pair, args)
+
+    return extremum
+
+
+@contextlib.contextmanager
+def _symbolic_extrema(step: Callable):
+    """While tracing, ``max``/``min`` in the module of ``step`` keep a value the step reads back
+    symbolic (Adafactor's ``max(eps2, param.norm(2).item() / ...)``): a decision on a per-element
+    value could not be checked before the step writes anything. Unsymbolic calls are the builtins'."""
+    namespace = step.__globals__
+    saved = {name: namespace[name] for name in ("max", "min") if name in namespace}
+    namespace["max"] = _symbolic_extremum(max, torch.sym_max)
+    namespace["min"] = _symbolic_extremum(min, torch.sym_min)
+    try:
+        yield
+    finally:
+        for name in ("max", "min"):
+            namespace.pop(name)
+        namespace.update(saved)
+
+
 class _SymbolicScalarTensors(TorchFunctionMode):
     """``torch.as_tensor(x)`` / ``torch.tensor(x)`` of a symbolic number (ASGD's new ``eta``) as
-    ``torch.scalar_tensor``, which keeps it symbolic instead of fixing its traced value."""
+    ``torch.scalar_tensor``, which keeps it symbolic instead of fixing its traced value; an in-place op
+    functionalization cannot take as the ops it stands for (:data:`_IN_PLACE_FORMS`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _IN_PLACE_FORMS:
+            return _IN_PLACE_FORMS[func](*args, **kwargs)
         if func in (torch.as_tensor, torch.tensor) and args and isinstance(args[0], (torch.SymFloat, torch.SymInt)):
             default = torch.get_default_dtype() if isinstance(args[0], torch.SymFloat) else torch.int64
             dtype = kwargs.get("dtype") or (args[1] if len(args) > 1 else None) or default
@@ -489,8 +547,8 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
         st.update(zip(tensor_keys, states))
         param.grad = grad
         try:
-            with _SymbolicScalarTensors(), (_BackedReadBacks(shape_env, hints) if hints is not None
-                                            else contextlib.nullcontext()):
+            backed = _BackedReadBacks(shape_env, hints) if hints is not None else contextlib.nullcontext()
+            with _SymbolicScalarTensors(), _symbolic_extrema(step_fn), backed:
                 shell = shell_optimizer(opt, fake_group, param, st)
                 shell.param_groups[0] = _ReadRecorder(shell.param_groups[0], _READS.setdefault(step_fn, {"params"}))
                 step_fn(shell)
@@ -514,7 +572,10 @@ def _trace(opt: torch.optim.Optimizer, group: dict, param_dtype: torch.dtype, de
     # generated Python (and the kernels printed from the graph) name inputs after these
     names = ["param", "grad", *(f"state_{identifier(k)}" for k in state_keys),
              *(f"hp_{identifier(s.name)}" for s in slots)]
-    inputs = [GraphInput(Role.PARAM), GraphInput(Role.GRAD), *(GraphInput(Role.STATE, k) for k in state_keys),
+    # a state not per element is scalar even where its shape is the param's (Adafactor's row factor of
+    # a column vector): the probe of the schema decides, at a shape where they differ
+    inputs = [GraphInput(Role.PARAM), GraphInput(Role.GRAD),
+              *(GraphInput(Role.STATE if k in per_element else Role.SCALAR_STATE, k) for k in state_keys),
               *(GraphInput(Role.HYPERPARAMETER, s) for s in slots)]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, name, desc in zip(placeholders, names, inputs):
