@@ -120,8 +120,8 @@ def _run(backend: str, fmt: str, outliers: int, nonfinite: bool) -> dict:
     return opt.state[p]
 
 
-def _same_states(a: dict, b: dict) -> None:
-    assert a["rounding_seed"] == b["rounding_seed"] == 2
+def _same_states(a: dict, b: dict, steps: int = 2) -> None:
+    assert a["rounding_seed"] == b["rounding_seed"] == steps
     for key in ("exp_avg", "exp_avg_sq"):
         for part, (x, y) in enumerate(zip(a[key].storage_parts, b[key].storage_parts)):
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (key, part)
@@ -133,6 +133,37 @@ def test_the_cpu_kernel_rounds_as_the_reference(fmt, outliers):
     """Bit for bit, signed (m) and non-negative (v) states, patches and a flagged block (an inf)."""
     nonfinite = fmt != "bf16"  # a bf16 state keeps inf as it is; its NaN's payload is not compared
     _same_states(_run("reference", fmt, outliers, nonfinite), _run("cpu", fmt, outliers, nonfinite))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "sqrt8"])
+def test_the_cpu_kernel_rounds_where_the_draw_meets_the_distance_as_the_reference(fmt):
+    """The edges of ``u * |w - v| < |x - v|``, bit for bit: m is the gradient (betas 0), each block's
+    largest is qmax (the multiplier 1), and every other element is set to its own draw u (with the
+    neighbour 1 away, below code 1; for sqrt8 where the root's square gives it back), so a ``<=`` or a
+    wrong neighbour moves it; and a root whose square underflows is code 0 in v (no lift from 0)."""
+    n, block = 1024, 256
+    qmax = StateFormat.make(fmt, block, 0, False).qmax
+    u = (rounding.state_bits(0, 1, n) >> 8).double() * 2.0**-24  # m's draws at the first step's counter
+    x = u.float()
+    on_draw = x <= (0.5 if fmt == "int8" else 0.25)  # code 0's half-step (sqrt8: of the root)
+    if fmt == "sqrt8":
+        on_draw &= x.sqrt() * x.sqrt() == x
+    on_draw[::block] = on_draw[1::block] = False
+    grad = torch.where(on_draw, x, 0.0) * torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)
+    grad[::block], grad[1::block] = qmax, 1e-21  # v = 1e-42: its root's square underflows
+    states = []
+    for backend in ("reference", "cpu"):
+        p = torch.nn.Parameter(torch.zeros(n))
+        opt = lowbit_compile(torch.optim.AdamW([p], lr=1e-2, betas=(0.0, 0.0)), fmt, rounding="stochastic",
+                             backend=backend, min_8bit_size=0, block_size=block, outliers=0)
+        p.grad = grad
+        opt.step()
+        states.append(opt.state[p])
+    codes = states[0]["exp_avg"].storage_parts.codes
+    assert int(on_draw.sum()) > 80 and not codes[on_draw].any()  # none moved: x - v equals u * (w - v)
+    if fmt == "sqrt8":
+        assert not states[0]["exp_avg_sq"].storage_parts.codes[1::block].any()
+    _same_states(*states, steps=1)
 
 
 @pytest.mark.slow

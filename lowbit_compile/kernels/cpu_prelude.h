@@ -439,17 +439,30 @@ static inline uint32_t lb_hash32_s(uint32_t x) {
   x *= 0x846CA68Bu;
   return x ^ (x >> 16);
 }
-LB_INLINE vu lb_hash32(vu x) {
-  x ^= x >> 16;
+LB_INLINE vu lb_hash32_tail(vu x) {  // lowbias32 after its first x ^= x >> 16
   x *= 0x7FEB352Du;
   x ^= x >> 15;
   x *= 0x846CA68Bu;
   return x ^ (x >> 16);
 }
+LB_INLINE vi lb_iota() {  // lane l holds l: a constant
+  vi lane;
+  for (int l = 0; l < LB_W; ++l) lane[l] = l;
+  return lane;
+}
+// The bits of the LB_W elements from `first` on. Where first is a multiple of LB_W (every lane vector of
+// a block of at least LB_W elements) the lanes' hash inputs (first + l) ^ seed_hash are h ^ l, h that of
+// lane 0, so hash32's first round, h ^ l ^ (h >> 16), is scalar work and one xor with the lane numbers.
 LB_INLINE vu lb_random_bits(uint32_t seed_hash, int64_t first) {
-  vu idx;
-  for (int l = 0; l < LB_W; ++l) idx[l] = (uint32_t)(first + l);
-  return lb_hash32(idx ^ seed_hash);
+  const uint32_t h = (uint32_t)first ^ seed_hash;
+  vu x;
+  if (__builtin_expect(((uint32_t)first & (LB_W - 1)) == 0, 1)) {
+    x = (vu)lb_splat_i((int32_t)(h ^ (h >> 16))) ^ (vu)lb_iota();
+  } else {
+    x = (((vu){} + (uint32_t)first) + (vu)lb_iota()) ^ seed_hash;
+    x ^= x >> 16;
+  }
+  return lb_hash32_tail(x);  // one copy, which the caller's use of the bits may merge into
 }
 
 // ---- element formats (kernels/formats.py) -----------------------------------------------------
@@ -668,10 +681,48 @@ LB_INLINE vi lb_encode(vf y) {
   }
 }
 
-// Stochastic rounding (formats.round_stochastic): from the nearest code, the adjacent code on x's side
-// (code +- 1 in byte arithmetic: the map is monotone in the code, or for fp8 in its magnitude bits)
-// replaces it where u * |w - v| < |x - v|, u the top 24 random bits over 2^24; x first clamped into the
-// format's range, a non-finite x keeps its code, a positive value of a non-negative state never code 0.
+// Stochastic rounding (formats.round_stochastic, triton_lib.round_stochastic): from the nearest code,
+// the adjacent code on the value's side replaces it where u * |w - v| < |y - v| (y the value clamped into
+// the format's range, v and w the two codes' values, u the top 24 random bits over 2^24); a positive
+// value of a non-negative state never becomes code 0. Where y is a code's value |y - v| is 0 and nothing
+// moves, so the neighbour's side needs no case of its own; a non-finite value gets its special code
+// after (lb_encode_scaled: only a flagged block holds one).
+// u's 24 bits as a float, exact, and what u is that float times: with AVX-512 the bits kept in place
+// (a multiple of 2^8 below 2^32 has 24 significant bits: the unsigned conversion is exact, and the mask
+// joins the hash's last xor in one ternary logic op), else shifted down for the signed conversion.
+#if defined(__AVX512F__)
+LB_INLINE vf lb_draw(vu bits) { return __builtin_convertvector(bits & 0xFFFFFF00u, vf); }
+static const float LB_DRAW_UNIT = 0x1p-32f;
+#else
+LB_INLINE vf lb_draw(vu bits) { return __builtin_convertvector((vi)(bits >> 8), vf); }
+static const float LB_DRAW_UNIT = 0x1p-24f;
+#endif
+// int8 (y already normalized): the neighbours are 1 apart, u * 1 is u, and the code is rounded in floats.
+template <bool U>
+LB_INLINE vi lb_stochastic_int8(vf y, vu bits) {
+  typedef lb_format<LB_INT8, U> f;
+  const vf yc = lb_clamp(y, U ? 0.0f : -f::qmax, f::qmax), c = lb_rint(yc), d = yc - c;
+  const vf m = lb_draw(bits) * LB_DRAW_UNIT < lb_abs(d) ? c + (d >= 0 ? lb_splat(1.0f) : lb_splat(-1.0f)) : c;
+  const vi q = __builtin_convertvector(m, vi);
+  return U ? lb_lift_positive(q, y) : lb_code_byte(q);
+}
+// sqrt8 from the root-domain magnitude r (the nearest encode's input) and the sign of `sign`, on
+// magnitudes: the value y = a * a of the clamped root a, the nearest code c = rint(a), y - c * c in one
+// fma (c * c is exact), and the neighbour on y's side |2c +- 1| away; all exact, nothing decoded. u's
+// unit rides on that distance (a power of two: u * |w - v| is the same product), and the step to the
+// neighbour is d's sign on the unit (at d = +0 the one above: 2c + 1 > 0 even at c = 0, and nothing
+// moves), over the unit where it is taken.
+template <bool U>
+LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vu bits) {
+  const vf a = lb_min_nn(r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)), c = lb_rint(a), y = a * a;
+  const vf d = lb_fma(-c, c, y);
+  const vf step = lb_bits_f((lb_bits_i(d) & (int32_t)0x80000000) | lb_bits_i(lb_splat(LB_DRAW_UNIT)));
+  const vf gap = lb_fma(c, lb_splat(2 * LB_DRAW_UNIT), step);
+  const vf m = lb_draw(bits) * gap < lb_abs(d) ? lb_fma(step, lb_splat(1 / LB_DRAW_UNIT), c) : c;
+  return U ? lb_lift_positive(__builtin_convertvector(m, vi), y) : lb_code_byte(lb_cvt_signed(m, sign));
+}
+// fp8 and dynamic8, from the nearest code: the neighbour is code +- 1 in byte arithmetic (the map is
+// monotone in the code, or for fp8 in its magnitude bits), both codes decoded.
 template <int F, bool U>
 LB_INLINE vi lb_round_stochastic(vf x, vi code, vu bits) {
   typedef lb_format<F, U> f;
@@ -679,10 +730,9 @@ LB_INLINE vi lb_round_stochastic(vf x, vi code, vu bits) {
   const vf y = lb_clamp(x, U && !fp8 ? 0.0f : -f::qmax, f::qmax);
   const vf v = lb_decode<F, U>(lb_lane<F, U>(code));
   const vi away = fp8 ? (vi)(lb_abs(y) > lb_abs(v)) : (vi)(y > v);
-  const vi other = y == v ? code : (code + (away ? lb_splat_i(1) : lb_splat_i(-1))) & 0xFF;
+  const vi other = (code + (away ? lb_splat_i(1) : lb_splat_i(-1))) & 0xFF;
   const vf w = lb_decode<F, U>(lb_lane<F, U>(other));
-  const vf u = __builtin_convertvector((vi)(bits >> 8), vf) * 0x1p-24f;
-  vi out = (u * lb_abs(w - v) < lb_abs(y - v)) & (lb_key(x) < 0x7F800000) ? other : code;
+  vi out = lb_draw(bits) * LB_DRAW_UNIT * lb_abs(w - v) < lb_abs(y - v) ? other : code;
   if (U) out = (x > 0) & (out == 0) ? lb_splat_i(1) : out;
   return out;
 }
@@ -753,11 +803,7 @@ LB_INLINE vf lb_decode_scaled(vi u, vf scale, bool flagged) {
 
 // ---- block quantization with outlier patches (blockquant.quantize_into) -------------------------
 // Magnitudes compare as the integer bits of |x| (NaN above inf, like argmax); -1 marks no element.
-LB_INLINE vi lb_lane_mask(int64_t r) {  // lanes [0, r) set
-  vi lane;
-  for (int l = 0; l < LB_W; ++l) lane[l] = l;
-  return lane < lb_splat_i((int32_t)r);
-}
+LB_INLINE vi lb_lane_mask(int64_t r) { return lb_iota() < lb_splat_i((int32_t)r); }  // lanes [0, r) set
 // The update loop keeps, per lane, the largest key it wrote to a state's block buffer.
 LB_INLINE vi lb_key_masked(vf x, int64_t r) {
   return r == LB_W ? lb_key(x) : (lb_key(x) & lb_lane_mask(r)) | ~lb_lane_mask(r);
@@ -884,32 +930,30 @@ LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vu bits) {
   typedef lb_format<F, U> f;
   constexpr bool FLAGGED = lb_mode<M>::flagged, LIFT = lb_mode<M>::lift, SR = lb_mode<M>::sr, ROOT = lb_mode<M>::root;
   vi code;
-  vf y;
   if constexpr (F == LB_SQRT8) {
     vf r = (ROOT ? root : lb_sqrt(U ? x : lb_abs(x))) * inverse;
     if (FLAGGED) r = lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(f::enc_flagged_qmax));  // NaN: 0
-    code = lb_encode_sqrt8<U>(r, x);  // in range (lb_encode_sqrt8)
-    if (SR) y = U ? r * r : lb_bits_f(lb_bits_i(r * r) | (lb_bits_i(x) & (int32_t)0x80000000));
+    code = SR ? lb_stochastic_sqrt8<U>(r, x, bits) : lb_encode_sqrt8<U>(r, x);  // in range (lb_encode_sqrt8)
   } else {
-    y = x * inverse;
+    vf y = x * inverse;
     if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
     if (FLAGGED) y = lb_clamp(y, -f::flagged_qmax, f::flagged_qmax);
-    if constexpr (F == LB_INT8) code = lb_encode_int8<U>(y);  // in range (lb_encode_int8, lb_encode_fp8)
+    if constexpr (F == LB_INT8) code = SR ? lb_stochastic_int8<U>(y, bits) : lb_encode_int8<U>(y);  // in range
     else if constexpr (F == LB_E4M3 || F == LB_E5M2)
       code = lb_encode_fp8<lb_format<F, U>::mantissa, lb_format<F, U>::min_exponent, U>(y);
     else code = lb_encode<F, U>(y);
+    if (SR && F != LB_INT8) code = lb_round_stochastic<F, U>(y, code, bits);
   }
-  if (SR) code = lb_round_stochastic<F, U>(y, code, bits);
   if (!FLAGGED) return code;
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
   return lb_key(x) < 0x7F800000 ? code : special;
 }
 // The codes of the whole lane vector at buf + j; with LB_ROOT, root holds the square roots of buf
-// (lb_encode_scaled), and only a flagged block or stochastic rounding reads buf.
+// (lb_encode_scaled), and only a flagged block reads buf.
 template <int F, bool U, unsigned M>
 LB_INLINE vi lb_encode_at(const float* buf, const float* root, int64_t j, vf vinv, lb_rand rnd) {
   typedef lb_mode<M> m;
-  constexpr bool reads_x = !m::root || m::flagged || m::sr;
+  constexpr bool reads_x = !m::root || m::flagged;
   const vf x = reads_x ? lb_ld(buf + j) : vf{}, r = m::root ? lb_ld(root + j) : vf{};
   return lb_encode_scaled<F, U, M>(x, r, vinv, lb_bits_at<m::sr>(rnd, j));
 }
