@@ -19,25 +19,26 @@ from collections.abc import Iterable
 
 import torch
 
+from lowbit_compile.options import DEFAULT_MIN_8BIT_SIZE
+
 BNB_BLOCK = 256
 
 
-def stored_moments(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The first and second moments ``opt`` holds for ``p``, decoded to fp32 and shaped like ``p``
-    (ours and torchao dequantize; bitsandbytes' uint8 codes index its dynamic maps, blocks of 256)."""
+def stored_moment(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> torch.Tensor:
+    """The moment ``key`` (``exp_avg`` or ``exp_avg_sq``) ``opt`` holds for ``p``, decoded to fp32 and
+    shaped like ``p`` (ours and torchao dequantize; bitsandbytes' uint8 codes index its dynamic maps,
+    blocks of 256)."""
     state = opt.state[p]
-    out = {}
-    for key, bnb in (("exp_avg", "1"), ("exp_avg_sq", "2")):
-        if f"state{bnb}" in state:
-            s = state[f"state{bnb}"]
-            if s.dtype == torch.uint8:
-                absmax = state[f"absmax{bnb}"].repeat_interleave(BNB_BLOCK)[: p.numel()]
-                s = state[f"qmap{bnb}"][s.reshape(-1).long()] * absmax
-        else:
-            s = state[key]
-            s = s.dequantize() if hasattr(s, "dequantize") else s
-        out[key] = s.reshape(p.shape).float()
-    return out
+    bnb = {"exp_avg": "1", "exp_avg_sq": "2"}[key]
+    if f"state{bnb}" in state:
+        s = state[f"state{bnb}"]
+        if s.dtype == torch.uint8:
+            absmax = state[f"absmax{bnb}"].repeat_interleave(BNB_BLOCK)[: p.numel()]
+            s = state[f"qmap{bnb}"][s.reshape(-1).long()] * absmax
+    else:
+        s = state[key]
+        s = s.dequantize() if hasattr(s, "dequantize") else s
+    return s.reshape(p.shape).float()
 
 
 def _smallest_code_share(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> float | None:
@@ -57,7 +58,7 @@ def _smallest_code_share(opt: torch.optim.Optimizer, params: list[torch.Tensor])
 class ShadowProbe:
     """fp32 AdamW moments of the gradients ``opt`` steps with, and the drift figures of its stored ones."""
 
-    def __init__(self, opt: torch.optim.Optimizer, every: int, min_numel: int = 4096) -> None:
+    def __init__(self, opt: torch.optim.Optimizer, every: int, min_numel: int = DEFAULT_MIN_8BIT_SIZE) -> None:
         group = opt.param_groups[0]
         self.opt = opt
         self.every = every
@@ -105,7 +106,8 @@ class ShadowProbe:
     def figures(self) -> dict:
         b1, b2 = self.betas
         c1, c2 = 1 - b1**self.t, 1 - b2**self.t
-        stored = {p: stored_moments(self.opt, p) for p in self.params}
+        stored = {p: {key: stored_moment(self.opt, p, key) for key in ("exp_avg", "exp_avg_sq")}
+                  for p in self.params}
         rec: dict = {"step": self.t, **self.monitor}
         for key, shadow in (("exp_avg", self.m), ("exp_avg_sq", self.v)):
             s = torch.cat([stored[p][key].reshape(-1) for p in self.params])

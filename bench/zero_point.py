@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
-from bench.state_drift import stored_moments
+from bench.state_drift import stored_moment
 from bench.tasks import PEERS, Hyper, OptimizerSpec
 from tests.helpers import transformer_params
 
@@ -77,8 +77,7 @@ def zero_point_check(names: list[str], size: dict, steps: int = STEPS, seed: int
         zeros = []
         for params, opt in _steps(params0, OptimizerSpec(name, backend=backend), steps, seed):
             mask = positive[len(zeros)]
-            zeros.append(sum(int(((stored_moments(opt, p)["exp_avg_sq"] == 0) & m).sum())
-                             for p, m in zip(params, mask)))
+            zeros.append(sum(int(((stored_moment(opt, p, "exp_avg_sq") == 0) & m).sum()) for p, m in zip(params, mask)))
         seconds = time.perf_counter() - start
         n_pos = [sum(int(m.sum()) for m in mask) for mask in positive]
         off = torch.cat([(p.detach() - r.detach()).abs().flatten() for p, r in zip(params, ref)]) / HYPER.lr
