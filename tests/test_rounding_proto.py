@@ -97,3 +97,13 @@ def test_names_fail_before_a_grid_starts():
         with pytest.raises(ValueError, match="no rounding= option yet; .* dynamic8\\+sr-proto"):
             check_name("dynamic8+sr")
     check_name("int8-b2048-k0+nearest-proto")
+    with pytest.raises(ValueError, match=r"\+perturbed applies to fp32"):
+        check_name("sqrt8+perturbed")
+
+
+def test_perturbed_fp32_is_stock_adamw_with_its_lr_off_by_one_part_in_2_pow_20():
+    """The noise floor of the long run's paired gaps: the same optimizer, a change at float precision."""
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    stock, perturbed = (make_optimizer(name)(params, HYPER) for name in ("fp32", "fp32+perturbed"))
+    assert type(stock) is type(perturbed) is torch.optim.AdamW
+    assert perturbed.param_groups[0]["lr"] == stock.param_groups[0]["lr"] * (1 + 2**-20) != stock.param_groups[0]["lr"]

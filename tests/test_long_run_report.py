@@ -1,0 +1,27 @@
+"""bench/long_run.py's table: the paired gaps it reports, from synthetic runs."""
+
+import pytest
+
+from bench.long_run import markdown, train_gap
+
+
+def _run(variant: str, seed: int, val: float, train: float) -> dict:
+    return {"task": "char_gpt_2m_long", "variant": variant, "seed": seed, "steps": 2000, "params": 10,
+            "train_loss": [9.0] * 1900 + [train] * 100, "val_steps": [250, 1000, 2000],
+            "val": [{"loss": val}] * 3, "seconds": 1.0, "state_bytes_per_param": 2.0}
+
+
+def test_train_gap_pairs_each_run_with_the_fp32_run_of_its_seed_over_the_last_steps():
+    runs = [_run("fp32", 0, 1.0, 2.0), _run("fp32", 1, 1.0, 4.0),
+            _run("sqrt8", 0, 1.0, 2.02), _run("sqrt8", 1, 1.0, 4.04), _run("sqrt8", 2, 1.0, 9.0)]
+    mean, std = train_gap(runs, "sqrt8")
+    assert mean == pytest.approx(1.0) and std == pytest.approx(0.0, abs=1e-9)  # seed 2 has no fp32 run
+    assert train_gap(runs, "int8") is None
+
+
+def test_table_has_the_train_gap_and_names_the_perturbed_noise_floor():
+    runs = [_run("fp32", 0, 1.0, 2.0), _run("fp32+perturbed", 0, 1.01, 2.0)]
+    text = markdown(runs)
+    row = next(line for line in text.splitlines() if line.startswith("| fp32+perturbed |"))
+    assert "+1.00 ± 0.00%" in row and "+0.00 ± 0.00%" in row
+    assert "noise floor" in text
