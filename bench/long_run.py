@@ -113,8 +113,8 @@ def markdown(runs: list[dict]) -> str:
               "Gap: mean ± std over seeds of the paired gap of the validation loss (loss / fp32 loss of the same "
               "seed - 1) at that step of the 2,000-step schedule; the train gap is that of the mean training loss "
               "over the last 100 steps (the same batches); ≈ fp32 as in `quality.md`. `fp32+perturbed` is stock "
-              "AdamW with its lr times (1 + 2^-20): its gaps are what a rerun of fp32 itself shows, the noise floor "
-              "of every paired gap."]
+              "AdamW with beta2 one float32 step larger: its gaps are what a rerun of fp32 itself shows, the noise "
+              "floor of every paired gap."]
     diagnosed = [r for r in runs if r.get("drift") and r["variant"] != "fp32"]
     for r in sorted(diagnosed, key=lambda r: (_order(r["variant"]), r["seed"])):
         lines += ["", f"#### {r['variant']}, seed {r['seed']}: stored moments against fp32 moments of the same "

@@ -10,9 +10,9 @@ moves 1% a step), the diffusion task (``bench/diffusion.py``) and the long GPT r
 Optimizer names (here and in the two benches above): ``fp32``; one of ours as in ``bench/tasks.py``
 (``dynamic8``, ``int8-b2048-k0``, ...: the library, rounding to nearest); ``<ours>+sr-v``: the library
 with stochastic rounding of the second moments only; ``<ours>+sr``: the library with
-``rounding="stochastic"``; a peer; ``fp32+perturbed``: stock AdamW with its lr times (1 + 2^-20), a
+``rounding="stochastic"``; a peer; ``fp32+perturbed``: stock AdamW with beta2 one float32 step larger, a
 change at float precision that training amplifies like any other, so its paired gap to ``fp32`` is the
-noise floor of every paired gap.
+noise floor of every paired gap (the lr would not do: ``tasks.train`` sets it every step).
 
 PROTOTYPE, not the library feature: ``<ours>+nearest-proto`` and ``<ours>+sr-proto`` emulate 8-bit states
 in plain torch. The stock optimizer keeps fp32 states, and after every step each per-element state of
@@ -49,7 +49,6 @@ from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, decode, dy
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 ROUNDINGS = ("+sr", "+sr-v", "+nearest-proto", "+sr-proto", "+perturbed")
-PERTURBATION = 2.0**-20
 SEEDS = (0, 1, 2)
 MakeStock = Callable[[list[nn.Parameter], Hyper], torch.optim.Optimizer]
 
@@ -97,7 +96,8 @@ def make_optimizer(name: str, make_stock: MakeStock = adamw, compile_peers: bool
         if spec.kind == "peer":
             return spec.build(params, hyper)
         if rounding == "+perturbed":
-            hyper = replace(hyper, lr=hyper.lr * (1 + PERTURBATION))
+            beta1, beta2 = hyper.betas
+            hyper = replace(hyper, betas=(beta1, torch.nextafter(torch.tensor(beta2), torch.tensor(1.0)).item()))
         opt = make_stock(params, hyper)
         if spec.kind == "fp32":
             return opt
