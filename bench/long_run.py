@@ -84,6 +84,18 @@ def train_gap(runs: list[dict], variant: str, last: int = 100) -> tuple[float, f
     return mean_std(gaps) if gaps else None
 
 
+def versus_rerun(at_step: dict, variant: str, rerun: str = "fp32+perturbed") -> tuple[float, float] | None:
+    """The variant's mean paired gap minus that of fp32's reruns (``rerun``), and the standard error of
+    that difference (Welch), from ``summary_at``'s entries; None without two seeds of each."""
+    if variant in (rerun, "fp32") or rerun not in at_step or variant not in at_step:
+        return None
+    (m_v, s_v), n_v = at_step[variant]["paired_gap_pct"], len(at_step[variant]["seeds"])
+    (m_r, s_r), n_r = at_step[rerun]["paired_gap_pct"], len(at_step[rerun]["seeds"])
+    if min(n_v, n_r) < 2:
+        return None
+    return m_v - m_r, (s_v**2 / n_v + s_r**2 / n_r) ** 0.5
+
+
 def _order(variant: str) -> tuple:
     return (GRID.index(variant) if variant in GRID else len(GRID), variant)
 
@@ -98,23 +110,28 @@ def markdown(runs: list[dict]) -> str:
     n_params = runs[0].get("params") or sum(p.numel() for p in long_task(steps).model(0).parameters())
     lines = [f"### {task}: {n_params:,} params, {steps} steps of 16 x 128 characters, seeds {fp32.get('seeds')}", "",
              "| optimizer | state B/param | " + " | ".join(f"gap to fp32 at {c}" for c in checkpoints)
-             + f" | train gap, last 100 steps | val loss at {checkpoints[-1]} | ≈ fp32 at {checkpoints[-1]} | s/run |",
-             "|---|---:|" + "---:|" * len(checkpoints) + "---:|---:|:-:|---:|"]
+             + f" | train gap, last 100 steps | val loss at {checkpoints[-1]} | ≈ fp32 at {checkpoints[-1]} "
+             f"| gap beyond fp32's reruns at {checkpoints[-1]} | s/run |",
+             "|---|---:|" + "---:|" * len(checkpoints) + "---:|---:|:-:|---:|---:|"]
     for variant in sorted(last, key=_order):
         e = last[variant]
         gaps = " | ".join(f"{at[c][variant]['paired_gap_pct'][0]:+.2f} ± {at[c][variant]['paired_gap_pct'][1]:.2f}%"
                           if variant in at[c] else "–" for c in checkpoints)
         tg = train_gap(runs, variant)
         tg_cell = f"{tg[0]:+.2f} ± {tg[1]:.2f}%" if tg else "–"
+        vs = versus_rerun(last, variant)
+        vs_cell = f"{vs[0]:+.2f} ± {vs[1]:.2f}%" if vs else "–"
         lines.append(f"| {variant} | {e['state_bytes_per_param']:.3f} | {gaps} | {tg_cell} | {e['loss_mean']:.4f} ± "
-                     f"{e['loss_std']:.4f} | {'yes' if e['matches_fp32'] else '**no**'} | {e['seconds']:.0f} |")
+                     f"{e['loss_std']:.4f} | {'yes' if e['matches_fp32'] else '**no**'} | {vs_cell} | "
+                     f"{e['seconds']:.0f} |")
     spread = " | ".join(f"{at[c]['fp32']['fp32_noise_pct']:.2f}%" if "fp32" in at[c] else "–" for c in checkpoints)
-    lines += [f"| (fp32 seed spread) | | {spread} | | | | |", "",
+    lines += [f"| (fp32 seed spread) | | {spread} | | | | | |", "",
               "Gap: mean ± std over seeds of the paired gap of the validation loss (loss / fp32 loss of the same "
               "seed - 1) at that step of the 2,000-step schedule; the train gap is that of the mean training loss "
               "over the last 100 steps (the same batches); ≈ fp32 as in `quality.md`. `fp32+perturbed` is stock "
               "AdamW with beta2 one float32 step larger: its gaps are what a rerun of fp32 itself shows, the noise "
-              "floor of every paired gap."]
+              "floor of every paired gap. Gap beyond fp32's reruns: the mean gap minus fp32+perturbed's, ± the "
+              "standard error of that difference."]
     diagnosed = [r for r in runs if r.get("drift") and r["variant"] != "fp32"]
     for r in sorted(diagnosed, key=lambda r: (_order(r["variant"]), r["seed"])):
         lines += ["", f"#### {r['variant']}, seed {r['seed']}: stored moments against fp32 moments of the same "

@@ -25,3 +25,11 @@ def test_table_has_the_train_gap_and_names_the_perturbed_noise_floor():
     row = next(line for line in text.splitlines() if line.startswith("| fp32+perturbed |"))
     assert "+1.00 ± 0.00%" in row and "+0.00 ± 0.00%" in row
     assert "noise floor" in text
+
+
+def test_gap_beyond_reruns_is_the_difference_of_mean_gaps_with_its_standard_error():
+    runs = [_run("fp32", s, 1.0, 2.0) for s in range(3)]
+    runs += [_run("fp32+perturbed", s, 1.0 + g, 2.0) for s, g in enumerate((0.01, -0.01, 0.0))]
+    runs += [_run("sqrt8", s, 1.0 + g, 2.0) for s, g in enumerate((0.02, 0.03, 0.04))]
+    row = next(line for line in markdown(runs).splitlines() if line.startswith("| sqrt8 |"))
+    assert "+3.00 ± 0.82%" in row  # (3 - 0) ± sqrt(1/3 + 1/3)
