@@ -709,8 +709,26 @@ LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vi u) {
   const vf m = lb_draw(u) * gap < d ? c + 1.0f : c;
   return U ? lb_lift_positive(__builtin_convertvector(m, vi), y) : lb_code_byte(lb_cvt_signed(m, sign));
 }
-// fp8 and dynamic8, from the nearest code: the other code around y is code +- 1 in byte arithmetic (the
-// map is monotone in the code, or for fp8 in its magnitude bits), both codes decoded.
+// fp8 on the magnitude, nothing decoded: the codes around |y| are the multiples c and c + 1 of its
+// binade's unit 2^(max(e, MIN_EXP) - M) (the outer one at the binade's top is the next binade's first
+// value), |y| over the unit exact, and the rounded magnitude (a code's value, exact) with y's sign
+// encoded to nearest. A positive value of a non-negative state is at least code 1 (lb_encode_fp8's lift
+// from x, the value before rounding).
+template <int F, bool U>
+LB_INLINE vi lb_stochastic_fp8(vf x, vi u) {
+  typedef lb_format<F, U> f;
+  constexpr int M = f::mantissa, MIN_EXP = f::min_exponent;
+  const vf y = lb_clamp(x, -f::qmax, f::qmax);
+  const vi a = lb_bits_i(y) & 0x7FFFFFFF, sign = lb_bits_i(y) & (int32_t)0x80000000;
+  vi e = a >> 23;
+  e = e > 127 + MIN_EXP ? e : lb_splat_i(127 + MIN_EXP);
+  const vf s = lb_bits_f(a) * lb_bits_f((254 + M - e) << 23), c = lb_floor(s);  // |y| / unit, exact
+  const vf m = (lb_draw(u) < s - c ? c + 1.0f : c) * lb_bits_f((e - M) << 23);
+  const vi code = lb_encode_fp8<M, MIN_EXP, false>(lb_bits_f(lb_bits_i(m) | sign));
+  return U ? lb_lift_positive(code, x) : code;
+}
+// dynamic8, from the nearest code: the other code around y is code +- 1 (the map is monotone in the
+// code), both codes decoded. (fp8 took this path before lb_stochastic_fp8: the same codes.)
 template <int F, bool U>
 LB_INLINE vi lb_round_stochastic(vf x, vi code, vi u) {
   typedef lb_format<F, U> f;
@@ -956,10 +974,11 @@ LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vi u) {
     if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
     if (FLAGGED) y = lb_clamp(y, -f::flagged_qmax, f::flagged_qmax);
     if constexpr (F == LB_INT8) code = SR ? lb_stochastic_int8<U>(y, u) : lb_encode_int8<U>(y);  // in range
+    else if constexpr ((F == LB_E4M3 || F == LB_E5M2) && SR) code = lb_stochastic_fp8<F, U>(y, u);
     else if constexpr (F == LB_E4M3 || F == LB_E5M2)
       code = lb_encode_fp8<lb_format<F, U>::mantissa, lb_format<F, U>::min_exponent, U>(y);
     else code = lb_encode<F, U>(y);
-    if (SR && F != LB_INT8) code = lb_round_stochastic<F, U>(y, code, u);
+    if (SR && F == LB_DYNAMIC8) code = lb_round_stochastic<F, U>(y, code, u);
   }
   if (!FLAGGED) return code;
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
