@@ -738,7 +738,8 @@ LB_INLINE vi lb_round_stochastic(vf x, vi code, vi u) {
   const vi away = fp8 ? (vi)(lb_abs(y) > lb_abs(v)) : (vi)(y > v);
   const vi other = (code + (away ? lb_splat_i(1) : lb_splat_i(-1))) & 0xFF;
   const vf w = lb_decode<F, U>(lb_lane<F, U>(other));
-  const vi inward = (vi)(lb_abs(w) < lb_abs(v));  // the other code is the inner one
+  // the other code is the inner one (where y is a code's value either answer keeps the code)
+  const vi inward = fp8 ? ~away : away ^ (vi)(y >= 0);
   const vi outer = lb_draw(u) * lb_abs(w - v) < lb_abs(y - (inward ? w : v));
   vi out = inward ? (outer ? code : other) : (outer ? other : code);
   if (U) out = (x > 0) & (out == 0) ? lb_splat_i(1) : out;

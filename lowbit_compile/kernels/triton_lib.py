@@ -309,8 +309,8 @@ def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.conste
     < 256 * |x - w_in|``, ``u`` the element's 8-bit draw (:func:`state_draws`; ``cpu_prelude.h``'s
     ``lb_round_stochastic``). int8 and sqrt8 work on magnitudes from the inner code ``floor``: int8's
     codes 1 apart, sqrt8's value the square of the clamped root, the inner code's value ``c * c`` and the
-    outer's ``2c + 1`` above it, all exact; fp8 and dynamic8 take the other code around x as code +- 1
-    in byte arithmetic and decode both."""
+    outer's ``2c + 1`` above it, all exact; fp8 counts units of the value's binade (nothing decoded);
+    dynamic8 takes the other code around x as code +- 1 and decodes both."""
     t = (u.to(tl.float32) + 0.5) * 0.00390625  # (u + 0.5) / 256, exact
     if FMT == SQRT8 or FMT == INT8:
         if FMT == SQRT8:  # the clamp of encode, which the compiler shares
@@ -331,20 +331,34 @@ def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.conste
             out = m.to(tl.int32)
         else:
             out = tl.where(x < 0, neg(m), m).to(tl.int8).to(tl.uint8, bitcast=True).to(tl.int32)
+    elif FMT == FP8_E4M3 or FMT == FP8_E5M2:
+        # on the magnitude, nothing decoded: the codes around |y| are c and c + 1 units of its binade,
+        # unit 2^(e - 127 - M) with e its fp32 exponent (at least E0 = 127 + the format's smallest normal
+        # exponent: subnormal units below), and the magnitude code of c units is ((e - E0) << M) + c
+        if FMT == FP8_E4M3:
+            MB: tl.constexpr = 3
+            E0: tl.constexpr = 121
+        else:
+            MB: tl.constexpr = 2
+            E0: tl.constexpr = 113
+        y = tl.minimum(tl.maximum(x, -QMAX), QMAX)
+        bits = y.to(tl.int32, bitcast=True)
+        a = bits & 0x7FFFFFFF
+        e = tl.maximum(a >> 23, E0)
+        units = a.to(tl.float32, bitcast=True) * ((254 + MB - e) << 23).to(tl.float32, bitcast=True)  # exact
+        c = tl.floor(units)
+        out = (((e - E0) << MB) + c.to(tl.int32) + tl.where(t < units - c, 1, 0)) | ((bits >> 24) & 0x80)
     else:
-        if NONNEG and FMT != FP8_E4M3 and FMT != FP8_E5M2:
+        if NONNEG:
             y = tl.minimum(tl.maximum(x, 0.0), QMAX)
         else:
             y = tl.minimum(tl.maximum(x, -QMAX), QMAX)
         q = code.to(tl.int32)
         v = code_value(code, table_ptr, FMT, NONNEG)
-        if FMT == FP8_E4M3 or FMT == FP8_E5M2:
-            away = tl.abs(y) > tl.abs(v)
-        else:
-            away = y > v
+        away = y > v
         other = (q + tl.where(away, 1, -1)) & 0xFF
         w = code_value(other.to(tl.uint8), table_ptr, FMT, NONNEG)
-        inward = tl.abs(w) < tl.abs(v)  # the other code is the inner one
+        inward = away != (y >= 0)  # the other code is the inner one (where y is a code's value, either does)
         outward = t * tl.abs(w - v) < tl.abs(y - tl.where(inward, w, v))
         out = tl.where(inward != outward, other, q)
     if NONNEG:
