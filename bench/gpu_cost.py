@@ -68,6 +68,9 @@ def floor_adamw8(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, lr, beta1, beta2
     tl.store(v_ptr + offsets, v_root.to(tl.uint8), mask=mask)
 
 
+STOCHASTIC_V = (("exp_avg_sq", "stochastic"),)  # stochastic rounding of the second moment only
+
+
 @dataclass(frozen=True)
 class Case:
     """One kernel users get: a step of ``opt`` (AdamW unless named) or a standalone state kernel."""
@@ -76,7 +79,7 @@ class Case:
     fmt: str = "sqrt8"
     dtype: torch.dtype = torch.float32
     master: str | None = None
-    rounding: str = "nearest"
+    rounding: str | tuple[tuple[str, str], ...] = "nearest"  # per state as pairs (a Case is hashed)
     outliers: int = 0
     state_kernel: str | None = None  # "quantize" / "dequantize"
 
@@ -90,6 +93,8 @@ def cases() -> list[Case]:
             Case("step sqrt8 bf16-params master 8bit", dtype=torch.bfloat16, master="8bit"),
             Case("step sqrt8 fp32-params stochastic", rounding="stochastic"),
             Case("step sqrt8 bf16-params stochastic", dtype=torch.bfloat16, rounding="stochastic"),
+            *(Case(f"step {fmt} fp32-params stochastic v", fmt, rounding=STOCHASTIC_V)
+              for fmt in ("sqrt8", "int8", "dynamic8", "fp8_e4m3")),
             Case("step sqrt8 fp32-params 2 patches", outliers=2)]
     for fmt in ("sqrt8", "int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"):
         for kind in ("quantize", "dequantize"):
@@ -113,7 +118,8 @@ def step_body(case: Case) -> torch.fx.GraphModule:
     param = torch.nn.Parameter(torch.randn(4096, dtype=case.dtype))
     opt = lowbit_compile(torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01), fmt=case.fmt,
                          outliers=case.outliers, min_8bit_size=0, backend="reference",
-                         master_weights=case.master, rounding=case.rounding)
+                         master_weights=case.master,
+                         rounding=dict(case.rounding) if isinstance(case.rounding, tuple) else case.rounding)
     compile_module.lower = capture
     try:
         param.grad = torch.randn_like(param)

@@ -6,6 +6,7 @@ in each state format, interleaved in one process on transformer-shaped parameter
     python bench/step_bench.py --master  # bf16 params: master weights against fused fp32 and bf16 AdamW
     python bench/step_bench.py --optimizers all   # every stock optimizer against its fused/foreach twin
     python bench/step_bench.py --sizes 25M --formats dynamic8,dynamic8+sr   # rounding to nearest vs stochastic
+    python bench/step_bench.py --sizes 6M --threads 1 --formats sqrt8,sqrt8+sr-v,sqrt8+sr   # its cost, v only
 
 Per contender: state bytes/param counted from the tensors its optimizer holds; step time (median and
 interquartile range over rounds in which every contender steps once, in rotating order, on grad
@@ -96,15 +97,22 @@ def _torch(flags: dict) -> Callable:
     return lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **flags)
 
 
+ROUNDINGS = {"": "nearest", "+sr": "stochastic",  # the suffixes of bench/rounding.py's names
+             "+sr-v": {"exp_avg_sq": "stochastic", "max_exp_avg_sq": "stochastic"}}
+
+
 def _lowbit(fmt: str, outliers: int) -> Callable:
-    """Our AdamW in ``fmt``; ``<fmt>+sr`` rounds its states stochastically."""
-    base, sr, _ = fmt.partition("+sr")
+    """Our AdamW in ``fmt``; ``<fmt>+sr`` rounds its states stochastically, ``<fmt>+sr-v`` only the
+    second moments (``exp_avg_sq``, ``max_exp_avg_sq``)."""
+    base, sep, suffix = fmt.partition("+")
+    if sep + suffix not in ROUNDINGS:
+        raise ValueError(f"unknown rounding suffix in {fmt!r}: one of {', '.join(k for k in ROUNDINGS if k)}")
 
     def make(params):
         from lowbit_compile import lowbit_compile
 
         return lowbit_compile(torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY), base, outliers=outliers,
-                              **({"rounding": "stochastic"} if sr else {}))
+                              rounding=ROUNDINGS[sep + suffix])
 
     return make
 
@@ -585,7 +593,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16")
     parser.add_argument("--threads", default=None, help="comma list of thread counts")
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--formats", default=None, help="lowbit formats, comma list (<fmt>+sr: stochastic rounding)")
+    parser.add_argument("--formats", default=None, help="lowbit formats, comma list (<fmt>+sr: stochastic rounding, "
+                        "<fmt>+sr-v: of the second moments only)")
     parser.add_argument("--peers", default=None,
                         help="comma list of bitsandbytes,torchao, or none (default: those installed)")
     parser.add_argument("--no-first-step", action="store_true", help="skip the fresh-process measurements")

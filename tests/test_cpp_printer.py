@@ -74,10 +74,10 @@ static void lb_finish(lb_job& job, const float* scratch) {
   const float mult_exp_avg_sq = job.mult[1];
   const bool enc_exp_avg_sq = job.enc[1];
   if (enc_exp_avg && enc_exp_avg_sq) {
-    lb_encode_pair<LB_SQRT8, LB_SIGNED, LB_PLAIN, LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, {}, len);
+    lb_encode_pair<LB_SQRT8, LB_SIGNED, LB_PLAIN, LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, len);
   } else {
-    if (enc_exp_avg) lb_encode_block<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
-    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes, {});
+    if (enc_exp_avg) lb_encode_block<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes);
+    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes);
   }
 }
 
@@ -132,8 +132,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       lb_prefetch(p_exp_avg_codes + i, LB_BLOCK);
       lb_prefetch(p_exp_avg_sq_codes + i, LB_BLOCK);
       if (fuse) {
-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
       }
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
@@ -182,10 +182,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   lb_versions(lanes0, fuse, c_lerp_small);
   job.len = len;
   job.codes[0] = p_exp_avg_codes;
-  job.rand[0] = lb_rand{};
   job.enc[0] = lb_quantize_scale<LB_SQRT8, LB_SIGNED, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0]);
   job.codes[1] = p_exp_avg_sq_codes;
-  job.rand[1] = lb_rand{};
   job.enc[1] = lb_quantize_scale<LB_SQRT8, LB_UNSIGNED, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], {}, root_exp_avg_sq);
 }""")
 
@@ -323,10 +321,10 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, LB_SIGNED>(full ? lb_ld_codes<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -354,8 +352,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -      if (fuse) {
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
 -      }
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
@@ -377,10 +375,10 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_E4M3, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E4M3, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E4M3, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, LB_SIGNED>(full ? lb_ld_codes<LB_E4M3, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E4M3, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -401,10 +399,10 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_E5M2, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E5M2, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E5M2, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, LB_SIGNED>(full ? lb_ld_codes<LB_E5M2, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E5M2, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -458,8 +456,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -      if (fuse) {
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
 -      }
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
@@ -505,10 +503,10 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
+-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
++        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, LB_SIGNED>(full ? lb_ld_codes<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -567,8 +565,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, {}));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, {}));
+-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
++        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
 -      const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
 -      const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
 +      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);

@@ -120,9 +120,10 @@ def _block_scale(blocks: torch.Tensor, fmt: StateFormat) -> tuple[torch.Tensor, 
 
 
 def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, bits: torch.Tensor | None = None) -> None:
-    """Quantize the flat values ``x`` into the preallocated storage ``out``; with ``bits`` (32 random bits
-    per element, int64) codes and patches round stochastically (``formats.round_stochastic``), a patch
-    with the bits of the element it holds."""
+    """Quantize the flat values ``x`` into the preallocated storage ``out``; with ``bits`` (the random
+    bits of each element, int64: ``rounding.state_bits``) codes and patches round stochastically
+    (``formats.round_stochastic``: a code from its 8-bit draw, a patch from the low 16 bits of the
+    element it holds)."""
     if not fmt.blockwise:
         out.codes.copy_(encode(x.reshape(-1).float(), fmt, bits=bits))
         return

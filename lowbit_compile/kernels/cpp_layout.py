@@ -304,8 +304,6 @@ class BlockKernel:
         for j, w in enumerate(written):
             out.append(f"uint8_t* __restrict q_codes_{w.ident} = job.codes[{j}];")
             out.append(f"const vf q_mult_{w.ident} = lb_splat(job.mult[{j}]);")
-            if w.rand:
-                out.append(f"const lb_rand q_rand_{w.ident} = job.rand[{j}];")
         return out
 
     def _lane_loop(self, k: int, lanes: LanePass, fused: list[KernelState]) -> list[str]:
@@ -325,7 +323,6 @@ class BlockKernel:
             parts = ", ".join(w.ptr(part) for part in PARTS)
             extra = [w.rand or "{}", f"root_{w.ident}"] if w.root else [w.rand] if w.rand else []
             out.append(f"job.codes[{j}] = {w.ptr(Part.CODES)};")
-            out.append(f"job.rand[{j}] = {w.rand or 'lb_rand{}'};")
             out.append(f"job.enc[{j}] = lb_quantize_scale<{w.template}, {w.fmt.patches}"
                        f"{', LB_STOCHASTIC' if w.rand else ''}>(acc_{w.ident}, buf_{w.ident}, len, LB_BLOCK, "
                        f"{', '.join([parts, f'&job.mult[{j}]', *extra])});")
@@ -350,17 +347,14 @@ class BlockKernel:
             out.append(f"{ind}uint8_t* {w.ptr(Part.CODES)} = job.codes[{j}];")
             out.append(f"{ind}const float mult_{k} = job.mult[{j}];")
             out.append(f"{ind}const bool enc_{k} = job.enc[{j}];")
-            if w.rand:
-                out.append(f"{ind}const lb_rand {w.rand} = job.rand[{j}];")
 
         def args(s: KernelState) -> list[str]:
-            return [f"buf_{s.ident}", f"root_{s.ident}" if s.root else "nullptr", f"mult_{s.ident}", s.ptr(Part.CODES),
-                    s.rand or "{}"]
+            return [f"buf_{s.ident}", f"root_{s.ident}" if s.root else "nullptr", f"mult_{s.ident}", s.ptr(Part.CODES)]
 
         def single(s: KernelState) -> str:
-            buf, root, mult, codes, rand = args(s)
+            buf, root, mult, codes = args(s)
             return (f"if (enc_{s.ident}) lb_encode_block<{s.template}, {_encoding(s.rand)}>({buf}, {root}, "
-                    f"len, {mult}, {codes}, {rand});")
+                    f"len, {mult}, {codes});")
 
         for a, b in zip(written[::2], written[1::2]):
             out.append(f"{ind}if (enc_{a.ident} && enc_{b.ident}) {{")
@@ -380,9 +374,8 @@ class BlockKernel:
         for w in written:
             k = w.ident
             root = f"root_{k}" if w.root else "nullptr"
-            rand = f"q_rand_{k}" if w.rand else "{}"
             lines.append(f"  lb_st_codes(q_codes_{k} + i, lb_encode_at<{self._lane_encode(w)}>(buf_{k}, {root}, i, "
-                         f"q_mult_{k}, {rand}));")
+                         f"q_mult_{k}, q_codes_{k}));")
         return ["if (fuse) {", *lines, "}"]
 
     def _lane_encode(self, s: KernelState) -> str:

@@ -343,12 +343,12 @@ def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = Non
     """Encode normalized values (:func:`normalize`: divided by their block scale, |x| <= qmax; sqrt8's
     in the root domain, |x| <= sqrt(qmax)) into codes.
 
-    Rounding is to nearest, ties to even, or with ``bits`` (32 random bits per element, int64 shaped
-    like ``x``) stochastic (:func:`round_stochastic`, sqrt8's from the value ``x * |x|``); for a
-    non-negative state a positive value never becomes code 0. Where ``flagged`` (a bool tensor
-    broadcasting against ``x``: the element's block is flagged) finite values are clamped to
-    ``flagged_qmax`` and +inf, -inf and NaN get their special codes; elsewhere a non-finite value
-    saturates like any value out of range.
+    Rounding is to nearest, ties to even, or with ``bits`` (the random bits of each element,
+    ``rounding.state_bits``: int64 shaped like ``x``) stochastic (:func:`round_stochastic`, sqrt8's
+    from the value ``x * |x|``); for a non-negative state a positive value never becomes code 0.
+    Where ``flagged`` (a bool tensor broadcasting against ``x``: the element's block is flagged)
+    finite values are clamped to ``flagged_qmax`` and +inf, -inf and NaN get their special codes;
+    elsewhere a non-finite value saturates like any value out of range.
     """
     if flagged is not None and fmt.blockwise:
         top = domain_bound(fmt, fmt.flagged_qmax)
@@ -395,15 +395,19 @@ def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = Non
 
 
 def round_stochastic(x: torch.Tensor, codes: torch.Tensor, fmt: StateFormat, bits: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding, from the nearest ``codes`` of ``x``: the code adjacent to the nearest one on
-    ``x``'s side replaces it with probability ``|x - v| / |v' - v|`` (``v``, ``v'`` their values), so the
-    expected value is ``x`` (unbiased), except where the rules of :func:`encode` act: ``x`` is first
-    clamped into the format's range (the top code never rounds up), a non-finite ``x`` keeps its
-    nearest code, and a positive value of a non-negative state never becomes code 0 (values below the
-    smallest positive code all round up to it, a bias of at most that code's value).
+    """Stochastic rounding (``rounding.py``), from the nearest ``codes`` of ``x``: of the two codes around
+    ``x``, the one of larger magnitude (outer, value ``w_out``) replaces the one nearer zero (inner,
+    ``w_in``) where ``(u + 0.5) / 256 < p = |x - w_in| / |w_out - w_in|``, ``u`` the element's 8-bit
+    draw (bits 32..39 of ``bits``, ``rounding.state_bits``), so with probability ``round(256 p) / 256``:
+    the expected value is ``x`` to within 1/512 of the gap between the two codes, an error that averages
+    to zero over ``p``. Except where the rules of :func:`encode` act: ``x`` is first clamped into the
+    format's range (the top code never rounds up), a non-finite ``x`` keeps its nearest code, and a
+    positive value of a non-negative state never becomes code 0 (values below the smallest positive
+    code all round up to it, a bias of at most that code's value).
 
-    The draw is exact in fp32 on every backend: ``u * |v' - v| < |x - v|`` with ``u`` the top 24 bits
-    over 2**24. bf16 adds the low 16 of ``bits`` to the fp32 bit pattern and truncates to 16 bits."""
+    The comparison is exact in fp32 on every backend for int8, sqrt8 and fp8 (``(u + 0.5) * |w_out -
+    w_in| < 256 * |x - w_in|``, both sides exact) and the same fp32 operations for dynamic8. bf16 adds the
+    low 16 of ``bits`` to the fp32 bit pattern and truncates to 16 bits."""
     if fmt.name == "bf16":
         y = saturate_bf16(x)
         if fmt.nonneg:
@@ -418,15 +422,16 @@ def round_stochastic(x: torch.Tensor, codes: torch.Tensor, fmt: StateFormat, bit
     y = x.clamp(lo, fmt.qmax)
     v = decode(codes, fmt)
     q = codes.to(torch.int32) if signed_int else codes.view(torch.uint8).to(torch.int32)
-    # the adjacent code on x's side: the map is monotone in the code (int8, dynamic8) or in its
-    # magnitude bits (fp8, sign and magnitude)
+    # the other code around x: the map is monotone in the code (int8, dynamic8) or in its magnitude bits
+    # (fp8, sign and magnitude)
     away = (y.abs() > v.abs()) if fp8 else (y > v)
     other = torch.where(y == v, q, q + torch.where(away, 1, -1))
     other_codes = other.to(torch.int8) if signed_int else other.to(torch.uint8).view(fmt.code_dtype)
     w = decode(other_codes, fmt)
-    u = (bits >> 8).to(torch.float32) * 2.0**-24
-    take = (u * (w - v).abs() < (y - v).abs()) & torch.isfinite(x)
-    out = torch.where(take, other, q)
+    inward = w.abs() < v.abs()  # the other code is the inner one
+    u = ((bits >> 32) & 0xFF).to(torch.float32)
+    outward = (u + 0.5) * (w - v).abs() < 256 * (y - torch.where(inward, w, v)).abs()
+    out = torch.where((inward ^ outward) & torch.isfinite(x), other, q)
     if fmt.nonneg:
         out = torch.where((x > 0) & (out == 0), 1, out)
     return out.to(torch.int8) if signed_int else out.to(torch.uint8).view(fmt.code_dtype)

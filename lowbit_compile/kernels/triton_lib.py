@@ -302,48 +302,65 @@ def code_value(bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
 
 
 @triton.jit
-def round_stochastic(x, code, bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr):
+def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr):
     """``formats.round_stochastic`` of 8-bit codes (uint8 bits) from the nearest ``code`` of a finite
-    ``x`` (sqrt8's in the root domain; the caller gives a non-finite x its special code): the adjacent
-    code on x's side (code +- 1 in byte arithmetic) replaces it where ``u * |w - v| < |x - v|``, ``u``
-    the top 24 random ``bits`` over 2^24 (``cpu_prelude.h``'s ``lb_round_stochastic``). Where x is a
-    code's value nothing moves (``|x - v|`` is 0), so the adjacent code needs no case of its own. int8's
-    neighbours are 1 apart; sqrt8 works on magnitudes, the value the square of the clamped root, its
-    code's value ``c * c`` and the neighbour's ``|2c +- 1|`` away, all exact: neither decodes twice."""
-    u = (bits >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
-    if FMT == SQRT8:  # the clamp and rounding of encode, which the compiler shares
-        if NONNEG:
-            a = tl.minimum(tl.maximum(x, 0.0), QMAX**0.5)
+    ``x`` (sqrt8's in the root domain; the caller gives a non-finite x its special code): of the two
+    codes around x, the outer (larger magnitude) replaces the inner where ``(u + 0.5) * |w_out - w_in|
+    < 256 * |x - w_in|``, ``u`` the element's 8-bit draw (:func:`state_draws`; ``cpu_prelude.h``'s
+    ``lb_round_stochastic``). int8 and sqrt8 work on magnitudes from the inner code ``floor``: int8's
+    codes 1 apart, sqrt8's value the square of the clamped root, the inner code's value ``c * c`` and the
+    outer's ``2c + 1`` above it, all exact; fp8 counts units of the value's binade (nothing decoded);
+    dynamic8 takes the other code around x as code +- 1 and decodes both."""
+    t = (u.to(tl.float32) + 0.5) * 0.00390625  # (u + 0.5) / 256, exact
+    if FMT == SQRT8 or FMT == INT8:
+        if FMT == SQRT8:  # the clamp of encode, which the compiler shares
+            if NONNEG:
+                a = tl.minimum(tl.maximum(x, 0.0), QMAX**0.5)
+            else:
+                a = tl.minimum(tl.abs(x), QMAX**0.5)
+            c = tl.floor(a)
+            m = tl.where(t * tl.fma(c, 2.0, 1.0) < tl.fma(-c, c, a * a), c + 1.0, c)
         else:
-            a = tl.minimum(tl.abs(x), QMAX**0.5)
-        c = rne(a)
-        y = a * a
-        v = c * c
-        step = tl.where(y > v, 1.0, -1.0)
-        m = tl.where(u * tl.abs(tl.fma(c, 2.0, step)) < tl.abs(y - v), c + step, c)
+            if NONNEG:
+                a = tl.minimum(tl.maximum(x, 0.0), QMAX)
+            else:
+                a = tl.minimum(tl.abs(x), QMAX)
+            c = tl.floor(a)
+            m = tl.where(t < a - c, c + 1.0, c)
         if NONNEG:
             out = m.to(tl.int32)
         else:
             out = tl.where(x < 0, neg(m), m).to(tl.int8).to(tl.uint8, bitcast=True).to(tl.int32)
+    elif FMT == FP8_E4M3 or FMT == FP8_E5M2:
+        # on the magnitude, nothing decoded: the codes around |y| are c and c + 1 units of its binade,
+        # unit 2^(e - 127 - M) with e its fp32 exponent (at least E0 = 127 + the format's smallest normal
+        # exponent: subnormal units below), and the magnitude code of c units is ((e - E0) << M) + c
+        if FMT == FP8_E4M3:
+            MB: tl.constexpr = 3
+            E0: tl.constexpr = 121
+        else:
+            MB: tl.constexpr = 2
+            E0: tl.constexpr = 113
+        y = tl.minimum(tl.maximum(x, -QMAX), QMAX)
+        bits = y.to(tl.int32, bitcast=True)
+        a = bits & 0x7FFFFFFF
+        e = tl.maximum(a >> 23, E0)
+        units = a.to(tl.float32, bitcast=True) * ((254 + MB - e) << 23).to(tl.float32, bitcast=True)  # exact
+        c = tl.floor(units)
+        out = (((e - E0) << MB) + c.to(tl.int32) + tl.where(t < units - c, 1, 0)) | ((bits >> 24) & 0x80)
     else:
-        if NONNEG and FMT != FP8_E4M3 and FMT != FP8_E5M2:
+        if NONNEG:
             y = tl.minimum(tl.maximum(x, 0.0), QMAX)
         else:
             y = tl.minimum(tl.maximum(x, -QMAX), QMAX)
         q = code.to(tl.int32)
-        if FMT == INT8:
-            c = code_value(code, table_ptr, FMT, NONNEG)
-            up = y > c
-            out = tl.where(u < tl.abs(y - c), q + tl.where(up, 1, -1), q)
-        else:
-            v = code_value(code, table_ptr, FMT, NONNEG)
-            if FMT == FP8_E4M3 or FMT == FP8_E5M2:
-                away = tl.abs(y) > tl.abs(v)
-            else:
-                away = y > v
-            other = (q + tl.where(away, 1, -1)) & 0xFF
-            w = code_value(other.to(tl.uint8), table_ptr, FMT, NONNEG)
-            out = tl.where(u * tl.abs(w - v) < tl.abs(y - v), other, q)
+        v = code_value(code, table_ptr, FMT, NONNEG)
+        away = y > v
+        other = (q + tl.where(away, 1, -1)) & 0xFF
+        w = code_value(other.to(tl.uint8), table_ptr, FMT, NONNEG)
+        inward = away != (y >= 0)  # the other code is the inner one (where y is a code's value, either does)
+        outward = t * tl.abs(w - v) < tl.abs(y - tl.where(inward, w, v))
+        out = tl.where(inward != outward, other, q)
     if NONNEG:
         out = tl.where((x > 0) & (out == 0), 1, out)
     return out.to(tl.uint8)
@@ -351,9 +368,20 @@ def round_stochastic(x, code, bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.con
 
 @triton.jit
 def state_bits(seed, offsets, STREAM: tl.constexpr):
-    """``rounding.state_bits``: ``hash32(index ^ hash32(counter ^ STREAM << 24))`` per element."""
+    """``rounding.state_bits``' low 32: ``hash32(index ^ hash32(counter ^ STREAM << 24))`` per element
+    (a bf16 value draws its low 16)."""
     key = hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24))
     return hash32(offsets.to(tl.uint32) ^ key)
+
+
+@triton.jit
+def state_draws(seed, offsets, STREAM: tl.constexpr):
+    """``rounding.state_draws``: each element's 8-bit draw (int32), byte ``index % 4`` of the word
+    ``hash32((index // 4) ^ 2^31 ^ key)``. Computed per element (each hashes its word): sharing one
+    hash between four elements would take a reshape of the tile."""
+    key = hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24)) ^ 0x80000000
+    word = hash32((offsets >> 2).to(tl.uint32) ^ key)
+    return ((word >> ((offsets & 3) * 8).to(tl.uint32)) & 0xFF).to(tl.int32)
 
 
 @triton.jit
@@ -475,14 +503,14 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
     from its finite values over ``FLAGGED_QMAX`` and is stored negated, its finite codes stay within
     ``FLAGGED_QMAX`` and its inf and NaN take the special codes. The ``INV_*`` are the fp32 reciprocals
     of the divisors on CUDA, 0.0 on the CPU (``scale_and_inverse``). A nonzero ``STREAM`` rounds codes and
-    patches stochastically with the bits of counter ``seed`` in that stream (:func:`state_bits`).
+    patches stochastically with the bits of counter ``seed`` in that stream (:func:`state_draws`, a
+    patch's :func:`state_bits`).
     ``APPROXIMATE`` takes sqrt8's root with the GPU's approximate square root (codes within one step).
     """
     x = tl.where(mask, x, 0.0)  # the reference pads a partial last block with zeros
-    if STREAM != 0:
-        bits = state_bits(seed, offsets, STREAM)
     if FMT == BF16_CODES:
         if STREAM != 0:
+            bits = state_bits(seed, offsets, STREAM)
             tl.store(codes_ptr + offsets, bf16_code_stochastic(x, bits, NONNEG).to(tl.bfloat16, bitcast=True),
                      mask=mask)
         else:
@@ -549,7 +577,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
         codes = encode(y, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
         code = code_bits(codes, FMT, FP8_NATIVE)
         if STREAM != 0:
-            code = round_stochastic(y, code, bits, table_ptr, FMT, NONNEG, QMAX)
+            code = round_stochastic(y, code, state_draws(seed, offsets, STREAM), table_ptr, FMT, NONNEG, QMAX)
         if any_flagged:
             special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
             code = tl.where(flagged & ~(tl.abs(x) < float("inf")), special, code)
