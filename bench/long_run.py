@@ -36,6 +36,7 @@ TASKS = {"pydoc": "char_gpt_2m_long", "docstrings": "char_gpt_2m_fresh_long"}
 GRID = ["fp32", "sqrt8", "dynamic8", "int8", "fp8_e4m3"]
 SEEDS = (0, 1, 2)
 CHECKPOINTS = (250, 1000, 2000)
+RERUN = "fp32+perturbed"  # fp32's noise floor (bench/rounding.py)
 
 
 def long_task(steps: int, data: str = "pydoc") -> CharGPT:
@@ -75,25 +76,32 @@ def summary_at(runs: list[dict], step: int) -> dict:
     return summarize(cut)[runs[0]["task"]] if cut else {}
 
 
-def train_gap(runs: list[dict], variant: str, last: int = 100) -> tuple[float, float] | None:
-    """Mean and std over seeds of the paired gap of the training loss over the last ``last`` steps (the
-    same batches in both runs of a seed), or None without a paired fp32 run."""
+def train_gaps(runs: list[dict], variant: str, last: int = 100) -> list[float]:
+    """Per seed, the paired gap (%) of the mean training loss over the last ``last`` steps (the same
+    batches in both runs of a seed); seeds without an fp32 run are left out."""
     base = {r["seed"]: r for r in runs if r["variant"] == "fp32"}
-    gaps = [(statistics.fmean(r["train_loss"][-last:]) / statistics.fmean(base[r["seed"]]["train_loss"][-last:]) - 1)
+    return [(statistics.fmean(r["train_loss"][-last:]) / statistics.fmean(base[r["seed"]]["train_loss"][-last:]) - 1)
             * 100 for r in runs if r["variant"] == variant and r["seed"] in base]
-    return mean_std(gaps) if gaps else None
 
 
-def versus_rerun(at_step: dict, variant: str, rerun: str = "fp32+perturbed") -> tuple[float, float] | None:
-    """The variant's mean paired gap minus that of fp32's reruns (``rerun``), and the standard error of
-    that difference (Welch), from ``summary_at``'s entries; None without two seeds of each."""
-    if variant in (rerun, "fp32") or rerun not in at_step or variant not in at_step:
+def beyond(gaps: list[float], rerun_gaps: list[float]) -> tuple[float, float] | None:
+    """The mean of ``gaps`` minus that of fp32's reruns, and the standard error of the difference
+    (Welch); None without two of each."""
+    if min(len(gaps), len(rerun_gaps)) < 2:
         return None
-    (m_v, s_v), n_v = at_step[variant]["paired_gap_pct"], len(at_step[variant]["seeds"])
-    (m_r, s_r), n_r = at_step[rerun]["paired_gap_pct"], len(at_step[rerun]["seeds"])
-    if min(n_v, n_r) < 2:
-        return None
-    return m_v - m_r, (s_v**2 / n_v + s_r**2 / n_r) ** 0.5
+    (m_v, s_v), (m_r, s_r) = mean_std(gaps), mean_std(rerun_gaps)
+    return m_v - m_r, (s_v**2 / len(gaps) + s_r**2 / len(rerun_gaps)) ** 0.5
+
+
+def val_gaps(runs: list[dict], variant: str, step: int) -> list[float]:
+    """Per seed, the paired gap (%) of the validation loss at ``step``."""
+    base = {r["seed"]: r for r in runs if r["variant"] == "fp32"}
+
+    def at(r: dict) -> float:
+        return r["val"][r["val_steps"].index(step)]["loss"]
+
+    return [(at(r) / at(base[r["seed"]]) - 1) * 100 for r in runs
+            if r["variant"] == variant and r["seed"] in base and step in r["val_steps"]]
 
 
 def _order(variant: str) -> tuple:
@@ -111,16 +119,19 @@ def markdown(runs: list[dict]) -> str:
     lines = [f"### {task}: {n_params:,} params, {steps} steps of 16 x 128 characters, seeds {fp32.get('seeds')}", "",
              "| optimizer | state B/param | " + " | ".join(f"gap to fp32 at {c}" for c in checkpoints)
              + f" | train gap, last 100 steps | val loss at {checkpoints[-1]} | ≈ fp32 at {checkpoints[-1]} "
-             f"| gap beyond fp32's reruns at {checkpoints[-1]} | s/run |",
+             f"| beyond fp32's reruns: val at {checkpoints[-1]} / train | s/run |",
              "|---|---:|" + "---:|" * len(checkpoints) + "---:|---:|:-:|---:|---:|"]
     for variant in sorted(last, key=_order):
         e = last[variant]
         gaps = " | ".join(f"{at[c][variant]['paired_gap_pct'][0]:+.2f} ± {at[c][variant]['paired_gap_pct'][1]:.2f}%"
                           if variant in at[c] else "–" for c in checkpoints)
-        tg = train_gap(runs, variant)
-        tg_cell = f"{tg[0]:+.2f} ± {tg[1]:.2f}%" if tg else "–"
-        vs = versus_rerun(last, variant)
-        vs_cell = f"{vs[0]:+.2f} ± {vs[1]:.2f}%" if vs else "–"
+        tg = train_gaps(runs, variant)
+        tg_cell = "{:+.2f} ± {:.2f}%".format(*mean_std(tg)) if tg else "–"
+        vs = [None if variant in ("fp32", RERUN) else beyond(g, g_rerun) for g, g_rerun in
+              ((val_gaps(runs, variant, checkpoints[-1]), val_gaps(runs, RERUN, checkpoints[-1])),
+               (tg, train_gaps(runs, RERUN)))]
+        vs_cell = " / ".join(f"{d:+.2f} ± {se:.2f}%" if d is not None else "–" for d, se in
+                             (v or (None, None) for v in vs)) if any(vs) else "–"
         lines.append(f"| {variant} | {e['state_bytes_per_param']:.3f} | {gaps} | {tg_cell} | {e['loss_mean']:.4f} ± "
                      f"{e['loss_std']:.4f} | {'yes' if e['matches_fp32'] else '**no**'} | {vs_cell} | "
                      f"{e['seconds']:.0f} |")
@@ -130,8 +141,8 @@ def markdown(runs: list[dict]) -> str:
               "seed - 1) at that step of the 2,000-step schedule; the train gap is that of the mean training loss "
               "over the last 100 steps (the same batches); ≈ fp32 as in `quality.md`. `fp32+perturbed` is stock "
               "AdamW with beta2 one float32 step larger: its gaps are what a rerun of fp32 itself shows, the noise "
-              "floor of every paired gap. Gap beyond fp32's reruns: the mean gap minus fp32+perturbed's, ± the "
-              "standard error of that difference."]
+              "floor of every paired gap. Beyond fp32's reruns: the mean gap minus fp32+perturbed's, ± the "
+              "standard error of that difference (Welch), for the validation loss and the training loss."]
     diagnosed = [r for r in runs if r.get("drift") and r["variant"] != "fp32"]
     for r in sorted(diagnosed, key=lambda r: (_order(r["variant"]), r["seed"])):
         lines += ["", f"#### {r['variant']}, seed {r['seed']}: stored moments against fp32 moments of the same "

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.long_run import markdown, train_gap
+from bench.long_run import markdown, train_gaps
 
 
 def _run(variant: str, seed: int, val: float, train: float) -> dict:
@@ -14,9 +14,8 @@ def _run(variant: str, seed: int, val: float, train: float) -> dict:
 def test_train_gap_pairs_each_run_with_the_fp32_run_of_its_seed_over_the_last_steps():
     runs = [_run("fp32", 0, 1.0, 2.0), _run("fp32", 1, 1.0, 4.0),
             _run("sqrt8", 0, 1.0, 2.02), _run("sqrt8", 1, 1.0, 4.04), _run("sqrt8", 2, 1.0, 9.0)]
-    mean, std = train_gap(runs, "sqrt8")
-    assert mean == pytest.approx(1.0) and std == pytest.approx(0.0, abs=1e-9)  # seed 2 has no fp32 run
-    assert train_gap(runs, "int8") is None
+    assert train_gaps(runs, "sqrt8") == pytest.approx([1.0, 1.0])  # seed 2 has no fp32 run
+    assert train_gaps(runs, "int8") == []
 
 
 def test_table_has_the_train_gap_and_names_the_perturbed_noise_floor():
@@ -30,6 +29,6 @@ def test_table_has_the_train_gap_and_names_the_perturbed_noise_floor():
 def test_gap_beyond_reruns_is_the_difference_of_mean_gaps_with_its_standard_error():
     runs = [_run("fp32", s, 1.0, 2.0) for s in range(3)]
     runs += [_run("fp32+perturbed", s, 1.0 + g, 2.0) for s, g in enumerate((0.01, -0.01, 0.0))]
-    runs += [_run("sqrt8", s, 1.0 + g, 2.0) for s, g in enumerate((0.02, 0.03, 0.04))]
+    runs += [_run("sqrt8", s, 1.0 + g, 2.0 + t) for s, (g, t) in enumerate(((0.02, 0.0), (0.03, 0.02), (0.04, 0.04)))]
     row = next(line for line in markdown(runs).splitlines() if line.startswith("| sqrt8 |"))
-    assert "+3.00 ± 0.82%" in row  # (3 - 0) ± sqrt(1/3 + 1/3)
+    assert "+3.00 ± 0.82% / +1.00 ± 0.58%" in row  # val (3 - 0) ± sqrt(1/3 + 1/3); train (1 - 0) ± sqrt(1/3)
