@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -76,12 +77,24 @@ def summary_at(runs: list[dict], step: int) -> dict:
     return summarize(cut)[runs[0]["task"]] if cut else {}
 
 
+def paired_gaps(runs: list[dict], variant: str, loss: Callable[[dict], float]) -> list[float]:
+    """Per seed, the gap (%) of ``loss(run)`` to that of the fp32 run of the same seed; seeds without
+    an fp32 run, or runs ``loss`` has no value for (None), are left out."""
+    base = {r["seed"]: r for r in runs if r["variant"] == "fp32"}
+    pairs = [(loss(r), loss(base[r["seed"]])) for r in runs if r["variant"] == variant and r["seed"] in base]
+    return [(a / b - 1) * 100 for a, b in pairs if a is not None and b is not None]
+
+
 def train_gaps(runs: list[dict], variant: str, last: int = 100) -> list[float]:
     """Per seed, the paired gap (%) of the mean training loss over the last ``last`` steps (the same
-    batches in both runs of a seed); seeds without an fp32 run are left out."""
-    base = {r["seed"]: r for r in runs if r["variant"] == "fp32"}
-    return [(statistics.fmean(r["train_loss"][-last:]) / statistics.fmean(base[r["seed"]]["train_loss"][-last:]) - 1)
-            * 100 for r in runs if r["variant"] == variant and r["seed"] in base]
+    batches in both runs of a seed)."""
+    return paired_gaps(runs, variant, lambda r: statistics.fmean(r["train_loss"][-last:]))
+
+
+def val_gaps(runs: list[dict], variant: str, step: int) -> list[float]:
+    """Per seed, the paired gap (%) of the validation loss at ``step``."""
+    return paired_gaps(runs, variant, lambda r: r["val"][r["val_steps"].index(step)]["loss"]
+                       if step in r["val_steps"] else None)
 
 
 def beyond(gaps: list[float], rerun_gaps: list[float]) -> tuple[float, float] | None:
@@ -93,15 +106,8 @@ def beyond(gaps: list[float], rerun_gaps: list[float]) -> tuple[float, float] | 
     return m_v - m_r, (s_v**2 / len(gaps) + s_r**2 / len(rerun_gaps)) ** 0.5
 
 
-def val_gaps(runs: list[dict], variant: str, step: int) -> list[float]:
-    """Per seed, the paired gap (%) of the validation loss at ``step``."""
-    base = {r["seed"]: r for r in runs if r["variant"] == "fp32"}
-
-    def at(r: dict) -> float:
-        return r["val"][r["val_steps"].index(step)]["loss"]
-
-    return [(at(r) / at(base[r["seed"]]) - 1) * 100 for r in runs
-            if r["variant"] == variant and r["seed"] in base and step in r["val_steps"]]
+def _pm(value: tuple[float, float] | None) -> str:
+    return "–" if value is None else f"{value[0]:+.2f} ± {value[1]:.2f}%"
 
 
 def _order(variant: str) -> tuple:
@@ -121,20 +127,17 @@ def markdown(runs: list[dict]) -> str:
              + f" | train gap, last 100 steps | val loss at {checkpoints[-1]} | ≈ fp32 at {checkpoints[-1]} "
              f"| beyond fp32's reruns: val at {checkpoints[-1]} / train | s/run |",
              "|---|---:|" + "---:|" * len(checkpoints) + "---:|---:|:-:|---:|---:|"]
+    rerun_val, rerun_train = val_gaps(runs, RERUN, checkpoints[-1]), train_gaps(runs, RERUN)
     for variant in sorted(last, key=_order):
         e = last[variant]
-        gaps = " | ".join(f"{at[c][variant]['paired_gap_pct'][0]:+.2f} ± {at[c][variant]['paired_gap_pct'][1]:.2f}%"
-                          if variant in at[c] else "–" for c in checkpoints)
+        gaps = " | ".join(_pm(at[c][variant]["paired_gap_pct"]) if variant in at[c] else "–" for c in checkpoints)
         tg = train_gaps(runs, variant)
-        tg_cell = "{:+.2f} ± {:.2f}%".format(*mean_std(tg)) if tg else "–"
-        vs = [None if variant in ("fp32", RERUN) else beyond(g, g_rerun) for g, g_rerun in
-              ((val_gaps(runs, variant, checkpoints[-1]), val_gaps(runs, RERUN, checkpoints[-1])),
-               (tg, train_gaps(runs, RERUN)))]
-        vs_cell = " / ".join(f"{d:+.2f} ± {se:.2f}%" if d is not None else "–" for d, se in
-                             (v or (None, None) for v in vs)) if any(vs) else "–"
-        lines.append(f"| {variant} | {e['state_bytes_per_param']:.3f} | {gaps} | {tg_cell} | {e['loss_mean']:.4f} ± "
-                     f"{e['loss_std']:.4f} | {'yes' if e['matches_fp32'] else '**no**'} | {vs_cell} | "
-                     f"{e['seconds']:.0f} |")
+        versus = [] if variant in ("fp32", RERUN) else [beyond(val_gaps(runs, variant, checkpoints[-1]), rerun_val),
+                                                        beyond(tg, rerun_train)]
+        vs_cell = " / ".join(map(_pm, versus)) if any(versus) else "–"
+        lines.append(f"| {variant} | {e['state_bytes_per_param']:.3f} | {gaps} | {_pm(mean_std(tg)) if tg else '–'} | "
+                     f"{e['loss_mean']:.4f} ± {e['loss_std']:.4f} | {'yes' if e['matches_fp32'] else '**no**'} | "
+                     f"{vs_cell} | {e['seconds']:.0f} |")
     spread = " | ".join(f"{at[c]['fp32']['fp32_noise_pct']:.2f}%" if "fp32" in at[c] else "–" for c in checkpoints)
     lines += [f"| (fp32 seed spread) | | {spread} | | | | | |", "",
               "Gap: mean ± std over seeds of the paired gap of the validation loss (loss / fp32 loss of the same "
