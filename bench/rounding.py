@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 import torch
 from torch import nn
 
+from bench.step_bench import ROUNDINGS as LIBRARY_ROUNDINGS
 from bench.tasks import Digits, Hyper, OptimizerSpec, train
 from lowbit_compile import lowbit_compile
 from lowbit_compile.config import DEFAULT_MIN_8BIT_SIZE, NONNEG_STATES
@@ -104,9 +105,7 @@ def make_optimizer(name: str, make_stock: MakeStock = adamw, compile_peers: bool
         options = spec.lowbit_options()
         if rounding.endswith("-proto"):
             return emulate_states(opt, **options, stochastic=rounding == "+sr-proto", seed=seed)
-        extra = {"+sr": {"rounding": "stochastic"},
-                 "+sr-v": {"rounding": {"exp_avg_sq": "stochastic", "max_exp_avg_sq": "stochastic"}}}.get(rounding, {})
-        return lowbit_compile(opt, **options, **extra)
+        return lowbit_compile(opt, **options, rounding=LIBRARY_ROUNDINGS[rounding])
 
     return build
 

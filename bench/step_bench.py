@@ -97,8 +97,8 @@ def _torch(flags: dict) -> Callable:
     return lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **flags)
 
 
-ROUNDINGS = {"": "nearest", "+sr": "stochastic",  # the suffixes of bench/rounding.py's names
-             "+sr-v": {"exp_avg_sq": "stochastic", "max_exp_avg_sq": "stochastic"}}
+# ``rounding=`` of our names' suffixes, here and in bench/rounding.py's names
+ROUNDINGS = {"": "nearest", "+sr": "stochastic", "+sr-v": {"exp_avg_sq": "stochastic", "max_exp_avg_sq": "stochastic"}}
 
 
 def _lowbit(fmt: str, outliers: int) -> Callable:
