@@ -32,3 +32,26 @@ def test_gap_beyond_reruns_is_the_difference_of_mean_gaps_with_its_standard_erro
     runs += [_run("sqrt8", s, 1.0 + g, 2.0 + t) for s, (g, t) in enumerate(((0.02, 0.0), (0.03, 0.02), (0.04, 0.04)))]
     row = next(line for line in markdown(runs).splitlines() if line.startswith("| sqrt8 |"))
     assert "+3.00 ± 0.82% / +1.00 ± 0.58%" in row  # val (3 - 0) ± sqrt(1/3 + 1/3); train (1 - 0) ± sqrt(1/3)
+
+
+def test_a_longer_run_reads_its_gaps_at_an_eighth_half_and_end_and_its_train_gap_over_a_twentieth():
+    def run(variant: str, seed: int, val: float, train: float) -> dict:
+        return {"task": "char_gpt_small_long", "variant": variant, "seed": seed, "steps": 10000, "params": 10,
+                "batch": [8, 64], "train_loss": [9.0] * 9500 + [train] * 400 + [2.0] * 100,
+                "val_steps": [625 * k for k in range(1, 17)], "val": [{"loss": val}] * 16, "seconds": 1.0,
+                "state_bytes_per_param": 2.0}
+
+    text = markdown([run("fp32", 0, 1.0, 2.0), run("sqrt8", 0, 1.01, 2.04)])
+    assert "10000 steps of 8 x 64 characters" in text
+    assert "gap to fp32 at 1250 | gap to fp32 at 5000 | gap to fp32 at 10000 | train gap, last 500 steps" in text
+    row = next(line for line in text.splitlines() if line.startswith("| sqrt8 |"))
+    assert "| +1.60 ± 0.00% |" in row  # over the last 500 steps (400 at 2.04, 100 at 2.0), not the last 100
+
+
+def test_the_small_model_is_char_gpt_at_the_long_schedule():
+    from bench.long_run import long_task
+
+    task = long_task(10000, model="small")
+    assert (task.name, task.d, task.layers, task.batch_size, task.ctx) == ("char_gpt_small_long", 96, 3, 8, 64)
+    assert (task.hyper.steps, task.hyper.warmup, task.hyper.eval_every, task.hyper.lr) == (10000, 100, 625, 2e-3)
+    assert 5000 % task.hyper.eval_every == 0 and 1250 % task.hyper.eval_every == 0
