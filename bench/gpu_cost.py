@@ -34,6 +34,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from bench.step_bench import ROUNDINGS
+
 # per-SM limits: registers, warps, blocks, shared memory (bytes usable per SM; 1 KiB reserved per block)
 SM_LIMITS = {90: (65536, 64, 32, 228 * 1024), 80: (65536, 64, 32, 164 * 1024)}
 FLOOR_BLOCK, FLOOR_ROWS, FLOOR_WARPS = 512, 2, 4  # the H200 run's floor kernel launch
@@ -68,7 +70,7 @@ def floor_adamw8(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, lr, beta1, beta2
     tl.store(v_ptr + offsets, v_root.to(tl.uint8), mask=mask)
 
 
-STOCHASTIC_V = (("exp_avg_sq", "stochastic"),)  # stochastic rounding of the second moment only
+STOCHASTIC_V = tuple(ROUNDINGS["+sr-v"].items())  # step_bench's +sr-v (second moments only), hashable
 
 
 @dataclass(frozen=True)

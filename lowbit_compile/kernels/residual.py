@@ -116,12 +116,12 @@ def tie_words(numel: int) -> int:
 
 
 # --- the random bits of stochastic rounding ----------------------------------------------------------
-_M32 = 0xFFFFFFFF
+MASK32 = 0xFFFFFFFF
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32): two 16-bit halves of ``c``, so no product overflows."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -136,15 +136,15 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 def random_bits(seed: float, numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
     """32 random bits per element (int64): ``hash32(index ^ hash32(seed))`` for the elements at
     ``offset, offset + 1, ...`` of a tensor."""
-    key = hash32(torch.tensor(int(seed) & _M32, dtype=torch.int64))
-    index = torch.arange(offset, offset + numel, dtype=torch.int64, device=device) & _M32
+    key = hash32(torch.tensor(int(seed) & MASK32, dtype=torch.int64))
+    index = torch.arange(offset, offset + numel, dtype=torch.int64, device=device) & MASK32
     return hash32(index ^ key.to(device))
 
 
 # --- the exact residual -----------------------------------------------------------------------------
 def _bf16_bits(param: torch.Tensor) -> torch.Tensor:
     """The fp32 bit pattern (as int64 in [0, 2**32)) of each bf16 element."""
-    return (param.view(torch.int16).to(torch.int64) << 16) & _M32
+    return (param.view(torch.int16).to(torch.int64) << 16) & MASK32
 
 
 def _exact_d(master: torch.Tensor, param: torch.Tensor, fmt: MasterFormat) -> torch.Tensor:

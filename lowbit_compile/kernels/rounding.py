@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .residual import _M32, SEED_PERIOD, hash32, random_bits
+from .residual import MASK32, SEED_PERIOD, hash32, random_bits
 
 ROUNDINGS = ("nearest", "stochastic")
 SEED = "rounding_seed"  # the per-parameter step counter of the state, saved with the optimizer state
@@ -40,7 +40,7 @@ def stream_seed(seed: float, stream: int) -> int:
 def state_draws(seed: float, stream: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The 8-bit draw (int64 in [0, 256)) of each of a state's ``numel`` codes at counter ``seed``."""
     key = hash32(torch.tensor(stream_seed(seed, stream), dtype=torch.int64)).to(device)
-    words = hash32((torch.arange((numel + 3) // 4, dtype=torch.int64, device=device) ^ WORDS ^ key) & _M32)
+    words = hash32((torch.arange((numel + 3) // 4, dtype=torch.int64, device=device) ^ WORDS ^ key) & MASK32)
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=device)
     return ((words[:, None] >> shifts) & 0xFF).reshape(-1)[:numel]
 
