@@ -1,15 +1,15 @@
 """Long run: drift that 150-300 steps cannot show. The 1.8M-param character GPT of ``bench/tasks.py``
 (``char_gpt_2m``) trained for 2,000 steps instead of 250 (same lr, warmup 100, cosine to 10%), or the
-0.36M-param ``char_gpt`` for 10,000 steps (``--model small``: the text read as often, 16x the steps),
+0.36M-param ``char_gpt`` for 10,000 steps (``--model small``: 5x the steps, the text read 12 times),
 with stock fp32 AdamW, its rerun (``fp32+perturbed``: the noise floor), our default (sqrt8), dynamic8,
 INT8, FP8 E4M3 and the peers, over several seeds with the same weights and batches per seed; the paired
 gap to fp32 at an eighth, half and all of the run.
 
-    python bench/long_run.py                         # 5 optimizers x 3 seeds: ~20 minutes a run on a busy core
+    python bench/long_run.py                         # 5 optimizers x 3 seeds: 8-10 minutes a run on one core
     python bench/long_run.py --steps 60 --seeds 0 --out /tmp/long   # a smoke run
-    python bench/long_run.py --variants fp32 bnb-AdamW8bit ao-AdamW8bit --seeds 0 1 2 --resume   # peers
+    python bench/long_run.py --variants fp32 bnb-AdamW8bit ao-AdamW8bit --seeds 0 1 2 --resume   # torchao: 17 min
     python bench/long_run.py --data docstrings --variants fp32 sqrt8 --out /tmp/fresh   # text read once, not 10x
-    python bench/long_run.py --model small --steps 10000 --variants fp32 sqrt8 --out /tmp/small
+    python bench/long_run.py --model small --steps 10000 --variants fp32 sqrt8 --out /tmp/small   # 2.5 min a run
 
 Writes ``bench/results/long_run.{json,md,png}``; names of optimizers as in ``bench/rounding.py``.
 """
