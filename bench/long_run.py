@@ -160,9 +160,10 @@ def markdown(runs: list[dict]) -> str:
         versus = [] if variant in ("fp32", RERUN) else [beyond(val_gaps(runs, variant, marks[-1]), rerun_val),
                                                         beyond(tg, rerun_train)]
         vs_cell = " / ".join(map(_pm, versus)) if any(versus) else "–"
-        lines.append(f"| {variant} | {e['state_bytes_per_param']:.3f} | {gaps} | {_pm(mean_std(tg)) if tg else '–'} | "
-                     f"{e['loss_mean']:.4f} ± {e['loss_std']:.4f} | {'yes' if e['matches_fp32'] else '**no**'} | "
-                     f"{vs_cell} | {e['seconds']:.0f} |")
+        seeds = "" if e.get("seeds") == fp32.get("seeds") else f" (seeds {', '.join(map(str, e.get('seeds', [])))})"
+        lines.append(f"| {variant}{seeds} | {e['state_bytes_per_param']:.3f} | {gaps} | "
+                     f"{_pm(mean_std(tg)) if tg else '–'} | {e['loss_mean']:.4f} ± {e['loss_std']:.4f} | "
+                     f"{'yes' if e['matches_fp32'] else '**no**'} | {vs_cell} | {e['seconds']:.0f} |")
     spread = " | ".join(f"{at[c]['fp32']['fp32_noise_pct']:.2f}%" if "fp32" in at[c] else "–" for c in marks)
     lines += [f"| (fp32 seed spread) | | {spread} | | | | | |", "",
               "Gap: mean ± std over seeds of the paired gap of the validation loss (loss / fp32 loss of the same "

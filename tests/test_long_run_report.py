@@ -55,3 +55,11 @@ def test_the_small_model_is_char_gpt_at_the_long_schedule():
     assert (task.name, task.d, task.layers, task.batch_size, task.ctx) == ("char_gpt_small_long", 96, 3, 8, 64)
     assert (task.hyper.steps, task.hyper.warmup, task.hyper.eval_every, task.hyper.lr) == (10000, 100, 625, 2e-3)
     assert 5000 % task.hyper.eval_every == 0 and 1250 % task.hyper.eval_every == 0
+
+
+def test_a_row_over_fewer_seeds_than_fp32_names_them():
+    runs = [_run("fp32", s, 1.0, 2.0) for s in range(3)] + [_run("sqrt8", s, 1.0, 2.0) for s in range(3)]
+    runs += [_run("ao-AdamW8bit", s, 1.0, 2.0) for s in (0, 1)]
+    lines = markdown(runs).splitlines()
+    assert any(line.startswith("| ao-AdamW8bit (seeds 0, 1) |") for line in lines)
+    assert any(line.startswith("| sqrt8 |") for line in lines)
