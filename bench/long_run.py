@@ -108,10 +108,10 @@ def paired_gaps(runs: list[dict], variant: str, loss: Callable[[dict], float]) -
     return [(a / b - 1) * 100 for a, b in pairs if a is not None and b is not None]
 
 
-def train_gaps(runs: list[dict], variant: str, last: int | None = None) -> list[float]:
-    """Per seed, the paired gap (%) of the mean training loss over the last ``last`` steps (the same
-    batches in both runs of a seed; by default ``train_window`` of the run's length)."""
-    return paired_gaps(runs, variant, lambda r: statistics.fmean(r["train_loss"][-(last or train_window(r["steps"])):]))
+def train_gaps(runs: list[dict], variant: str) -> list[float]:
+    """Per seed, the paired gap (%) of the mean training loss over the run's last ``train_window`` steps
+    (the same batches in both runs of a seed)."""
+    return paired_gaps(runs, variant, lambda r: statistics.fmean(r["train_loss"][-train_window(r["steps"]):]))
 
 
 def val_gaps(runs: list[dict], variant: str, step: int) -> list[float]:
@@ -190,7 +190,8 @@ def plot(runs: list[dict], path: Path) -> None:
 
     variants = sorted({r["variant"] for r in runs}, key=_order)
     base = {r["seed"]: r for r in runs if r["variant"] == "fp32"}
-    window = max(100, max(r["steps"] for r in runs) // 40)
+    run_steps = max(r["steps"] for r in runs)
+    window = max(100, run_steps // 40)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, axes = plt.subplots(1, 3, figsize=(19, 5.5))
     for i, variant in enumerate(variants):
@@ -221,7 +222,7 @@ def plot(runs: list[dict], path: Path) -> None:
     axes[2].set(title=f"training loss gap to fp32 (paired, {window}-step windows)", xlabel="step", ylabel="%")
     for ax in axes[1:]:
         ax.axhline(0, color="black", lw=0.8)
-        for c in checkpoints(max(r["steps"] for r in runs)):
+        for c in checkpoints(run_steps):
             ax.axvline(c, color="0.6", lw=0.6, ls="--")
     for ax in axes:
         ax.legend(fontsize=8)
