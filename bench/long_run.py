@@ -143,6 +143,7 @@ def markdown(runs: list[dict]) -> str:
     at = {c: summary_at(runs, c) for c in marks}
     last = at[marks[-1]]
     fp32 = last.get("fp32", {})
+    seeds_all = fp32.get("seeds") or sorted({r["seed"] for r in runs})  # a run without fp32: every seed run
     task = runs[0]["task"]
     # runs saved before params were recorded are char_gpt_2m's
     n_params = runs[0].get("params") or sum(p.numel() for p in long_task(steps).model(0).parameters())
@@ -151,7 +152,7 @@ def markdown(runs: list[dict]) -> str:
               f"| train gap, last {train_window(steps)} steps | val loss at {marks[-1]} | ≈ fp32 at {marks[-1]} "
               f"| beyond fp32's reruns: val at {marks[-1]} / train | s/run |")
     lines = [f"### {task}: {n_params:,} params, {steps} steps of {rows} x {chars} characters, "
-             f"seeds {fp32.get('seeds')}", "", header, "|---|---:|" + "---:|" * len(marks) + "---:|---:|:-:|---:|---:|"]
+             f"seeds {seeds_all}", "", header, "|---|---:|" + "---:|" * len(marks) + "---:|---:|:-:|---:|---:|"]
     rerun_val, rerun_train = val_gaps(runs, RERUN, marks[-1]), train_gaps(runs, RERUN)
     for variant in sorted(last, key=_order):
         e = last[variant]
@@ -160,7 +161,7 @@ def markdown(runs: list[dict]) -> str:
         versus = [] if variant in ("fp32", RERUN) else [beyond(val_gaps(runs, variant, marks[-1]), rerun_val),
                                                         beyond(tg, rerun_train)]
         vs_cell = " / ".join(map(_pm, versus)) if any(versus) else "–"
-        seeds = "" if e.get("seeds") == fp32.get("seeds") else f" (seeds {', '.join(map(str, e.get('seeds', [])))})"
+        seeds = "" if e.get("seeds") == seeds_all else f" (seeds {', '.join(map(str, e.get('seeds', [])))})"
         lines.append(f"| {variant}{seeds} | {e['state_bytes_per_param']:.3f} | {gaps} | "
                      f"{_pm(mean_std(tg)) if tg else '–'} | {e['loss_mean']:.4f} ± {e['loss_std']:.4f} | "
                      f"{'yes' if e['matches_fp32'] else '**no**'} | {vs_cell} | {e['seconds']:.0f} |")
@@ -253,8 +254,12 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_meta(args.jobs, args.threads, False)
     if (args.resume or args.report) and json_path.exists():
         runs, saved_meta = load_runs(json_path)
-        runs = [r for r in runs if r["steps"] == args.steps and r["task"] == task_name(args.data, args.model)]
-        meta = saved_meta if args.report else meta
+        kept = [r for r in runs if r["steps"] == args.steps and r["task"] == task_name(args.data, args.model)]
+        if args.report and not kept:
+            found = sorted({(r["task"], r["steps"]) for r in runs})
+            ap.error(f"{json_path} has no run of {task_name(args.data, args.model)} for {args.steps} steps (runs there: "
+                     f"{found}); pass the --steps, --data and --model they were run with")
+        runs, meta = kept, saved_meta if args.report else meta
     if not args.report:
         for v in args.variants:
             check_name(v)

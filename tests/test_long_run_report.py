@@ -63,3 +63,9 @@ def test_a_row_over_fewer_seeds_than_fp32_names_them():
     lines = markdown(runs).splitlines()
     assert any(line.startswith("| ao-AdamW8bit (seeds 0, 1) |") for line in lines)
     assert any(line.startswith("| sqrt8 |") for line in lines)
+
+
+def test_a_table_without_fp32_runs_names_the_seeds_run():
+    text = markdown([_run("sqrt8", 0, 1.0, 2.0), _run("sqrt8", 1, 1.0, 2.0)])
+    assert "seeds [0, 1]" in text.splitlines()[0]
+    assert next(line for line in text.splitlines() if line.startswith("| sqrt8")).startswith("| sqrt8 |")
