@@ -257,8 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         kept = [r for r in runs if r["steps"] == args.steps and r["task"] == task_name(args.data, args.model)]
         if args.report and not kept:
             found = sorted({(r["task"], r["steps"]) for r in runs})
-            ap.error(f"{json_path} has no run of {task_name(args.data, args.model)} for {args.steps} steps (runs there: "
-                     f"{found}); pass the --steps, --data and --model they were run with")
+            ap.error(f"{json_path} has no run of {task_name(args.data, args.model)} for {args.steps} steps (runs "
+                     f"there: {found}); pass the --steps, --data and --model they were run with")
         runs, meta = kept, saved_meta if args.report else meta
     if not args.report:
         for v in args.variants:
