@@ -7,8 +7,8 @@ per moment, the stored / shadow ratios (quantiles of ``log2``; the shares above 
 the share stored as 0 where the shadow is not, and for the second moment the share at its
 format's smallest positive code (where the zero-point lift raised it); and the Adam direction
 ``m / (sqrt(v) + eps)`` (bias-corrected) of the stored moments against the shadow's: the norm ratio
-and the cosine. For ours it also records ``lowbit_compile.stats`` (the monitor's round-trip error
-and zero-flush share of the next step), numel-weighted over parameters.
+and the cosine. For ours it also records ``lowbit_compile.stats`` (the monitor's round-trip error,
+zero-flush share and rounding bias of the next step), numel-weighted over parameters.
 
 Used by ``bench/long_run.py --diagnose``; reads ours, stock AdamW, torchao and bitsandbytes states.
 """
@@ -79,16 +79,17 @@ class ShadowProbe:
         if (self.t + 1) % self.every or not is_wrapped(opt):
             return
 
+        figures = ("rel_error", "zero_flush", "rounding_bias")
         weighted: dict[str, list[float]] = {}
         for s in stats(opt):
             if s.rel_error is None:
                 continue
-            acc = weighted.setdefault(s.state, [0.0, 0.0, 0.0])
-            acc[0] += s.rel_error * s.numel
-            acc[1] += s.zero_flush * s.numel
-            acc[2] += s.numel
-        self.monitor = {f"{figure}/{state}": acc[i] / acc[2] for state, acc in weighted.items()
-                        for i, figure in enumerate(("rel_error", "zero_flush"))}
+            acc = weighted.setdefault(s.state, [0.0] * (len(figures) + 1))
+            for i, figure in enumerate(figures):
+                acc[i] += getattr(s, figure) * s.numel
+            acc[-1] += s.numel
+        self.monitor = {f"{figure}/{state}": acc[i] / acc[-1] for state, acc in weighted.items()
+                        for i, figure in enumerate(figures)}
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -140,11 +141,12 @@ class ShadowProbe:
 def summary(records: Iterable[dict]) -> list[str]:
     """Markdown rows: one per recorded step."""
     lines = ["| step | v p10/p50/p90 log2(stored/fp32) | v >1.5x | v <0.67x | v smallest code | m rel err "
-             "| m zero | update norm ratio | update cosine | monitor v err / flush |",
+             "| m zero | update norm ratio | update cosine | monitor v err / flush / bias per step |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in records:
         v, m, u = r["exp_avg_sq"], r["exp_avg"], r["update"]
         mon = (f"{r['rel_error/exp_avg_sq']:.3f} / {r['zero_flush/exp_avg_sq']:.2e}"
+               + (f" / {r['rounding_bias/exp_avg_sq']:+.1e}" if "rounding_bias/exp_avg_sq" in r else "")
                if "rel_error/exp_avg_sq" in r else "–")
         lines.append(f"| {r['step']} | {' / '.join(f'{x:+.3f}' for x in v['log2_ratio_p10_p50_p90'])} "
                      f"| {v['over_1.5x']:.3%} | {v['under_0.67x']:.3%} | {v.get('smallest_code', float('nan')):.3%} "

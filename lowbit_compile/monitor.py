@@ -223,7 +223,7 @@ def monitor(opt: torch.optim.Optimizer, every: int = 100, *, log: Sink | Sequenc
 def _metrics(rows: Sequence[StateStats]) -> dict[str, float]:
     """Per state key, the worst value over parameters of each figure, and the worst over all."""
     out: dict[str, float] = {}
-    for figure in ("rel_error", "zero_flush", "patched_blocks", "update_ratio"):
+    for figure in ("rel_error", "zero_flush", "rounding_bias", "patched_blocks", "update_ratio"):
         for s in rows:
             value = getattr(s, figure)
             if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -242,7 +242,8 @@ def _summary(rows: Sequence[StateStats]) -> str:
         return f"{getattr(s, figure):.2e} ({s.state} of {s.param})"
 
     return (f"worst round-trip error {worst('rel_error')}, worst zero flush {worst('zero_flush')}, "
-            f"largest update/param {worst('update_ratio')} over {len(rows)} quantized states")
+            f"largest rounding bias {worst('rounding_bias')}, largest update/param {worst('update_ratio')} over "
+            f"{len(rows)} quantized states")
 
 
 def _write(sink: Sink, metrics: dict[str, float], step: int, rows: Sequence[StateStats]) -> None:

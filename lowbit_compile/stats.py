@@ -16,10 +16,12 @@ import torch
 from . import master
 from .kernels import blockquant
 from .kernels.formats import StateFormat
+from .kernels.rounding import state_bits
 from .passes.trace import shell_optimizer, unhooked_step
 from .state import QuantizedState
 from .state_schema import probe_schema
 from .trace_cache import trace_group
+from .wrapped import wrapped_of
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,15 @@ class StateStats:
     ``rel_error``: ``||Q(x) - x|| / ||x||`` for the value ``x`` the next step computes for this state
     (the stock fp32 step from the current, dequantized states and the current gradient) and ``Q``
     this state's quantize-dequantize round trip. ``zero_flush``: the fraction of non-zero entries of
-    ``x`` that ``Q`` turns into exactly 0. ``patched_blocks``: the fraction of blocks of the stored
+    ``x`` that ``Q`` turns into exactly 0. ``rounding_bias``: the mean over the non-zero entries of
+    ``x`` of ``(|Q(x)| - |x|) / |x|``, the signed drift one step's rounding adds: a moving average
+    with decay ``beta`` compounds it about ``1 / (1 - beta)``-fold (v's 1000-fold at ``beta2 = 0.999``),
+    where rounding to nearest keeps a value that moves less than half a code per step, so a v whose
+    gradients shrank is held above its exact average (docs/monitoring.md). A stochastically rounded
+    state is measured with one draw of its rounding. ``patched_blocks``: the fraction of blocks of the stored
     state whose largest outlier patch is at least twice the absmax of the rest of the block (there
     the patches at least halve the step of the code grid); None for formats without patches.
-    ``update_ratio``: ``||p_next - p|| / ||p||`` of that next step. The three measured on the
+    ``update_ratio``: ``||p_next - p|| / ||p||`` of that next step. The four measured on the
     next step are None when the parameter has no gradient. ``sampled``: the share of the
     parameter's elements they were measured on (1.0 unless ``stats(..., max_blocks=)`` sampled).
     """
@@ -46,6 +53,7 @@ class StateStats:
     patched_blocks: float | None
     update_ratio: float | None
     sampled: float = 1.0
+    rounding_bias: float | None = None
 
 
 class Stats(list):
@@ -56,11 +64,11 @@ class Stats(list):
             return "-" if x is None else format(x, spec)
 
         lines = [f"{'param':<32}{'state':<16}{'format':<20}{'numel':>11}{'rel err':>10}{'zero flush':>12}"
-                 f"{'patched':>9}{'upd/param':>11}"]
+                 f"{'bias/step':>11}{'patched':>9}{'upd/param':>11}"]
         for s in self:
             lines.append(f"{s.param[-31:]:<32}{s.state:<16}{s.fmt:<20}{s.numel:>11,}{num(s.rel_error, '.2e'):>10}"
-                         f"{num(s.zero_flush, '.2e'):>12}{num(s.patched_blocks, '.1%'):>9}"
-                         f"{num(s.update_ratio, '.2e'):>11}")
+                         f"{num(s.zero_flush, '.2e'):>12}{num(s.rounding_bias, '+.1e'):>11}"
+                         f"{num(s.patched_blocks, '.1%'):>9}{num(s.update_ratio, '.2e'):>11}")
         return "\n".join(lines)
 
 
@@ -68,7 +76,7 @@ def stats(opt: torch.optim.Optimizer,
           named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
           max_blocks: int | None = None, offset: int = 0) -> Stats:
     """Per quantized state of ``opt``: relative quantization error, fraction of non-zero values
-    flushed to zero, outlier-patch use and the update/param ratio (see ``StateStats``).
+    flushed to zero, rounding bias, outlier-patch use and the update/param ratio (see ``StateStats``).
 
     ``named_parameters`` (e.g. ``model.named_parameters()``) labels the rows; without it a row is
     labelled ``group<i>.<j>``. ``max_blocks`` measures the next step on at most that many
@@ -79,8 +87,9 @@ def stats(opt: torch.optim.Optimizer,
     if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 1):
         raise ValueError(f"max_blocks must be a positive int or None, got {max_blocks!r}")
     names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
+    wrapped = wrapped_of(opt)
     rows: list[dict] = []
-    measured: list[tuple[dict, torch.Tensor, StateFormat]] = []  # (row, next value, format)
+    measured: list[tuple[dict, torch.Tensor, StateFormat, bool]] = []  # (row, next value, format, stochastic)
     for gi, group in enumerate(opt.param_groups):
         for pi, param in enumerate(group["params"]):
             state = opt.state.get(param, {})
@@ -92,19 +101,21 @@ def stats(opt: torch.optim.Optimizer,
             index = None if whole else _sample(param.numel(), quantized.values(), max_blocks, offset)
             nxt, ratio = _next_step(opt, group, param, state, index) if param.grad is not None else ({}, None)
             share = 1.0 if index is None else index.numel() / max(param.numel(), 1)
+            stochastic = wrapped.config.stochastic({k: v.fmt for k, v in quantized.items()}) if wrapped else ()
             for key, value in quantized.items():
                 row = dict(param=names.get(id(param), f"group{gi}.{pi}"), state=key, fmt=value.fmt.tag(),
                            numel=param.numel(), rel_error=None, zero_flush=None,
                            patched_blocks=_patched_blocks(value), update_ratio=ratio, sampled=share)
                 rows.append(row)
                 if key in nxt:
-                    measured.append((row, nxt[key], value.fmt))
-    by_format: dict[StateFormat, list[tuple[dict, torch.Tensor]]] = {}
-    for row, x, fmt in measured:
-        by_format.setdefault(fmt, []).append((row, x))
-    for fmt, items in by_format.items():
-        for row, (err, flush) in zip((r for r, _ in items), _round_trips([x for _, x in items], fmt)):
-            row.update(rel_error=err, zero_flush=flush)
+                    measured.append((row, nxt[key], value.fmt, key in stochastic))
+    by_rounding: dict[tuple[StateFormat, bool], list[tuple[dict, torch.Tensor]]] = {}
+    for row, x, fmt, sr in measured:
+        by_rounding.setdefault((fmt, sr), []).append((row, x))
+    for (fmt, sr), items in by_rounding.items():
+        figures = _round_trips([x for _, x in items], fmt, stochastic_seed=offset if sr else None)
+        for row, (err, flush, bias) in zip((r for r, _ in items), figures):
+            row.update(rel_error=err, zero_flush=flush, rounding_bias=bias)
     return Stats(StateStats(**row) for row in rows)
 
 
@@ -166,24 +177,32 @@ def _next_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, sta
     return copies, ratio
 
 
-def _round_trips(values: list[torch.Tensor], fmt: StateFormat) -> list[tuple[float, float]]:
-    """(relative error, zero-flush share) of ``fmt``'s round trip of each value, from one quantize of
-    them all: each is zero-padded to whole blocks, which changes none of its blocks (blocks quantize
-    independently, and zeros move no block's absmax, patch or flag)."""
+def _round_trips(values: list[torch.Tensor], fmt: StateFormat,
+                 stochastic_seed: int | None = None) -> list[tuple[float, float, float]]:
+    """(relative error, zero-flush share, rounding bias) of ``fmt``'s round trip of each value, from
+    one quantize of them all: each is zero-padded to whole blocks, which changes none of its blocks
+    (blocks quantize independently, and zeros move no block's absmax, patch or flag). With
+    ``stochastic_seed`` they round stochastically, with the bits of that counter."""
     block = fmt.block_size if fmt.blockwise else 1
     flats = [v.detach().reshape(-1).float() for v in values]
     lengths = [-(-f.numel() // block) * block for f in flats]
     x = torch.cat([torch.nn.functional.pad(f, (0, n - f.numel())) for f, n in zip(flats, lengths)])
-    back = blockquant.dequantize(blockquant.quantize(x, fmt), fmt)
+    quantized = blockquant.quantize(x, fmt)
+    if stochastic_seed is not None:
+        blockquant.quantize_into(x, quantized, fmt, bits=state_bits(stochastic_seed, 1, x.numel()))
+    back = blockquant.dequantize(quantized, fmt)
     segment = torch.repeat_interleave(torch.arange(len(flats)), torch.tensor(lengths, dtype=torch.long))
-    sums = torch.zeros(4, len(flats), dtype=torch.float64)
+    sums = torch.zeros(6, len(flats), dtype=torch.float64)
     nonzero = x != 0
+    moving = nonzero & torch.isfinite(x)
+    drift = torch.where(moving, (back.double().abs() - x.double().abs()) / x.double().abs(), 0.0)
     for i, term in enumerate((x.double().square(), (back - x).double().square(), nonzero.double(),
-                              (nonzero & (back == 0)).double())):
+                              (nonzero & (back == 0)).double(), drift, moving.double())):
         sums[i].index_add_(0, segment, term)
     out = []
-    for norm2, err2, n, flushed in sums.t().tolist():
-        out.append(((err2 / norm2) ** 0.5 if norm2 > 0 else 0.0, flushed / n if n else 0.0))
+    for norm2, err2, n, flushed, drifted, finite in sums.t().tolist():
+        out.append(((err2 / norm2) ** 0.5 if norm2 > 0 else 0.0, flushed / n if n else 0.0,
+                    drifted / finite if finite else 0.0))
     return out
 
 

@@ -147,8 +147,8 @@ def test_figures_go_to_a_callable_and_to_logging(caplog):
                                                                    logger], model=model):
         train_small(opt, model)
     assert [s for s, _ in seen] == [2, 4]
-    assert {"lowbit/zero_flush/exp_avg", "lowbit/rel_error/exp_avg_sq", "lowbit/update_ratio",
-            "lowbit/state_bytes_per_param"} <= set(seen[0][1])
+    assert {"lowbit/zero_flush/exp_avg", "lowbit/rel_error/exp_avg_sq", "lowbit/rounding_bias/exp_avg_sq",
+            "lowbit/update_ratio", "lowbit/state_bytes_per_param"} <= set(seen[0][1])
     mine = [r.getMessage() for r in caplog.records if r.name == "my.training"]
     assert len(mine) == 2 and "worst zero flush" in mine[0] and ".weight)" in mine[0]  # named by model=
     assert any(r.name == "lowbit_compile.monitor" for r in caplog.records)
