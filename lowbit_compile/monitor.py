@@ -221,7 +221,8 @@ def monitor(opt: torch.optim.Optimizer, every: int = 100, *, log: Sink | Sequenc
 
 
 def _metrics(rows: Sequence[StateStats]) -> dict[str, float]:
-    """Per state key, the worst value over parameters of each figure, and the worst over all."""
+    """Per state key, the worst (largest) value over parameters of each figure, and the worst over all:
+    for the rounding bias, the state held furthest above its exact value."""
     out: dict[str, float] = {}
     for figure in ("rel_error", "zero_flush", "rounding_bias", "patched_blocks", "update_ratio"):
         for s in rows:
