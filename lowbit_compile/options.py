@@ -129,8 +129,9 @@ class Options:
         '``"nearest"`` or ``"stochastic"``, or a dict from state name to one of those: how a quantized state\'s '
         "new values round to codes. Stochastic rounding picks one of the two adjacent codes with probability "
         "proportional to proximity (unbiased), with random bits of a per-parameter step counter "
-        "(``rounding_seed``, saved with the state, so a resumed run is bit for bit the uninterrupted one). See "
-        'docs/numerics.md.',
+        "(``rounding_seed``, saved with the state, so a resumed run is bit for bit the uninterrupted one). "
+        '``{"exp_avg_sq": "stochastic"}`` keeps Adam\'s v from ratcheting above its average on long runs '
+        "(docs/formats-and-quality.md#long-run). See docs/numerics.md.",
         cli="how quantized states round: nearest (the default) or stochastic, or per state: "
             "exp_avg=stochastic,exp_avg_sq=nearest", parse=parse_spec)
 
