@@ -31,8 +31,9 @@ class StateStats:
     ``rel_error``: ``||Q(x) - x|| / ||x||`` for the value ``x`` the next step computes for this state
     (the stock fp32 step from the current, dequantized states and the current gradient) and ``Q``
     this state's quantize-dequantize round trip. ``zero_flush``: the fraction of non-zero entries of
-    ``x`` that ``Q`` turns into exactly 0. ``rounding_bias``: the mean over the non-zero entries of
-    ``x`` of ``(|Q(x)| - |x|) / |x|``, the signed drift one step's rounding adds: a moving average
+    ``x`` that ``Q`` turns into exactly 0. ``rounding_bias``, of a non-negative state (Adam's v; None
+    for a signed one, where entries near 0 would swamp the mean): the mean over the non-zero entries
+    of ``x`` of ``(Q(x) - x) / x``, the signed drift one step's rounding adds: a moving average
     with decay ``beta`` compounds it about ``1 / (1 - beta)``-fold (v's 1000-fold at ``beta2 = 0.999``),
     where rounding to nearest keeps a value that moves less than half a code per step, so a v whose
     gradients shrank is held above its exact average (docs/monitoring.md). A stochastically rounded
@@ -115,7 +116,7 @@ def stats(opt: torch.optim.Optimizer,
     for (fmt, sr), items in by_rounding.items():
         figures = _round_trips([x for _, x in items], fmt, stochastic_seed=offset if sr else None)
         for row, (err, flush, bias) in zip((r for r, _ in items), figures):
-            row.update(rel_error=err, zero_flush=flush, rounding_bias=bias)
+            row.update(rel_error=err, zero_flush=flush, rounding_bias=bias if fmt.nonneg else None)
     return Stats(StateStats(**row) for row in rows)
 
 
@@ -179,7 +180,7 @@ def _next_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, sta
 
 def _round_trips(values: list[torch.Tensor], fmt: StateFormat,
                  stochastic_seed: int | None = None) -> list[tuple[float, float, float]]:
-    """(relative error, zero-flush share, rounding bias) of ``fmt``'s round trip of each value, from
+    """(relative error, zero-flush share, mean relative error) of ``fmt``'s round trip of each value, from
     one quantize of them all: each is zero-padded to whole blocks, which changes none of its blocks
     (blocks quantize independently, and zeros move no block's absmax, patch or flag). With
     ``stochastic_seed`` they round stochastically, with the bits of that counter."""
@@ -195,7 +196,7 @@ def _round_trips(values: list[torch.Tensor], fmt: StateFormat,
     sums = torch.zeros(6, len(flats), dtype=torch.float64)
     nonzero = x != 0
     moving = nonzero & torch.isfinite(x)
-    drift = torch.where(moving, (back.double().abs() - x.double().abs()) / x.double().abs(), 0.0)
+    drift = torch.where(moving, (back.double() - x.double()) / x.double(), 0.0)
     for i, term in enumerate((x.double().square(), (back - x).double().square(), nonzero.double(),
                               (nonzero & (back == 0)).double(), drift, moving.double())):
         sums[i].index_add_(0, segment, term)
