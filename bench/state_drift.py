@@ -149,7 +149,8 @@ def summary(records: Iterable[dict]) -> list[str]:
                + (f" / {r['rounding_bias/exp_avg_sq']:+.1e}" if "rounding_bias/exp_avg_sq" in r else "")
                if "rel_error/exp_avg_sq" in r else "–")
         lines.append(f"| {r['step']} | {' / '.join(f'{x:+.3f}' for x in v['log2_ratio_p10_p50_p90'])} "
-                     f"| {v['over_1.5x']:.3%} | {v['under_0.67x']:.3%} | {v.get('smallest_code', float('nan')):.3%} "
+                     f"| {v['over_1.5x']:.3%} | {v['under_0.67x']:.3%} | "
+                     f"{format(v['smallest_code'], '.3%') if 'smallest_code' in v else '–'} "
                      f"| {m['rel_error']:.3f} | {m['zero_where_shadow_not']:.3%} | {u['norm_ratio']:.4f} "
                      f"| {u['cosine']:.4f} | {mon} |")
     return lines
