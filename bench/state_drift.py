@@ -79,17 +79,15 @@ class ShadowProbe:
         if (self.t + 1) % self.every or not is_wrapped(opt):
             return
 
-        figures = ("rel_error", "zero_flush", "rounding_bias")
-        weighted: dict[str, list[float]] = {}
+        weighted: dict[str, list[float]] = {}  # "figure/state" -> [sum of figure * numel, numel]
         for s in stats(opt):
-            if s.rel_error is None:
-                continue
-            acc = weighted.setdefault(s.state, [0.0] * (len(figures) + 1))
-            for i, figure in enumerate(figures):
-                acc[i] += getattr(s, figure) * s.numel
-            acc[-1] += s.numel
-        self.monitor = {f"{figure}/{state}": acc[i] / acc[-1] for state, acc in weighted.items()
-                        for i, figure in enumerate(figures)}
+            for figure in ("rel_error", "zero_flush", "rounding_bias"):
+                value = getattr(s, figure)
+                if value is not None:  # no gradient; the bias of a signed state
+                    acc = weighted.setdefault(f"{figure}/{s.state}", [0.0, 0.0])
+                    acc[0] += value * s.numel
+                    acc[1] += s.numel
+        self.monitor = {key: total / numel for key, (total, numel) in weighted.items()}
 
     @torch.no_grad()
     def after_step(self) -> None:

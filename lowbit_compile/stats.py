@@ -116,7 +116,7 @@ def stats(opt: torch.optim.Optimizer,
     for (fmt, sr), items in by_rounding.items():
         figures = _round_trips([x for _, x in items], fmt, stochastic_seed=offset if sr else None)
         for row, (err, flush, bias) in zip((r for r, _ in items), figures):
-            row.update(rel_error=err, zero_flush=flush, rounding_bias=bias if fmt.nonneg else None)
+            row.update(rel_error=err, zero_flush=flush, rounding_bias=bias)
     return Stats(StateStats(**row) for row in rows)
 
 
@@ -179,31 +179,33 @@ def _next_step(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, sta
 
 
 def _round_trips(values: list[torch.Tensor], fmt: StateFormat,
-                 stochastic_seed: int | None = None) -> list[tuple[float, float, float]]:
-    """(relative error, zero-flush share, mean relative error) of ``fmt``'s round trip of each value, from
-    one quantize of them all: each is zero-padded to whole blocks, which changes none of its blocks
-    (blocks quantize independently, and zeros move no block's absmax, patch or flag). With
-    ``stochastic_seed`` they round stochastically, with the bits of that counter."""
+                 stochastic_seed: int | None = None) -> list[tuple[float, float, float | None]]:
+    """(relative error, zero-flush share, rounding bias: for a non-negative ``fmt`` the mean relative
+    error, else None) of ``fmt``'s round trip of each value, from one quantize of them all: each is
+    zero-padded to whole blocks, which changes none of its blocks (blocks quantize independently, and
+    zeros move no block's absmax, patch or flag). With ``stochastic_seed`` they round stochastically,
+    with the bits of that counter."""
     block = fmt.block_size if fmt.blockwise else 1
     flats = [v.detach().reshape(-1).float() for v in values]
     lengths = [-(-f.numel() // block) * block for f in flats]
     x = torch.cat([torch.nn.functional.pad(f, (0, n - f.numel())) for f, n in zip(flats, lengths)])
-    quantized = blockquant.quantize(x, fmt)
-    if stochastic_seed is not None:
-        blockquant.quantize_into(x, quantized, fmt, bits=state_bits(stochastic_seed, 1, x.numel()))
+    quantized = blockquant.empty(x.numel(), fmt, x.device)
+    bits = None if stochastic_seed is None else state_bits(stochastic_seed, 1, x.numel())
+    blockquant.quantize_into(x, quantized, fmt, bits=bits)
     back = blockquant.dequantize(quantized, fmt)
     segment = torch.repeat_interleave(torch.arange(len(flats)), torch.tensor(lengths, dtype=torch.long))
-    sums = torch.zeros(6, len(flats), dtype=torch.float64)
     nonzero = x != 0
-    moving = nonzero & torch.isfinite(x)
-    drift = torch.where(moving, (back.double() - x.double()) / x.double(), 0.0)
-    for i, term in enumerate((x.double().square(), (back - x).double().square(), nonzero.double(),
-                              (nonzero & (back == 0)).double(), drift, moving.double())):
+    terms = [x.double().square(), (back - x).double().square(), nonzero.double(), (nonzero & (back == 0)).double()]
+    if fmt.nonneg:  # a signed state's entries near 0 would swamp a mean of relative errors
+        moving = nonzero & torch.isfinite(x)
+        terms += [torch.where(moving, (back.double() - x.double()) / x.double(), 0.0), moving.double()]
+    sums = torch.zeros(len(terms), len(flats), dtype=torch.float64)
+    for i, term in enumerate(terms):
         sums[i].index_add_(0, segment, term)
     out = []
-    for norm2, err2, n, flushed, drifted, finite in sums.t().tolist():
-        out.append(((err2 / norm2) ** 0.5 if norm2 > 0 else 0.0, flushed / n if n else 0.0,
-                    drifted / finite if finite else 0.0))
+    for norm2, err2, n, flushed, *drift in sums.t().tolist():
+        bias = (drift[0] / drift[1] if drift[1] else 0.0) if drift else None
+        out.append(((err2 / norm2) ** 0.5 if norm2 > 0 else 0.0, flushed / n if n else 0.0, bias))
     return out
 
 
