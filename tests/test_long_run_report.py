@@ -69,3 +69,12 @@ def test_a_table_without_fp32_runs_names_the_seeds_run():
     text = markdown([_run("sqrt8", 0, 1.0, 2.0), _run("sqrt8", 1, 1.0, 2.0)])
     assert "seeds [0, 1]" in text.splitlines()[0]
     assert next(line for line in text.splitlines() if line.startswith("| sqrt8")).startswith("| sqrt8 |")
+
+
+def test_a_diagnosed_run_records_the_monitor_figures_of_v_and_m():
+    from bench.long_run import run_one
+
+    run = run_one(("sqrt8", 0, 10, 1, True, "pydoc", "small"))
+    record = run["drift"][-1]
+    assert {"rel_error/exp_avg", "rel_error/exp_avg_sq", "rounding_bias/exp_avg_sq"} <= set(record)
+    assert "rounding_bias/exp_avg" not in record  # m is signed: no bias
