@@ -329,10 +329,21 @@ def state_bits(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[t
     return out
 
 
-def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+def assert_same(a: object, b: object, where: str = "") -> None:
+    """The same structure (lists, dicts) and values, tensors bit for bit (dtype, size and bytes)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.numel() == b.numel(), where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: {sorted(map(str, a))} != {sorted(map(str, b))}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # -- the run command in this process ----------------------------------------------------------------
