@@ -238,3 +238,34 @@ def test_a_damaged_key_is_replaced_once_and_the_libraries_signed_with_it_removed
         warnings.simplefilter("error")
         assert cpu_build.load(source).lowbit_answer() == 5
     assert cpu_build.compile_count == before + 2 and cpu_build.cache_dir() == cache
+
+
+_TRITON_CHILD = r"""
+import json, os, warnings
+import torch, triton
+from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.kernels.triton_backend import compile_for_target
+from lowbit_compile.kernels.triton_printer import quantize_graph
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    built = [compile_for_target(quantize_graph(StateFormat.make("int8", 256, 0, False), torch.float32), arch=90)
+             for _ in range(2)]
+print(json.dumps({"warnings": [str(w.message) for w in caught], "cubins": [len(b.asm["cubin"]) for b in built],
+                  "cache": triton.knobs.cache.dir}))
+"""
+
+
+@pytest.mark.slow
+def test_a_triton_cache_that_cannot_take_files_is_replaced_by_a_private_one(tmp_path):
+    """Triton's cache where no directory can be (under a file, refused even to root): the kernel compiles
+    (offline, for sm_90) into a private directory, with one warning naming the cache and the fix."""
+    (tmp_path / "file").write_text("")
+    cache = tmp_path / "file" / "triton"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real compiles, no GPU needed
+    done = subprocess.run([sys.executable, "-c", _TRITON_CHILD], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**env, "TRITON_CACHE_DIR": str(cache)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert all(result["cubins"]) and result["cache"] != str(cache)
+    [warning] = [w for w in result["warnings"] if str(cache) in w]
+    assert "Triton's kernel cache" in warning and "set $TRITON_CACHE_DIR" in warning
