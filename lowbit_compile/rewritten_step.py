@@ -155,6 +155,9 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
         with torch.enable_grad():
             loss = closure()
     wrapped = wrapped_of(opt)
+    if wrapped is None:  # the closure restored the optimizer (restore(opt)): the step it asked for is stock
+        unhooked_step(type(opt))(opt)
+        return loss
     with wrapped.lock:
         _locked_step(opt, wrapped)
     return loss

@@ -138,6 +138,61 @@ def test_lr_schedule_never_retraces(order, tensor_lr):
     assert trace_count() == traces
 
 
+@pytest.mark.parametrize("cls, key, values", [
+    (torch.optim.AdamW, "lr", [1, 2, 3, 4, 5]),
+    (torch.optim.AdamW, "weight_decay", [0, 1, 2, 3, 4]),
+    (torch.optim.SGD, "weight_decay", [1, 2, 3, 4, 5]),
+    (torch.optim.Adam, "betas", [(0, 0.9), (0, 0.99), (0, 0.5), (0, 0.8), (0, 0.999)]),  # an int in the tuple
+])
+def test_python_int_hyperparameters_are_floats_and_never_retrace(cls, key, values):
+    """Five int values of a hyperparameter torch.optim declares a float (the first step's branches kept:
+    a float crossing 0 retraces too): one trace, as for floats, and each step (fp32 states) bit for bit the
+    stock step with that int."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(20, 30))]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = lowbit_compile(cls(ours, lr=0.01), "fp32")
+    stock = cls(twin, lr=0.01, foreach=False)
+    traces = None
+    for value in values:
+        for group in (*opt.param_groups, *stock.param_groups):
+            group[key] = value
+        for p, q in zip(ours, twin):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        stock.step()
+        traces = trace_count() if traces is None else traces
+        assert all(torch.equal(p, q) for p, q in zip(ours, twin))
+    assert trace_count() == traces
+
+
+def test_restore_in_a_step_closure_makes_that_step_stock():
+    """``restore(opt)`` called by the closure of the step that runs it: the step goes on as the stock one
+    (bit for bit a stock twin's, fp32 states), and the optimizer is stock and usable after."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(7))]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = lowbit_compile(torch.optim.AdamW(ours, lr=0.01), "fp32")
+    stock = torch.optim.AdamW(twin, lr=0.01, foreach=False)
+
+    def closure(restoring: bool):
+        def run():
+            if restoring:
+                restore(opt)
+            for p, q in zip(ours, twin):
+                p.grad = torch.full_like(p, 0.5)
+                q.grad = p.grad.clone()
+            return torch.tensor(1.0)
+        return run
+
+    for restoring in (False, True, False):
+        assert opt.step(closure(restoring)).item() == 1.0
+        stock.step()
+        assert all(torch.equal(p, q) for p, q in zip(ours, twin))
+    assert type(opt) is torch.optim.AdamW and not any(isinstance(v, QuantizedState) for v in opt.state[ours[0]].values())
+
+
 def test_signature_is_traced_once_across_params_and_optimizers():
     lowbit_compile(torch.optim.Adam([torch.nn.Parameter(torch.randn(5000))], lr=0.5))  # warm
     params = transformer_params()
