@@ -250,7 +250,7 @@ def forward(self, param, grad, master_residual, master_ties, state_step, exp_avg
         opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(64, dtype=FP16))], lr=0.1, momentum=0.9)
         g = master_graphs(opt, "fp32", "8bit")
         self.assertExpectedInline(g["split"].prologue.code.strip(), """\
-def forward(self, state_master_seed, hp_lr, hp_momentum):
+def forward(self, state_master_seed, hp_lr, hp_momentum, hp_dampening, hp_weight_decay):
     clone_default = torch.ops.aten.clone.default(state_master_seed)
     neg = -hp_lr;  hp_lr = None
     add_tensor = torch.ops.aten.add.Tensor(state_master_seed, 1.0)
