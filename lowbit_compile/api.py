@@ -19,7 +19,16 @@ from . import checkpoint, master
 from .config import Config, param_names
 from .kernels.backends import BackendError, resolve
 from .memory import memory_report
-from .options import DEFAULT_FMT, FmtSpec, OptionKeywords, Options, args_doc, entry_signature, from_keywords
+from .options import (
+    DEFAULT_FMT,
+    FmtSpec,
+    OptionKeywords,
+    Options,
+    args_doc,
+    entry_signature,
+    from_keywords,
+    refuse_foreign,
+)
 from .rewritten_step import conform_updates, install, uninstall
 from .state import QuantizedState
 from .state_schema import probe_schema
@@ -272,6 +281,7 @@ def _make_class(base: type[torch.optim.Optimizer], module: str) -> type[torch.op
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = {k: kwargs.pop(k) for k in own if k in kwargs}
+        refuse_foreign(f"{base.__name__}()", ((k, v) for k, v in kwargs.items() if k not in taken))
         super(cls, self).__init__(*args, **kwargs)
         lowbit_compile(self, **options)
 
