@@ -23,6 +23,7 @@ DEFAULT_FMT = "sqrt8"
 DEFAULT_BLOCK_SIZE = 512
 DEFAULT_OUTLIERS = 0
 DEFAULT_MIN_8BIT_SIZE = 4096
+MAX_PARAM_COUNT = 10**18  # the most parameters estimate() sizes: tensor sizes are int64 (9.2e18)
 
 FmtSpec = str | Mapping[str, str]
 RoundingSpec = str | Mapping[str, str]  # "nearest" | "stochastic", or per state
@@ -44,7 +45,8 @@ def parse_spec(text: str, flag: str) -> str | dict[str, str]:
 
 
 def parse_overrides(items: list[str], flag: str) -> list[tuple[str, str]] | None:
-    """Repeated ``PATTERN=FMT`` (``--override '*embed*=fp32'``) as ``overrides=`` pairs."""
+    r"""Repeated ``PATTERN=FMT`` (``--override '*embed*=fp32'``, ``--override 're:\.norm\d=bf16'``) as
+    ``overrides=`` pairs."""
     pairs = [tuple(item.rsplit("=", 1)) for item in items]
     if any(len(p) != 2 for p in pairs):
         raise ValueError(f"{flag} takes PATTERN=FMT, got {items}")
@@ -107,11 +109,13 @@ class Options:
     overrides: Overrides | None = option(
         None,
         "per-parameter formats, first match wins: ``{pattern: fmt}`` or ``[(pattern, fmt)]`` where a pattern is "
-        'a glob on the parameter name (``"*embed*"``), a compiled regex, or a predicate ``(name, param) -> bool``; '
-        'e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``. Overrides win over ``min_8bit_size``; sizes and shapes '
-        "are the full (unsharded) tensor's.",
-        cli="format for parameters whose name matches the glob, e.g. '*embed*=fp32' (repeatable; first match "
-            "wins; names come from the modules run)",
+        'a glob on the parameter name (``"*embed*"``), a regular expression (compiled, or a string after '
+        '``"re:"``: ``"re:layers\\.\\d+\\.attn"``; ``re.search`` on the name), or a predicate ``(name, param) -> '
+        'bool``; e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``. A pattern that matches no name is an error. '
+        "Overrides win over ``min_8bit_size``; sizes and shapes are the full (unsharded) tensor's.",
+        cli="format for parameters whose name matches the glob (or, after re:, the regular expression), e.g. "
+            "'*embed*=fp32' (repeatable; first match wins; names come from the modules run, so a pattern that "
+            "matches none fails at the first step)",
         flag="--override", parse=parse_overrides, action="append", metavar="PATTERN=FMT")
     model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = option(
         None, "the module (or ``named_parameters()`` pairs) that gives name patterns their names.")

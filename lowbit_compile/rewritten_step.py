@@ -19,6 +19,7 @@ from .compile import COUNTER_KEYS, compile_steps, step_request
 from .config import Config
 from .kernels.formats import StateFormat
 from .kernels.rounding import SEED as ROUNDING_SEED
+from .param_groups import check_group
 from .passes.trace import entries_read, unhooked_step
 from .run import Prepared, StepPlan, group_signature
 from .state_schema import StateSchema, init_state, probe_schema
@@ -216,6 +217,8 @@ def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list,
     """The parameters whose prepared step still holds, and the step requests of the others (with what
     their states need once built); the params on the ``meta`` device apart."""
     config = wrapped.config
+    for i, group in enumerate(opt.param_groups):  # a group changed since it was checked
+        check_group(f"param_groups[{i}]", group, opt.defaults)
     ready, todo, requests = [], [], []
     on_meta: list[tuple[dict, torch.Tensor]] = []
     positions = _positions(opt)

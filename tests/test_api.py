@@ -3,6 +3,7 @@ schedulers without retracing, memory accounting, and clear errors that leave the
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -300,6 +301,12 @@ def _untouched(opt, params, states):
         ({"outliers": -1}, ValueError, "outliers"),
         ({"min_8bit_size": -5}, ValueError, "min_8bit_size"),
         ({"backend": "cuda"}, ValueError, "backend must be one of"),
+        ({"fmt": "8bit"}, ValueError, r"got '8bit': did you mean 'sqrt8' \(the default\)\? The 8-bit formats are"),
+        ({"fmt": "4bit"}, ValueError, r"got '4bit': 4-bit formats are not available yet; the smallest states here"),
+        ({"fmt": {"exp_avg_sq": "nf4"}}, ValueError, r"fmt\['exp_avg_sq'\] .*4-bit formats are not available yet"),
+        ({"fmt": "16-bit"}, ValueError, r"did you mean 'bf16'\?"),
+        ({"overrides": {"": "fp32"}}, ValueError, "an override pattern is empty"),
+        ({"overrides": {"re:(": "fp32"}}, ValueError, "'re:\\(' is not a valid regular expression"),
     ],
 )
 def test_bad_options_fail_early_and_leave_the_optimizer_untouched(kwargs, error, match):
@@ -310,6 +317,54 @@ def test_bad_options_fail_early_and_leave_the_optimizer_untouched(kwargs, error,
     with pytest.raises(error, match=match):
         lowbit_compile(opt, **kwargs)
     _untouched(opt, params, states)
+
+
+_MALFORMED = [
+    ("no params", lambda groups: groups.append({"lr": 0.1}), r"param_groups\[1\] has no 'params'"),
+    ("lr a string", lambda groups: groups[0].update(lr="0.01"),
+     r"param_groups\[0\]\['lr'\] must be a number .*got '0.01' \(a string: use 0.01\)"),
+    ("lr None", lambda groups: groups[0].update(lr=None), r"\['lr'\] must be a number or a one-element tensor"),
+    ("lr a vector", lambda groups: groups[0].update(lr=torch.tensor([0.1, 0.2])), r"\['lr'\] must be a number"),
+    ("betas of one", lambda groups: groups[0].update(betas=(0.9,)),
+     r"param_groups\[0\]\['betas'\] must be a tuple of 2 numbers, as the default \(0.9, 0.999\), got \(0.9,\)"),
+    ("a beta a string", lambda groups: groups[0].update(betas=(0.9, "x")), r"\['betas'\]\[1\] must be a number"),
+    ("no eps", lambda groups: groups[0].pop("eps"), r"param_groups\[0\] has no 'eps' .*add_param_group"),
+]
+
+
+@pytest.mark.parametrize("when", ["wrap", "step"])
+@pytest.mark.parametrize("name, damage, match", _MALFORMED, ids=[m[0] for m in _MALFORMED])
+def test_a_malformed_param_group_is_named_and_changes_nothing(name, damage, match, when):
+    """A group without params, a hyperparameter that is not a number (a config value left a string), a
+    tuple of the wrong length, a missing entry: at the wrap or at the next step, an error naming the entry
+    and the fix, and every param and state as it was; mended, the optimizer steps on."""
+    params = transformer_params(d=64, layers=1)
+    opt = torch.optim.AdamW(params, lr=0.01)
+    if when == "step":
+        lowbit_compile(opt)
+    _step(opt, params)
+    before = [p.detach().clone() for p in params]
+    states = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    damage(opt.param_groups)
+    with pytest.raises(ValueError, match=match):
+        lowbit_compile(opt) if when == "wrap" else _step(opt, params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    if when == "wrap":
+        _untouched(opt, params, states)
+    for p in params:
+        assert opt.state[p].keys() == states[id(p)].keys()
+        assert all(torch.equal(v, states[id(p)][k]) for k, v in opt.state[p].items())
+    del opt.param_groups[1:]
+    opt.param_groups[0].update(groups[0])
+    _step(opt, params)
+
+
+def test_a_new_param_group_without_params_is_named():
+    opt = lowbit_compile(torch.optim.AdamW(transformer_params(d=64, layers=1)))
+    with pytest.raises(ValueError, match=r"the new param group \(param_groups\[1\]\) has no 'params'"):
+        opt.add_param_group({"lr": 0.1})
+    assert len(opt.param_groups) == 1
 
 
 def test_format_and_rounding_names_are_case_insensitive():
