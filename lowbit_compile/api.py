@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +21,6 @@ from .config import Config, param_names
 from .kernels.backends import BackendError, resolve
 from .memory import memory_report
 from .options import (
-    DEFAULT_FMT,
     FmtSpec,
     OptionKeywords,
     Options,
@@ -56,7 +56,7 @@ REFUSED = {
 }
 
 
-def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT,
+def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec | None = None,
                    **options: Unpack[OptionKeywords]) -> torch.optim.Optimizer:
     """Keep every per-element state of ``opt`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
     block-quantized, and run its step through the traced, rewritten update.
@@ -69,10 +69,14 @@ def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT,
 <OPTIONS>
 
     Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
-    subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures; it
-    never quantizes twice.
+    subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures: the options
+    of the later call replace the earlier ones, one it leaves out taking its default as on a first wrap
+    (with a warning naming each that changes so), and the states are converted once from the values they
+    hold; it never quantizes twice.
     """
-    (given,) = from_keywords("lowbit_compile()", {"fmt": fmt, **options}, Options)
+    if fmt is not None:
+        options = {"fmt": fmt, **options}  # type: ignore[assignment]
+    (given,) = from_keywords("lowbit_compile()", options, Options)
     config = Config.of(given)
     _check_optimizer(opt)
     check_backend(opt, config)
@@ -90,6 +94,8 @@ def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT,
         config.check_patterns(known.values())
     _check_state_names(opt, config)
     updates = conform_updates(opt, config, names)  # everything that can fail, before anything changes
+    if wrapped is not None:
+        _warn_of_defaults(opt, wrapped.options, set(options))
     install(opt, config, given.kept(), names, updates)
     opt.__class__ = lowbit_class(type(opt))
     return opt
@@ -99,6 +105,24 @@ lowbit_compile.__signature__ = entry_signature(  # type: ignore[attr-defined]
     [inspect.Parameter("opt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.optim.Optimizer")], Options,
     returns="torch.optim.Optimizer")
 lowbit_compile.__doc__ = lowbit_compile.__doc__.replace("<OPTIONS>", args_doc(Options))
+
+
+def _warn_of_defaults(opt: torch.optim.Optimizer, kept: dict[str, Any], given: set[str]) -> None:
+    """Warn when wrapping ``opt`` again returns options the earlier wrap set (``kept``) to their defaults
+    because this call (which gives ``given``) leaves them out."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Options)}
+    back = {k: v for k, v in kept.items() if k not in given and v != defaults[k]}
+    if back:
+        it, they = ("them", "they") if len(back) > 1 else ("it", "it")
+        warnings.warn(
+            f"lowbit_compile: this {type(opt).__name__} was wrapped with {_listed(back)}; wrapping it again without "
+            f"{it}, {they} return to the default {_listed({k: defaults[k] for k in back})} (an option a call leaves "
+            f"out takes its default, as on a first wrap) and the states are converted. Pass {it} again to keep {it}",
+            stacklevel=3)
+
+
+def _listed(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in options.items())
 
 
 def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -113,6 +113,26 @@ def test_wrapping_twice_reconfigures_without_double_quantizing():
     assert "step" not in opt.__dict__
 
 
+def test_wrapping_again_warns_of_each_option_it_returns_to_its_default():
+    """The later call's options replace the earlier ones: one it gives changes silently (asked for), one it
+    leaves out returns to its default with a warning naming it, as the states are converted."""
+    params = transformer_params(d=64, layers=1)
+    opt = optim.AdamW(params, fmt="int8", block_size=256)
+    _step(opt, params)
+    big = params[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lowbit_compile(opt, fmt="int8", block_size=256)  # the same options: nothing to say
+        lowbit_compile(opt, "dynamic8", block_size=256)  # asked for
+    assert opt.state[big]["exp_avg"].fmt.name == "dynamic8"
+    with pytest.warns(UserWarning, match=r"this AdamW was wrapped with fmt='dynamic8', block_size=256; wrapping it "
+                                         rf"again without them, they return to the default fmt='{DEFAULT_FMT}', "
+                                         r"block_size=512 \(an option a call leaves out"):
+        lowbit_compile(opt, min_8bit_size=1000)
+    assert opt.state[big]["exp_avg"].fmt.name == DEFAULT_FMT and opt.state[big]["exp_avg"].fmt.block_size == 512
+    _step(opt, params)
+
+
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float lr", "tensor lr"])
 @pytest.mark.parametrize("order", ["scheduler first", "wrap first"])
 def test_lr_schedule_never_retraces(order, tensor_lr):

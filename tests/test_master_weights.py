@@ -837,7 +837,8 @@ def test_wrapping_again_without_the_option_drops_the_master():
     params = model_params(BF16)
     opt = lowbit_compile(torch.optim.AdamW(params), master_weights="exact", min_8bit_size=0)
     train(params, opt, 2, seed=1)
-    lowbit_compile(opt, min_8bit_size=0)  # re-configures: no master weights
+    with pytest.warns(UserWarning, match="wrapped with master_weights='exact'; wrapping it again without it"):
+        lowbit_compile(opt, min_8bit_size=0)  # re-configures: no master weights
     state = opt.state[params[0]]
     assert not any(k in residual.KEYS for k in state) and state["exp_avg"].dtype == BF16
     train(params, opt, 1, seed=2)
