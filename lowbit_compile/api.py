@@ -29,7 +29,7 @@ from .options import (
     from_keywords,
     refuse_foreign,
 )
-from .param_groups import check_group
+from .param_groups import check_group, reads_every_default
 from .rewritten_step import conform_updates, install, uninstall
 from .state import QuantizedState
 from .state_schema import probe_schema
@@ -171,15 +171,15 @@ def _check_optimizer(opt: object) -> None:
                 "each parameter, so it cannot run one block at a time (leave this optimizer unwrapped)"
             )
     for i, group in enumerate(opt.param_groups):
-        _check_group(f"param_groups[{i}]", group, opt.defaults)
+        _check_group(f"param_groups[{i}]", group, opt)
     if not isinstance(opt, SUPPORTED):  # a staged or one's own step: trace it now, to refuse it here if need be
         for group in opt.param_groups:
             for param in {p.dim(): p for p in group["params"]}.values():
                 probe_schema(opt, group, param)
 
 
-def _check_group(where: str, group: dict, defaults: dict) -> None:
-    check_group(where, group, defaults)
+def _check_group(where: str, group: dict, opt: torch.optim.Optimizer) -> None:
+    check_group(where, group, opt.defaults, reads_every_default(opt))
     if group.get("differentiable"):
         raise ValueError(
             f"{where} has differentiable=True, which lowbit_compile does not support (quantized states "
@@ -201,7 +201,7 @@ def check_new_group(opt: torch.optim.Optimizer, param_group: dict) -> None:
     params = param_group["params"]
     param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
     group = {**opt.defaults, **param_group}
-    _check_group(where, group, opt.defaults)
+    _check_group(where, group, opt)
     if not isinstance(opt, REWRITTEN):
         for param in {p.dim(): p for p in group["params"]}.values():
             probe_schema(opt, group, param)

@@ -10,10 +10,13 @@ from typing import Any
 
 import torch
 
+from .passes.trace import unhooked_step
 
-def check_group(where: str, group: Any, defaults: Mapping[str, Any]) -> None:
+
+def check_group(where: str, group: Any, defaults: Mapping[str, Any], complete: bool = True) -> None:
     """Refuse a group that is not a dict with ``params``, or whose numeric hyperparameters (those with a
-    number, or a tuple of numbers, as the optimizer's default) are missing or not numbers as the default's."""
+    number, or a tuple of numbers, as the optimizer's default) are not numbers as the default's, or, when
+    the step reads every default (``complete``: torch.optim's own steps), missing."""
     if not isinstance(group, Mapping):
         raise TypeError(f"{where} must be a dict, got {type(group).__name__}")
     if "params" not in group:
@@ -23,6 +26,8 @@ def check_group(where: str, group: Any, defaults: Mapping[str, Any]) -> None:
         if key == "params" or not _numeric(default):
             continue
         if key not in group:
+            if not complete:  # a step of one's own may read it with group.get(key, default)
+                continue
             raise ValueError(f"{where} has no {key!r} (the optimizer's default is {default!r}); add groups with "
                              "add_param_group(), which fills in the defaults")
         _check_value(f"{where}[{key!r}]", group[key], default)
@@ -64,3 +69,8 @@ def _as_number(value: Any) -> str:
         except ValueError:
             pass
     return ""
+
+
+def reads_every_default(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s step is one of torch.optim's own, which reads each of its defaults from the group."""
+    return unhooked_step(type(opt)).__module__.startswith("torch.optim.")

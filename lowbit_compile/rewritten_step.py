@@ -21,7 +21,7 @@ from .config import Config
 from .kernels import blockquant
 from .kernels.formats import StateFormat
 from .kernels.rounding import SEED as ROUNDING_SEED
-from .param_groups import check_group
+from .param_groups import check_group, reads_every_default
 from .passes.trace import entries_read, unhooked_step
 from .run import Prepared, StepPlan, group_signature
 from .state import QuantizedState
@@ -229,8 +229,9 @@ def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list,
     """The parameters whose prepared step still holds, and the step requests of the others (with what
     their states need once built); the params on the ``meta`` device apart."""
     config = wrapped.config
+    complete = reads_every_default(opt)
     for i, group in enumerate(opt.param_groups):  # a group changed since it was checked
-        check_group(f"param_groups[{i}]", group, opt.defaults)
+        check_group(f"param_groups[{i}]", group, opt.defaults, complete)
     ready, todo, requests = [], [], []
     on_meta: list[tuple[dict, torch.Tensor]] = []
     positions = _positions(opt)

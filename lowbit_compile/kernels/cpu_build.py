@@ -341,7 +341,9 @@ def _library(key: str, root: Path, source: str, extra_flags: tuple[str, ...]) ->
             f"a lowbit-compile CPU kernel could not be built in {root}: {fault}") from fault
     try:
         lib = _open_cached(private / key) or _build(key, private, source, extra_flags)
-    except (OSError, BuildError) as err:
+    except BuildError:
+        raise  # the compiler fails wherever it runs: its own error says why
+    except OSError as err:
         raise BuildError(f"a lowbit-compile CPU kernel could not be built in the kernel cache {root} "
                          f"({_reason(fault or _left[root])}) nor in {private}: {err}") from err
     if fault is not None:
