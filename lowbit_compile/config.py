@@ -68,8 +68,8 @@ class Config:
                 raise ValueError(f"overrides[{i}] must be a (pattern or predicate, fmt) pair, got {pair!r}")
             matcher, spec = pair
             if not isinstance(matcher, (str, re.Pattern)) and not callable(matcher):
-                raise TypeError(f"override pattern {matcher!r} must be a glob string, a compiled regex ('re:' and "
-                                "the expression, as a string) or a predicate (name, param) -> bool")
+                raise TypeError(f"override pattern {matcher!r} must be a glob string, a compiled regex or a "
+                                "predicate (name, param) -> bool (a string starting 're:' is a regex)")
             if isinstance(matcher, str):
                 matcher = _pattern(matcher)
             override_keys.append((matcher, _fmt_key(spec, f"overrides[{matcher!r}]")))
