@@ -336,9 +336,10 @@ def _library(key: str, root: Path, source: str, extra_flags: tuple[str, ...]) ->
     except (OSError, BuildError) as err:
         fault = err
     private = _private_dir()
-    if root == private:
-        raise fault if isinstance(fault, BuildError) else BuildError(
-            f"a lowbit-compile CPU kernel could not be built in {root}: {fault}") from fault
+    if root == private:  # already the fallback (the configured cache was refused): nowhere else to go
+        if isinstance(fault, BuildError):
+            raise fault
+        raise BuildError(f"a lowbit-compile CPU kernel could not be built in {root}: {fault}") from fault
     try:
         lib = _open_cached(private / key) or _build(key, private, source, extra_flags)
     except BuildError:
