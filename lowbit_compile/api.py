@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +20,16 @@ from . import checkpoint, master
 from .config import Config, param_names
 from .kernels.backends import BackendError, resolve
 from .memory import memory_report
-from .options import DEFAULT_FMT, FmtSpec, OptionKeywords, Options, args_doc, entry_signature, from_keywords
+from .options import (
+    FmtSpec,
+    OptionKeywords,
+    Options,
+    args_doc,
+    entry_signature,
+    from_keywords,
+    refuse_foreign,
+)
+from .param_groups import check_group, reads_every_default
 from .rewritten_step import conform_updates, install, uninstall
 from .state import QuantizedState
 from .state_schema import probe_schema
@@ -46,7 +56,7 @@ REFUSED = {
 }
 
 
-def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT,
+def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec | None = None,
                    **options: Unpack[OptionKeywords]) -> torch.optim.Optimizer:
     """Keep every per-element state of ``opt`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``)
     block-quantized, and run its step through the traced, rewritten update.
@@ -59,10 +69,14 @@ def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT,
 <OPTIONS>
 
     Returns ``opt`` itself, now an instance of ``lowbit_compile.optim.lowbit_class(type(opt))`` (a
-    subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures; it
-    never quantizes twice.
+    subclass of its class: ``isinstance`` checks still hold). Calling it again re-configures: the options
+    of the later call replace the earlier ones, one it leaves out taking its default as on a first wrap
+    (with a warning naming each that changes so), and the states are converted once from the values they
+    hold; it never quantizes twice.
     """
-    (given,) = from_keywords("lowbit_compile()", {"fmt": fmt, **options}, Options)
+    if fmt is not None:
+        options = {"fmt": fmt, **options}  # type: ignore[assignment]
+    (given,) = from_keywords("lowbit_compile()", options, Options)
     config = Config.of(given)
     _check_optimizer(opt)
     check_backend(opt, config)
@@ -80,6 +94,8 @@ def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec = DEFAULT_FMT,
         config.check_patterns(known.values())
     _check_state_names(opt, config)
     updates = conform_updates(opt, config, names)  # everything that can fail, before anything changes
+    if wrapped is not None:
+        _warn_of_defaults(opt, wrapped.options, set(options))
     install(opt, config, given.kept(), names, updates)
     opt.__class__ = lowbit_class(type(opt))
     return opt
@@ -89,6 +105,24 @@ lowbit_compile.__signature__ = entry_signature(  # type: ignore[attr-defined]
     [inspect.Parameter("opt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.optim.Optimizer")], Options,
     returns="torch.optim.Optimizer")
 lowbit_compile.__doc__ = lowbit_compile.__doc__.replace("<OPTIONS>", args_doc(Options))
+
+
+def _warn_of_defaults(opt: torch.optim.Optimizer, kept: dict[str, Any], given: set[str]) -> None:
+    """Warn when wrapping ``opt`` again returns options the earlier wrap set (``kept``) to their defaults
+    because this call (which gives ``given``) leaves them out."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Options)}
+    back = {k: v for k, v in kept.items() if k not in given and v != defaults[k]}
+    if back:
+        it, they = ("them", "they") if len(back) > 1 else ("it", "it")
+        warnings.warn(
+            f"lowbit_compile: this {type(opt).__name__} was wrapped with {_listed(back)}; wrapping it again without "
+            f"{it}, {they} return to the default {_listed({k: defaults[k] for k in back})} (an option a call leaves "
+            f"out takes its default, as on a first wrap) and the states are converted. Pass {it} again to keep {it}",
+            stacklevel=3)
+
+
+def _listed(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in options.items())
 
 
 def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -137,14 +171,15 @@ def _check_optimizer(opt: object) -> None:
                 "each parameter, so it cannot run one block at a time (leave this optimizer unwrapped)"
             )
     for i, group in enumerate(opt.param_groups):
-        _check_group(f"param_groups[{i}]", group)
+        _check_group(f"param_groups[{i}]", group, opt)
     if not isinstance(opt, SUPPORTED):  # a staged or one's own step: trace it now, to refuse it here if need be
         for group in opt.param_groups:
             for param in {p.dim(): p for p in group["params"]}.values():
                 probe_schema(opt, group, param)
 
 
-def _check_group(where: str, group: dict) -> None:
+def _check_group(where: str, group: dict, opt: torch.optim.Optimizer) -> None:
+    check_group(where, group, opt.defaults, reads_every_default(opt))
     if group.get("differentiable"):
         raise ValueError(
             f"{where} has differentiable=True, which lowbit_compile does not support (quantized states "
@@ -161,10 +196,12 @@ def _check_group(where: str, group: dict) -> None:
 def check_new_group(opt: torch.optim.Optimizer, param_group: dict) -> None:
     """Refuse a group ``add_param_group`` would add to a wrapped ``opt`` that ``lowbit_compile`` would
     refuse (before anything changes); a one-shot iterable of params is listed in place, as stock does."""
+    where = f"the new param group (param_groups[{len(opt.param_groups)}])"
+    check_group(where, param_group, {})  # a dict with params; the defaults fill in the rest
     params = param_group["params"]
     param_group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
     group = {**opt.defaults, **param_group}
-    _check_group(f"the new param group (param_groups[{len(opt.param_groups)}])", group)
+    _check_group(where, group, opt)
     if not isinstance(opt, REWRITTEN):
         for param in {p.dim(): p for p in group["params"]}.values():
             probe_schema(opt, group, param)
@@ -272,6 +309,7 @@ def _make_class(base: type[torch.optim.Optimizer], module: str) -> type[torch.op
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = {k: kwargs.pop(k) for k in own if k in kwargs}
+        refuse_foreign(f"{base.__name__}()", ((k, v) for k, v in kwargs.items() if k not in taken))
         super(cls, self).__init__(*args, **kwargs)
         lowbit_compile(self, **options)
 

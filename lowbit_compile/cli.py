@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .options import Options, ScopeOptions, cli_flags, parse_spec
+from .options import MAX_PARAM_COUNT, Options, ScopeOptions, cli_flags, parse_spec
 
 # The runner's flags: the options of lowbit_compile and enable() that have one (options.py), and its
 # own; everything from the script path (or -m MODULE) on belongs to the script.
@@ -89,10 +89,13 @@ def parse_count(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*", text.lower())
     if not match:
         raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (examples: 7e9, 7B, 1.3b, 125M, 350k)")
-    count = round(float(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[match.group(2)])
-    if count <= 0:
+    count = float(match.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[match.group(2)]
+    if not count < MAX_PARAM_COUNT + 1:  # 1e400 is inf
+        raise argparse.ArgumentTypeError(f"{text!r} is more parameters than can be sized (at most "
+                                         f"{MAX_PARAM_COUNT:.0e}: tensor sizes are int64)".replace("e+", "e"))
+    if round(count) <= 0:
         raise argparse.ArgumentTypeError(f"the parameter count must be positive, got {text!r}")
-    return count
+    return round(count)
 
 
 def _parsed(field: Any, flag: str, value: Any) -> Any:
@@ -141,6 +144,7 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
     from . import _load
 
     _load()  # torch loads here, after the command line and the script were checked
+    from .config import UnmatchedOverride
     from .enable import Scope
 
     try:
@@ -154,6 +158,7 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
     if signum is not None:
         signal.signal(signum, lambda *_: scope.request_restore())
     kind, name = target
+    unmatched: UnmatchedOverride | None = None
     try:
         with scope:
             if kind == "script":
@@ -166,9 +171,15 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
                 globals_ = runpy.run_module(name, run_name="__main__", alter_sys=True)
             scope.refresh()  # optimizers the script kept at module level are still alive here
             del globals_
+    except UnmatchedOverride as err:  # names are known at the first step: a bad option all the same
+        unmatched = err
     finally:
-        if not args.no_summary and os.environ.get("RANK", "0") == "0":
+        if unmatched is None and not args.no_summary and os.environ.get("RANK", "0") == "0":
             print(scope.summary(), file=sys.stderr)
+    if unmatched is not None:
+        print(f"{parser.prog}: error: --override {unmatched.pattern!r} matches no parameter name of the modules the "
+              f"script ran ({unmatched.names}); fix or remove it.{unmatched.hint}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +69,9 @@ class Config:
             matcher, spec = pair
             if not isinstance(matcher, (str, re.Pattern)) and not callable(matcher):
                 raise TypeError(f"override pattern {matcher!r} must be a glob string, a compiled regex or a "
-                                "predicate (name, param) -> bool")
+                                "predicate (name, param) -> bool (a string starting 're:' is a regex)")
+            if isinstance(matcher, str):
+                matcher = _pattern(matcher)
             override_keys.append((matcher, _fmt_key(spec, f"overrides[{matcher!r}]")))
         if not is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a positive power of two (e.g. 256 or 2048), got {block_size!r}")
@@ -112,8 +114,12 @@ class Config:
         for matcher, _ in self.overrides:
             if isinstance(matcher, (str, re.Pattern)) and not any(_matches(matcher, n, None) for n in names):
                 shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-                raise ValueError(f"override pattern {getattr(matcher, 'pattern', matcher)!r} matches no parameter "
-                                 f"name ({shown}); fix or remove it")
+                text = REGEX_PREFIX + matcher.pattern if isinstance(matcher, re.Pattern) else matcher
+                regex = isinstance(matcher, str) and re.search(r"\\|\^|\$|\+|\(|\||\{|\.\*", matcher)
+                hint = (f" It is a glob ('*' any characters, '?' one); for a regular expression write "
+                        f"{REGEX_PREFIX + matcher!r}." if regex else "")
+                raise UnmatchedOverride(f"override pattern {text!r} matches no parameter name ({shown}); fix or "
+                                        f"remove it.{hint}", text, shown, hint)
 
     def stochastic(self, formats: Mapping[str, StateFormat]) -> frozenset[str]:
         """The quantized states of ``formats`` that round stochastically (fp32 states never round)."""
@@ -145,6 +151,31 @@ class Config:
         return tuple(out)
 
 
+class UnmatchedOverride(ValueError):
+    """An override's name pattern that matches no parameter name: the pattern as written, the names
+    (the first few) and a hint, for the CLI to say it in its own terms."""
+
+    def __init__(self, message: str, pattern: str, names: str, hint: str) -> None:
+        super().__init__(message)
+        self.pattern, self.names, self.hint = pattern, names, hint
+
+
+REGEX_PREFIX = "re:"  # an override pattern string starting so is a regular expression (re.search), not a glob
+
+
+def _pattern(text: str) -> str | re.Pattern:
+    """An override's name pattern given as a string: a glob, or after ``re:`` a regular expression."""
+    if text.startswith(REGEX_PREFIX):
+        try:
+            return re.compile(text[len(REGEX_PREFIX):])
+        except re.error as err:
+            raise ValueError(f"override pattern {text!r} is not a valid regular expression: {err}") from None
+    if not text:
+        raise ValueError("an override pattern is empty: it would match no parameter name; give a glob such as "
+                         "'*embed*', or 're:' and a regular expression")
+    return text
+
+
 def param_names(model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> dict[torch.Tensor, str]:
     """Parameter -> qualified name, from a module or from ``named_parameters()``-style pairs
     (a parameter shared under several names keeps the first)."""
@@ -172,27 +203,54 @@ def _pick(spec: str | tuple[tuple[str, str], ...] | None, state_key: str) -> str
 
 def _fmt_key(fmt: object, what: str) -> str | tuple[tuple[str, str], ...]:
     """A validated, hashable form of a fmt argument: a name, or sorted (state, name) pairs."""
-    return _spec_key(fmt, what, FORMAT_NAMES)
+    return _spec_key(fmt, what, FORMAT_NAMES, _width_hint)
 
 
-def _spec_key(spec: object, what: str, choices: tuple[str, ...]) -> str | tuple[tuple[str, str], ...]:
+# A width as other libraries name a state format: bitsandbytes' "8bit" and "4bit", "int4", "nf4", "16-bit".
+_WIDTH = re.compile(r"(?:int|uint|fp|nf|q)?(\d+)[-_ ]?(?:bits?|b)?")
+
+
+def _width_hint(name: str) -> str | None:
+    """What a name of a width means here: the formats of that width (the default first), or that there
+    are none yet; None for a name that is not a width."""
+    match = _WIDTH.fullmatch(name)
+    if match is None:
+        return None
+    bits = int(match.group(1))
+    widths = {f: StateFormat(f).bits for f in FORMAT_NAMES}
+    same = sorted((f for f, b in widths.items() if b == bits), key=lambda f: f != DEFAULT_FMT)
+    if not same:
+        smallest = min(widths.values())
+        return (f"{bits}-bit formats are not available{' yet' if bits < smallest else ''}; the smallest states "
+                f"here are {smallest}-bit: "
+                f"{sorted(f for f, b in widths.items() if b == smallest)}, {DEFAULT_FMT!r} the default")
+    default = " (the default)" if same[0] == DEFAULT_FMT else ""
+    return f"did you mean {same[0]!r}{default}? The {bits}-bit formats are {same}"
+
+
+def _spec_key(spec: object, what: str, choices: tuple[str, ...], hint: Callable[[str], str | None] | None = None
+              ) -> str | tuple[tuple[str, str], ...]:
     """A validated, hashable form of an option given as one of ``choices`` or a dict from state name to one."""
     if isinstance(spec, Mapping):
         for key in spec:
             if not isinstance(key, str):
                 raise TypeError(f"{what} keys must be state names (str), got {key!r}")
-        return tuple(sorted((key, _choice(value, f"{what}[{key!r}]", choices)) for key, value in spec.items()))
-    return _choice(spec, what, choices)
+        return tuple(sorted((key, _choice(value, f"{what}[{key!r}]", choices, hint)) for key, value in spec.items()))
+    return _choice(spec, what, choices, hint)
 
 
-def _choice(value: object, what: str, choices: tuple[str, ...]) -> str:
+def _choice(value: object, what: str, choices: tuple[str, ...], hint: Callable[[str], str | None] | None = None
+            ) -> str:
     """``value`` as the one of ``choices`` it names, in any case ("INT8" is "int8"); else an error that
-    suggests the choices it starts (``"fp8"``: fp8_e4m3 or fp8_e5m2) or resembles."""
+    suggests the choices it starts (``"fp8"``: fp8_e4m3 or fp8_e5m2), what ``hint`` makes of it, or the
+    choices it resembles."""
     if isinstance(value, str):
         name = value.strip().lower()
         if name in choices:
             return name
         close = [c for c in choices if c.startswith(name)] if name else []
+        if not close and hint is not None and (said := hint(name)) is not None:
+            raise ValueError(f"{what} must be one of {choices}, got {value!r}: {said}")
         close = close or difflib.get_close_matches(name, choices, n=2, cutoff=0.6)
         if close:
             raise ValueError(f"{what} must be one of {choices}, got {value!r} (did you mean "

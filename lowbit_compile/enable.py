@@ -40,7 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from . import checkpoint
 from .api import REWRITTEN, _check_optimizer, is_wrapped, lowbit_compile, restore
-from .config import Config, param_names
+from .config import Config, UnmatchedOverride, param_names
 from .memory import memory_report
 from .monitor import Monitor
 from .monitor import monitor as sample_health
@@ -267,13 +267,13 @@ class Scope(contextlib.ContextDecorator):
         if self._names is None:
             try:
                 self.config.check_patterns(names.values())
-            except ValueError as err:
-                raise RuntimeError(
-                    f"lowbit_compile.enable: {err}. The names were learned from the modules run in scope, within "
+            except UnmatchedOverride as err:
+                raise UnmatchedOverride(
+                    f"lowbit_compile.enable: {err} The names were learned from the modules run in scope, within "
                     "the outermost one that was called or created in scope (a model created outside whose own "
                     "forward is not called, as Lightning calls training_step, names only its submodules' "
-                    "parameters): pass model= to enable(), or create the model inside the scope"
-                ) from None
+                    "parameters): pass model= to enable(), or create the model inside the scope",
+                    err.pattern, err.names, err.hint) from None
         # every known name, not only this optimizer's: patterns are checked against the whole model
         return [(name, p) for p, name in names.items()]
 

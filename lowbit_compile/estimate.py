@@ -21,7 +21,7 @@ from .kernels import blockquant
 from .kernels.formats import StateFormat
 from .kernels.residual import MODES as MASTER_MODES
 from .kernels.residual import MasterFormat, tie_words
-from .options import Options
+from .options import MAX_PARAM_COUNT, Options, is_int
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GB = 10**9
@@ -94,6 +94,9 @@ def estimate(
     (``lowbit_compile(..., master_weights=...)``) in the low-bit one. With ``shards`` > 1 the components
     ZeRO stage ``zero_stage`` shards are divided evenly (rounded up) over the devices.
     """
+    if not is_int(params) or not 1 <= params <= MAX_PARAM_COUNT:
+        raise ValueError(f"the parameter count must be an int from 1 to {MAX_PARAM_COUNT:.0e} (tensor sizes are "
+                         f"int64), got {params!r}".replace("e+", "e"))
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {tuple(PARAM_DTYPES)}, got {param_dtype!r}")
     mode = "fp32" if master_weights is True else (master_weights or None)

@@ -23,6 +23,7 @@ DEFAULT_FMT = "sqrt8"
 DEFAULT_BLOCK_SIZE = 512
 DEFAULT_OUTLIERS = 0
 DEFAULT_MIN_8BIT_SIZE = 4096
+MAX_PARAM_COUNT = 10**18  # the most parameters estimate() sizes: tensor sizes are int64 (9.2e18)
 
 FmtSpec = str | Mapping[str, str]
 RoundingSpec = str | Mapping[str, str]  # "nearest" | "stochastic", or per state
@@ -44,7 +45,8 @@ def parse_spec(text: str, flag: str) -> str | dict[str, str]:
 
 
 def parse_overrides(items: list[str], flag: str) -> list[tuple[str, str]] | None:
-    """Repeated ``PATTERN=FMT`` (``--override '*embed*=fp32'``) as ``overrides=`` pairs."""
+    r"""Repeated ``PATTERN=FMT`` (``--override '*embed*=fp32'``, ``--override 're:\.norm\d=bf16'``) as
+    ``overrides=`` pairs."""
     pairs = [tuple(item.rsplit("=", 1)) for item in items]
     if any(len(p) != 2 for p in pairs):
         raise ValueError(f"{flag} takes PATTERN=FMT, got {items}")
@@ -107,11 +109,13 @@ class Options:
     overrides: Overrides | None = option(
         None,
         "per-parameter formats, first match wins: ``{pattern: fmt}`` or ``[(pattern, fmt)]`` where a pattern is "
-        'a glob on the parameter name (``"*embed*"``), a compiled regex, or a predicate ``(name, param) -> bool``; '
-        'e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``. Overrides win over ``min_8bit_size``; sizes and shapes '
-        "are the full (unsharded) tensor's.",
-        cli="format for parameters whose name matches the glob, e.g. '*embed*=fp32' (repeatable; first match "
-            "wins; names come from the modules run)",
+        'a glob on the parameter name (``"*embed*"``), a regular expression (compiled, or a string after '
+        '``"re:"``: ``"re:layers\\.\\d+\\.attn"``; ``re.search`` on the name), or a predicate ``(name, param) -> '
+        'bool``; e.g. ``{"*norm*": "fp32", "*embed*": "bf16"}``. A pattern that matches no name is an error. '
+        "Overrides win over ``min_8bit_size``; sizes and shapes are the full (unsharded) tensor's.",
+        cli="format for parameters whose name matches the glob (or, after re:, the regular expression), e.g. "
+            "'*embed*=fp32' (repeatable; first match wins; names come from the modules run, so a pattern that "
+            "matches none fails at the first step)",
         flag="--override", parse=parse_overrides, action="append", metavar="PATTERN=FMT")
     model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = option(
         None, "the module (or ``named_parameters()`` pairs) that gives name patterns their names.")
@@ -193,11 +197,60 @@ class OptionKeywords(TypedDict, total=False):
     rounding: RoundingSpec
 
 
+def _optim_bits(value: Any) -> str:
+    if value == 32:
+        return "fmt='fp32' keeps stock 32-bit states"
+    return ("8-bit states are the default here (fmt='sqrt8'); fmt='dynamic8' is bitsandbytes' own dynamic map: "
+            "remove optim_bits")
+
+
+def _no_op_or(off: Any, instead: str) -> Callable[[Any], str]:
+    """The message of a keyword that does nothing at ``off`` (remove it) and has no equivalent otherwise."""
+    return lambda value: "it does nothing at that value: remove it" if value == off else instead
+
+
+# Keywords of bitsandbytes' and torchao's 8-bit optimizers that users carry over to lowbit_compile, with
+# what each becomes here (from the value given). min_8bit_size and block_size are options here too.
+FOREIGN_KEYWORDS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "optim_bits": ("bitsandbytes", _optim_bits),
+    "block_wise": ("bitsandbytes", lambda value: (
+        "states are always quantized in blocks here: remove it (block_size= sets the block: bitsandbytes uses "
+        "256, the default here is 512)" if value else
+        "per-tensor scales are not available: block_size=32768 is the largest block")),
+    "percentile_clipping": ("bitsandbytes", _no_op_or(
+        100, "there is no percentile clipping here: clip gradients before the step "
+             "(torch.nn.utils.clip_grad_norm_) and remove it")),
+    "max_unorm": ("bitsandbytes", _no_op_or(
+        0.0, "there is no update-norm clipping here: clip gradients before the step and remove it")),
+    "is_paged": ("bitsandbytes", _no_op_or(
+        False, "there is no paged (CPU-offloaded) mode here: 8-bit states (about 2 B/param) stay on the "
+               "parameter's device; remove it")),
+    "args": ("bitsandbytes", lambda value: "bitsandbytes' GlobalOptimManager settings: per-parameter formats are "
+                                           "overrides= here (e.g. overrides={'*embed*': 'fp32'})"),
+    "skip_zeros": ("bitsandbytes", _no_op_or(
+        False, "every element is stepped here, as torch.optim steps it: remove it")),
+    "bf16_stochastic_round": ("torchao", lambda value: (
+        "for bf16 params, master_weights='8bit' (unbiased, 1 B/param) or 'exact' keeps the bits each step "
+        "rounds away; rounding='stochastic' rounds the 8-bit states" if value else "remove it")),
+}
+
+
+def refuse_foreign(where: str, given: Iterable[tuple[str, Any]]) -> None:
+    """A TypeError for the first of ``given`` (keyword, value) pairs that is another library's option,
+    saying what it is here."""
+    for name, value in given:
+        if name in FOREIGN_KEYWORDS:
+            library, describe = FOREIGN_KEYWORDS[name]
+            raise TypeError(f"{where} got {name}={value!r}, a keyword of {library}'s 8-bit optimizers, not of "
+                            f"lowbit_compile: {describe(value)}")
+
+
 def from_keywords(where: str, given: Mapping[str, Any], *schemas: type) -> list[Any]:
     """``given`` keywords as one instance of each schema; an unknown keyword is a TypeError that names
     the keywords ``where`` takes (and the one it resembles)."""
     names = [f.name for schema in schemas for f in dataclasses.fields(schema)]
     unknown = sorted(set(given) - set(names))
+    refuse_foreign(where, ((k, given[k]) for k in unknown))
     if unknown:
         close = difflib.get_close_matches(unknown[0], names, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,10 +18,13 @@ from . import checkpoint, master, sharding
 from . import rounding as counter
 from .compile import COUNTER_KEYS, compile_steps, step_request
 from .config import Config
+from .kernels import blockquant
 from .kernels.formats import StateFormat
 from .kernels.rounding import SEED as ROUNDING_SEED
+from .param_groups import check_group, reads_every_default
 from .passes.trace import entries_read, unhooked_step
 from .run import Prepared, StepPlan, group_signature
+from .state import QuantizedState
 from .state_schema import StateSchema, init_state, probe_schema
 from .wrapped import ATTR, Wrapped, wrapped_of
 
@@ -62,8 +66,9 @@ def uninstall(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
     ``step`` (or the one it shadowed), no :class:`Wrapped`."""
     for param, state in opt.state.items():
         for key, value in list(state.items()):
-            if sharding.is_quantized(value):
-                state[key] = sharding.dequantize(value)
+            if sharding.is_quantized(value):  # one of the meta device holds no values to decode
+                state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if value.is_meta \
+                    else sharding.dequantize(value)
         master.release(param, state)
         state.pop(ROUNDING_SEED, None)
     for hook in wrapped.hooks:
@@ -155,6 +160,9 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
         with torch.enable_grad():
             loss = closure()
     wrapped = wrapped_of(opt)
+    if wrapped is None:  # the closure restored the optimizer (restore(opt)): the step it asked for is stock
+        unhooked_step(type(opt))(opt)
+        return loss
     with wrapped.lock:
         _locked_step(opt, wrapped)
     return loss
@@ -180,7 +188,7 @@ def _locked_step(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
             grad.div_(grad_scale)
     plan.run()
     if on_meta:
-        _stock_step(opt, on_meta)
+        _meta_step(opt, wrapped, on_meta)
 
 
 def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:
@@ -196,8 +204,12 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[StepPlan, li
         if entries_read() == seen:
             break
     # Then create or convert the states of the parameters stepped for the first time, and run.
+    materialised = 0
     for compiled, (schema, formats, mformat, group, group_sig, param, grad, position) in zip(compiled_steps, todo):
         state = opt.state[param]
+        if _holds_meta(state):  # stepped on the meta device, materialised since: no values to keep
+            state.clear()
+            materialised += 1
         if not state.keys() - set(COUNTER_KEYS):
             state.update(init_state(param, schema, formats))
         # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
@@ -206,6 +218,10 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[StepPlan, li
         _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
+    if materialised:
+        warnings.warn(f"lowbit-compile: {materialised} parameter(s) of this {type(opt).__name__} were stepped on the "
+                      "meta device and hold values now; their states held none and start afresh (step 0), as a new "
+                      "optimizer's would", stacklevel=5)
     return StepPlan(opt, config, ready), on_meta
 
 
@@ -213,6 +229,9 @@ def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list,
     """The parameters whose prepared step still holds, and the step requests of the others (with what
     their states need once built); the params on the ``meta`` device apart."""
     config = wrapped.config
+    complete = reads_every_default(opt)
+    for i, group in enumerate(opt.param_groups):  # a group changed since it was checked
+        check_group(f"param_groups[{i}]", group, opt.defaults, complete)
     ready, todo, requests = [], [], []
     on_meta: list[tuple[dict, torch.Tensor]] = []
     positions = _positions(opt)
@@ -223,7 +242,7 @@ def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list,
             grad = param.grad
             if grad is None:
                 continue
-            if param.is_meta:  # no values to quantize: the stock step, as stock AdamW runs it
+            if param.is_meta:  # no values to quantize: see _meta_step
                 on_meta.append((group, param))
                 continue
             if grad.is_sparse:
@@ -233,6 +252,8 @@ def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list,
                     "optimizer unwrapped, for sparse gradients"
                 )
             state = opt.state.get(param, {})
+            if _holds_meta(state):  # stepped on the meta device: the step starts afresh (_prepare clears it)
+                state = {}
             _apply(state, checkpoint.step_restored(state))  # a loader that bypasses load_state_dict (ZeRO)
             prepared = wrapped.prepared.get(param)
             if prepared is not None and prepared.still_valid(state, param, config, group_sig, guards, values):
@@ -244,6 +265,35 @@ def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list,
             requests.append(step_request(opt, group, param, state, schema, formats, config, mformat))
             todo.append((schema, formats, mformat, group, group_sig, param, grad, positions[id(param)]))
     return ready, todo, requests, on_meta
+
+
+def _meta_step(opt: torch.optim.Optimizer, wrapped: Wrapped, params: list[tuple[dict, torch.Tensor]]) -> None:
+    """The step of parameters on the meta device, which hold no values: the stock update as stock runs
+    it there (shapes, the scalar states), each per-element state then held in its configured format, of
+    empty meta storage: the states and ``memory_report`` are what the parameters' will be once they hold
+    values (the states then start afresh, ``_prepare``)."""
+    config, formats = wrapped.config, {}
+    for group, param in params:
+        state = opt.state[param]
+        for key, value in state.items():  # the stock update reads plain tensors
+            if isinstance(value, QuantizedState):
+                state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        stand_in = torch.empty((1,) * param.dim(), dtype=param.dtype)  # the probe runs the stock step on values
+        schema = _schema(opt, group, stand_in, master.format_for(param, config))
+        formats[param] = config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg)
+    _stock_step(opt, params)
+    for param, held in formats.items():
+        state = opt.state[param]
+        for key, fmt in held:
+            value = state.get(key)
+            if not fmt.passthrough and isinstance(value, torch.Tensor) and value.is_meta:
+                state[key] = QuantizedState(blockquant.empty(value.numel(), fmt, "meta"), fmt, value.shape,
+                                            value.dtype)
+
+
+def _holds_meta(state: dict) -> bool:
+    """Whether a parameter's state is one of the meta device (made by a step of the parameter there)."""
+    return any(isinstance(v, torch.Tensor) and v.is_meta for v in state.values())
 
 
 def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tensor]]) -> None:
@@ -280,7 +330,7 @@ def conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[t
         for param in group["params"]:
             position = positions[id(param)]
             state = opt.state.get(param)
-            if not state or param.is_meta:
+            if not state or param.is_meta or _holds_meta(state):  # no values: nothing to convert
                 continue
             mformat = master.format_for(param, config)
             schema = _schema(opt, group, param, mformat)

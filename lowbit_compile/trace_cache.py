@@ -9,11 +9,14 @@ the compile path holds for the whole of a signature's trace-rewrite-build.
 from __future__ import annotations
 
 import collections
+import functools
+import inspect
 import threading
 from typing import Any
 
 import torch
 
+from .options import is_int
 from .passes.trace import (
     HyperSlot,
     Layout,
@@ -61,8 +64,29 @@ _traces: LruCache = LruCache()  # signature -> its traces (one per way its guard
 
 
 def trace_group(group: dict) -> dict:
-    """The group as the trace sees it: the single-tensor implementation."""
-    return {**group, **{k: v for k, v in _IMPL_FLAGS.items() if k in group}}
+    """The group as the trace sees it: the single-tensor implementation, and a Python ``int`` given for a
+    hyperparameter that torch.optim declares a float (``lr=1``, ``weight_decay=0``, ``betas=(0, 0.99)``)
+    as that float, so that, like a float, it is an input of the trace, not a constant of it (an int is
+    a count or a flag elsewhere: Muon's ``ns_steps``)."""
+    tgroup = {**group, **{k: v for k, v in _IMPL_FLAGS.items() if k in group}}
+    for key in float_hyperparameters().intersection(group):
+        value = group[key]
+        if is_int(value):
+            tgroup[key] = float(value)
+        elif isinstance(value, (tuple, list)) and any(map(is_int, value)):
+            tgroup[key] = type(value)(float(v) if is_int(v) else v for v in value)
+    return tgroup
+
+
+@functools.cache
+def float_hyperparameters() -> frozenset[str]:
+    """The constructor arguments that torch.optim's optimizers annotate as floats (or tuples of them)."""
+    names = set()
+    for cls in vars(torch.optim).values():
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            names.update(name for name, p in inspect.signature(cls.__init__).parameters.items()
+                         if "float" in str(p.annotation))
+    return frozenset(names)
 
 
 def trace_example(state: dict) -> dict:

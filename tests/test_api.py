@@ -3,6 +3,7 @@ schedulers without retracing, memory accounting, and clear errors that leave the
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -112,6 +113,26 @@ def test_wrapping_twice_reconfigures_without_double_quantizing():
     assert "step" not in opt.__dict__
 
 
+def test_wrapping_again_warns_of_each_option_it_returns_to_its_default():
+    """The later call's options replace the earlier ones: one it gives changes silently (asked for), one it
+    leaves out returns to its default with a warning naming it, as the states are converted."""
+    params = transformer_params(d=64, layers=1)
+    opt = optim.AdamW(params, fmt="int8", block_size=256)
+    _step(opt, params)
+    big = params[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lowbit_compile(opt, fmt="int8", block_size=256)  # the same options: nothing to say
+        lowbit_compile(opt, "dynamic8", block_size=256)  # asked for
+    assert opt.state[big]["exp_avg"].fmt.name == "dynamic8"
+    with pytest.warns(UserWarning, match=r"this AdamW was wrapped with fmt='dynamic8', block_size=256; wrapping it "
+                                         rf"again without them, they return to the default fmt='{DEFAULT_FMT}', "
+                                         r"block_size=512 \(an option a call leaves out"):
+        lowbit_compile(opt, min_8bit_size=1000)
+    assert opt.state[big]["exp_avg"].fmt.name == DEFAULT_FMT and opt.state[big]["exp_avg"].fmt.block_size == 512
+    _step(opt, params)
+
+
 @pytest.mark.parametrize("tensor_lr", [False, True], ids=["float lr", "tensor lr"])
 @pytest.mark.parametrize("order", ["scheduler first", "wrap first"])
 def test_lr_schedule_never_retraces(order, tensor_lr):
@@ -136,6 +157,61 @@ def test_lr_schedule_never_retraces(order, tensor_lr):
             lrs.add(float(opt.param_groups[0]["lr"]))
     assert len(lrs) == 10
     assert trace_count() == traces
+
+
+@pytest.mark.parametrize("cls, key, values", [
+    (torch.optim.AdamW, "lr", [1, 2, 3, 4, 5]),
+    (torch.optim.AdamW, "weight_decay", [0, 1, 2, 3, 4]),
+    (torch.optim.SGD, "weight_decay", [1, 2, 3, 4, 5]),
+    (torch.optim.Adam, "betas", [(0, 0.9), (0, 0.99), (0, 0.5), (0, 0.8), (0, 0.999)]),  # an int in the tuple
+])
+def test_python_int_hyperparameters_are_floats_and_never_retrace(cls, key, values):
+    """Five int values of a hyperparameter torch.optim declares a float (the first step's branches kept:
+    a float crossing 0 retraces too): one trace, as for floats, and each step (fp32 states) bit for bit the
+    stock step with that int."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(20, 30))]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = lowbit_compile(cls(ours, lr=0.01), "fp32")
+    stock = cls(twin, lr=0.01, foreach=False)
+    traces = None
+    for value in values:
+        for group in (*opt.param_groups, *stock.param_groups):
+            group[key] = value
+        for p, q in zip(ours, twin):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt.step()
+        stock.step()
+        traces = trace_count() if traces is None else traces
+        assert all(torch.equal(p, q) for p, q in zip(ours, twin))
+    assert trace_count() == traces
+
+
+def test_restore_in_a_step_closure_makes_that_step_stock():
+    """``restore(opt)`` called by the closure of the step that runs it: the step goes on as the stock one
+    (bit for bit a stock twin's, fp32 states), and the optimizer is stock and usable after."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(7))]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = lowbit_compile(torch.optim.AdamW(ours, lr=0.01), "fp32")
+    stock = torch.optim.AdamW(twin, lr=0.01, foreach=False)
+
+    def closure(restoring: bool):
+        def run():
+            if restoring:
+                restore(opt)
+            for p, q in zip(ours, twin):
+                p.grad = torch.full_like(p, 0.5)
+                q.grad = p.grad.clone()
+            return torch.tensor(1.0)
+        return run
+
+    for restoring in (False, True, False):
+        assert opt.step(closure(restoring)).item() == 1.0
+        stock.step()
+        assert all(torch.equal(p, q) for p, q in zip(ours, twin))
+    assert type(opt) is torch.optim.AdamW and not any(isinstance(v, QuantizedState) for v in opt.state[ours[0]].values())
 
 
 def test_signature_is_traced_once_across_params_and_optimizers():
@@ -245,6 +321,12 @@ def _untouched(opt, params, states):
         ({"outliers": -1}, ValueError, "outliers"),
         ({"min_8bit_size": -5}, ValueError, "min_8bit_size"),
         ({"backend": "cuda"}, ValueError, "backend must be one of"),
+        ({"fmt": "8bit"}, ValueError, r"got '8bit': did you mean 'sqrt8' \(the default\)\? The 8-bit formats are"),
+        ({"fmt": "4bit"}, ValueError, r"got '4bit': 4-bit formats are not available yet; the smallest states here"),
+        ({"fmt": {"exp_avg_sq": "nf4"}}, ValueError, r"fmt\['exp_avg_sq'\] .*4-bit formats are not available yet"),
+        ({"fmt": "16-bit"}, ValueError, r"did you mean 'bf16'\?"),
+        ({"overrides": {"": "fp32"}}, ValueError, "an override pattern is empty"),
+        ({"overrides": {"re:(": "fp32"}}, ValueError, "'re:\\(' is not a valid regular expression"),
     ],
 )
 def test_bad_options_fail_early_and_leave_the_optimizer_untouched(kwargs, error, match):
@@ -255,6 +337,54 @@ def test_bad_options_fail_early_and_leave_the_optimizer_untouched(kwargs, error,
     with pytest.raises(error, match=match):
         lowbit_compile(opt, **kwargs)
     _untouched(opt, params, states)
+
+
+_MALFORMED = [
+    ("no params", lambda groups: groups.append({"lr": 0.1}), r"param_groups\[1\] has no 'params'"),
+    ("lr a string", lambda groups: groups[0].update(lr="0.01"),
+     r"param_groups\[0\]\['lr'\] must be a number .*got '0.01' \(a string: use 0.01\)"),
+    ("lr None", lambda groups: groups[0].update(lr=None), r"\['lr'\] must be a number or a one-element tensor"),
+    ("lr a vector", lambda groups: groups[0].update(lr=torch.tensor([0.1, 0.2])), r"\['lr'\] must be a number"),
+    ("betas of one", lambda groups: groups[0].update(betas=(0.9,)),
+     r"param_groups\[0\]\['betas'\] must be a tuple of 2 numbers, as the default \(0.9, 0.999\), got \(0.9,\)"),
+    ("a beta a string", lambda groups: groups[0].update(betas=(0.9, "x")), r"\['betas'\]\[1\] must be a number"),
+    ("no eps", lambda groups: groups[0].pop("eps"), r"param_groups\[0\] has no 'eps' .*add_param_group"),
+]
+
+
+@pytest.mark.parametrize("when", ["wrap", "step"])
+@pytest.mark.parametrize("name, damage, match", _MALFORMED, ids=[m[0] for m in _MALFORMED])
+def test_a_malformed_param_group_is_named_and_changes_nothing(name, damage, match, when):
+    """A group without params, a hyperparameter that is not a number (a config value left a string), a
+    tuple of the wrong length, a missing entry: at the wrap or at the next step, an error naming the entry
+    and the fix, and every param and state as it was; mended, the optimizer steps on."""
+    params = transformer_params(d=64, layers=1)
+    opt = torch.optim.AdamW(params, lr=0.01)
+    if when == "step":
+        lowbit_compile(opt)
+    _step(opt, params)
+    before = [p.detach().clone() for p in params]
+    states = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    damage(opt.param_groups)
+    with pytest.raises(ValueError, match=match):
+        lowbit_compile(opt) if when == "wrap" else _step(opt, params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    if when == "wrap":
+        _untouched(opt, params, states)
+    for p in params:
+        assert opt.state[p].keys() == states[id(p)].keys()
+        assert all(torch.equal(v, states[id(p)][k]) for k, v in opt.state[p].items())
+    del opt.param_groups[1:]
+    opt.param_groups[0].update(groups[0])
+    _step(opt, params)
+
+
+def test_a_new_param_group_without_params_is_named():
+    opt = lowbit_compile(torch.optim.AdamW(transformer_params(d=64, layers=1)))
+    with pytest.raises(ValueError, match=r"the new param group \(param_groups\[1\]\) has no 'params'"):
+        opt.add_param_group({"lr": 0.1})
+    assert len(opt.param_groups) == 1
 
 
 def test_format_and_rounding_names_are_case_insensitive():

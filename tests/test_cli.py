@@ -127,6 +127,10 @@ def test_only_rank_zero_prints_the_summary(runner):
     (["--backend", "gpu", "train.py"], "--backend must be one of"),
     (["--override", "embed", "train.py"], "PATTERN=FMT"),
     (["--override", "*embed*=q", "train.py"], "--override['*embed*'] must be one of"),
+    (["--override", "=fp32", "train.py"], "an override pattern is empty"),
+    (["--override", "re:(=fp32", "train.py"], "'re:(' is not a valid regular expression"),
+    (["--fmt", "8bit", "train.py"], "did you mean 'sqrt8' (the default)?"),
+    (["--fmt", "4bit", "train.py"], "4-bit formats are not available yet"),
     (["--restore-on-signal", "NOPE", "train.py"], "unknown signal"),
     (["--restore-on-signal", "KILL", "train.py"], "SIGKILL cannot be used"),
     (["--restore-on-signal", "SIGSTOP", "train.py"], "SIGSTOP cannot be used"),
@@ -153,6 +157,10 @@ def test_bad_options_fail_before_the_script_runs(runner, args, error):
     (["run", "--no-such-flag", "train.py"], "unrecognized arguments: --no-such-flag"),
     (["run", "-m", "no_such_module"], "no module named 'no_such_module'"),
     (["estimate", "--params", "7X"], "--params: not a parameter count: '7X' (examples: 7e9, 7B"),
+    (["estimate", "--params", "1e21"], "--params: '1e21' is more parameters than can be sized (at most 1e18"),
+    (["estimate", "--params", "1e30"], "--params: '1e30' is more parameters than can be sized"),
+    (["estimate", "--params", "1e400"], "--params: '1e400' is more parameters than can be sized"),
+    (["estimate", "--params", "7B", "--muon-params", "1e400"], "--muon-params: '1e400' is more parameters"),
 ])
 def test_argument_errors_come_before_torch_loads_in_a_fresh_interpreter(tmp_path, args, error):
     """``python -m lowbit_compile`` with a bad command line exits 2 with argparse's message, without
@@ -163,6 +171,30 @@ def test_argument_errors_come_before_torch_loads_in_a_fresh_interpreter(tmp_path
     done = subprocess.run([sys.executable, "-m", "lowbit_compile", *args], cwd=tmp_path, text=True,
                           capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{package}"})
     assert done.returncode == 2 and "Traceback" not in done.stderr and error in done.stderr, done.stderr
+
+
+def test_an_override_that_matches_no_name_of_the_script_is_a_one_line_error(runner):
+    """The names come from the modules the script runs, so the pattern is judged at the first step: a
+    one-line error in the CLI's terms, exit code 2, no traceback, no summary; a regex pattern (after re:)
+    gets the hint."""
+    code, out, err = runner("--override", "*embd*=fp32", "train.py", "2")
+    assert code == 2 and "Traceback" not in err and "step 1" not in out and "optimizer(s) rewritten" not in err
+    assert err.strip().splitlines()[-1] == (
+        "python -m lowbit_compile run: error: --override '*embd*' matches no parameter name of the modules the "
+        "script ran (0.weight, 1.weight, 1.bias); fix or remove it.")
+    code, out, err = runner("--override", "1\\.(weight|bias)=fp32", "train.py", "1")
+    assert code == 2 and err.strip().endswith("for a regular expression write 're:1\\\\.(weight|bias)'.")
+    code, out, err = runner("--override", "re:^1\\.=fp32", "--min-8bit-size", "0", "train.py", "1")
+    assert code == 0, err
+    assert f"formats {{'0.weight': '{DEFAULT_FMT}', '1.weight': None, '1.bias': None}}" in out
+
+
+def test_estimate_refuses_a_count_no_tensor_holds():
+    from lowbit_compile.estimate import estimate
+
+    for params in (10**21, 0, 2.5e9):
+        with pytest.raises(ValueError, match="the parameter count must be an int from 1 to 1e18"):
+            estimate(params)
 
 
 @pytest.mark.parametrize("args,error", [

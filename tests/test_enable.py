@@ -328,7 +328,7 @@ def test_names_learned_within_a_module_created_in_scope_whose_forward_is_not_cal
     assert type(opt.state[model.embed.weight]["exp_avg"]) is torch.Tensor
     assert isinstance(opt.state[model.head.weight]["exp_avg"], QuantizedState)
     model = Model()
-    with enable(overrides={"embed.*": "fp32"}), pytest.raises(RuntimeError, match="pass model= to enable"):
+    with enable(overrides={"embed.*": "fp32"}), pytest.raises(ValueError, match="pass model= to enable"):
         train(model)
 
 

@@ -250,7 +250,7 @@ def forward(self, param, grad, master_residual, master_ties, state_step, exp_avg
         opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(64, dtype=FP16))], lr=0.1, momentum=0.9)
         g = master_graphs(opt, "fp32", "8bit")
         self.assertExpectedInline(g["split"].prologue.code.strip(), """\
-def forward(self, state_master_seed, hp_lr, hp_momentum):
+def forward(self, state_master_seed, hp_lr, hp_momentum, hp_dampening, hp_weight_decay):
     clone_default = torch.ops.aten.clone.default(state_master_seed)
     neg = -hp_lr;  hp_lr = None
     add_tensor = torch.ops.aten.add.Tensor(state_master_seed, 1.0)
@@ -837,7 +837,8 @@ def test_wrapping_again_without_the_option_drops_the_master():
     params = model_params(BF16)
     opt = lowbit_compile(torch.optim.AdamW(params), master_weights="exact", min_8bit_size=0)
     train(params, opt, 2, seed=1)
-    lowbit_compile(opt, min_8bit_size=0)  # re-configures: no master weights
+    with pytest.warns(UserWarning, match="wrapped with master_weights='exact'; wrapping it again without it"):
+        lowbit_compile(opt, min_8bit_size=0)  # re-configures: no master weights
     state = opt.state[params[0]]
     assert not any(k in residual.KEYS for k in state) and state["exp_avg"].dtype == BF16
     train(params, opt, 1, seed=2)

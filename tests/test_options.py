@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 
 import pytest
 import torch
@@ -92,3 +93,31 @@ def test_type_checkers_see_every_keyword_of_lowbit_compile():
     assert list(OptionKeywords.__annotations__) == [f.name for f in fields]
     annotations = [getattr(a, "__forward_arg__", a) for a in OptionKeywords.__annotations__.values()]
     assert annotations == [str(f.type) for f in fields]
+
+
+@pytest.mark.parametrize("keyword, value, says", [
+    ("optim_bits", 32, "fmt='fp32'"),
+    ("optim_bits", 8, "8-bit states are the default here"),
+    ("block_wise", True, "always quantized in blocks here: remove it"),
+    ("block_wise", False, "block_size=32768 is the largest block"),
+    ("percentile_clipping", 100, "does nothing at that value: remove it"),
+    ("percentile_clipping", 5, r"clip_grad_norm_"),
+    ("is_paged", True, "no paged"),
+    ("max_unorm", 1.0, "no update-norm clipping"),
+    ("args", None, "overrides="),
+    ("bf16_stochastic_round", True, "master_weights='8bit'"),
+])
+@pytest.mark.parametrize("entry", ["lowbit_compile()", "enable()", "AdamW()"])
+def test_a_bitsandbytes_or_torchao_keyword_says_what_it_is_here(entry, keyword, value, says):
+    """Keywords users carry over from bitsandbytes' (or torchao's) 8-bit optimizers: each entry point
+    names the library and what the keyword maps to, or that it is not needed; nothing is wrapped."""
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    opt = torch.optim.AdamW(params)
+    call = {"lowbit_compile()": lambda: lowbit_compile(opt, **{keyword: value}),
+            "enable()": lambda: Scope(**{keyword: value}),
+            "AdamW()": lambda: optim.AdamW(params, lr=0.1, **{keyword: value})}[entry]
+    library = "torchao" if keyword == "bf16_stochastic_round" else "bitsandbytes"
+    with pytest.raises(TypeError, match=rf"^{re.escape(entry)} got {keyword}={re.escape(repr(value))}, a keyword of "
+                                        rf"{library}'s 8-bit optimizers, not of lowbit_compile: .*{says}"):
+        call()
+    assert not hasattr(opt, "_lowbit")

@@ -26,7 +26,7 @@ class TestAdamGraphs(TestCase):
     def test_traced_adam(self):
         g = pass_graphs(_adam())
         self.assertExpectedInline(code(g["traced"]), """\
-def forward(self, param, grad, state_step, state_exp_avg, state_exp_avg_sq, hp_lr, hp_betas_0, hp_betas_1, hp_eps):
+def forward(self, param, grad, state_step, state_exp_avg, state_exp_avg_sq, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
     add = torch.ops.aten.add.Tensor(state_step, 1)
     sub = 1.0 - hp_betas_0
     lerp = torch.ops.aten.lerp.Scalar(state_exp_avg, grad, sub);  sub = None
@@ -54,12 +54,12 @@ def forward(self, param, grad, state_step, state_exp_avg, state_exp_avg_sq, hp_l
     def test_roles_adam(self):
         g = pass_graphs(_adam())
         roles = {n.name: role_of(n).value for n in g["roles"].graph.nodes if n.op == "placeholder"}
-        self.assertExpectedInline(str(roles), """{'param': 'param', 'grad': 'grad', 'state_step': 'scalar_state', 'state_exp_avg': 'per_element_state', 'state_exp_avg_sq': 'per_element_state', 'hp_lr': 'hyperparameter', 'hp_betas_0': 'hyperparameter', 'hp_betas_1': 'hyperparameter', 'hp_eps': 'hyperparameter'}""")
+        self.assertExpectedInline(str(roles), """{'param': 'param', 'grad': 'grad', 'state_step': 'scalar_state', 'state_exp_avg': 'per_element_state', 'state_exp_avg_sq': 'per_element_state', 'hp_lr': 'hyperparameter', 'hp_betas_0': 'hyperparameter', 'hp_betas_1': 'hyperparameter', 'hp_eps': 'hyperparameter', 'hp_weight_decay': 'hyperparameter'}""")
 
     def test_quantized_adam(self):
         g = pass_graphs(_adam())
         self.assertExpectedInline(code(g["quantized"]), """\
-def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, hp_lr, hp_betas_0, hp_betas_1, hp_eps):
+def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
     dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s', 'float32')
     dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
     add = torch.ops.aten.add.Tensor(state_step, 1)
@@ -89,7 +89,7 @@ def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_av
     def test_split_adam(self):
         g = pass_graphs(_adam())
         self.assertExpectedInline(code(g["split"].prologue), """\
-def forward(self, state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps):
+def forward(self, state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
     add = torch.ops.aten.add.Tensor(state_step, 1)
     sub = 1.0 - hp_betas_0
     sub_1 = 1.0 - hp_betas_1

@@ -67,7 +67,7 @@ NAdam: ['exp_avg_sq'] | assumes betas_1 in [0, 1] | fragile -
 RAdam: ['exp_avg_sq'] | assumes betas_1 in [0, 1] | fragile -
 Adadelta: ['acc_delta', 'square_avg'] | assumes rho in [0, 1] | fragile -
 ASGD: [] | assumes - | fragile -
-Rprop: ['step_size'] | assumes - | fragile -""")
+Rprop: ['step_size'] | assumes step_sizes_0 in [0, 1] | fragile -""")
 
 
 class Update(torch.optim.Optimizer):
@@ -112,7 +112,7 @@ class TestForms(TestCase):
         """``sign[sign.gt(0)] = etaplus`` is an index_put with a boolean mask: it becomes ``where``, and
         the constant ``1`` a scalar_tensor, so the whole step is pointwise."""
         self.assertExpectedInline(code(pass_graphs(torch.optim.Rprop([_param()], foreach=False), "fp32")["traced"]), """\
-def forward(self, param, grad, state_step, state_prev, state_step_size, hp_lr, hp_etas_0, hp_etas_1):
+def forward(self, param, grad, state_step, state_prev, state_step_size, hp_lr, hp_etas_0, hp_etas_1, hp_step_sizes_0, hp_step_sizes_1):
     add = torch.ops.aten.add.Tensor(state_step, 1)
     mul = torch.ops.aten.mul.Tensor(grad, state_prev)
     sign = torch.ops.aten.sign.default(mul);  mul = None
@@ -126,7 +126,7 @@ def forward(self, param, grad, state_step, state_prev, state_step_size, hp_lr, h
     scalar_tensor_default = torch.ops.aten.scalar_tensor.default(1.0, dtype = torch.float32, device = device(type='cpu'))
     where_self_2 = torch.ops.aten.where.self(eq, scalar_tensor_default, where_self_1);  eq = scalar_tensor_default = where_self_1 = None
     mul_1 = torch.ops.aten.mul.Tensor(state_step_size, where_self_2)
-    clamp = torch.ops.aten.clamp.default(mul_1, 1e-06, 50);  mul_1 = None
+    clamp = torch.ops.aten.clamp.default(mul_1, hp_step_sizes_0, hp_step_sizes_1);  mul_1 = hp_step_sizes_0 = hp_step_sizes_1 = None
     clone = torch.ops.aten.clone.default(grad, memory_format = torch.preserve_format);  grad = None
     eq_1 = torch.ops.aten.eq.Scalar(where_self_2, hp_etas_0);  where_self_2 = hp_etas_0 = None
     scalar_tensor_default_1 = torch.ops.aten.scalar_tensor.default(0.0, dtype = torch.float32, device = device(type='cpu'))
@@ -144,7 +144,7 @@ def forward(self, param, grad, state_step, state_prev, state_step_size, hp_lr, h
         writes it into a state input it never reads, and quantizing it needs no dequantize."""
         g = pass_graphs(torch.optim.SGD([_param()], lr=0.1, momentum=0.9, foreach=False), "int8")
         self.assertExpectedInline(code(g["quantized"]), """\
-def forward(self, param, grad, momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, hp_lr, hp_momentum):
+def forward(self, param, grad, momentum_buffer_codes, momentum_buffer_scales, momentum_buffer_patch_values, momentum_buffer_patch_index, hp_lr, hp_momentum, hp_dampening, hp_weight_decay):
     clone = torch.ops.aten.clone.default(grad);  grad = None
     neg = -hp_lr;  hp_lr = None
     add = torch.ops.aten.add.Tensor(param, clone, alpha = neg);  neg = None
@@ -157,7 +157,7 @@ def forward(self, param, grad, momentum_buffer_codes, momentum_buffer_scales, mo
         the graph checks the branch right where the step decides it, before anything that depends on it."""
         opt = torch.optim.RAdam([_param()], foreach=False)
         self.assertExpectedInline(code(pass_graphs(opt, "fp32")["traced"]), """\
-def forward(self, param, grad, state_step, state_exp_avg, state_exp_avg_sq, hp_lr, hp_betas_0, hp_betas_1, hp_eps):
+def forward(self, param, grad, state_step, state_exp_avg, state_exp_avg_sq, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
     add = torch.ops.aten.add.Tensor(state_step, 1)
     _local_scalar_dense = torch.ops.aten._local_scalar_dense.default(add)
     sub = 1.0 - hp_betas_0

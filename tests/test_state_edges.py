@@ -10,7 +10,7 @@ import io
 import pytest
 import torch
 
-from lowbit_compile import QuantizedState, checkpoint, enable, lowbit_compile
+from lowbit_compile import QuantizedState, checkpoint, enable, lowbit_compile, memory_report, restore
 from lowbit_compile.config import STOCK_STATES
 from lowbit_compile.state import StateView
 from lowbit_compile.state_schema import probe_schema
@@ -153,20 +153,58 @@ def _saved(obj: object) -> bytes:
     return buffer.getvalue()
 
 
-def test_meta_device_parameters_step_like_stock():
-    """No values to quantize: the wrapped step runs the stock update on meta parameters."""
-    results = []
-    for wrap in (False, True):
-        p = torch.nn.Parameter(torch.empty(10_000, device="meta"))
-        opt = torch.optim.AdamW([p])
-        if wrap:
-            lowbit_compile(opt, **OPTIONS)
+@pytest.fixture
+def params_kept_on_conversion():
+    """``module.to_empty()`` keeps the parameter objects (an optimizer's keys), as torch will by default."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_meta_parameters_hold_low_bit_states_that_start_afresh_once_materialised(params_kept_on_conversion):
+    """On the meta device (no values) a step runs as stock's there (the step count, the shapes) and each
+    state is held in its configured format, of empty storage: memory_report counts what the real states
+    will take, not fp32 (they stayed fp32 before). Materialised and initialised, the parameters' next step
+    starts their states afresh, with a warning, bit for bit a new optimizer's first step on those values;
+    restore() gives stock meta states."""
+    meta = torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.LayerNorm(64)).to("meta")
+    opt = lowbit_compile(torch.optim.AdamW(meta.parameters(), lr=1e-2), **OPTIONS)
+    for _ in range(2):
+        for p in meta.parameters():
+            p.grad = torch.empty_like(p)
+        opt.step()
+    weight = meta[0].weight
+    state = opt.state[weight]
+    assert state["step"].item() == 2.0
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert isinstance(state[key], QuantizedState) and state[key].is_meta and state[key].fmt.name == "int8"
+        assert state[key].shape == weight.shape
+    assert memory_report(opt).total.bytes_per_param < 2.2  # stock: 8
+    meta.to_empty(device="cpu")
+    assert meta[0].weight is weight
+    twin = torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.LayerNorm(64))
+    with torch.no_grad():
+        for p, q in zip(meta.parameters(), twin.parameters()):
+            p.copy_(q)
+    fresh = lowbit_compile(torch.optim.AdamW(twin.parameters(), lr=1e-2), **OPTIONS)
+    for p, q in zip(meta.parameters(), twin.parameters()):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    with pytest.warns(UserWarning, match=r"4 parameter\(s\) of this AdamW were stepped on the meta device"):
+        opt.step()
+    fresh.step()
+    for p, q in zip(meta.parameters(), twin.parameters()):
+        assert torch.equal(p, q) and opt.state[p]["step"].item() == 1.0
+        assert torch.equal(opt.state[p]["exp_avg"].dequantize(), fresh.state[q]["exp_avg"].dequantize())
+    again = torch.nn.Linear(96, 64, device="meta")
+    opt = lowbit_compile(torch.optim.AdamW(again.parameters()), **OPTIONS)
+    for p in again.parameters():
         p.grad = torch.empty_like(p)
-        opt.step()
-        opt.step()
-        results.append({k: (type(v), v.device.type, v.shape, v.item() if k == "step" else None)
-                        for k, v in opt.state[p].items()})
-    assert results[0] == results[1]
+    opt.step()
+    restore(opt)
+    assert all(type(v) is torch.Tensor for v in opt.state[again.weight].values())
+    assert opt.state[again.weight]["exp_avg"].is_meta
 
 
 def test_stock_state_names_cover_every_supported_optimizer():

@@ -73,6 +73,12 @@ class StateFormat:
         }[self.name]
 
     @property
+    def bits(self) -> int:
+        """Bits per element stored (what other libraries' "8bit", "4bit" name; a packed format, two codes a
+        byte, says so here)."""
+        return self.code_dtype.itemsize * 8
+
+    @property
     def qmax(self) -> float:
         """The largest code: a block's largest positive value (or its absmax, where the format's codes
         are symmetric) maps onto it."""

@@ -25,7 +25,7 @@ import triton
 from torch.fx import GraphModule
 from triton.runtime.interpreter import InterpretedFunction
 
-from . import blockquant
+from . import blockquant, triton_cache
 from .contract import Role, role_of
 from .formats import StateFormat, dynamic_lookup_table
 from .kernel import BuildError, RowLaunch, body_sources, check_grad, per_step_inputs, same_scalar_states
@@ -88,13 +88,16 @@ class TritonKernel:
         e = self.emitted
         args = [p.dtype if p.dtype is not None else 1.0 for p in e.params
                 if not (e.batched and p in e.tensor_params)]  # a batched kernel reads those from its row table
-        try:
+        def warmup() -> None:
             if e.batched:  # both variants, after the int64 row table and the int32 program table
                 for masked in (False, True):
                     self.fn.warmup(*args, torch.int64, torch.int32, **e.constexprs(masked), grid=(1,),
                                    **launch_options(e))
             else:
                 self.fn.warmup(*args, 1 << 20, 0, **e.constexprs(), grid=(1,), **launch_options(e))
+
+        try:
+            triton_cache.compiling(warmup)  # a cache Triton cannot write is replaced by a private one
         except Exception as err:  # triton's compile errors have no common base class
             raise BuildError(f"compiling the Triton kernel {e.name} for {device} failed: {err}") from err
 
@@ -194,7 +197,8 @@ def compile_emitted(emitted: EmittedKernel, arch: int = 90, aligned: bool = Fals
     attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
              if aligned and (kind.startswith("*") or kind == "i64")}
     source = ASTSource(fn, signature, constexprs=emitted.constexprs(masked), attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=launch_options(emitted))
+    return triton_cache.compiling(
+        lambda: triton.compile(source, target=GPUTarget("cuda", arch, 32), options=launch_options(emitted)))
 
 
 def kernel_key(emitted: EmittedKernel) -> str:
