@@ -677,10 +677,16 @@ def _from_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _saved_blocks(packed: dict, header: _Header, start: int, stop: int, width: int) -> _Blocks:
-    """Every saved block that holds an element of rows ``[start, stop)``."""
+    """Every saved block that holds an element of rows ``[start, stop)``, its records checked
+    (``blockquant.invalid_records``: finite scales, patch offsets inside their block, once each)."""
     if packed["block_scales"].dim() == 3:
-        return _blocks_by_row(packed, header, start, stop, width)
-    return _blocks_listed(packed, header, start, stop, width)
+        blocks = _blocks_by_row(packed, header, start, stop, width)
+    else:
+        blocks = _blocks_listed(packed, header, start, stop, width)
+    why = blockquant.invalid_records(blocks.scales, blocks.patch_index, header.fmt)
+    if why is not None:
+        raise ValueError(f"its block records are corrupt (the {why}); the checkpoint was damaged or crafted")
+    return blocks
 
 
 def _blocks_listed(packed: dict, header: _Header, start: int, stop: int, width: int) -> _Blocks:
