@@ -22,7 +22,7 @@ from lowbit_compile.kernels.formats import (
     upgrade_dynamic8_codes,
 )
 
-from .helpers import assert_same, saved_and_loaded, state_bits, train
+from .helpers import assert_same, saved_and_loaded, state_bits, text, train
 
 # odd shapes on purpose: partial blocks, blocks that span rows, a 1-D and a 0-d parameter
 SHAPES = [(67, 33), (300,), (), (5, 1, 7)]
@@ -32,11 +32,6 @@ OPTIONS = {"block_size": 64, "min_8bit_size": 0}
 def make_params(shapes=SHAPES) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(1)
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-
-
-def text(value: str) -> int:
-    """How a packed state stores its text fields (format, shape, dtype, row splits): one int each."""
-    return int.from_bytes(value.encode(), "little")
 
 
 def packed_bytes(packed: dict) -> int:

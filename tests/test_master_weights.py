@@ -718,7 +718,7 @@ CORRUPTIONS = {  # (mode, how the saved entry is damaged (params[0]'s for exact,
     "no residual next to its ties": ("exact", lambda e: e.pop(residual.RESIDUAL), "no 'master_residual'"),
     "counter truncated": ("8bit", _damage(residual.SEED, "bytes", lambda t: t[:3]), "four bytes"),
     "counter not a number": ("8bit", lambda e: e.update({residual.SEED: torch.tensor([1.0, float("nan")])}),
-                             "not one finite number"),
+                             "not one number"),
 }
 
 
