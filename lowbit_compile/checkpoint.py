@@ -145,9 +145,17 @@ def step_restored(state: Mapping) -> dict:
 def unmarked_state_dict(state_dict: dict) -> dict:
     """``state_dict`` with every entry :func:`unmarked` (the same object if none was marked)."""
     state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
-    if not isinstance(state, Mapping) or all(unmarked(e) is e for e in state.values()):
+    if not isinstance(state, Mapping):
         return state_dict
-    return {**state_dict, "state": {idx: unmarked(entry) for idx, entry in state.items()}}
+    out = {}
+    for idx, entry in state.items():
+        try:
+            out[idx] = unmarked(entry)
+        except ValueError as err:
+            raise ValueError(f"the checkpoint's state[{idx!r}]: {err}") from None
+    if all(out[idx] is entry for idx, entry in state.items()):
+        return state_dict
+    return {**state_dict, "state": out}
 
 
 def pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -284,9 +292,10 @@ SpecsOf = Callable[[dict, torch.Tensor], Mapping[str, tuple[StateFormat, torch.d
 MastersOf = Callable[[dict, torch.Tensor], Callable[[dict], dict] | None]
 
 
-# (group, param) -> what a saved entry's other states change to (None: the entry goes), after checking
-# them against what the optimizer keeps: its scalar states (``step``) and its rounding counter
-ScalarsOf = Callable[[dict, torch.Tensor], Callable[[dict], dict]]
+# (group, param) -> what a saved entry's other states change to, after checking them against what the
+# optimizer keeps: its scalar states (``step``) as the stock loader is to get them, and the states of its
+# own it keeps aside (the rounding counter; None: the entry goes)
+ScalarsOf = Callable[[dict, torch.Tensor], Callable[[dict], tuple[dict, dict]]]
 
 
 def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, specs_of: SpecsOf,
@@ -333,8 +342,12 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, specs_of: SpecsOf
         gi, pi, param = where[idx]
         # the group as it will be: the saved values, the optimizer's own for keys an older torch did not save
         group = {**groups[gi], **saved_groups[gi], "params": groups[gi]["params"]}
-        specs = specs_of(group, param)
         label = _label(gi, pi, param, name_of(param))
+        try:
+            specs = specs_of(group, param)
+        except Exception as err:  # probing the step with the saved group: the stock constructor's checks, ...
+            raise ValueError(f"{label}: the checkpoint's param_groups[{gi}] cannot step it "
+                             f"({type(err).__name__}: {err}); nothing was loaded") from err
         if not isinstance(entry, Mapping):
             raise ValueError(f"{label}: its saved state is a {type(entry).__name__}, not a dict of states; the "
                              "checkpoint is corrupt")
@@ -371,17 +384,14 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, specs_of: SpecsOf
         try:
             if finish is not None:
                 new = {k: v for k, v in {**new, **finish({**entry, **new})}.items() if v is not None}
-            if scalars_of is not None:
-                changes = scalars_of(group, param)(entry)
-                new.update({k: v for k, v in changes.items() if v is not None})
-                dropped = {k for k, v in changes.items() if v is None}
-            else:
-                dropped = set()
+            stock, ours = scalars_of(group, param)(entry) if scalars_of is not None else ({}, {})
         except ValueError as err:
             raise ValueError(f"{label}: {err}") from err
+        new.update({k: v for k, v in ours.items() if v is not None})
         if new:
             pending[param] = new
-        plain[idx] = {k: v for k, v in entry.items() if k not in new and k not in MASTER_KEYS and k not in dropped}
+        plain[idx] = {k: stock.get(k, v) for k, v in entry.items()
+                      if k not in new and k not in MASTER_KEYS and k not in ours}
     loaded = {**state_dict, "state": plain}
     _dry_run(opt, loaded)
     if relayouts:
@@ -488,7 +498,8 @@ def _check_saved_group(index: int, group: Mapping, saved: Mapping) -> None:
 def _dry_run(opt: torch.optim.Optimizer, state_dict: dict) -> None:
     """Run the loader of ``opt``'s class (without its hooks) over ``state_dict`` on a stand-in that
     shares no state or group with ``opt``: what the stock loader fails on (its ``__setstate__``
-    reading a ``step`` that is not a number) fails here, before it has replaced ``opt``'s state."""
+    reading a ``step`` that is not a number) fails here, before it has replaced ``opt``'s state, and so
+    does a saved group that would leave out a hyperparameter the optimizer's group has."""
     shell = object.__new__(type(opt))
     shell.__dict__.update(opt.__dict__)
     shell.state = collections.defaultdict(dict)
@@ -500,6 +511,11 @@ def _dry_run(opt: torch.optim.Optimizer, state_dict: dict) -> None:
     except Exception as err:  # whatever the stock loader raises: nothing of opt was changed
         raise ValueError(f"{type(opt).__name__}'s own load_state_dict cannot read this checkpoint "
                          f"({type(err).__name__}: {err}); nothing was loaded") from err
+    for i, (group, loaded) in enumerate(zip(opt.param_groups, shell.param_groups)):
+        missing = sorted(map(str, group.keys() - loaded.keys()))
+        if missing:
+            raise ValueError(f"the checkpoint's param_groups[{i}] lacks {missing}, which the optimizer's step "
+                             "reads; the checkpoint is truncated or of another optimizer (nothing was loaded)")
 
 
 def _as_fp32(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -268,7 +268,8 @@ def unpack_counter(packed: dict[str, Any], key: str) -> torch.Tensor:
 
 def _unpack_residual(packed: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
     """The residual of ``param``'s shard (sharded like it) from its saved per-row bytes."""
-    dtype = {1: torch.int8, 2: torch.int16}.get(packed[_PACKED_RESIDUAL])
+    width = packed[_PACKED_RESIDUAL]
+    dtype = {1: torch.int8, 2: torch.int16}.get(width) if type(width) is int else None
     table = packed.get("bytes")
     if dtype is None or not isinstance(table, torch.Tensor):
         raise ValueError(f"saved {RESIDUAL!r} are not a table of int8 or int16 codes; the checkpoint is corrupt")

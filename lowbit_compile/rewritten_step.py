@@ -325,13 +325,13 @@ def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         schema = _schema(opt, group, param, mformat)
         return lambda entry: master.loaded(param, entry, mformat, schema, positions[id(param)])
 
-    def scalars_of(group: dict, param: torch.Tensor) -> Callable[[dict], dict]:
+    def scalars_of(group: dict, param: torch.Tensor) -> Callable[[dict], tuple[dict, dict]]:
         schema = _schema(opt, group, param, master.format_for(param, config))
         formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
 
-        def changes(entry: dict) -> dict:
-            schema.check_saved(entry, param.shape, type(opt).__name__, COUNTER_KEYS)
-            return counter.conformed(entry, bool(config.stochastic(formats)), positions[id(param)])
+        def changes(entry: dict) -> tuple[dict, dict]:
+            stock = schema.read_saved(entry, param.shape, type(opt).__name__, COUNTER_KEYS)
+            return stock, counter.conformed(entry, bool(config.stochastic(formats)), positions[id(param)])
         return changes
 
     return checkpoint.prepare_load(

@@ -47,21 +47,27 @@ class StateSchema:
         """The dtype the stock step creates each per-element state in."""
         return {name: rest[-1] for name, (kind, *rest) in self.init if kind in ("fill", "computed")}
 
-    def check_saved(self, entry: Mapping[str, Any], shape: Sequence[int], optimizer: str,
-                    counters: tuple[str, ...] = ()) -> None:
-        """Refuse (``ValueError`` naming the state) a saved entry the step could not run on: one that
-        holds any state (``counters`` aside) but lacks one the stock step keeps, or whose scalar state
-        (``step``) is not one real number, whose reduced state (Adafactor's factors) is not a floating
-        tensor of the reduced shape, or whose plain value is of another kind than the stock one's."""
+    def read_saved(self, entry: Mapping[str, Any], shape: Sequence[int], optimizer: str,
+                   counters: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """The scalar states of a saved entry as the stock step keeps them (a tensor of another dtype or
+        shape than its own, as the step's: ``step`` saved as an int64 tensor), after refusing
+        (``ValueError`` naming the state) an entry the step could not run on: one that holds any state
+        (``counters`` aside) but lacks one the stock step keeps, or whose scalar state is not one real
+        number (a finite count >= 0 for ``step``), whose reduced state (Adafactor's factors) is not a
+        floating tensor of the reduced shape, or whose plain value is of another kind than the stock one's."""
         if not entry.keys() - set(counters):
-            return
+            return {}
         missing = [name for name, _ in self.init if name not in entry]
         if missing:
             raise ValueError(f"its saved state lacks {missing} ({optimizer} keeps {sorted(n for n, _ in self.init)} "
                              "once a parameter has stepped); the checkpoint is truncated or of another optimizer")
+        out = {}
         for name, (kind, *rest) in self.init:
             value = entry[name]
-            if kind == "tensor":
+            if kind == "tensor" and name == "step":  # a count: a negative one divides by zero (1 - beta ** 0)
+                ok = is_real_number(value) and 0 <= float(value) < math.inf
+                want = "a count of steps, a number >= 0"
+            elif kind == "tensor":
                 ok = is_real_number(value)
                 want = "one real number"
             elif kind == "reduced":
@@ -78,6 +84,11 @@ class StateSchema:
                        else f"a {type(value).__name__}")
                 raise ValueError(f"its saved state {name!r} is {got}, not {want}; the checkpoint is corrupt or of "
                                  "another optimizer")
+            example = rest[0] if kind == "tensor" else None
+            if isinstance(value, torch.Tensor) and example is not None and (
+                    value.dtype != example.dtype or value.shape != example.shape):
+                out[name] = value.detach().to(example.dtype).reshape(example.shape)
+        return out
 
     def trace_shape(self, param: torch.Tensor) -> Layout | None:
         """The shape ``param``'s step is traced at: its own (with its strides; a ``DTensor``'s global

@@ -306,3 +306,136 @@ def test_no_access_outside_a_buffer_under_address_sanitizer(tmp_path):
     assert " passed" in done.stdout and "AddressSanitizer" not in done.stderr
     libraries = list(cache.glob("*.so"))
     assert libraries and all(b"__asan_report" in lib.read_bytes() for lib in libraries)  # the kernels ran built so
+
+
+# -- all or nothing: one mutation at a time -----------------------------------------------------------------
+FUZZ_CONFIGS = {
+    "int8 with patches": (torch.optim.AdamW, {"lr": 1e-2}, torch.float32, {"fmt": "int8", "outliers": 2}),
+    "sqrt8 stochastic, amsgrad": (torch.optim.AdamW, {"amsgrad": True}, torch.float32,
+                                  {"fmt": "sqrt8", "rounding": "stochastic"}),
+    "dynamic8, exact bf16 masters": (torch.optim.Adam, {"weight_decay": 0.1}, torch.bfloat16,
+                                     {"fmt": "dynamic8", "outliers": 1, "master_weights": "exact"}),
+    "fp8, 8bit masters": (torch.optim.AdamW, {}, torch.bfloat16, {"fmt": "fp8_e4m3", "master_weights": "8bit"}),
+    "SGD": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, torch.float32, {"fmt": "int8", "outliers": 1}),
+    "Adafactor": (torch.optim.Adafactor, {"lr": 1e-2}, torch.float32, {"fmt": "int8"}),
+}
+FUZZ_SHAPES = [(9, 40), (70,), (9, 40)]  # two of one shape: another param's states fit
+
+
+def fuzz_optimizer(name: str, seed: int) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    cls, kwargs, dtype, options = FUZZ_CONFIGS[name]
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in FUZZ_SHAPES]
+    opt = lowbit_compile(cls(params, **kwargs), backend="reference", block_size=BLOCK, min_8bit_size=0, **options)
+    train(opt, params, 2, seed=seed)
+    return opt, params
+
+
+def values_for(value: object, other: object) -> list[object]:
+    """What one entry is replaced by: wrong types, NaN, wrong shapes, huge sizes, another param's."""
+    out: list[object] = ["x", None, float("nan"), 10**30, -1, [1, 2], {"a": 1}, other]
+    if isinstance(value, torch.Tensor):
+        out += [value.new_zeros(value.shape[:-1] + (value.shape[-1] + 1,)) if value.dim() else value.new_zeros(2),
+                torch.full_like(value, float("nan"), dtype=torch.float32), value.to(torch.int64)]
+    elif isinstance(value, dict):
+        out += [{}]
+    return out
+
+
+def mutations(sd: dict):
+    """``(where, state dict)`` with one entry changed, removed or added, each in turn (deterministic)."""
+    def replaced(path: tuple, new: object, drop: bool = False) -> dict:
+        top = dict(sd)
+        node = top
+        for key in path[:-1]:
+            child = node[key]
+            child = list(child) if isinstance(child, list) else dict(child)
+            node[key] = child
+            node = child
+        if drop:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = new
+        return top
+
+    yield "extra top-level key", replaced(("extra",), 1)
+    for key in ("state", "param_groups"):
+        yield f"no {key}", replaced((key,), None, drop=True)
+        for new in ("x", None, [1]):
+            yield f"{key} = {new!r}", replaced((key,), new)
+    group = sd["param_groups"][0]
+    for key, value in group.items():
+        news = [[0], ["a", "b", "c"], [2, 1, 0], [0, 0, 1]] if key == "params" else values_for(value, 0.5)
+        for new in news:
+            yield f"group {key} = {new!r:.40}", replaced(("param_groups", 0, key), new)
+        yield f"group without {key}", replaced(("param_groups", 0, key), None, drop=True)
+    yield "group with an extra key", replaced(("param_groups", 0, "extra"), "x")
+    indices = list(sd["state"])
+    for i, idx in enumerate(indices):
+        other = sd["state"][indices[(i + 1) % len(indices)]]
+        for new in ("x", None, {}, other):
+            yield f"state[{idx}] = {type(new).__name__}", replaced(("state", idx), new)
+        yield f"no state[{idx}]", replaced(("state", idx), None, drop=True)
+        yield f"state[{idx}] with an extra key", replaced(("state", idx, "extra"), torch.zeros(3))
+        for key, value in sd["state"][idx].items():
+            for new in values_for(value, other.get(key)):
+                yield f"state[{idx}][{key!r}] = {type(new).__name__}", replaced(("state", idx, key), new)
+            yield f"state[{idx}] without {key!r}", replaced(("state", idx, key), None, drop=True)
+            if isinstance(value, dict):
+                for field, part in value.items():
+                    theirs = other.get(key, {}).get(field) if isinstance(other.get(key), dict) else None
+                    for new in values_for(part, theirs):
+                        yield (f"state[{idx}][{key!r}][{field!r}] = {type(new).__name__}",
+                               replaced(("state", idx, key, field), new))
+                    yield f"state[{idx}][{key!r}] without {field!r}", replaced(("state", idx, key, field), None,
+                                                                               drop=True)
+    yield "an extra state entry", replaced(("state", 99), dict(sd["state"][indices[0]]))
+
+
+def structure(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list:
+    """What a clean load and step give each state: its kind, format, dtype and shape."""
+    return [{k: (type(v).__name__, getattr(v, "fmt", None), getattr(v, "dtype", None), getattr(v, "shape", None))
+             for k, v in opt.state[p].items()} for p in params]
+
+
+FUZZ_FAST = 250  # mutations per configuration in the fast tier (every k-th of them, in order); the slow tier runs all
+
+
+@pytest.mark.parametrize("every", [pytest.param(False, id="sampled"), pytest.param(True, id="all", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", sorted(FUZZ_CONFIGS))
+def test_a_load_is_all_or_nothing_whatever_one_entry_holds(name, every, one_thread):
+    """Each entry of a valid checkpoint changed in turn (wrong types, strings, None, NaN, wrong shapes,
+    huge numbers, missing and extra keys, another param's tensors): the load either raises a
+    ValueError or TypeError that names what is wrong and leaves every param, state and hyperparameter
+    bit for bit as it was, or it succeeds and the optimizer steps, its states as a clean load's (and
+    an unknown key kept, as the stock loader keeps one)."""
+    source, _ = fuzz_optimizer(name, seed=1)
+    sd = saved_and_loaded(source.state_dict())
+    clean, clean_params = fuzz_optimizer(name, seed=2)
+    clean.load_state_dict(sd)
+    train(clean, clean_params, 1, seed=3)
+    expected = structure(clean, clean_params)
+    live, params = fuzz_optimizer(name, seed=2)
+    count, loaded = 0, 0
+    cases = list(mutations(sd))
+    stride = 1 if every else -(-len(cases) // FUZZ_FAST)
+    for where, mutated in [c for i, c in enumerate(cases) if i % stride == 0 or "extra" in c[0]]:
+        count += 1
+        before = snapshot(live, params)
+        try:
+            live.load_state_dict(mutated)
+        except (ValueError, TypeError) as err:
+            assert any(w in str(err) for w in ("param_groups", "state", "parameter")), f"{where}: {err!r}"
+            assert_unchanged(live, params, before)
+            continue
+        except Exception as err:
+            raise AssertionError(f"{where}: the load raised {type(err).__name__}: {err}") from err
+        loaded += 1
+        try:
+            train(live, params, 1, seed=3)
+        except Exception as err:
+            raise AssertionError(f"{where}: loaded, then the step raised {type(err).__name__}: {err}") from err
+        got = structure(live, params)  # an unknown key is kept, as the stock loader keeps it
+        assert [{k: g.get(k) for k in e} for g, e in zip(got, expected)] == expected, where
+        live, params = fuzz_optimizer(name, seed=2)
+    assert count > (250 if every else 140) and 0 < loaded < count
