@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import collections
 import math
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -418,7 +420,18 @@ def _warn_relayout(relayouts: collections.Counter[tuple[str, str]]) -> None:
     warnings.warn(f"lowbit_compile: this checkpoint's low-bit states are in another layout than this optimizer's: "
                   f"{listed}. They were converted (each value within the new layout's resolution of the saved "
                   "one), so the run does not resume bit for bit; give lowbit_compile the saved fmt, block_size "
-                  "and outliers to resume exactly", stacklevel=5)  # the caller of load_state_dict
+                  "and outliers to resume exactly", stacklevel=_outside_stacklevel())
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of a warning issued by the caller of this function that names the first frame
+    outside torch and lowbit_compile (the user's ``load_state_dict`` call, through however many of
+    torch's wrappers)."""
+    inside = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # Other libraries' optimizer states: what identifies them, and what to do instead. Their moments are not
@@ -553,7 +566,9 @@ def converted(param: torch.Tensor, key: str, value: object, fmt: StateFormat,
     elif value.shape != param.shape:
         raise ValueError(
             f"state {key!r} of a parameter of shape {tuple(param.shape)} has shape "
-            f"{tuple(value.shape)}; the optimizer state does not belong to these parameters"
+            f"{tuple(value.shape)}; the optimizer state does not belong to these parameters (it was saved for "
+            "another model, or its param_groups list them in another order): load the optimizer state saved "
+            "with this model, or load only the model's and start the optimizer afresh"
         )
     elif sharding.is_sharded(param) != sharding.is_sharded(value):
         kinds = ["a DTensor" if sharding.is_sharded(t) else "a plain tensor" for t in (value, param)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -439,3 +440,67 @@ def test_a_load_is_all_or_nothing_whatever_one_entry_holds(name, every, one_thre
         assert [{k: g.get(k) for k in e} for g, e in zip(got, expected)] == expected, where
         live, params = fuzz_optimizer(name, seed=2)
     assert count > (250 if every else 140) and 0 < loaded < count
+
+
+# -- other libraries' state dicts ---------------------------------------------------------------------------
+def foreign(opt: torch.optim.Optimizer, entry) -> dict:
+    """A state dict of ``opt``'s groups whose every entry is ``entry(param)``."""
+    sd = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {"param_groups": sd["param_groups"], "state": {i: entry(p) for i, p in enumerate(params)}}
+
+
+def bnb_entry(p: torch.Tensor, wrapped: bool) -> dict:
+    """A bitsandbytes AdamW8bit entry: blockwise uint8 states, their absmax and maps, wrapped since
+    0.48 under one key (FSDP's gathering skips it), at the top before."""
+    blocks = -(-p.numel() // 256)
+    quant = {"state1": torch.zeros(p.shape, dtype=torch.uint8), "state2": torch.zeros(p.shape, dtype=torch.uint8),
+             "qmap1": torch.zeros(256), "qmap2": torch.zeros(256),
+             "absmax1": torch.zeros(blocks), "absmax2": torch.zeros(blocks)}
+    return {"step": 3, "__bnb_optimizer_quant_state__": quant} if wrapped else {"step": 3, **quant}
+
+
+_TORCHAO = {name: type(name, (torch.Tensor,), {"__module__": f"torchao.optim.subclass_{bits}"})
+            for name, bits in (("OptimState8bit", "8bit"), ("OptimStateFp8", "fp8"), ("OptimState4bit", "4bit"))}
+
+
+def torchao_entry(p: torch.Tensor, name: str) -> dict:
+    """A torchao low-bit AdamW entry: the stock keys, each state one of its tensor subclasses (told
+    by class name and module: torchao itself is not imported)."""
+    state = lambda: torch.Tensor._make_subclass(_TORCHAO[name], torch.zeros(p.shape))
+    return {"step": torch.tensor(3.0), "exp_avg": state(), "exp_avg_sq": state()}
+
+
+@pytest.mark.parametrize("layout", ["bitsandbytes wrapped", "bitsandbytes", *sorted(_TORCHAO)])
+def test_another_librarys_state_dict_is_refused_naming_it_and_what_to_do(layout):
+    opt, params = shared("reference")
+    if layout.startswith("bitsandbytes"):
+        sd, library = foreign(opt, lambda p: bnb_entry(p, layout.endswith("wrapped"))), "bitsandbytes"
+    else:
+        sd, library = foreign(opt, lambda p: torchao_entry(p, layout)), "torchao"
+    refused(opt, params, sd, rf"saved by a {library} optimizer .*cannot read their moments yet: load only the "
+            r"model's state dict")
+
+
+def test_a_stock_state_dict_of_other_parameters_is_refused_naming_what_to_do():
+    opt, params = shared("reference")
+    sd = foreign(opt, lambda p: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(p.shape[::-1]),
+                                 "exp_avg_sq": torch.zeros(p.shape[::-1])})
+    refused(opt, params, sd, r"'exp_avg' of a parameter of shape \(9, 40\) has shape \(40, 9\); the optimizer "
+            r"state does not belong to these parameters .*load only the model's and start the optimizer afresh")
+
+
+def test_a_checkpoint_of_another_layout_loads_with_one_warning_naming_both():
+    opt, params = trained("reference")
+    sd = saved_and_loaded(opt.state_dict())
+    other = lowbit_compile(torch.optim.AdamW(make_params(), lr=1e-2), "sqrt8", block_size=128, min_8bit_size=0,
+                           backend="reference")
+    with pytest.warns(UserWarning) as caught:
+        other.load_state_dict(sd)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "4 states saved as int8 (blocks of 64, 2 outliers), now sqrt8 (blocks of 128)" in message
+    assert caught[0].filename == __file__  # the caller's load_state_dict
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(sd)  # the same layout: no warning
