@@ -1017,11 +1017,13 @@ def refuse_packed_states(opt: torch.optim.Optimizer) -> None:
     if state is None or _clean_states.get(opt) == id(state):
         return
     for param, entry in state.items():
-        packed = [k for k, v in entry.items() if is_packed(v)] if isinstance(entry, dict) else []
-        if packed:
+        ours = sorted({k.removeprefix(REFUSED_PREFIX) for k, v in entry.items() if isinstance(k, str) and (
+            is_packed(v) or (isinstance(v, bytes) and v == STOCK_REFUSAL))}) if isinstance(entry, dict) else []
+        if ours:
             raise RuntimeError(
-                f"this {type(opt).__name__} is a stock optimizer, but its states {packed} (of a parameter of shape "
-                f"{tuple(param.shape)}) are lowbit_compile low-bit states, loaded from a checkpoint saved with them. "
+                f"this {type(opt).__name__} is a stock optimizer, but its states {ours} (of a parameter of shape "
+                f"{tuple(getattr(param, 'shape', ()))}) are lowbit_compile low-bit states, loaded from a checkpoint "
+                "saved with them. "
                 f"Wrap it with lowbit_compile(opt, ...) (or step it inside lowbit_compile.enable()) before loading "
                 "to resume with low-bit states, or load lowbit_compile.checkpoint.stock_state_dict(state_dict) "
                 "to continue with stock fp32 states"
@@ -1031,8 +1033,11 @@ def refuse_packed_states(opt: torch.optim.Optimizer) -> None:
 
 def guard_stock_steps() -> None:
     """Register (once per process) the step pre-hook that runs :func:`refuse_packed_states` before
-    every stock step. Called when lowbit_compile is used (a wrap, an ``enable`` scope, a packed
-    state written or read), never at import."""
+    every stock step: at ``import lowbit_compile`` (so a stock optimizer that loaded a low-bit
+    checkpoint in a process that imports it fails naming the fix, not on the bytes the checkpoint
+    holds for it), and wherever lowbit_compile is used (a wrap, an ``enable`` scope, a packed state
+    written or read). The hook does nothing inside ``torch.compile``: a compiled stock step traces
+    none of it."""
     with _guard_lock:
         if not _guard_handle:
             _guard_handle.append(register_optimizer_step_pre_hook(_guard_hook))
@@ -1045,6 +1050,8 @@ def defer_to(handles: Callable[[torch.optim.Optimizer], bool]) -> None:
 
 
 def _guard_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():  # a constant to dynamo: nothing below enters a compiled stock step
+        return
     if not any(handles(opt) for handles in _HANDLED_ELSEWHERE):
         refuse_packed_states(opt)
 
