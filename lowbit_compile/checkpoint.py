@@ -519,8 +519,12 @@ def _dry_run(opt: torch.optim.Optimizer, state_dict: dict) -> None:
     shell.param_groups = [dict(g) for g in opt.param_groups]
     shell._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
     shell._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+    # tensors of more than one element stand in as empty ones: the stock loader only casts and moves them
+    light = {idx: ({k: torch.empty(0, dtype=v.dtype, device=v.device) if isinstance(v, torch.Tensor) and v.numel() > 1
+                    else v for k, v in entry.items()} if isinstance(entry, Mapping) else entry)
+             for idx, entry in state_dict["state"].items()}
     try:
-        type(opt).load_state_dict(shell, state_dict)
+        type(opt).load_state_dict(shell, {**state_dict, "state": light})
     except Exception as err:  # whatever the stock loader raises: nothing of opt was changed
         raise ValueError(f"{type(opt).__name__}'s own load_state_dict cannot read this checkpoint "
                          f"({type(err).__name__}: {err}); nothing was loaded") from err
