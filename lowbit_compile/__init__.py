@@ -44,6 +44,8 @@ def _load() -> None:
     # `from lowbit_compile import lowbit_compile` gives the function; `@lowbit_compile.enable(...)` works on it too.
     fn = globals()["lowbit_compile"]
     fn.enable, fn.stats, fn.monitor = globals()["enable"], globals()["stats"], globals()["monitor"]
+    # a stock optimizer stepping over a low-bit checkpoint's states fails naming the fix (checkpoint.py)
+    importlib.import_module(".checkpoint", __name__).guard_stock_steps()
 
 
 def _running_the_cli() -> bool:

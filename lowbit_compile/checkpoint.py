@@ -47,7 +47,10 @@ from __future__ import annotations
 
 import collections
 import math
+import os
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -61,6 +64,7 @@ from .kernels.formats import DYNAMIC_MAP_VERSION, StateFormat, decode, upgrade_d
 from .kernels.residual import KEYS as MASTER_KEYS
 from .kernels.rounding import SEED as ROUNDING_SEED
 from .state import QuantizedState, bits_of
+from .state_schema import is_real_number
 
 _PENDING = "_lowbit_pending"
 _TABLES = ("block_scales", "block_patch_values", "block_patch_index")
@@ -143,9 +147,17 @@ def step_restored(state: Mapping) -> dict:
 def unmarked_state_dict(state_dict: dict) -> dict:
     """``state_dict`` with every entry :func:`unmarked` (the same object if none was marked)."""
     state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
-    if not isinstance(state, Mapping) or all(unmarked(e) is e for e in state.values()):
+    if not isinstance(state, Mapping):
         return state_dict
-    return {**state_dict, "state": {idx: unmarked(entry) for idx, entry in state.items()}}
+    out = {}
+    for idx, entry in state.items():
+        try:
+            out[idx] = unmarked(entry)
+        except ValueError as err:
+            raise ValueError(f"the checkpoint's state[{idx!r}]: {err}") from None
+    if all(out[idx] is entry for idx, entry in state.items()):
+        return state_dict
+    return {**state_dict, "state": out}
 
 
 def pack_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -275,27 +287,38 @@ def _row_tables(parts: blockquant.Quantized, width: int, fmt: StateFormat
 
 
 # load_state_dict() ---------------------------------------------------------------------------------
-FormatsOf = Callable[[dict, torch.Tensor], Mapping[str, StateFormat]]
+# (group, param) -> each per-element state's configured format and the dtype the optimizer keeps it in
+SpecsOf = Callable[[dict, torch.Tensor], Mapping[str, tuple[StateFormat, torch.dtype]]]
 # (group, param) -> None for a param without master weights, else what its saved entry (per-element
 # states converted) changes to: the master's entries read and brought to the configured mode
 MastersOf = Callable[[dict, torch.Tensor], Callable[[dict], dict] | None]
 
 
-def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: FormatsOf,
-                 name_of: Callable[[torch.Tensor], str | None], masters_of: MastersOf | None = None) -> dict:
-    """``load_state_dict`` pre hook: read and convert every per-element state of the checkpoint
-    before the stock loader changes anything; any error names the parameter and state, and leaves
-    the optimizer as it was. The converted states are kept aside for :func:`finish_load`, and the
-    stock loader gets the rest (``step`` and other scalar states).
+# (group, param) -> what a saved entry's other states change to, after checking them against what the
+# optimizer keeps: its scalar states (``step``) as the stock loader is to get them, and the states of its
+# own it keeps aside (the rounding counter; None: the entry goes)
+ScalarsOf = Callable[[dict, torch.Tensor], Callable[[dict], tuple[dict, dict]]]
 
-    ``formats_of(group, param)`` gives the configured format of each per-element state of ``param``
-    in ``group`` (the saved group, as it will be after loading). ``masters_of`` reads the master
-    weights (``lowbit_compile.master``): a param with them reads its per-element states as fp32 (its
-    master's step keeps them so; the stock loader would cast them to the param's dtype), and the
-    master's entries never reach the stock loader (dropped for a param without master weights).
+
+def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, specs_of: SpecsOf,
+                 name_of: Callable[[torch.Tensor], str | None], masters_of: MastersOf | None = None,
+                 scalars_of: ScalarsOf | None = None) -> dict:
+    """``load_state_dict`` pre hook: read and check all of the checkpoint, and convert every
+    per-element state, before the stock loader changes anything; any error names the parameter and
+    state, and leaves the optimizer as it was (the stock loader itself is run first on a stand-in,
+    so what it would fail on fails here). The converted states are kept aside for
+    :func:`finish_load`, and the stock loader gets the rest (``step`` and other scalar states).
+
+    ``specs_of(group, param)`` gives the configured format of each per-element state of ``param``
+    in ``group`` (the saved group, as it will be after loading) and the dtype the optimizer keeps it
+    in. ``masters_of`` reads the master weights (``lowbit_compile.master``): a param with them reads
+    its per-element states as fp32 (its master's step keeps them so; the stock loader would cast them
+    to the param's dtype), and the master's entries never reach the stock loader (dropped for a param
+    without master weights). ``scalars_of`` checks the other states and reads the rounding counter.
+    A state saved in another layout (format, block size, outliers) is converted, with one warning.
     """
     guard_stock_steps()
-    state_dict = unmarked_state_dict(state_dict)
+    state_dict = unmarked_state_dict(_checked_structure(state_dict))
     groups, saved_groups = opt.param_groups, state_dict["param_groups"]
     if len(groups) != len(saved_groups):
         raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved_groups)}) "
@@ -306,12 +329,14 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: Forma
                 f"loaded state dict contains a parameter group that doesn't match the size of optimizer's group: "
                 f"param_groups[{i}] has {len(saved['params'])} parameters in the checkpoint and "
                 f"{len(group['params'])} in the optimizer; load a checkpoint of this optimizer")
+        _check_saved_group(i, group, saved)
     where: dict[Any, tuple[int, int, torch.Tensor]] = {}
     for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
         for pi, (idx, param) in enumerate(zip(saved["params"], group["params"])):
             where[idx] = (gi, pi, param)
     pending: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     plain: dict = {}
+    relayouts: collections.Counter[tuple[str, str]] = collections.Counter()
     for idx, entry in state_dict["state"].items():
         if idx not in where:
             plain[idx] = entry
@@ -319,16 +344,24 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: Forma
         gi, pi, param = where[idx]
         # the group as it will be: the saved values, the optimizer's own for keys an older torch did not save
         group = {**groups[gi], **saved_groups[gi], "params": groups[gi]["params"]}
-        formats = formats_of(group, param)
-        finish = masters_of(group, param) if masters_of is not None else None
         label = _label(gi, pi, param, name_of(param))
+        try:
+            specs = specs_of(group, param)
+        except Exception as err:  # probing the step with the saved group: the stock constructor's checks, ...
+            raise ValueError(f"{label}: the checkpoint's param_groups[{gi}] cannot step it "
+                             f"({type(err).__name__}: {err}); nothing was loaded") from err
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{label}: its saved state is a {type(entry).__name__}, not a dict of states; the "
+                             "checkpoint is corrupt")
+        refuse_foreign(entry, specs, label)
+        finish = masters_of(group, param) if masters_of is not None else None
         new = {}
         for key, value in entry.items():
-            fmt = formats.get(key)
+            fmt, dtype = specs.get(key, (None, None))
             if fmt is None:
                 if is_packed(value):
                     raise ValueError(f"{label}: the checkpoint holds a low-bit state {key!r}, which "
-                                     f"{type(opt).__name__} does not keep per element ({sorted(formats)}); "
+                                     f"{type(opt).__name__} does not keep per element ({sorted(specs)}); "
                                      "load a checkpoint of this optimizer")
                 if finish is not None and isinstance(value, torch.Tensor) and key not in ("step", *MASTER_KEYS):
                     new[key] = _as_fp32(value, param)  # a scalar state of the fp32 step (ASGD's eta, mu)
@@ -343,22 +376,163 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: Forma
                 raise ValueError(f"{label}: state {key!r} is a {type(value).__name__}, not a tensor; "
                                  "load a checkpoint of this optimizer")
             try:
-                converted_value = converted(param, key, value, fmt)
+                converted_value = converted(param, key, value, fmt, dtype)
             except ValueError as err:
                 raise ValueError(f"{label}: {err}") from err
+            if is_packed(value) and (saved := _saved_format(value)) != _layout_of(fmt):
+                relayouts[saved, _layout_of(fmt)] += 1
             if converted_value is not None or finish is not None:
                 new[key] = value if converted_value is None else converted_value
-        if finish is not None:
-            try:
-                changes = finish({**entry, **new})
-            except ValueError as err:
-                raise ValueError(f"{label}: {err}") from err
-            new = {k: v for k, v in {**new, **changes}.items() if v is not None}
+        try:
+            if finish is not None:
+                new = {k: v for k, v in {**new, **finish({**entry, **new})}.items() if v is not None}
+            stock, ours = scalars_of(group, param)(entry) if scalars_of is not None else ({}, {})
+        except ValueError as err:
+            raise ValueError(f"{label}: {err}") from err
+        new.update({k: v for k, v in ours.items() if v is not None})
         if new:
             pending[param] = new
-        plain[idx] = {k: v for k, v in entry.items() if k not in new and k not in MASTER_KEYS}
+        plain[idx] = {k: stock.get(k, v) for k, v in entry.items()
+                      if k not in new and k not in MASTER_KEYS and k not in ours}
+    loaded = {**state_dict, "state": plain}
+    _dry_run(opt, loaded)
+    if relayouts:
+        _warn_relayout(relayouts)
     opt.__dict__[_PENDING] = pending
-    return {**state_dict, "state": plain}
+    return loaded
+
+
+def _layout_of(fmt: StateFormat) -> str:
+    """A state's layout as a message names it: ``int8 (blocks of 64, 2 outliers)``."""
+    if not fmt.blockwise:
+        return fmt.name
+    return f"{fmt.name} (blocks of {fmt.block_size}" + (f", {fmt.outliers} outliers)" if fmt.outliers else ")")
+
+
+def _saved_format(packed: dict[str, Any]) -> str:
+    """The layout of a packed state (its header already checked)."""
+    return _layout_of(StateFormat.from_tag(_field(packed, "lowbit_format")))
+
+
+def _warn_relayout(relayouts: collections.Counter[tuple[str, str]]) -> None:
+    """The one warning of a load that converted states saved in another layout than the configured one."""
+    listed = "; ".join(f"{n} state{'s' * (n > 1)} saved as {saved}, now {now}" for (saved, now), n in relayouts.items())
+    warnings.warn(f"lowbit_compile: this checkpoint's low-bit states are in another layout than this optimizer's: "
+                  f"{listed}. They were converted (each value within the new layout's resolution of the saved "
+                  "one), so the run does not resume bit for bit; give lowbit_compile the saved fmt, block_size "
+                  "and outliers to resume exactly", stacklevel=_outside_stacklevel())
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of a warning issued by the caller of this function that names the first frame
+    outside torch and lowbit_compile (the user's ``load_state_dict`` call, through however many of
+    torch's wrappers)."""
+    inside = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+# Other libraries' optimizer states: what identifies them, and what to do instead. Their moments are not
+# read yet (an importer would dequantize them with their own maps); the advice is written here only.
+_BNB_KEYS = frozenset({"__bnb_optimizer_quant_state__", "state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2",
+                       "max1", "max2", "new_max1", "new_max2", "unorm_vec", "gnorm_vec"})
+_TORCHAO_CLASSES = frozenset({"OptimState8bit", "OptimStateFp8", "OptimState4bit"})
+FOREIGN_ADVICE = ("lowbit_compile cannot read their moments yet: load only the model's state dict, build this "
+                  "optimizer afresh (its moments restart from zero, as when switching optimizers mid-run), and "
+                  "skip optimizer.load_state_dict for this checkpoint")
+
+
+def foreign_library(entry: Mapping, kept: Mapping[str, Any]) -> str | None:
+    """The library whose optimizer saved the state ``entry`` (bitsandbytes, torchao), or None: keys that
+    are bitsandbytes' and not states the optimizer keeps (``kept``), or torchao's low-bit tensor
+    subclasses, told by class name and module (torchao is never imported here)."""
+    if any(isinstance(k, str) and k in _BNB_KEYS and k not in kept for k in entry):
+        return "bitsandbytes"
+    for value in entry.values():
+        cls = type(value)
+        if cls.__name__ in _TORCHAO_CLASSES and cls.__module__.split(".")[0] == "torchao":
+            return "torchao"
+    return None
+
+
+def refuse_foreign(entry: Mapping, kept: Mapping[str, Any], label: str) -> None:
+    """Refuse a saved state of another library's optimizer, naming it and what to do."""
+    library = foreign_library(entry, kept)
+    if library is not None:
+        keys = sorted(map(str, entry))[:6]
+        raise ValueError(f"{label}: this optimizer state was saved by a {library} optimizer (its keys: {keys}), "
+                         f"not by torch.optim or lowbit_compile; {FOREIGN_ADVICE}")
+
+
+def _checked_structure(state_dict: object) -> dict:
+    """``state_dict`` after checking it has the shape of an optimizer's: a dict with a dict ``state``
+    and a list ``param_groups`` of dicts, each with a list ``params``."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"load_state_dict takes an optimizer's state dict, got a {type(state_dict).__name__}")
+    missing = [k for k in ("state", "param_groups") if k not in state_dict]
+    if missing:
+        raise ValueError(f"the state dict has no {missing}: it is not an optimizer's state dict (keys "
+                         f"{sorted(map(str, state_dict))[:8]}); pass optimizer.state_dict()'s output")
+    if not isinstance(state_dict["state"], Mapping):
+        raise ValueError(f"the state dict's 'state' is a {type(state_dict['state']).__name__}, not a dict")
+    groups = state_dict["param_groups"]
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
+        raise ValueError("the state dict's 'param_groups' is not a list of dicts; the checkpoint is corrupt")
+    for i, group in enumerate(groups):
+        if not isinstance(group.get("params"), (list, tuple)):
+            raise ValueError(f"the state dict's param_groups[{i}] has no list 'params'; the checkpoint is corrupt")
+    return dict(state_dict)
+
+
+def _check_saved_group(index: int, group: Mapping, saved: Mapping) -> None:
+    """Refuse a saved hyperparameter of another kind than the optimizer's own (a number for a
+    number, a bool for a bool, a tuple of numbers of the same length): the stock loader takes any
+    value, and the step would fail on it after the load changed everything."""
+    for key, value in saved.items():
+        if key in ("params", "param_names") or key not in group:
+            continue
+        live = group[key]
+        if isinstance(live, bool) or live is None:
+            ok = value is None or isinstance(value, bool) or not isinstance(live, bool)
+        elif is_real_number(live):
+            ok = is_real_number(value)
+        elif isinstance(live, (tuple, list)) and live and all(is_real_number(v) for v in live):
+            ok = isinstance(value, (tuple, list)) and len(value) == len(live) and all(map(is_real_number, value))
+        else:
+            continue
+        if not ok:
+            shown = repr(value) if len(repr(value)) <= 60 else f"a {type(value).__name__}"
+            raise ValueError(f"param_groups[{index}][{key!r}] in the checkpoint is {shown}, where the optimizer "
+                             f"has {live!r}; the checkpoint is corrupt or of another optimizer (nothing was loaded)")
+
+
+def _dry_run(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Run the loader of ``opt``'s class (without its hooks) over ``state_dict`` on a stand-in that
+    shares no state or group with ``opt``: what the stock loader fails on (its ``__setstate__``
+    reading a ``step`` that is not a number) fails here, before it has replaced ``opt``'s state, and so
+    does a saved group that would leave out a hyperparameter the optimizer's group has."""
+    shell = object.__new__(type(opt))
+    shell.__dict__.update(opt.__dict__)
+    shell.state = collections.defaultdict(dict)
+    shell.param_groups = [dict(g) for g in opt.param_groups]
+    shell._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
+    shell._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+    # tensors of more than one element stand in as empty ones: the stock loader only casts and moves them
+    light = {idx: ({k: torch.empty(0, dtype=v.dtype, device=v.device) if isinstance(v, torch.Tensor) and v.numel() > 1
+                    else v for k, v in entry.items()} if isinstance(entry, Mapping) else entry)
+             for idx, entry in state_dict["state"].items()}
+    try:
+        type(opt).load_state_dict(shell, {**state_dict, "state": light})
+    except Exception as err:  # whatever the stock loader raises: nothing of opt was changed
+        raise ValueError(f"{type(opt).__name__}'s own load_state_dict cannot read this checkpoint "
+                         f"({type(err).__name__}: {err}); nothing was loaded") from err
+    for i, (group, loaded) in enumerate(zip(opt.param_groups, shell.param_groups)):
+        missing = sorted(map(str, group.keys() - loaded.keys()))
+        if missing:
+            raise ValueError(f"the checkpoint's param_groups[{i}] lacks {missing}, which the optimizer's step "
+                             "reads; the checkpoint is truncated or of another optimizer (nothing was loaded)")
 
 
 def _as_fp32(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -377,24 +551,28 @@ def _label(group: int, index: int, param: torch.Tensor, name: str | None) -> str
     return f"parameter{named} (param_groups[{group}]['params'][{index}], shape {tuple(param.shape)})"
 
 
-def converted(param: torch.Tensor, key: str, value: object, fmt: StateFormat) -> torch.Tensor | None:
+def converted(param: torch.Tensor, key: str, value: object, fmt: StateFormat,
+              dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """``value`` (the state ``key`` of ``param``) stored in ``fmt`` and sharded like ``param``, or
     ``None`` where nothing changes (it already is, or it is not a per-element state).
 
     Takes what a loader may leave in ``optimizer.state``: packed states (of any format, block size
     or sharding, their bytes cast to another dtype included), stock dense tensors, and quantized
-    states of another format.
+    states of another format. ``dtype``: the one the optimizer keeps the state in, which a packed
+    state is read as (:func:`unpack`).
     """
     packed = is_packed(value)
     if packed:
         guard_stock_steps()
-        value = unpack(value, param, key)
+        value = unpack(value, param, key, dtype)
     elif not isinstance(value, torch.Tensor):
         return None
     elif value.shape != param.shape:
         raise ValueError(
             f"state {key!r} of a parameter of shape {tuple(param.shape)} has shape "
-            f"{tuple(value.shape)}; the optimizer state does not belong to these parameters"
+            f"{tuple(value.shape)}; the optimizer state does not belong to these parameters (it was saved for "
+            "another model, or its param_groups list them in another order): load the optimizer state saved "
+            "with this model, or load only the model's and start the optimizer afresh"
         )
     elif sharding.is_sharded(param) != sharding.is_sharded(value):
         kinds = ["a DTensor" if sharding.is_sharded(t) else "a plain tensor" for t in (value, param)]
@@ -410,21 +588,30 @@ def converted(param: torch.Tensor, key: str, value: object, fmt: StateFormat) ->
     return sharding.quantize(value, fmt)
 
 
-def conform(param: torch.Tensor, state: dict, formats: dict[str, StateFormat]) -> None:
-    """Bring ``param``'s per-element states to ``formats`` in place (see :func:`converted`);
-    every new state is built before any is stored."""
-    updates = {key: converted(param, key, state.get(key), fmt) for key, fmt in formats.items()}
+def conform(param: torch.Tensor, state: dict, formats: dict[str, StateFormat], dtypes: Mapping[str, torch.dtype]
+            ) -> None:
+    """Bring ``param``'s per-element states to ``formats`` in place (see :func:`converted`; ``dtypes``:
+    the ones the optimizer keeps them in); every new state is built before any is stored."""
+    updates = {key: converted(param, key, state.get(key), fmt, dtypes.get(key)) for key, fmt in formats.items()}
     state.update({k: v for k, v in updates.items() if v is not None})
 
 
-def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state") -> torch.Tensor:
+def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state", dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
     """The state a packed dict holds, for this rank's shard of ``param``, in the saved format.
 
     The blocks of the shard are the saved blocks (bit for bit) wherever a saved block has the same
-    first element and length; the other blocks are re-quantized from the saved values.
+    first element and length; the other blocks are re-quantized from the saved values. ``dtype``: the
+    one the optimizer keeps the state in; the saved one must be a dtype it would keep it in
+    (:func:`kept_dtypes`), and the state is read as ``dtype``.
     """
     header = _read_header(packed, param, key)
-    fmt, _, dtype, splits = header
+    fmt, _, saved_dtype, splits = header
+    if dtype is not None and saved_dtype not in kept_dtypes(param, dtype):
+        raise ValueError(
+            f"state {key!r} was saved as {saved_dtype} for a {param.dtype} parameter whose optimizer keeps it "
+            f"{' or '.join(map(str, kept_dtypes(param, dtype)))}: it belongs to another model or is corrupt")
+    dtype = saved_dtype if dtype is None else dtype
     rows, width = _rows(param.shape)
     start, stop = sharding.local_rows(param)
     shard = sharding.local(param)
@@ -458,6 +645,15 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state") -> t
     exact = same.repeat_interleave(length)
     bits_of(qs.codes)[exact] = bits_of(codes)[exact]
     return sharding.like(qs, param)
+
+
+def kept_dtypes(param: torch.Tensor, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The dtypes a checkpoint may hold a per-element state of ``param`` in, where the optimizer keeps
+    it in ``dtype``: that one, and for a 16-bit parameter both what its stock step keeps (the param's
+    dtype) and what its fp32 master's keeps (fp32), so a run resumes with or without master weights."""
+    if param.dtype in (torch.bfloat16, torch.float16):
+        return tuple(dict.fromkeys((dtype, param.dtype, torch.float32)))
+    return (dtype,)
 
 
 def _map_version(packed: dict[str, Any], fmt: StateFormat) -> int:
@@ -677,10 +873,16 @@ def _from_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _saved_blocks(packed: dict, header: _Header, start: int, stop: int, width: int) -> _Blocks:
-    """Every saved block that holds an element of rows ``[start, stop)``."""
+    """Every saved block that holds an element of rows ``[start, stop)``, its records checked
+    (``blockquant.invalid_records``: finite scales, patch offsets inside their block, once each)."""
     if packed["block_scales"].dim() == 3:
-        return _blocks_by_row(packed, header, start, stop, width)
-    return _blocks_listed(packed, header, start, stop, width)
+        blocks = _blocks_by_row(packed, header, start, stop, width)
+    else:
+        blocks = _blocks_listed(packed, header, start, stop, width)
+    why = blockquant.invalid_records(blocks.scales, blocks.patch_index, header.fmt)
+    if why is not None:
+        raise ValueError(f"its block records are corrupt (the {why}); the checkpoint was damaged or crafted")
+    return blocks
 
 
 def _blocks_listed(packed: dict, header: _Header, start: int, stop: int, width: int) -> _Blocks:
@@ -819,11 +1021,13 @@ def refuse_packed_states(opt: torch.optim.Optimizer) -> None:
     if state is None or _clean_states.get(opt) == id(state):
         return
     for param, entry in state.items():
-        packed = [k for k, v in entry.items() if is_packed(v)] if isinstance(entry, dict) else []
-        if packed:
+        ours = sorted({k.removeprefix(REFUSED_PREFIX) for k, v in entry.items() if isinstance(k, str) and (
+            is_packed(v) or (isinstance(v, bytes) and v == STOCK_REFUSAL))}) if isinstance(entry, dict) else []
+        if ours:
             raise RuntimeError(
-                f"this {type(opt).__name__} is a stock optimizer, but its states {packed} (of a parameter of shape "
-                f"{tuple(param.shape)}) are lowbit_compile low-bit states, loaded from a checkpoint saved with them. "
+                f"this {type(opt).__name__} is a stock optimizer, but its states {ours} (of a parameter of shape "
+                f"{tuple(getattr(param, 'shape', ()))}) are lowbit_compile low-bit states, loaded from a checkpoint "
+                "saved with them. "
                 f"Wrap it with lowbit_compile(opt, ...) (or step it inside lowbit_compile.enable()) before loading "
                 "to resume with low-bit states, or load lowbit_compile.checkpoint.stock_state_dict(state_dict) "
                 "to continue with stock fp32 states"
@@ -833,8 +1037,11 @@ def refuse_packed_states(opt: torch.optim.Optimizer) -> None:
 
 def guard_stock_steps() -> None:
     """Register (once per process) the step pre-hook that runs :func:`refuse_packed_states` before
-    every stock step. Called when lowbit_compile is used (a wrap, an ``enable`` scope, a packed
-    state written or read), never at import."""
+    every stock step: at ``import lowbit_compile`` (so a stock optimizer that loaded a low-bit
+    checkpoint in a process that imports it fails naming the fix, not on the bytes the checkpoint
+    holds for it), and wherever lowbit_compile is used (a wrap, an ``enable`` scope, a packed state
+    written or read). The hook does nothing inside ``torch.compile``: a compiled stock step traces
+    none of it."""
     with _guard_lock:
         if not _guard_handle:
             _guard_handle.append(register_optimizer_step_pre_hook(_guard_hook))
@@ -847,6 +1054,8 @@ def defer_to(handles: Callable[[torch.optim.Optimizer], bool]) -> None:
 
 
 def _guard_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():  # a constant to dynamo: nothing below enters a compiled stock step
+        return
     if not any(handles(opt) for handles in _HANDLED_ELSEWHERE):
         refuse_packed_states(opt)
 

@@ -16,6 +16,7 @@ they are, and warns only when no parameter of the optimizer is 16-bit, where it 
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -243,17 +244,32 @@ def is_packed_counter(value: object) -> bool:
     return _is_packed(value, _PACKED_SEED)
 
 
+def checked_counter(value: object, key: str) -> torch.Tensor:
+    """A step counter of stochastic rounding read from a checkpoint as the step keeps it (fp32, 0-d, on
+    the CPU), after checking that it is one whole number in ``[0, SEED_PERIOD)``, as every step leaves
+    it: the kernels take it as an unsigned 32-bit integer, which no other value converts to."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_complex():
+        raise ValueError(f"state {key!r} is a {type(value).__name__} of {getattr(value, 'numel', lambda: '?')()} "
+                         "elements, not one number; the checkpoint is corrupt")
+    number = float(value.detach().to("cpu", torch.float64).reshape(()))
+    if not (math.isfinite(number) and number.is_integer() and 0 <= number < residual.SEED_PERIOD):
+        raise ValueError(f"state {key!r} is {number}, not a whole number in [0, {residual.SEED_PERIOD}) as every "
+                         "step leaves it; the checkpoint is corrupt")
+    return torch.tensor(number, dtype=torch.float32)
+
+
 def unpack_counter(packed: dict[str, Any], key: str) -> torch.Tensor:
     """The counter (fp32, 0-d, on the CPU) that :func:`pack_counter` saved as state ``key``."""
     raw = packed.get("bytes")
     if not isinstance(raw, torch.Tensor) or raw.numel() != 4:
         raise ValueError(f"saved {key!r} are not the four bytes of one number; the checkpoint is corrupt")
-    return checkpoint._as_bytes(raw.reshape(4), key).to("cpu").view(torch.float32).reshape(())
+    return checked_counter(checkpoint._as_bytes(raw.reshape(4), key).to("cpu").view(torch.float32).reshape(()), key)
 
 
 def _unpack_residual(packed: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
     """The residual of ``param``'s shard (sharded like it) from its saved per-row bytes."""
-    dtype = {1: torch.int8, 2: torch.int16}.get(packed[_PACKED_RESIDUAL])
+    width = packed[_PACKED_RESIDUAL]
+    dtype = {1: torch.int8, 2: torch.int16}.get(width) if type(width) is int else None
     table = packed.get("bytes")
     if dtype is None or not isinstance(table, torch.Tensor):
         raise ValueError(f"saved {RESIDUAL!r} are not a table of int8 or int16 codes; the checkpoint is corrupt")
@@ -330,10 +346,7 @@ def loaded(param: torch.Tensor, entry: dict, fmt: MasterFormat, schema: StateSch
             raise ValueError(f"state {key!r} is a {type(value).__name__}, not a tensor; the checkpoint is corrupt")
         entry[key] = value if sharding.is_sharded(value) else value.to(device).contiguous()
     if SEED in entry:
-        seed = entry[SEED]
-        if not isinstance(seed, torch.Tensor) or seed.numel() != 1 or not bool(torch.isfinite(seed).all()):
-            raise ValueError(f"state {SEED!r} is not one finite number; the checkpoint is corrupt")
-        entry[SEED] = seed.detach().to("cpu", torch.float32).reshape(())
+        entry[SEED] = checked_counter(entry[SEED], SEED)
     if RESIDUAL not in entry and (TIES in entry or SEED in entry):
         raise ValueError(f"the checkpoint holds {sorted(k for k in KEYS if k in entry)} but no {RESIDUAL!r}; "
                          "it is truncated or corrupt")

@@ -213,7 +213,7 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[StepPlan, li
         if not state.keys() - set(COUNTER_KEYS):
             state.update(init_state(param, schema, formats))
         # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
-        checkpoint.conform(param, state, formats)
+        checkpoint.conform(param, state, formats, schema.dtypes)
         _apply(state, master.conformed(param, state, mformat, schema, position))
         _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
@@ -307,11 +307,12 @@ def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tenso
     unhooked_step(type(opt))(shell)
 
 
-def _formats(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
-             param: torch.Tensor) -> dict[str, StateFormat]:
-    """The configured format of each per-element state of ``param`` in ``group``."""
+def _specs(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
+           param: torch.Tensor) -> dict[str, tuple[StateFormat, torch.dtype]]:
+    """The configured format of each per-element state of ``param`` in ``group``, and its dtype."""
     schema = _schema(opt, group, param, master.format_for(param, config))
-    return dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
+    formats = config.formats_for(param, schema.per_element, names.get(param), schema.nonneg)
+    return {key: (fmt, schema.dtypes[key]) for key, fmt in dict(formats).items()}
 
 
 def _schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, mformat: master.MasterFormat | None
@@ -337,7 +338,7 @@ def conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[t
             changes = checkpoint.step_restored(state)
             formats = dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
             for key, fmt in formats.items():
-                new = checkpoint.converted(param, key, state.get(key), fmt)
+                new = checkpoint.converted(param, key, state.get(key), fmt, schema.dtypes.get(key))
                 if new is not None:
                     changes[key] = new
             changes.update(master.conformed(param, {**state, **changes}, mformat, schema, position))
@@ -374,6 +375,15 @@ def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         schema = _schema(opt, group, param, mformat)
         return lambda entry: master.loaded(param, entry, mformat, schema, positions[id(param)])
 
+    def scalars_of(group: dict, param: torch.Tensor) -> Callable[[dict], tuple[dict, dict]]:
+        schema = _schema(opt, group, param, master.format_for(param, config))
+        formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
+
+        def changes(entry: dict) -> tuple[dict, dict]:
+            stock = schema.read_saved(entry, param.shape, type(opt).__name__, COUNTER_KEYS)
+            return stock, counter.conformed(entry, bool(config.stochastic(formats)), positions[id(param)])
+        return changes
+
     return checkpoint.prepare_load(
-        opt, state_dict, lambda group, param: _formats(opt, config, wrapped.names, group, param),
-        wrapped.names.get, masters_of)
+        opt, state_dict, lambda group, param: _specs(opt, config, wrapped.names, group, param),
+        wrapped.names.get, masters_of, scalars_of)

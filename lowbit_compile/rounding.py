@@ -28,10 +28,9 @@ def conformed(state: dict, stochastic: bool, position: int) -> dict[str, Any]:
         return {SEED: master.unpack_counter(value, SEED)}
     if value is None:
         return {SEED: torch.tensor(first_counter(position), dtype=torch.float32)}
-    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not bool(torch.isfinite(value).all()):
-        raise ValueError(f"state {SEED!r} is not one finite number; the checkpoint is corrupt")
+    checked = master.checked_counter(value, SEED)
     if value.dtype != torch.float32 or value.device.type != "cpu" or value.dim():
-        return {SEED: value.detach().to("cpu", torch.float32).reshape(())}
+        return {SEED: checked}
     return {}
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import collections
 import inspect
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,54 @@ class StateSchema:
     init: tuple[tuple[str, tuple], ...]
     nonneg: frozenset[str] = frozenset()
     shaped: bool = False
+
+    @property
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype the stock step creates each per-element state in."""
+        return {name: rest[-1] for name, (kind, *rest) in self.init if kind in ("fill", "computed")}
+
+    def read_saved(self, entry: Mapping[str, Any], shape: Sequence[int], optimizer: str,
+                   counters: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """The scalar states of a saved entry as the stock step keeps them (a tensor of another dtype or
+        shape than its own, as the step's: ``step`` saved as an int64 tensor), after refusing
+        (``ValueError`` naming the state) an entry the step could not run on: one that holds any state
+        (``counters`` aside) but lacks one the stock step keeps, or whose scalar state is not one real
+        number (a finite count >= 0 for ``step``), whose reduced state (Adafactor's factors) is not a
+        floating tensor of the reduced shape, or whose plain value is of another kind than the stock one's."""
+        if not entry.keys() - set(counters):
+            return {}
+        missing = [name for name, _ in self.init if name not in entry]
+        if missing:
+            raise ValueError(f"its saved state lacks {missing} ({optimizer} keeps {sorted(n for n, _ in self.init)} "
+                             "once a parameter has stepped); the checkpoint is truncated or of another optimizer")
+        out = {}
+        for name, (kind, *rest) in self.init:
+            value = entry[name]
+            if kind == "tensor" and name == "step":  # a count: a negative one divides by zero (1 - beta ** 0)
+                ok = is_real_number(value) and 0 <= float(value) < math.inf
+                want = "a count of steps, a number >= 0"
+            elif kind == "tensor":
+                ok = is_real_number(value)
+                want = "one real number"
+            elif kind == "reduced":
+                want_shape = _reduced_shape(shape, rest[0])
+                ok = (isinstance(value, torch.Tensor) and value.is_floating_point()
+                      and tuple(value.shape) == want_shape)
+                want = f"a floating-point tensor of shape {want_shape}"
+            elif kind == "value" and is_real_number(rest[0]):
+                ok, want = is_real_number(value), "one real number"
+            else:
+                continue
+            if not ok:
+                got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                       else f"a {type(value).__name__}")
+                raise ValueError(f"its saved state {name!r} is {got}, not {want}; the checkpoint is corrupt or of "
+                                 "another optimizer")
+            example = rest[0] if kind == "tensor" else None
+            if isinstance(value, torch.Tensor) and example is not None and (
+                    value.dtype != example.dtype or value.shape != example.shape):
+                out[name] = value.detach().to(example.dtype).reshape(example.shape)
+        return out
 
     def trace_shape(self, param: torch.Tensor) -> Layout | None:
         """The shape ``param``'s step is traced at: its own (with its strides; a ``DTensor``'s global
@@ -125,6 +174,13 @@ def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor)
         shaped = True
         nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first, shape)
     return StateSchema(tuple(per_element), tuple(init), nonneg, shaped)
+
+
+def is_real_number(value: object) -> bool:
+    """One real number: a Python or numpy number (not a bool) or a one-element real tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _reduced_dims(value: object, shape: tuple[int, ...]) -> tuple[bool, ...] | None:
@@ -302,7 +358,7 @@ def example_state(state: dict, schema: StateSchema, param: torch.Tensor) -> dict
     holds them now: a quantized state, a packed one a loader left, a stock tensor), the other entries
     as they are; for an empty state, the schema's initial one."""
     device = param.device
-    dtypes = {name: rest[-1] for name, (kind, *rest) in schema.init if kind in ("fill", "computed")}
+    dtypes = schema.dtypes
     if state:
         return {k: torch.empty(0, dtype=dtypes[k], device=device) if k in dtypes else v for k, v in state.items()}
     example: dict[str, Any] = {}

@@ -313,6 +313,11 @@ def train(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, se
         opt.step()
 
 
+def text(value: str) -> int:
+    """How a packed state stores its text fields (format, shape, dtype, row splits): one int each."""
+    return int.from_bytes(value.encode(), "little")
+
+
 def saved_and_loaded(obj: object) -> object:
     buffer = io.BytesIO()
     torch.save(obj, buffer)

@@ -22,7 +22,7 @@ from lowbit_compile.kernels.formats import (
     upgrade_dynamic8_codes,
 )
 
-from .helpers import assert_same, saved_and_loaded, state_bits, train
+from .helpers import assert_same, saved_and_loaded, state_bits, text, train
 
 # odd shapes on purpose: partial blocks, blocks that span rows, a 1-D and a 0-d parameter
 SHAPES = [(67, 33), (300,), (), (5, 1, 7)]
@@ -32,11 +32,6 @@ OPTIONS = {"block_size": 64, "min_8bit_size": 0}
 def make_params(shapes=SHAPES) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(1)
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-
-
-def text(value: str) -> int:
-    """How a packed state stores its text fields (format, shape, dtype, row splits): one int each."""
-    return int.from_bytes(value.encode(), "little")
 
 
 def packed_bytes(packed: dict) -> int:
@@ -184,18 +179,26 @@ torch.save({"params": [p.detach() for p in params], "before": before, "error": e
 
 
 def _stock_step_in_a_fresh_process(tmp_path, name: str, kwargs: dict, optimizer_state: dict,
-                                   params: list[torch.Tensor], grads: list[torch.Tensor]) -> dict:
+                                   params: list[torch.Tensor], grads: list[torch.Tensor],
+                                   imports_lowbit_compile: bool = False) -> dict:
     """What a stock ``torch.optim.<name>(**kwargs)`` in a fresh process does with ``optimizer_state``
-    saved to a file: its ``load_state_dict``, then one step with ``grads``."""
+    saved to a file: its ``load_state_dict``, then one step with ``grads``; the process imports
+    lowbit_compile first (and uses nothing of it) where ``imports_lowbit_compile``, else cannot."""
     import subprocess
     import sys
+    from pathlib import Path
 
-    (tmp_path / "lowbit_compile.py").write_text("raise ImportError('this process must not import lowbit_compile')")
-    (tmp_path / "step.py").write_text(FRESH_STOCK_STEP)
+    env = {"PATH": "/usr/bin:/bin"}
+    if imports_lowbit_compile:
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+        (tmp_path / "step.py").write_text("import lowbit_compile\n" + FRESH_STOCK_STEP)
+    else:
+        (tmp_path / "lowbit_compile.py").write_text("raise ImportError('this process must not import lowbit_compile')")
+        (tmp_path / "step.py").write_text(FRESH_STOCK_STEP)
     torch.save({"name": name, "kwargs": kwargs, "optimizer": optimizer_state, "params": [p.detach() for p in params],
                 "grads": grads}, tmp_path / "in.pt")
     done = subprocess.run([sys.executable, "step.py", "in.pt", "out.pt"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env={"PATH": "/usr/bin:/bin"})
+                          text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     return torch.load(tmp_path / "out.pt", weights_only=True)
 
@@ -256,6 +259,21 @@ def test_a_stock_sgd_fails_on_a_low_bit_momentum_before_its_first_parameter_chan
     assert checkpoint.is_packed(opt.state_dict()["state"][0]["momentum_buffer"])
     out = _stock_step_in_a_fresh_process(tmp_path, name, kwargs, opt.state_dict(), params, grads)
     assert out["error"] is not None and out["error"].startswith("step: ")  # torch's own error, a dict for a tensor
+    assert all(torch.equal(a, b) for a, b in zip(out["params"], out["before"]))
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_stock_sgd_in_a_process_that_imports_lowbit_compile_fails_naming_it_and_the_fix(tmp_path, foreach):
+    """SGD keeps no step to refuse at load: its first step meets the checkpoint's low-bit momenta. In a
+    process that imports lowbit_compile (and uses nothing of it) that step fails saying what they are
+    and what to do, before any parameter changes (without lowbit_compile it is torch's own
+    ``'bytes' object has no attribute 'mul_'``, above)."""
+    name, kwargs = SGD[0], {**SGD[1], "foreach": foreach}
+    opt, params, grads = _trained_for_export(name, kwargs, shapes=[(8,), (64, 64)], min_8bit_size=64)
+    out = _stock_step_in_a_fresh_process(tmp_path, name, kwargs, opt.state_dict(), params, grads,
+                                         imports_lowbit_compile=True)
+    assert out["error"] is not None and out["error"].startswith("step: RuntimeError: this SGD is a stock optimizer")
+    assert "lowbit_compile low-bit states" in out["error"] and "stock_state_dict" in out["error"]
     assert all(torch.equal(a, b) for a, b in zip(out["params"], out["before"]))
 
 

@@ -718,7 +718,7 @@ CORRUPTIONS = {  # (mode, how the saved entry is damaged (params[0]'s for exact,
     "no residual next to its ties": ("exact", lambda e: e.pop(residual.RESIDUAL), "no 'master_residual'"),
     "counter truncated": ("8bit", _damage(residual.SEED, "bytes", lambda t: t[:3]), "four bytes"),
     "counter not a number": ("8bit", lambda e: e.update({residual.SEED: torch.tensor([1.0, float("nan")])}),
-                             "not one finite number"),
+                             "not one number"),
 }
 
 
@@ -978,3 +978,28 @@ def test_tie_bits_are_saved_per_row_and_read_back(shape, monkeypatch):
     per_row = ((packed["bits"].to(torch.int32)[:, :, None] >> torch.arange(8)) & 1).reshape(rows, -1)
     assert torch.equal(per_row[:, :width].reshape(-1).bool(), flags)
     assert torch.equal(residual.unpack_ties(master._unpack_ties(packed, param), n), flags)
+
+
+@pytest.mark.parametrize("mode", ["exact", "8bit"])
+def test_the_stock_export_of_a_16_bit_param_keeps_its_fp32_moments(mode):
+    """``stock_state_dict`` of a bf16 param with master weights gives its moments in the dtype the
+    state holds them in (fp32, what the master's fp32 step keeps), every value as held, never rounded
+    to the param's bf16; and the export of a saved checkpoint is the same."""
+    params = model_params(BF16)
+    opt = lowbit_compile(torch.optim.AdamW(params, weight_decay=0.1), "int8", master_weights=mode, min_8bit_size=0,
+                         backend="reference")
+    train(params, opt, 2, seed=1)
+    for exported in (stock_state_dict(opt), stock_state_dict(torch.load(io.BytesIO(_saved(opt)), weights_only=True))):
+        for i, p in enumerate(params):
+            for key in ("exp_avg", "exp_avg_sq"):
+                value, held = exported["state"][i][key], opt.state[p][key].dequantize()
+                assert value.dtype == held.dtype == torch.float32
+                assert same_bits(value, held)
+    moments = stock_state_dict(opt)["state"][0]["exp_avg"]
+    assert not torch.equal(moments, moments.to(BF16).float())  # bf16 would have rounded these
+
+
+def _saved(opt: torch.optim.Optimizer) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    return buffer.getvalue()

@@ -197,3 +197,20 @@ def test_rounding_bias_sees_v_held_by_nearest_rounding_and_not_by_stochastic():
     # error has variance ~0.001 g / v (g / v ~ 2 / code ~ 3% here): the mean of 8192 has a standard
     # error of ~6e-5, and the bound is 4 of them (nearest: 1e-3)
     assert abs(_decaying_v("stochastic")) < 2.5e-4
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+def test_the_share_of_patched_blocks_of_gaussian_moments_is_counted_block_by_block(key):
+    """On ordinary (Gaussian) moments some blocks and not others have a patch twice the rest: the share
+    ``stats`` reports is the one found by decoding every block and comparing its largest magnitude with
+    the largest after the patches, a figure that is neither 0 nor 1 here."""
+    params = [torch.nn.Parameter(torch.randn(4096 * 4))]
+    opt = lowbit_compile(torch.optim.AdamW(params), "int8", block_size=16, outliers=2, min_8bit_size=0,
+                         backend=BACKEND)
+    _grads(params, torch.Generator().manual_seed(4))
+    opt.step()
+    state = opt.state[params[0]][key]
+    magnitudes = state.dequantize().abs().view(-1, 16).sort(dim=1, descending=True).values
+    expected = (magnitudes[:, 0] >= 2 * magnitudes[:, 2]).float().mean().item()
+    assert 0.02 < expected < 0.98
+    assert {r.state: r for r in stats(opt)}[key].patched_blocks == pytest.approx(expected, abs=1e-9)

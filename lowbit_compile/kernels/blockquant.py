@@ -166,6 +166,31 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, bits: torch
     out.codes.copy_(encode(normalized, fmt, flagged, bits).reshape(-1)[:n])
 
 
+def invalid_records(scales: torch.Tensor, patch_index: torch.Tensor, fmt: StateFormat) -> str | None:
+    """Why per-block records read from outside (a checkpoint) are not ones :func:`quantize_into` writes
+    for ``fmt``, or None: a scale that is not finite (its sign bit is the block's flag, either sign is
+    one), a patch offset outside ``[0, block_size)`` or twice in one block. Kernels put each patch
+    where its offset points, so no record reaches one before this holds; vectorized, one pass each."""
+    finite = torch.isfinite(scales)
+    if not bool(finite.all()):
+        block = int((~finite).nonzero()[0, 0])
+        return f"scale of block {block} is {scales[block].item()}, not a finite number"
+    if patch_index.numel() == 0:
+        return None
+    index = patch_index.to(torch.int32)
+    outside = (index < 0) | (index >= fmt.block_size)
+    if bool(outside.any()):
+        block, k = (int(i) for i in outside.nonzero()[0])
+        return (f"patch offset {int(index[block, k])} in block {block} is outside the block's "
+                f"[0, {fmt.block_size})")
+    ordered = index.sort(dim=1).values
+    repeated = ordered[:, 1:] == ordered[:, :-1]
+    if bool(repeated.any()):
+        block, k = (int(i) for i in repeated.nonzero()[0])
+        return f"patch offset {int(ordered[block, k])} is in block {block} twice"
+    return None
+
+
 def decode_scaled(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     """fp32 values of ``codes`` under their blocks' ``scales`` (broadcasting against ``codes``):
     decode times the scale's magnitude, and in a flagged block (scale sign bit set) the special codes

@@ -1156,13 +1156,15 @@ static void lb_encode_pair(const float* buf1, const float* root1, float mult1, u
 
 // The patches of one block that fall inside its len elements, sorted by offset (the update loop
 // decodes codes times scale and puts these values in the lanes they fall on). Returns their count.
+// An offset outside [0, len) is skipped, a negative one too (one unsigned compare): the loader refuses
+// such offsets, and the kernel never writes where one points whatever reaches it.
 static const int64_t LB_NO_PATCH = INT64_MAX / 2;
 template <int K>
 static inline int lb_sorted_patches(const int16_t* index, const uint16_t* values, int64_t len, int64_t* out_index,
                                     float* out_value) {
   int n = 0;
   for (int k = 0; k < K; ++k) {
-    if (index[k] >= len) continue;
+    if ((uint64_t)(int64_t)index[k] >= (uint64_t)len) continue;
     int j = n++;
     for (; j > 0 && out_index[j - 1] > index[k]; --j) {
       out_index[j] = out_index[j - 1];
