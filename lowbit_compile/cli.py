@@ -116,7 +116,7 @@ def _as_flags(message: str) -> str:
 
 def _split_run_argv(argv: list[str]) -> tuple[list[str], tuple[str, str] | None, list[str]]:
     """(runner options, ("script", path) or ("module", name), the script's own arguments)."""
-    takes_value = {flag for _, flag in _OPTION_FLAGS}
+    takes_value = {flag for f, flag in _OPTION_FLAGS if f.metadata["argparse"].get("action") != "store_true"}
     takes_value |= {flag for flag, kwargs in _RUNNER_FLAGS if kwargs.get("action") != "store_true"}
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-m", "--"):

@@ -20,6 +20,7 @@ from .config import Config
 from .kernels.formats import StateFormat
 from .kernels.rounding import SEED as ROUNDING_SEED
 from .passes.trace import entries_read, unhooked_step
+from .released_grad import is_released
 from .run import Prepared, StepPlan, group_signature
 from .state_schema import StateSchema, init_state, probe_schema
 from .wrapped import ATTR, Wrapped, wrapped_of
@@ -155,6 +156,8 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
         with torch.enable_grad():
             loss = closure()
     wrapped = wrapped_of(opt)
+    if wrapped.release is not None:  # release_grads: the params stepped in backward; this completes the iteration
+        wrapped.release.before_step(opt)
     with wrapped.lock:
         _locked_step(opt, wrapped)
     return loss
@@ -183,15 +186,21 @@ def _locked_step(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
         _stock_step(opt, on_meta)
 
 
-def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:
-    """The full preparation of a step: find or build the kernel of every parameter to step (a step
-    that cannot be built fails here, with every state, counter and grad as it was), then create or
-    convert the states of the parameters stepped for the first time, and bind them all. Also the
-    params on the ``meta`` device, which the stock update steps."""
+def prepare_params(opt: torch.optim.Optimizer, wrapped: Wrapped, params: list[torch.Tensor]) -> StepPlan:
+    """The plan that steps ``params`` alone, whose grads are complete (gradient release's bucket)."""
+    return _prepare(opt, wrapped, {id(p) for p in params})[0]
+
+
+def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped, only: set[int] | None = None
+             ) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:
+    """The full preparation of a step (of the params whose ids are in ``only``, if given): find or build
+    the kernel of every parameter to step (a step that cannot be built fails here, with every state,
+    counter and grad as it was), then create or convert the states of the parameters stepped for the
+    first time, and bind them all. Also the params on the ``meta`` device, which the stock update steps."""
     config = wrapped.config
     while True:  # once more if a trace found the step reads group entries the signatures left out
         seen = entries_read()
-        ready, todo, requests, on_meta = _requests(opt, wrapped)
+        ready, todo, requests, on_meta = _requests(opt, wrapped, only)
         compiled_steps = compile_steps(requests)  # the kernels of all signatures compile at once
         if entries_read() == seen:
             break
@@ -206,12 +215,14 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[StepPlan, li
         _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
-    return StepPlan(opt, config, ready), on_meta
+    return StepPlan(opt, config, ready, subset=only is not None), on_meta
 
 
-def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list, list, list]:
+def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped, only: set[int] | None = None
+              ) -> tuple[list, list, list, list]:
     """The parameters whose prepared step still holds, and the step requests of the others (with what
-    their states need once built); the params on the ``meta`` device apart."""
+    their states need once built); the params on the ``meta`` device apart. A param whose grad was
+    released (it stepped in backward) has nothing left to step."""
     config = wrapped.config
     ready, todo, requests = [], [], []
     on_meta: list[tuple[dict, torch.Tensor]] = []
@@ -221,7 +232,7 @@ def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list,
         guards: dict[int, bool] = {}
         for param in group["params"]:
             grad = param.grad
-            if grad is None:
+            if grad is None or is_released(grad) or (only is not None and id(param) not in only):
                 continue
             if param.is_meta:  # no values to quantize: the stock step, as stock AdamW runs it
                 on_meta.append((group, param))
