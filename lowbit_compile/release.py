@@ -202,12 +202,33 @@ class Release:
         self.flush(opt, wrapped)
         try:
             self._check_hyperparameters(opt)
+            unhooked = self._earlier_grads(opt)
         finally:
             self.released.clear()
             self._used.clear()
-        hooks = self._hooks
-        if any(id(p) not in hooks and p.requires_grad for g in opt.param_groups for p in g["params"]):
+        if unhooked:
             self.hook_params(opt)  # added by add_param_group, or unfrozen, since
+
+    def _earlier_grads(self, opt: torch.optim.Optimizer) -> bool:
+        """The released grads of earlier iterations that no backward reached since: one that
+        ``zero_grad(set_to_none=False)`` zeroed is a zero grad again (stock steps it: weight decay, the
+        moments' decay); one nothing cleared is refused (stock would step it again with the old grad). Also
+        whether some param that takes grads has no hooks."""
+        hooks, released, unhooked = self._hooks, self.released, False
+        for group in opt.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is not None and id(p) not in released and is_released(grad):
+                    held = local_released(grad)
+                    if not held.zeroed:
+                        raise RuntimeError(
+                            f"lowbit_compile: opt.step() found {_label(p, opt)} holding the grad an earlier step "
+                            "released (release_grads=True), which stock would step again; call opt.zero_grad() after "
+                            "opt.step()")
+                    zeros = torch.zeros(held.shape, dtype=held.dtype, device=held.device)
+                    p.grad = _sharded_like(zeros, grad) if sharding.is_sharded(grad) else zeros
+                unhooked = unhooked or (id(p) not in hooks and p.requires_grad)
+        return unhooked
 
     def _check_hyperparameters(self, opt: torch.optim.Optimizer) -> None:
         step = unhooked_step(type(opt))

@@ -8,6 +8,7 @@ later and fails there."""
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import weakref
 from collections.abc import Iterator
@@ -38,10 +39,29 @@ def check_first_release(opt: torch.optim.Optimizer, param: torch.Tensor) -> None
             "for a plain (unsharded) parameter that is its local grad, before DDP (or an all-reduce after backward) "
             "averages it across ranks. Shard the model with FSDP2's fully_shard (its reduce-scattered grads "
             "release as each lands), or wrap the optimizer with release_grads=False")
+    frameworks = tuple(m for m in _FRAMEWORKS if m in sys.modules)
+    if not frameworks:
+        return
     for frame in _backward_stack():
-        found = _framework_refusal(frame.f_locals.get("self"))
-        if found:
-            raise RuntimeError(f"lowbit_compile: {found}")
+        if frame.f_globals.get("__name__", "").startswith(frameworks):
+            found = _framework_refusal(_self_of(frame))
+            if found:
+                raise RuntimeError(f"lowbit_compile: {found}")
+
+
+_FRAMEWORKS = ("lightning.pytorch", "pytorch_lightning", "transformers")  # modules whose trainers are looked for
+
+
+def _self_of(frame: FrameType) -> object:
+    """The ``self`` of a method's frame, without leaving a snapshot of the frame's locals behind (before
+    Python 3.13 ``f_locals`` caches one in the frame, which would keep its tensors alive while it runs)."""
+    if not frame.f_code.co_flags & inspect.CO_OPTIMIZED or frame.f_code.co_varnames[:1] != ("self",):
+        return None
+    locals_ = frame.f_locals
+    obj = locals_.get("self")
+    if sys.version_info < (3, 13):  # a snapshot dict (3.13 gives a view of the frame instead)
+        locals_.clear()
+    return obj
 
 
 def _framework_refusal(obj: Any) -> str | None:

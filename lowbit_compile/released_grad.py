@@ -65,7 +65,12 @@ class ReleasedGrad(torch.Tensor):
         if func in _SCALINGS:
             return _scale_by_one(func, first)
         owner = next(t for t in _released_in(args) if isinstance(t, ReleasedGrad))
-        if func in _ACCUMULATIONS:
+        if func in _ACCUMULATIONS and any(isinstance(t, ReleasedGrad) for t in _released_in(args[:1])):
+            if owner.zeroed:  # FSDP2 adds into a sharded grad it finds, without the pre-hook that takes it away
+                raise RuntimeError(
+                    f"lowbit_compile: a backward accumulated into {owner._what()}, which release_grads=True stepped "
+                    "and freed and zero_grad(set_to_none=False) zeroed; under FSDP2 call opt.zero_grad() "
+                    "(set_to_none=True, the default) instead")
             raise RuntimeError(
                 f"lowbit_compile: a backward accumulated into {owner._what()}, which an earlier backward stepped "
                 "and freed (release_grads=True). Call opt.zero_grad() after opt.step(); to accumulate grads over "
@@ -133,7 +138,7 @@ def _scale_by_one(func: Any, first: Any) -> Any:
             "Lightning: Trainer(gradient_clip_val=None); accelerate: no accelerator.clip_grad_norm_; or "
             "torch.nn.utils.clip_grad_norm_ with max_norm=inf, which only measures the norm), or wrap the optimizer "
             "with release_grads=False")
-    return None if "foreach" in str(func) else first
+    return first if func in (aten.mul_.Tensor, aten.mul_.Scalar) else None
 
 
 def _clip_max_norm() -> float | None:
