@@ -77,6 +77,11 @@ class Release:
         self._pending_numel = 0
         self._plans.clear()
 
+    @property
+    def hooked(self) -> bool:
+        """Whether this release is on: its optimizer lives and its params carry its hooks."""
+        return bool(self._hooks) and self._opt() is not None
+
     def _owns(self, param: torch.Tensor) -> bool:
         entry = self._hooks.get(id(param))
         return entry is not None and entry[0]() is param

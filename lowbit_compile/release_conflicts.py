@@ -8,6 +8,7 @@ later and fails there."""
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import sys
 import weakref
@@ -106,6 +107,14 @@ def _in_backward(frame: FrameType) -> bool:
     return frame.f_code.co_name == "_engine_run_backward" and frame.f_globals.get("__name__") == "torch.autograd.graph"
 
 
+def _releasing() -> bool:
+    """Whether some optimizer releases grads now (one that died but is not collected yet does not)."""
+    if not any(r.hooked for r in _RELEASING):
+        return False
+    gc.collect()
+    return any(r.hooked for r in _RELEASING)
+
+
 def guard_grad_scaler(release: object) -> None:
     """While ``release`` lives, an enabled ``torch.amp.GradScaler`` refuses to scale a loss: the scaled
     grads would step in backward before its inf check and its unscale."""
@@ -117,7 +126,7 @@ def guard_grad_scaler(release: object) -> None:
 
     @functools.wraps(stock)
     def scale(self: torch.amp.GradScaler, outputs: Any) -> Any:
-        if self._enabled and len(_RELEASING):
+        if self._enabled and _releasing():
             raise RuntimeError(
                 "lowbit_compile: GradScaler (fp16 loss scaling) cannot combine with release_grads=True: its inf "
                 "check needs every grad before any parameter steps, and release steps each in backward. Train in "
