@@ -1,8 +1,8 @@
 """Peak memory of a real training step: a transformers Llama built from a small LlamaConfig, bf16
 autocast, trained a few steps with stock AdamW (fused where the device has it, else foreach), ours
-(default states; and bf16 params with ``master_weights="exact"`` beside stock AdamW on bf16 params)
-and bitsandbytes AdamW8bit when it imports, one after the other in one process, each from the same
-weights on the same batches.
+(default states; and bf16 params, with and without ``master_weights="exact"``, beside stock AdamW on bf16
+params), ours with ``release_grads=True`` (each of those), and bitsandbytes AdamW8bit when it imports, one
+after the other in one process, each from the same weights on the same batches.
 
 The peak covers the whole step (forward, backward, ``opt.step()``, ``opt.zero_grad()``). On CPU it is
 the peak of live tensor bytes, each storage counted once: the storages alive when a step starts
@@ -11,10 +11,14 @@ holds a tensor) plus every storage an op makes during it, counted until the last
 dies (``LiveBytes``); on CUDA ``torch.cuda.max_memory_allocated``. Memory a
 kernel allocates outside torch (our CPU kernel's per-thread block scratch, a few KB) is not counted.
 
-Expected figure: a step's peak is params + grads + optimizer states + what forward/backward hold at
-that moment (activations, autocast's bf16 weight copies, temporaries). The last is measured on the
-stock run (its peak minus its params, grads and states); ours is expected at params + grads + our
-states + the same, and the ratio of measured to expected is printed (one stock run per param dtype).
+Expected figure: a step's peak is params + optimizer states + the grads alive at that moment + what
+forward/backward hold then (activations, autocast's bf16 weight copies, temporaries). The grads alive
+at the peak are measured (on CPU) at the moment of each run's peak: every grad for a run whose peak is
+in ``opt.step()``; with release, the grads that landed and still wait for their step (the small
+params' bucket and the param stepping). What forward/backward hold is measured on the stock run (its
+peak minus its params, grads at its peak and states); ours is expected at its params + grads at its
+peak + its states + the same, and the ratio of measured to expected is printed (one stock run per
+param dtype), as is the footprint per parameter outside activations, (peak - forward/backward) / params.
 
     python bench/train_memory.py                       # 27M params, 4 x 256 tokens, CPU
     python bench/train_memory.py --hidden 2048 --layers 16 --device cuda --batch 8 --seq 512
@@ -43,12 +47,14 @@ class LiveBytes(TorchDispatchMode):
     """Live tensor bytes and their peak: each storage counted once (by its data pointer), from the
     first tensor seen holding it until the last such tensor dies."""
 
-    def __init__(self) -> None:
+    def __init__(self, at_peak: Callable[[], int] | None = None) -> None:
         super().__init__()
         self.storages: dict[int, list[int]] = {}  # data pointer -> [tensors holding it, bytes]
         self.tensors: set[int] = set()
         self.live = 0
         self.peak = 0
+        self.at_peak = at_peak  # measured whenever the peak rises: its value at the peak
+        self.measured_at_peak = 0
 
     def track_all_live(self) -> None:
         """Every tensor alive now with a Python object (params, grads, states, and anything that still
@@ -64,6 +70,8 @@ class LiveBytes(TorchDispatchMode):
             for name in t.__tensor_flatten__()[0]:
                 self.track(getattr(t, name))
             return
+        if _holds_nothing(t):  # a released grad's placeholder
+            return
         storage = t.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
         if not nbytes:
@@ -74,7 +82,10 @@ class LiveBytes(TorchDispatchMode):
         if held is None:
             self.storages[key] = [1, nbytes]
             self.live += nbytes
-            self.peak = max(self.peak, self.live)
+            if self.live > self.peak:
+                self.peak = self.live
+                if self.at_peak is not None:
+                    self.measured_at_peak = self.at_peak()
         else:
             held[0] += 1
 
@@ -91,6 +102,20 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             self.track(t)
         return out
+
+
+def _holds_nothing(t: torch.Tensor) -> bool:
+    """A wrapper tensor without storage of its own (``release_grads``' placeholder of a freed grad)."""
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
+def live_grad_bytes(params: list[torch.nn.Parameter]) -> int:
+    """Bytes of the grads alive now (a released grad's placeholder holds none), each storage once."""
+    return unique_bytes([p.grad for p in params if p.grad is not None and not _holds_nothing(p.grad)])
 
 
 def inner(t: torch.Tensor) -> list[torch.Tensor]:
@@ -120,6 +145,7 @@ class Contender:
     param_dtype: torch.dtype
     make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
     stock: bool = False  # the stock run of its param dtype: gives the forward/backward figure
+    release: bool = False  # release_grads=True: the grads term of its expected peak is measured at the peak
 
 
 def contenders(device: str, lr: float) -> list[Contender]:
@@ -128,13 +154,21 @@ def contenders(device: str, lr: float) -> list[Contender]:
     fused = device == "cuda" or hasattr(torch._C, "_has_mkldnn")  # torch's CPU fused AdamW (>= 2.4)
     flag = {"fused": True} if fused else {"foreach": True}
     label = "fused" if fused else "foreach"
+    def ours(**options: object) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+        return lambda p: lowbit_compile(torch.optim.AdamW(p, lr=lr), **options)
+
+    exact = {"master_weights": "exact"}
     out = [
         Contender(f"stock AdamW ({label})", torch.float32, lambda p: torch.optim.AdamW(p, lr=lr, **flag), True),
-        Contender("ours (default)", torch.float32, lambda p: lowbit_compile(torch.optim.AdamW(p, lr=lr))),
+        Contender("ours (default)", torch.float32, ours()),
+        Contender("ours, release_grads", torch.float32, ours(release_grads=True), release=True),
         Contender(f"stock AdamW ({label}), bf16 params", torch.bfloat16,
                   lambda p: torch.optim.AdamW(p, lr=lr, **flag), True),
-        Contender('ours, bf16 params, master_weights="exact"', torch.bfloat16,
-                  lambda p: lowbit_compile(torch.optim.AdamW(p, lr=lr), master_weights="exact")),
+        Contender("ours, bf16 params", torch.bfloat16, ours()),
+        Contender("ours, bf16 params, release_grads", torch.bfloat16, ours(release_grads=True), release=True),
+        Contender('ours, bf16 params, master_weights="exact"', torch.bfloat16, ours(**exact)),
+        Contender('ours, bf16 params, master_weights="exact", release_grads', torch.bfloat16,
+                  ours(**exact, release_grads=True), release=True),
     ]
     try:
         import bitsandbytes as bnb
@@ -164,7 +198,7 @@ def run(c: Contender, args: argparse.Namespace, batches: list[torch.Tensor]) -> 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = c.make(params)
     cuda = args.device == "cuda"
-    losses, peaks = [], []
+    losses, peaks, alive_at_peak = [], [], []
 
     def step(x: torch.Tensor) -> None:
         with torch.autocast(args.device, dtype=torch.bfloat16):
@@ -184,18 +218,29 @@ def run(c: Contender, args: argparse.Namespace, batches: list[torch.Tensor]) -> 
             peaks.append(torch.cuda.max_memory_allocated())
         else:
             gc.collect()
-            mode = LiveBytes()
+            mode = LiveBytes(lambda: live_grad_bytes(params))
             mode.track_all_live()
             with mode:
                 step(x)
+            mode.at_peak = None  # its finalizers outlive it: they must not keep the params alive
             peaks.append(mode.peak)
+            alive_at_peak.append(mode.measured_at_peak)
             del mode
     n = sum(p.numel() for p in params)
     states = unique_bytes(state_tensors(opt))
     pbytes = unique_bytes(params)
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
     return {"name": c.name, "param_dtype": str(c.param_dtype).removeprefix("torch."), "params": n,
             "param_bytes": pbytes, "grad_bytes": pbytes, "state_bytes": states, "state_b_per_param": states / n,
-            "peak_bytes": max(peaks), "peaks": peaks, "losses": losses, "stock": c.stock}
+            "peak_bytes": peaks[worst], "peaks": peaks, "losses": losses, "stock": c.stock, "release": c.release,
+            "grads_at_peak_bytes": alive_at_peak[worst] if alive_at_peak else None,  # None on CUDA: not measured
+            "largest_grad_bytes": max(p.numel() * p.element_size() for p in params)}
+
+
+def grads_at_peak(row: dict) -> int:
+    """The grads alive at a run's peak: measured on CPU, every grad on CUDA (a release run's peak then
+    counts them too, so its measured / expected reads the grads it saved)."""
+    return row["grads_at_peak_bytes"] if row["grads_at_peak_bytes"] is not None else row["grad_bytes"]
 
 
 def main() -> None:
@@ -228,19 +273,23 @@ def main() -> None:
         stock = next((s for s in rows if s["stock"] and s["param_dtype"] == r["param_dtype"]), None)
         if stock is None:
             continue
-        fwd_bwd = stock["peak_bytes"] - stock["param_bytes"] - stock["grad_bytes"] - stock["state_bytes"]
-        r["expected_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["state_bytes"] + fwd_bwd
+        fwd_bwd = stock["peak_bytes"] - stock["param_bytes"] - grads_at_peak(stock) - stock["state_bytes"]
+        r["expected_bytes"] = r["param_bytes"] + grads_at_peak(r) + r["state_bytes"] + fwd_bwd
         r["fwd_bwd_bytes"] = fwd_bwd
         r["ratio_to_expected"] = r["peak_bytes"] / r["expected_bytes"]
-    head = "| optimizer | param dtype | states B/param | peak step MB | x stock | expected MB | measured / expected |"
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|"]
+        r["b_per_param_outside_activations"] = (r["peak_bytes"] - fwd_bwd) / r["params"]
+    head = ("| optimizer | param dtype | states B/param | peak step MB | x stock | grads alive at peak MB | "
+            "expected MB | measured / expected | B/param outside activations |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         stock = next((s for s in rows if s["stock"] and s["param_dtype"] == "float32"), rows[0])
+        at_peak = r["grads_at_peak_bytes"]
         lines.append(f"| {r['name']} | {r['param_dtype']} | {r['state_b_per_param']:.3f} | "
                      f"{r['peak_bytes'] / 1e6:.1f} | "
                      f"{r['peak_bytes'] / stock['peak_bytes']:.3f} | "
-                     + (f"{r['expected_bytes'] / 1e6:.1f} | {r['ratio_to_expected']:.4f} |" if "expected_bytes" in r
-                        else "- | - |"))
+                     + (f"{at_peak / 1e6:.1f} | " if at_peak is not None else "- | ")
+                     + (f"{r['expected_bytes'] / 1e6:.1f} | {r['ratio_to_expected']:.4f} | "
+                        f"{r['b_per_param_outside_activations']:.2f} |" if "expected_bytes" in r else "- | - | - |"))
     n = rows[0]["params"]
     print(f"\nLlama {n / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), batch {args.batch} x "
           f"{args.seq} tokens, bf16 autocast, {args.device}; peak of a whole step (max over {args.steps} steps)")
