@@ -124,8 +124,10 @@ class Release:
         if id(param) in self.released:  # FSDP2 hands the grad over without a pre-hook
             self.before_grad(param, param.grad)
         grad = param.grad
-        if grad is None or is_released(grad) or param.is_meta or grad.is_sparse:
-            return  # nothing to release here: opt.step() steps (or refuses) it as without release
+        if grad is None or is_released(grad) or param.is_meta or grad.is_sparse or grad.requires_grad:
+            # nothing to release here (a grad of backward(create_graph=True) is wanted after backward, for a
+            # gradient penalty): opt.step() steps (or refuses) it as without release
+            return
         numel = sharding.local(grad).numel()
         self._pending.append(param)
         self._pending_numel += numel
@@ -157,6 +159,7 @@ class Release:
             self._pending.clear()
             self._pending_numel = 0
 
+    @torch.no_grad()
     def flush(self, opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
         """Step the pending parameters in one plan, then free their grads."""
         params, self._pending, self._pending_numel = self._pending, [], 0

@@ -600,3 +600,22 @@ def test_estimate_counts_no_grads_with_release(capsys):
                  "--release-grads"]) == 0
     out = capsys.readouterr().out
     assert "grads (bf16, released)" in out and "per parameter: 16.000 B stock, 6.141 B low-bit" in out
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_backward_that_keeps_the_graph_of_its_grads_releases_nothing():
+    """``backward(create_graph=True)`` (a gradient penalty reads the grads after it): the params step at
+    ``opt.step()``, as without release, bit for bit."""
+    runs = []
+    for release in (False, True):
+        net = Net()
+        opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=release, **BIG)
+        for idx in batches(2):
+            net(idx, 0).backward(create_graph=True)
+            penalty = sum(p.grad.square().sum() for p in net.parameters())
+            assert penalty.requires_grad
+            opt.step()
+            opt.zero_grad()
+        runs.append((net, opt))
+    (a, opt_a), (b, opt_b) = runs
+    assert_same_run(a, b, opt_a, opt_b)
