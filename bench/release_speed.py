@@ -17,9 +17,7 @@ figures: rerun on a quiet machine for numbers to quote.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: find bench/
-from bench.train_memory import RESULTS, build_model  # noqa: E402
+from bench.train_memory import RESULTS, add_model_args, build_model, write_results  # noqa: E402
 
 RUNS = {  # name -> (param dtype, options of lowbit_compile)
     "ours": (torch.float32, {}),
@@ -49,13 +47,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=2, help="iterations timed per run and round")
     ap.add_argument("--warmup", type=int, default=2, help="iterations per run before timing (kernels, plans)")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--intermediate", type=int, default=1376)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--out", default=str(RESULTS / "release_speed.json"))
     args = ap.parse_args()
     args.device = "cpu"
@@ -113,11 +105,7 @@ def main() -> None:
     print(f"\nLlama {n / 1e6:.1f}M params, batch {args.batch} x {args.seq} tokens, bf16 autocast, CPU; medians of "
           f"{args.rounds} interleaved rounds of {args.iters} iterations")
     print("\n".join(lines))
-    out = {"args": vars(args), "machine": {"torch": torch.__version__, "cpu": platform.processor(),
-                                          "cores": os.cpu_count()}, "rows": results, "table": lines}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"\nwrote {args.out}")
+    write_results(args, results, lines, cores=os.cpu_count())
 
 
 if __name__ == "__main__":

@@ -243,9 +243,8 @@ def grads_at_peak(row: dict) -> int:
     return row["grads_at_peak_bytes"] if row["grads_at_peak_bytes"] is not None else row["grad_bytes"]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that shape the Llama and its batches (defaults: 27.4M params, 4 x 256 tokens)."""
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--intermediate", type=int, default=1376)
     ap.add_argument("--layers", type=int, default=6)
@@ -253,6 +252,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_args(ap)
     ap.add_argument("--steps", type=int, default=3, help="measured steps, after one that creates the states")
     ap.add_argument("--only", default="", help="comma-separated substrings of contender names to run")
     ap.add_argument("--out", default=str(RESULTS / "train_memory.json"))
@@ -294,8 +299,13 @@ def main() -> None:
     print(f"\nLlama {n / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), batch {args.batch} x "
           f"{args.seq} tokens, bf16 autocast, {args.device}; peak of a whole step (max over {args.steps} steps)")
     print("\n".join(lines))
-    out = {"args": vars(args), "machine": {"torch": torch.__version__, "cpu": platform.processor(),
-                                          "threads": torch.get_num_threads()}, "rows": rows, "table": lines}
+    write_results(args, rows, lines, threads=torch.get_num_threads())
+
+
+def write_results(args: argparse.Namespace, rows: list, lines: list[str], **machine: object) -> None:
+    """The run's arguments, machine, rows and printed table as JSON at ``args.out``."""
+    out = {"args": vars(args), "machine": {"torch": torch.__version__, "cpu": platform.processor(), **machine},
+           "rows": rows, "table": lines}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.out}")

@@ -118,16 +118,24 @@ def assert_same_tree(x: object, y: object) -> None:
         assert x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y))
 
 
-def twin_runs(make, steps: int = 4, model=Net, **train_kwargs) -> tuple:
-    """The same training with and without release: ``make(model, release_grads)`` builds the optimizer."""
+def twin_runs(make, steps: int = 4, model=Net, loop=None, **train_kwargs) -> tuple:
+    """The same training with and without release: ``make(model, release_grads)`` builds the optimizer,
+    ``loop(model, opt, release_grads)`` trains (default: ``train`` for ``steps``)."""
     runs = []
     for release in (False, True):
         net = model()
         opt = make(net, release)
-        train(net, opt, steps, **train_kwargs)
+        if loop is None:
+            train(net, opt, steps, **train_kwargs)
+        else:
+            loop(net, opt, release)
         runs.append((net, opt))
     (a, opt_a), (b, opt_b) = runs
     return a, b, opt_a, opt_b
+
+
+def int8_adamw(net: torch.nn.Module, release: bool) -> torch.optim.Optimizer:
+    return wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=release, **BIG)
 
 
 # -- same result, bit for bit -----------------------------------------------------------------------
@@ -211,26 +219,21 @@ def test_sgd_whose_first_step_creates_its_momentum_steps_alike_with_release():
 
 @pytest.mark.slow
 def test_a_compiled_model_steps_alike_with_release():
-    runs = []
-    for release in (False, True):
+    def loop(net, opt, release):
         torch._dynamo.reset()
-        net = Net()
-        opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=release, **BIG)
         compiled = torch.compile(net)
         for idx in batches(4):
             compiled(idx, 0).backward()
-            if release:
-                assert is_released(net.up.weight.grad)
+            assert is_released(net.up.weight.grad) == release
             opt.step()
             opt.zero_grad()
-        runs.append((net, opt))
-    (a, opt_a), (b, opt_b) = runs
-    assert_same_run(a, b, opt_a, opt_b)
+
+    assert_same_run(*twin_runs(int8_adamw, loop=loop))
 
 
 def test_a_checkpoint_taken_with_release_resumes_exactly():
     net = Net()
-    opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    opt = int8_adamw(net, True)
     train(net, opt, 2, schedule=False)
     saved = copy.deepcopy({"model": net.state_dict(), "optim": opt.state_dict()})
     train(net, opt, 3, seed=2, schedule=False)
@@ -245,7 +248,7 @@ def test_a_checkpoint_taken_with_release_resumes_exactly():
 # -- when each parameter steps ----------------------------------------------------------------------
 def test_params_step_in_backward_and_opt_step_completes_the_iteration():
     net = Net()
-    opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    opt = int8_adamw(net, True)
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
     net(batches(1)[0], 0).backward()
     for name, p in net.named_parameters():
@@ -274,7 +277,7 @@ def test_a_large_param_steps_when_its_grad_lands_and_small_ones_wait_for_it():
         seen.update({n: type(p.grad).__name__ for n, p in net.named_parameters()})
 
     net.up.weight.register_post_accumulate_grad_hook(look)  # before ours: sees the grads as they land
-    wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    int8_adamw(net, True)
     net(batches(1)[0], 1).backward()
     assert seen["down.weight"] == "ReleasedGrad" and seen["up.weight"] == "Tensor"
     assert seen["norm.weight"] == seen["norm.bias"] == seen["up.bias"] == "Tensor"
@@ -299,7 +302,7 @@ def test_small_params_that_land_together_step_in_one_launch_and_later_backwards_
                                                        stock_run(self)))
     monkeypatch.setattr(release_module, "prepare_params", lambda *a: prepared.append(1) or stock_prepare(*a))
     net = Scales()
-    opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    opt = int8_adamw(net, True)
     for i in range(3):
         runs.clear()
         net(torch.randn(8, 16)).backward()
@@ -326,7 +329,7 @@ def test_no_grad_outlives_its_step_and_the_hooks_keep_nothing_alive():
     alive_at_end = {}
     net.embed.weight.register_post_accumulate_grad_hook(  # after ours on the last grad to land
         lambda p: alive_at_end.update({n: r() is not None for n, r in grads.items()}))
-    opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    opt = int8_adamw(net, True)
     for idx in batches(2):
         net(idx, 0).backward()
         # the large params' grads died while backward was still running; the small ones wait for its end
@@ -359,19 +362,15 @@ def test_the_optim_class_takes_release_grads():
 
 
 def test_enable_releases_from_the_second_iteration_on():
-    runs = []
-    for release in (False, True):
-        net = Net()
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    def loop(net, opt, release):
         with enable(fmt="int8", release_grads=release, **BIG):
             for i, idx in enumerate(batches(3)):
                 net(idx, 0).backward()
                 assert is_released(net.up.weight.grad) == (release and i > 0)
                 opt.step()
                 opt.zero_grad()
-        runs.append((net, opt))
-    (a, opt_a), (b, opt_b) = runs
-    assert_same_run(a, b, opt_a, opt_b)
+
+    assert_same_run(*twin_runs(lambda net, release: torch.optim.AdamW(net.parameters(), lr=1e-2), loop=loop))
 
 
 SCRIPT = '''
@@ -397,7 +396,7 @@ def test_the_run_command_takes_release_grads(tmp_path, monkeypatch, capsys):
 
 def test_restore_and_rewrapping_without_release_take_the_hooks_off():
     net = Net()
-    opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    opt = int8_adamw(net, True)
     train(net, opt, 1)
     wrap(opt, "int8", **BIG)
     net(batches(1)[0]).backward()
@@ -462,7 +461,7 @@ def test_a_second_backward_before_step_outside_no_step_raises_naming_it():
 
 def test_a_backward_after_step_without_zero_grad_raises_naming_zero_grad():
     net = Net()
-    opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    opt = int8_adamw(net, True)
     net(batches(1)[0], 0).backward()
     opt.step()
     with pytest.raises(RuntimeError, match=r"call opt\.zero_grad\(\) after opt\.step\(\)"):
@@ -471,23 +470,19 @@ def test_a_backward_after_step_without_zero_grad_raises_naming_zero_grad():
 
 def test_zero_grad_keeping_zeros_steps_bit_for_bit():
     """``zero_grad(set_to_none=False)`` zeroes a released grad (it keeps no storage): the next backward
-    starts from it as from stock's zeros."""
-    runs = []
-    for release in (False, True):
-        net = Net()
-        opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=release, **BIG)
+    starts from it as from stock's zeros, and a param no backward reaches steps with zeros, as stock's."""
+    def loop(net, opt, release):
         for i, idx in enumerate(batches(4)):
             net(idx, i).backward()
             opt.step()
             opt.zero_grad(set_to_none=False)
-        runs.append((net, opt))
-    (a, opt_a), (b, opt_b) = runs
-    assert_same_run(a, b, opt_a, opt_b)
+
+    assert_same_run(*twin_runs(int8_adamw, loop=loop))
 
 
 def test_a_hyperparameter_changed_between_backward_and_step_raises():
     net = Net()
-    opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    opt = int8_adamw(net, True)
     net(batches(1)[0], 0).backward()
     opt.param_groups[0]["lr"] = 5e-3
     with pytest.raises(RuntimeError, match=r"param_groups\[0\] changed between backward and opt\.step\(\) "
@@ -516,16 +511,17 @@ def test_a_global_norm_clip_after_a_released_backward_raises_naming_the_settings
 def test_the_grad_norm_is_still_measured_exactly(foreach):
     """``clip_grad_norm_(max_norm=inf)`` (what HF Trainer logs with max_grad_norm=0) gives the norm of the
     grads as they were, bit for bit, and changes nothing."""
-    norms = []
-    for release in (False, True):
-        net = Net()
-        opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=release, **BIG)
+    norms: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+
+    def loop(net, opt, release):
         for i, idx in enumerate(batches(2)):
             net(idx, i).backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), math.inf, foreach=foreach))
+            norms[release].append(torch.nn.utils.clip_grad_norm_(net.parameters(), math.inf, foreach=foreach))
             opt.step()
             opt.zero_grad()
-    assert all(torch.equal(a, b) for a, b in zip(norms[:2], norms[2:]))
+
+    assert_same_run(*twin_runs(int8_adamw, loop=loop))
+    assert all(torch.equal(a, b) for a, b in zip(norms[False], norms[True])) and len(norms[True]) == 2
 
 
 def test_reading_a_released_grad_raises_saying_why():
@@ -540,7 +536,7 @@ def test_reading_a_released_grad_raises_saying_why():
 
 def test_grad_scaler_is_refused_before_any_step():
     net = Net()
-    wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    int8_adamw(net, True)
     loss = net(batches(1)[0], 0)
     with pytest.raises(RuntimeError, match=r"GradScaler \(fp16 loss scaling\) cannot combine with release_grads"):
         torch.amp.GradScaler("cpu").scale(loss)
@@ -549,7 +545,7 @@ def test_grad_scaler_is_refused_before_any_step():
 
 def test_a_param_of_two_optimizers_is_refused_or_fails_loudly():
     net = Net()
-    wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    int8_adamw(net, True)
     other = torch.optim.SGD([net.up.weight], lr=0.1)
     with pytest.raises(ValueError, match=r"another optimizer already releases"):
         wrap(other, release_grads=True)
@@ -561,7 +557,7 @@ def test_a_param_of_two_optimizers_is_refused_or_fails_loudly():
 
 def test_a_monitor_and_release_refuse_each_other():
     net = Net()
-    opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, **BIG)
+    opt = int8_adamw(net, True)
     with pytest.raises(ValueError, match="release_grads=True cannot combine with a monitor"):
         lowbit_compile.monitor(opt, 2)
     plain = wrap(torch.optim.AdamW(Net().parameters(), lr=1e-2), "int8", **BIG)
@@ -606,16 +602,11 @@ def test_estimate_counts_no_grads_with_release(capsys):
 def test_a_backward_that_keeps_the_graph_of_its_grads_releases_nothing():
     """``backward(create_graph=True)`` (a gradient penalty reads the grads after it): the params step at
     ``opt.step()``, as without release, bit for bit."""
-    runs = []
-    for release in (False, True):
-        net = Net()
-        opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=release, **BIG)
+    def loop(net, opt, release):
         for idx in batches(2):
             net(idx, 0).backward(create_graph=True)
-            penalty = sum(p.grad.square().sum() for p in net.parameters())
-            assert penalty.requires_grad
+            assert sum(p.grad.square().sum() for p in net.parameters()).requires_grad
             opt.step()
             opt.zero_grad()
-        runs.append((net, opt))
-    (a, opt_a), (b, opt_b) = runs
-    assert_same_run(a, b, opt_a, opt_b)
+
+    assert_same_run(*twin_runs(int8_adamw, loop=loop))
