@@ -277,7 +277,7 @@ def test_a_large_param_steps_when_its_grad_lands_and_small_ones_wait_for_it():
         seen.update({n: type(p.grad).__name__ for n, p in net.named_parameters()})
 
     net.up.weight.register_post_accumulate_grad_hook(look)  # before ours: sees the grads as they land
-    int8_adamw(net, True)
+    _opt = int8_adamw(net, True)  # the optimizer lives: its hooks step
     net(batches(1)[0], 1).backward()
     assert seen["down.weight"] == "ReleasedGrad" and seen["up.weight"] == "Tensor"
     assert seen["norm.weight"] == seen["norm.bias"] == seen["up.bias"] == "Tensor"
@@ -452,7 +452,7 @@ def test_backwards_under_no_step_accumulate_and_the_last_one_steps_bit_for_bit()
 
 def test_a_second_backward_before_step_outside_no_step_raises_naming_it():
     net = Net()
-    wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, model=net, **BIG)
+    _opt = wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), "int8", release_grads=True, model=net, **BIG)
     net(batches(1)[0], 0).backward()
     with pytest.raises(RuntimeError, match=r"second backward reached parameter '.*' before opt\.step\(\).*"
                                            r"opt\.no_step\(\)"):
@@ -536,7 +536,7 @@ def test_reading_a_released_grad_raises_saying_why():
 
 def test_grad_scaler_is_refused_before_any_step():
     net = Net()
-    int8_adamw(net, True)
+    _opt = int8_adamw(net, True)  # a releasing optimizer lives
     loss = net(batches(1)[0], 0)
     with pytest.raises(RuntimeError, match=r"GradScaler \(fp16 loss scaling\) cannot combine with release_grads"):
         torch.amp.GradScaler("cpu").scale(loss)
@@ -545,7 +545,7 @@ def test_grad_scaler_is_refused_before_any_step():
 
 def test_a_param_of_two_optimizers_is_refused_or_fails_loudly():
     net = Net()
-    int8_adamw(net, True)
+    _opt = int8_adamw(net, True)  # it lives, and releases the params
     other = torch.optim.SGD([net.up.weight], lr=0.1)
     with pytest.raises(ValueError, match=r"another optimizer already releases"):
         wrap(other, release_grads=True)
