@@ -414,6 +414,21 @@ def test_restore_and_rewrapping_without_release_take_the_hooks_off():
     assert not net.up.weight._post_accumulate_grad_hooks
 
 
+def test_a_deep_copy_releases_its_own_params():
+    net = Net()
+    opt = int8_adamw(net, True)
+    train(net, opt, 1, schedule=False)
+    net2, opt2 = copy.deepcopy((net, opt))
+    net2(batches(1)[0], 0).backward()
+    assert is_released(net2.up.weight.grad) and net.up.weight.grad is None
+    opt2.step()
+    opt2.zero_grad()
+    train(net, opt, 1, seed=1, schedule=False)  # the same iteration on the original
+    train(net, opt, 2, seed=5)
+    train(net2, opt2, 2, seed=5)
+    assert_same_run(net, net2, opt, opt2)
+
+
 def test_a_param_group_added_later_releases_from_the_next_iteration():
     net = Net()
     opt = wrap(torch.optim.AdamW([net.embed.weight], lr=1e-2), "int8", release_grads=True, **BIG)
