@@ -11,14 +11,17 @@ holds a tensor) plus every storage an op makes during it, counted until the last
 dies (``LiveBytes``); on CUDA ``torch.cuda.max_memory_allocated``. Memory a
 kernel allocates outside torch (our CPU kernel's per-thread block scratch, a few KB) is not counted.
 
-Expected figure: a step's peak is params + optimizer states + the grads alive at that moment + what
-forward/backward hold then (activations, autocast's bf16 weight copies, temporaries). The grads alive
-at the peak are measured (on CPU) at the moment of each run's peak: every grad for a run whose peak is
-in ``opt.step()``; with release, the grads that landed and still wait for their step (the small
-params' bucket and the param stepping). What forward/backward hold is measured on the stock run (its
-peak minus its params, grads at its peak and states); ours is expected at its params + grads at its
-peak + its states + the same, and the ratio of measured to expected is printed (one stock run per
-param dtype), as is the footprint per parameter outside activations, (peak - forward/backward) / params.
+The forward and the rest of the step (backward, ``opt.step()``, ``zero_grad``) are measured apart: the
+forward's peak holds autocast's bf16 weight copies and the activations, and release changes only the
+rest. Expected figure for the backward and step: params + optimizer states + the grads alive at that
+peak + what backward holds then (the activations left, temporaries). The grads alive at the peak are
+measured (on CPU) at the moment of the peak: every grad when it falls in ``opt.step()``; with release,
+the grads that landed and still wait for their step (the small params' bucket and the param
+stepping). What backward holds is measured on the stock run (its peak minus its params, grads at its
+peak and states); ours is expected at its params + grads at its peak + its states + the same, and the
+ratio of measured to expected is printed (one stock run per param dtype), as is the footprint per
+parameter outside activations, (backward and step peak - what backward holds) / params. The step's
+peak is the larger of the two phases'.
 
     python bench/train_memory.py                       # 27M params, 4 x 256 tokens, CPU
     python bench/train_memory.py --hidden 2048 --layers 16 --device cuda --batch 8 --seq 512
@@ -27,6 +30,7 @@ param dtype), as is the footprint per parameter outside activations, (peak - for
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -45,7 +49,8 @@ RESULTS = Path(__file__).parent / "results"
 
 class LiveBytes(TorchDispatchMode):
     """Live tensor bytes and their peak: each storage counted once (by its data pointer), from the
-    first tensor seen holding it until the last such tensor dies."""
+    first tensor seen holding it until the last such tensor dies; also the peak of each phase
+    (:meth:`phase`) and what ``at_peak()`` gave at it."""
 
     def __init__(self, at_peak: Callable[[], int] | None = None) -> None:
         super().__init__()
@@ -53,8 +58,13 @@ class LiveBytes(TorchDispatchMode):
         self.tensors: set[int] = set()
         self.live = 0
         self.peak = 0
-        self.at_peak = at_peak  # measured whenever the peak rises: its value at the peak
-        self.measured_at_peak = 0
+        self.at_peak = at_peak  # measured whenever a phase's peak rises: its value at that peak
+        self.phases: dict[str, list[int]] = {}  # phase -> [its peak, at_peak() then]
+        self.current = self.phases.setdefault("", [0, 0])
+
+    def phase(self, name: str) -> None:
+        """From now on the peak of phase ``name`` is measured (from what is live now)."""
+        self.current = self.phases[name] = [self.live, self.at_peak() if self.at_peak is not None else 0]
 
     def track_all_live(self) -> None:
         """Every tensor alive now with a Python object (params, grads, states, and anything that still
@@ -82,10 +92,11 @@ class LiveBytes(TorchDispatchMode):
         if held is None:
             self.storages[key] = [1, nbytes]
             self.live += nbytes
-            if self.live > self.peak:
-                self.peak = self.live
+            self.peak = max(self.peak, self.live)
+            if self.live > self.current[0]:
+                self.current[0] = self.live
                 if self.at_peak is not None:
-                    self.measured_at_peak = self.at_peak()
+                    self.current[1] = self.at_peak()
         else:
             held[0] += 1
 
@@ -198,48 +209,58 @@ def run(c: Contender, args: argparse.Namespace, batches: list[torch.Tensor]) -> 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = c.make(params)
     cuda = args.device == "cuda"
-    losses, peaks, alive_at_peak = [], [], []
+    losses, forward, backward, alive = [], [], [], []  # per measured step: the phases' peaks, grads at backward's
 
-    def step(x: torch.Tensor) -> None:
+    def step(x: torch.Tensor, mark: Callable[[], None] = lambda: None) -> None:
         with torch.autocast(args.device, dtype=torch.bfloat16):
             loss = model(input_ids=x, labels=x).loss
+        mark()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+
+    def cuda_mark() -> None:
+        torch.cuda.synchronize()
+        forward.append(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
 
     step(batches[0])  # the states exist from here on
     for x in batches[1:]:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            step(x)
+            step(x, cuda_mark)
             torch.cuda.synchronize()
-            peaks.append(torch.cuda.max_memory_allocated())
+            backward.append(torch.cuda.max_memory_allocated())
         else:
             gc.collect()
             mode = LiveBytes(lambda: live_grad_bytes(params))
             mode.track_all_live()
+            mode.phase("forward")
             with mode:
-                step(x)
+                step(x, functools.partial(mode.phase, "backward"))
             mode.at_peak = None  # its finalizers outlive it: they must not keep the params alive
-            peaks.append(mode.peak)
-            alive_at_peak.append(mode.measured_at_peak)
+            forward.append(mode.phases["forward"][0])
+            backward.append(mode.phases["backward"][0])
+            alive.append(mode.phases["backward"][1])
             del mode
     n = sum(p.numel() for p in params)
     states = unique_bytes(state_tensors(opt))
     pbytes = unique_bytes(params)
-    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    worst = max(range(len(backward)), key=backward.__getitem__)
     return {"name": c.name, "param_dtype": str(c.param_dtype).removeprefix("torch."), "params": n,
             "param_bytes": pbytes, "grad_bytes": pbytes, "state_bytes": states, "state_b_per_param": states / n,
-            "peak_bytes": peaks[worst], "peaks": peaks, "losses": losses, "stock": c.stock, "release": c.release,
-            "grads_at_peak_bytes": alive_at_peak[worst] if alive_at_peak else None,  # None on CUDA: not measured
+            "peak_bytes": max(map(max, zip(forward, backward))), "forward_peak_bytes": max(forward),
+            "backward_peak_bytes": backward[worst], "forward_peaks": forward, "backward_peaks": backward,
+            "losses": losses, "stock": c.stock, "release": c.release,
+            "grads_at_peak_bytes": alive[worst] if alive else None,  # None on CUDA: not measured
             "largest_grad_bytes": max(p.numel() * p.element_size() for p in params)}
 
 
 def grads_at_peak(row: dict) -> int:
-    """The grads alive at a run's peak: measured on CPU, every grad on CUDA (a release run's peak then
-    counts them too, so its measured / expected reads the grads it saved)."""
+    """The grads alive at the peak of a run's backward and step: measured on CPU, every grad on CUDA (a
+    release run's peak then counts them too, so its measured / expected reads the grads it saved)."""
     return row["grads_at_peak_bytes"] if row["grads_at_peak_bytes"] is not None else row["grad_bytes"]
 
 
@@ -272,32 +293,35 @@ def main() -> None:
             continue
         rows.append(run(c, args, batches))
         r = rows[-1]
-        print(f"{r['name']}: peak {r['peak_bytes'] / 1e6:.1f} MB, states {r['state_b_per_param']:.3f} B/param",
+        print(f"{r['name']}: peak {r['peak_bytes'] / 1e6:.1f} MB (forward {r['forward_peak_bytes'] / 1e6:.1f}, "
+              f"backward and step {r['backward_peak_bytes'] / 1e6:.1f}), states {r['state_b_per_param']:.3f} B/param",
               flush=True)
     for r in rows:
         stock = next((s for s in rows if s["stock"] and s["param_dtype"] == r["param_dtype"]), None)
         if stock is None:
             continue
-        fwd_bwd = stock["peak_bytes"] - stock["param_bytes"] - grads_at_peak(stock) - stock["state_bytes"]
+        # what backward and the step hold besides params, states and grads: stock's, at its peak
+        fwd_bwd = stock["backward_peak_bytes"] - stock["param_bytes"] - grads_at_peak(stock) - stock["state_bytes"]
         r["expected_bytes"] = r["param_bytes"] + grads_at_peak(r) + r["state_bytes"] + fwd_bwd
         r["fwd_bwd_bytes"] = fwd_bwd
-        r["ratio_to_expected"] = r["peak_bytes"] / r["expected_bytes"]
-        r["b_per_param_outside_activations"] = (r["peak_bytes"] - fwd_bwd) / r["params"]
-    head = ("| optimizer | param dtype | states B/param | peak step MB | x stock | grads alive at peak MB | "
-            "expected MB | measured / expected | B/param outside activations |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        r["ratio_to_expected"] = r["backward_peak_bytes"] / r["expected_bytes"]
+        r["b_per_param_outside_activations"] = (r["backward_peak_bytes"] - fwd_bwd) / r["params"]
+    head = ("| optimizer | param dtype | states B/param | forward peak MB | backward + step peak MB | grads alive "
+            "then MB | expected MB | measured / expected | step peak MB | x stock | B/param outside activations |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         stock = next((s for s in rows if s["stock"] and s["param_dtype"] == "float32"), rows[0])
         at_peak = r["grads_at_peak_bytes"]
         lines.append(f"| {r['name']} | {r['param_dtype']} | {r['state_b_per_param']:.3f} | "
-                     f"{r['peak_bytes'] / 1e6:.1f} | "
-                     f"{r['peak_bytes'] / stock['peak_bytes']:.3f} | "
+                     f"{r['forward_peak_bytes'] / 1e6:.1f} | {r['backward_peak_bytes'] / 1e6:.1f} | "
                      + (f"{at_peak / 1e6:.1f} | " if at_peak is not None else "- | ")
-                     + (f"{r['expected_bytes'] / 1e6:.1f} | {r['ratio_to_expected']:.4f} | "
-                        f"{r['b_per_param_outside_activations']:.2f} |" if "expected_bytes" in r else "- | - | - |"))
+                     + (f"{r['expected_bytes'] / 1e6:.1f} | {r['ratio_to_expected']:.4f} | " if "expected_bytes" in r
+                        else "- | - | ")
+                     + f"{r['peak_bytes'] / 1e6:.1f} | {r['peak_bytes'] / stock['peak_bytes']:.3f} | "
+                     + (f"{r['b_per_param_outside_activations']:.2f} |" if "expected_bytes" in r else "- |"))
     n = rows[0]["params"]
     print(f"\nLlama {n / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}), batch {args.batch} x "
-          f"{args.seq} tokens, bf16 autocast, {args.device}; peak of a whole step (max over {args.steps} steps)")
+          f"{args.seq} tokens, bf16 autocast, {args.device}; peaks of a step's phases (max over {args.steps} steps)")
     print("\n".join(lines))
     write_results(args, rows, lines, threads=torch.get_num_threads())
 
