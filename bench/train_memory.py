@@ -17,11 +17,13 @@ rest. Expected figure for the backward and step: params + optimizer states + the
 peak + what backward holds then (the activations left, temporaries). The grads alive at the peak are
 measured (on CPU) at the moment of the peak: every grad when it falls in ``opt.step()``; with release,
 the grads that landed and still wait for their step (the small params' bucket and the param
-stepping). What backward holds is measured on the stock run (its peak minus its params, grads at its
-peak and states); ours is expected at its params + grads at its peak + its states + the same, and the
-ratio of measured to expected is printed (one stock run per param dtype), as is the footprint per
-parameter outside activations, (backward and step peak - what backward holds) / params. The step's
-peak is the larger of the two phases'.
+stepping). What backward holds is measured on the stock run (one per param dtype): at its peak (its
+peak minus its params, grads at its peak and states), and, for a release run, the most it holds besides
+its landed grads at any moment (release moves the peak to where that is largest, earlier in backward,
+where more activations are left and the grad in flight is the largest's). Ours is expected at its params
++ grads at its peak + its states + that, and the ratio of measured to expected is printed, as is the
+footprint per parameter outside activations, (backward and step peak - what backward holds) / params.
+The step's peak is the larger of the two phases'.
 
     python bench/train_memory.py                       # 27M params, 4 x 256 tokens, CPU
     python bench/train_memory.py --hidden 2048 --layers 16 --device cuda --batch 8 --seq 512
@@ -58,13 +60,15 @@ class LiveBytes(TorchDispatchMode):
         self.tensors: set[int] = set()
         self.live = 0
         self.peak = 0
-        self.at_peak = at_peak  # measured whenever a phase's peak rises: its value at that peak
-        self.phases: dict[str, list[int]] = {}  # phase -> [its peak, at_peak() then]
-        self.current = self.phases.setdefault("", [0, 0])
+        self.at_peak = at_peak  # measured whenever live bytes rise in a phase: its value at the phase's peak
+        # phase -> [its peak, at_peak() then, the most bytes live besides at_peak()'s at any moment of it]
+        self.phases: dict[str, list[int]] = {}
+        self.current = self.phases.setdefault("", [0, 0, 0])
 
     def phase(self, name: str) -> None:
         """From now on the peak of phase ``name`` is measured (from what is live now)."""
-        self.current = self.phases[name] = [self.live, self.at_peak() if self.at_peak is not None else 0]
+        held = self.at_peak() if self.at_peak is not None else 0
+        self.current = self.phases[name] = [self.live, held, self.live - held]
 
     def track_all_live(self) -> None:
         """Every tensor alive now with a Python object (params, grads, states, and anything that still
@@ -93,10 +97,13 @@ class LiveBytes(TorchDispatchMode):
             self.storages[key] = [1, nbytes]
             self.live += nbytes
             self.peak = max(self.peak, self.live)
-            if self.live > self.current[0]:
+            if self.at_peak is not None:
+                held = self.at_peak()
+                self.current[2] = max(self.current[2], self.live - held)
+                if self.live > self.current[0]:
+                    self.current[:2] = self.live, held
+            elif self.live > self.current[0]:
                 self.current[0] = self.live
-                if self.at_peak is not None:
-                    self.current[1] = self.at_peak()
         else:
             held[0] += 1
 
@@ -209,7 +216,8 @@ def run(c: Contender, args: argparse.Namespace, batches: list[torch.Tensor]) -> 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = c.make(params)
     cuda = args.device == "cuda"
-    losses, forward, backward, alive = [], [], [], []  # per measured step: the phases' peaks, grads at backward's
+    # per measured step: the phases' peaks, the grads alive at backward's, the most alive besides grads in it
+    losses, forward, backward, alive, besides = [], [], [], [], []
 
     def step(x: torch.Tensor, mark: Callable[[], None] = lambda: None) -> None:
         with torch.autocast(args.device, dtype=torch.bfloat16):
@@ -244,6 +252,7 @@ def run(c: Contender, args: argparse.Namespace, batches: list[torch.Tensor]) -> 
             forward.append(mode.phases["forward"][0])
             backward.append(mode.phases["backward"][0])
             alive.append(mode.phases["backward"][1])
+            besides.append(mode.phases["backward"][2])
             del mode
     n = sum(p.numel() for p in params)
     states = unique_bytes(state_tensors(opt))
@@ -255,6 +264,7 @@ def run(c: Contender, args: argparse.Namespace, batches: list[torch.Tensor]) -> 
             "backward_peak_bytes": backward[worst], "forward_peaks": forward, "backward_peaks": backward,
             "losses": losses, "stock": c.stock, "release": c.release,
             "grads_at_peak_bytes": alive[worst] if alive else None,  # None on CUDA: not measured
+            "besides_grads_peak_bytes": max(besides) if besides else None,
             "largest_grad_bytes": max(p.numel() * p.element_size() for p in params)}
 
 
@@ -300,8 +310,12 @@ def main() -> None:
         stock = next((s for s in rows if s["stock"] and s["param_dtype"] == r["param_dtype"]), None)
         if stock is None:
             continue
-        # what backward and the step hold besides params, states and grads: stock's, at its peak
-        fwd_bwd = stock["backward_peak_bytes"] - stock["param_bytes"] - grads_at_peak(stock) - stock["state_bytes"]
+        # what backward and the step hold besides params, states and grads: stock's, at its peak; with release
+        # the peak moves to where backward holds most besides its grads (earlier: more activations left)
+        base = stock["param_bytes"] + stock["state_bytes"]
+        fwd_bwd = stock["backward_peak_bytes"] - base - grads_at_peak(stock)
+        if r["release"] and stock["besides_grads_peak_bytes"] is not None:
+            fwd_bwd = stock["besides_grads_peak_bytes"] - base
         r["expected_bytes"] = r["param_bytes"] + grads_at_peak(r) + r["state_bytes"] + fwd_bwd
         r["fwd_bwd_bytes"] = fwd_bwd
         r["ratio_to_expected"] = r["backward_peak_bytes"] / r["expected_bytes"]
