@@ -62,7 +62,7 @@ class ReleasedGrad(torch.Tensor):
             return None if func is aten._foreach_zero_.default else first
         if func in _NORMS:
             return _norms(func, args, kwargs)
-        if func in _SCALINGS:
+        if func in _SCALINGS and any(isinstance(t, ReleasedGrad) for t in _released_in(args[:1])):
             return _scale_by_one(func, first)
         owner = next(t for t in _released_in(args) if isinstance(t, ReleasedGrad))
         if func in _ACCUMULATIONS and any(isinstance(t, ReleasedGrad) for t in _released_in(args[:1])):

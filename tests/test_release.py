@@ -625,3 +625,9 @@ def test_a_backward_that_keeps_the_graph_of_its_grads_releases_nothing():
             opt.zero_grad()
 
     assert_same_run(*twin_runs(int8_adamw, loop=loop))
+
+
+def test_a_released_grad_used_as_an_operand_raises_too():
+    net, _opt = released_net()
+    with pytest.raises(RuntimeError, match=r"read the grad of 'up\.weight'"):
+        torch.ones_like(net.up.weight).mul_(net.up.weight.grad)
