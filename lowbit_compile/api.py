@@ -9,6 +9,7 @@ The checks here run first: everything that can fail does so before the optimizer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import warnings
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import checkpoint, master
+from . import checkpoint, master, release
 from .config import Config, param_names
 from .kernels.backends import BackendError, resolve
 from .memory import memory_report
@@ -93,10 +94,16 @@ def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec | None = None,
     if known is not None and config.uses_names:
         config.check_patterns(known.values())
     _check_state_names(opt, config)
+    if config.release_grads:
+        release.check_attach(opt)
     updates = conform_updates(opt, config, names)  # everything that can fail, before anything changes
     if wrapped is not None:
         _warn_of_defaults(opt, wrapped.options, set(options))
     install(opt, config, given.kept(), names, updates)
+    if config.release_grads:
+        release.attach(opt, wrapped_of(opt))
+    else:
+        release.detach(opt)
     opt.__class__ = lowbit_class(type(opt))
     return opt
 
@@ -135,6 +142,7 @@ def restore(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     wrapped = wrapped_of(opt)
     if wrapped is None:
         return opt
+    release.detach(opt)
     uninstall(opt, wrapped)
     opt.__class__ = stock_class(type(opt))
     return opt
@@ -321,6 +329,11 @@ def _make_class(base: type[torch.optim.Optimizer], module: str) -> type[torch.op
     def __repr__(self) -> str:
         return f"{describe(self)}\n{super(cls, self).__repr__()}"
 
+    def no_step(self) -> contextlib.AbstractContextManager[None]:
+        return release.no_step(self)
+
+    no_step.__doc__ = release.no_step.__doc__
+
     def __getstate__(self) -> dict[str, Any]:
         state = super(cls, self).__getstate__()
         wrapped = wrapped_of(self)
@@ -368,7 +381,7 @@ def _make_class(base: type[torch.optim.Optimizer], module: str) -> type[torch.op
         "__doc__": f"{base.__qualname__} with block-quantized 8-bit states: ``lowbit_compile({base.__qualname__}"
                    "(...), **options)`` as one class.\n\n" + (base.__doc__ or ""),
         "__init__": __init__, "__repr__": __repr__, "__getstate__": __getstate__, "__setstate__": __setstate__,
-        "__reduce_ex__": __reduce_ex__, "add_param_group": add_param_group,
+        "__reduce_ex__": __reduce_ex__, "add_param_group": add_param_group, "no_step": no_step,
     }
     cls = type(base.__name__, (base,), namespace)
     return cls

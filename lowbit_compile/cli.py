@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="the fp32 master of 16-bit params: fp32 (a copy, also the stock column; the default "
                           "when given without a value), exact or 8bit (our residual in the low-bit column)")
     for field, flag in _OPTION_FLAGS:
-        if field.name in ("fmt", "block_size", "outliers"):
+        if field.name in ("fmt", "block_size", "outliers", "release_grads"):
             est.add_argument(flag, dest=field.name, help=field.metadata["cli"], **field.metadata["argparse"])
     est.add_argument("--shards", type=int, default=1, help="devices the sharded components are split over")
     est.add_argument("--zero-stage", type=int, default=3, choices=(1, 2, 3),
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         options = _given(fmt=parse_spec(args.fmt, "--fmt") if args.fmt is not None else None,
-                         block_size=args.block_size, outliers=args.outliers)
+                         block_size=args.block_size, outliers=args.outliers, release_grads=args.release_grads or None)
         print(estimate(args.params, param_dtype=args.param_dtype, master_weights=args.master_weights,
                        shards=args.shards, zero_stage=args.zero_stage, amsgrad=args.amsgrad,
                        muon_params=args.muon_params, **options))
@@ -119,7 +119,7 @@ def _as_flags(message: str) -> str:
 
 def _split_run_argv(argv: list[str]) -> tuple[list[str], tuple[str, str] | None, list[str]]:
     """(runner options, ("script", path) or ("module", name), the script's own arguments)."""
-    takes_value = {flag for _, flag in _OPTION_FLAGS}
+    takes_value = {flag for f, flag in _OPTION_FLAGS if f.metadata["argparse"].get("action") != "store_true"}
     takes_value |= {flag for flag, kwargs in _RUNNER_FLAGS if kwargs.get("action") != "store_true"}
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-m", "--"):

@@ -54,6 +54,7 @@ class Config:
     overrides: tuple[tuple[Matcher, str | tuple[tuple[str, str], ...]], ...] = ()
     master_weights: str | None = None  # "exact", "8bit" or None: how 16-bit params keep their fp32 master
     rounding: str | tuple[tuple[str, str], ...] = "nearest"  # how quantized states round, or per state
+    release_grads: bool = False  # step each param in backward as its grad completes (release.py)
 
     @staticmethod
     def of(options: Options) -> Config:
@@ -83,8 +84,10 @@ class Config:
             raise ValueError(f"min_8bit_size must be a non-negative int, got {options.min_8bit_size!r}")
         if options.master_weights is not None and options.master_weights not in MASTER_MODES:
             raise ValueError(f"master_weights must be one of {MASTER_MODES} or None, got {options.master_weights!r}")
+        if not isinstance(options.release_grads, bool):
+            raise TypeError(f"release_grads must be True or False, got {options.release_grads!r}")
         return Config(fmt_key, block_size, outliers, options.min_8bit_size, backends.canonical(options.backend),
-                      tuple(override_keys), options.master_weights, rounding_key)
+                      tuple(override_keys), options.master_weights, rounding_key, options.release_grads)
 
     @property
     def uses_names(self) -> bool:

@@ -42,7 +42,7 @@ from . import checkpoint
 from .api import REWRITTEN, _check_optimizer, is_wrapped, lowbit_compile, restore
 from .config import Config, UnmatchedOverride, param_names
 from .memory import memory_report
-from .monitor import Monitor
+from .monitor import RELEASE_REFUSAL, Monitor
 from .monitor import monitor as sample_health
 from .options import DEFAULT_FMT, FmtSpec, Options, ScopeOptions, args_doc, entry_signature, from_keywords
 from .rewritten_step import stock_step_runs_rewritten
@@ -85,6 +85,8 @@ class Scope(contextlib.ContextDecorator):
     def __init__(self, fmt: FmtSpec = DEFAULT_FMT, **options: Any) -> None:
         given, scope = from_keywords("enable()", {"fmt": fmt, **options}, Options, ScopeOptions)
         self.config = Config.of(given)
+        if given.release_grads and scope.monitor is not None:
+            raise ValueError(RELEASE_REFUSAL)
         self._options = given.kept()
         model = given.model
         self._names = param_names(model) if model is not None else None

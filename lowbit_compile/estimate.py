@@ -82,6 +82,7 @@ def estimate(
     zero_stage: int = 3,
     amsgrad: bool = False,
     muon_params: int = 0,
+    release_grads: bool = False,
 ) -> Estimate:
     """Bytes per device for ``params`` parameters trained with Adam/AdamW, or ``muon_params`` of them
     (the matrices) with Muon, whose one state is its momentum, and the rest with AdamW. Muon's
@@ -92,7 +93,9 @@ def estimate(
     what it steps. ``master_weights``: ``True`` or ``"fp32"``, an fp32 copy in both columns;
     ``"exact"`` or ``"8bit"``, the copy in the stock column and our residual state
     (``lowbit_compile(..., master_weights=...)``) in the low-bit one. With ``shards`` > 1 the components
-    ZeRO stage ``zero_stage`` shards are divided evenly (rounded up) over the devices.
+    ZeRO stage ``zero_stage`` shards are divided evenly (rounded up) over the devices. With
+    ``release_grads`` the low-bit column holds no grads: each steps and is freed as it lands in backward
+    (what is in flight then, the grad stepping and a bucket of small ones, is not counted).
     """
     if not is_int(params) or not 1 <= params <= MAX_PARAM_COUNT:
         raise ValueError(f"the parameter count must be an int from 1 to {MAX_PARAM_COUNT:.0e} (tensor sizes are "
@@ -119,7 +122,8 @@ def estimate(
     state_dtype = torch.float32 if mode else PARAM_DTYPES[param_dtype]
     rows = [
         Row(f"params ({param_dtype})", local("params") * p_bytes, local("params") * p_bytes),
-        Row(f"grads ({param_dtype})", local("grads") * p_bytes, local("grads") * p_bytes),
+        Row(f"grads ({param_dtype}{', released' if release_grads else ''})", local("grads") * p_bytes,
+            0 if release_grads else local("grads") * p_bytes),
     ]
     if mode == "fp32":
         rows.append(Row("master weights (fp32)", local("master") * 4, local("master") * 4))
@@ -153,5 +157,6 @@ def estimate(
     which = f"Muon ({muon_params:,} of them) + AdamW" if muon_params else "Adam/AdamW"
     title = (f"{which} memory for {params:,} parameters ({what}), {where}; low-bit: fmt={fmt_text}, "
              f"block_size={block_size}, outliers={outliers}"
-             + (f", master_weights={mode!r}" if mode in MASTER_MODES else ""))
+             + (f", master_weights={mode!r}" if mode in MASTER_MODES else "")
+             + (", release_grads=True (grads freed as each steps in backward)" if release_grads else ""))
     return Estimate(tuple(rows), title, params if shards == 1 else 0)

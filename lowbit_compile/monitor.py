@@ -43,6 +43,13 @@ MIN_SAMPLES = 3
 # are 4096 values; a sample then costs in proportion to the number of parameters, not their size.
 DEFAULT_MAX_BLOCKS = 8
 
+# Why a monitor and gradient release (release_grads=True) refuse each other.
+RELEASE_REFUSAL = (
+    "release_grads=True cannot combine with a monitor (monitor=, lowbit_compile.monitor, the HF and Lightning "
+    "monitor callbacks): a monitor measures, at opt.step(), the step the grads will make, and release has "
+    "stepped each param and freed its grad in backward. Monitor a run without release_grads, or release "
+    "without monitoring")
+
 # A sink: a TensorBoard ``SummaryWriter`` (``add_scalar``), a Lightning logger (``log_metrics``), a
 # ``logging.Logger``, or any callable ``log(metrics: dict, step: int)`` (``wandb.log``).
 Sink = Any
@@ -217,6 +224,8 @@ def monitor(opt: torch.optim.Optimizer, every: int = 100, *, log: Sink | Sequenc
     names = param_names(model) if model is not None else None
     if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 1):
         raise ValueError(f"max_blocks must be a positive int or None, got {max_blocks!r}")
+    if getattr(wrapped_of(opt), "release", None) is not None:
+        raise ValueError(RELEASE_REFUSAL)
     return Monitor(opt, every, names, sinks, float(max_zero_flush), float(max_rel_error), max_blocks)
 
 

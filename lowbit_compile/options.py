@@ -138,6 +138,15 @@ class Options:
         "(docs/formats-and-quality.md#long-run). See docs/numerics.md.",
         cli="how quantized states round: nearest (the default) or stochastic, or per state: "
             "exp_avg=stochastic,exp_avg_sq=nearest", parse=parse_spec)
+    release_grads: bool = option(
+        False,
+        "step each parameter inside backward as soon as its grad is complete, and free the grad at once, so the "
+        "grads never all exist together (up to the grads' bytes off the peak). Params and states stay bit for "
+        "bit those of stepping after backward; ``opt.step()`` completes the iteration. Off by default: what "
+        "needs every grad at once (a global-norm clip, GradScaler, DDP) cannot follow and is refused, and "
+        "backwards that accumulate must say so (``with opt.no_step():``). See docs/memory.md#gradient-release.",
+        cli="step each param in backward as its grad completes and free the grad (saves the grads' memory; "
+            "refuses clip_grad_norm_, GradScaler, DDP)", action="store_true")
 
     def kept(self) -> dict[str, Any]:
         """The options as keywords, less ``model``: what a wrapped optimizer keeps, and a copy of it (a
@@ -195,6 +204,7 @@ class OptionKeywords(TypedDict, total=False):
     model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None
     master_weights: str | None
     rounding: RoundingSpec
+    release_grads: bool
 
 
 def _optim_bits(value: Any) -> str:

@@ -23,6 +23,7 @@ from .kernels.formats import StateFormat
 from .kernels.rounding import SEED as ROUNDING_SEED
 from .param_groups import check_group, reads_every_default
 from .passes.trace import entries_read, unhooked_step
+from .released_grad import is_released
 from .run import Prepared, StepPlan, group_signature
 from .state import QuantizedState
 from .state_schema import StateSchema, init_state, probe_schema
@@ -163,6 +164,8 @@ def _lowbit_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None =
     if wrapped is None:  # the closure restored the optimizer (restore(opt)): the step it asked for is stock
         unhooked_step(type(opt))(opt)
         return loss
+    if wrapped.release is not None:  # release_grads: the params stepped in backward; this completes the iteration
+        wrapped.release.before_step(opt)
     with wrapped.lock:
         _locked_step(opt, wrapped)
     return loss
@@ -191,15 +194,21 @@ def _locked_step(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
         _meta_step(opt, wrapped, on_meta)
 
 
-def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:
-    """The full preparation of a step: find or build the kernel of every parameter to step (a step
-    that cannot be built fails here, with every state, counter and grad as it was), then create or
-    convert the states of the parameters stepped for the first time, and bind them all. Also the
-    params on the ``meta`` device, which the stock update steps."""
+def prepare_params(opt: torch.optim.Optimizer, wrapped: Wrapped, params: list[torch.Tensor]) -> StepPlan:
+    """The plan that steps ``params`` alone, whose grads are complete (gradient release's bucket)."""
+    return _prepare(opt, wrapped, {id(p) for p in params})[0]
+
+
+def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped, only: set[int] | None = None
+             ) -> tuple[StepPlan, list[tuple[dict, torch.Tensor]]]:
+    """The full preparation of a step (of the params whose ids are in ``only``, if given): find or build
+    the kernel of every parameter to step (a step that cannot be built fails here, with every state,
+    counter and grad as it was), then create or convert the states of the parameters stepped for the
+    first time, and bind them all. Also the params on the ``meta`` device, which the stock update steps."""
     config = wrapped.config
     while True:  # once more if a trace found the step reads group entries the signatures left out
         seen = entries_read()
-        ready, todo, requests, on_meta = _requests(opt, wrapped)
+        ready, todo, requests, on_meta = _requests(opt, wrapped, only)
         compiled_steps = compile_steps(requests)  # the kernels of all signatures compile at once
         if entries_read() == seen:
             break
@@ -222,12 +231,14 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[StepPlan, li
         warnings.warn(f"lowbit-compile: {materialised} parameter(s) of this {type(opt).__name__} were stepped on the "
                       "meta device and hold values now; their states held none and start afresh (step 0), as a new "
                       "optimizer's would", stacklevel=5)
-    return StepPlan(opt, config, ready), on_meta
+    return StepPlan(opt, config, ready, subset=only is not None), on_meta
 
 
-def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list, list, list]:
+def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped, only: set[int] | None = None
+              ) -> tuple[list, list, list, list]:
     """The parameters whose prepared step still holds, and the step requests of the others (with what
-    their states need once built); the params on the ``meta`` device apart."""
+    their states need once built); the params on the ``meta`` device apart. A param whose grad was
+    released (it stepped in backward) has nothing left to step."""
     config = wrapped.config
     complete = reads_every_default(opt)
     for i, group in enumerate(opt.param_groups):  # a group changed since it was checked
@@ -240,7 +251,7 @@ def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped) -> tuple[list, list,
         guards: dict[int, bool] = {}
         for param in group["params"]:
             grad = param.grad
-            if grad is None:
+            if grad is None or is_released(grad) or (only is not None and id(param) not in only):
                 continue
             if param.is_meta:  # no values to quantize: see _meta_step
                 on_meta.append((group, param))

@@ -16,6 +16,7 @@ from .config import Config
 from .kernels.contract import Role
 from .kernels.kernel import Launch
 from .passes.trace import hyper_slots, static_group_items, tensor_meta, unhooked_step
+from .released_grad import ReleasedGrad, is_released
 from .state_schema import filled
 from .trace_cache import LruCache, trace_group
 
@@ -145,7 +146,7 @@ class StepPlan:
     storage, grad or hyperparameter tensor outlives the step that used it."""
 
     def __init__(self, opt: torch.optim.Optimizer, config: Config,
-                 items: list[tuple[Prepared, dict, torch.Tensor, torch.Tensor, dict]]) -> None:
+                 items: list[tuple[Prepared, dict, torch.Tensor, torch.Tensor, dict]], subset: bool = False) -> None:
         self.config = config
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -169,10 +170,16 @@ class StepPlan:
         # one parameter at a time: the largest of the kernels' own temporaries (a staged step's)
         self.transient = max((getattr(b.compiled.kernel, "transient_bytes", 0) for b in self.buckets.values()),
                              default=0)
-        # the params of each group in order, with their member (None: stepped without a grad)
+        # per group, its params by position with their member (None: stepped without a grad); a plan of
+        # a subset (gradient release's bucket) lists only its own params, and no group without one
         step = unhooked_step(type(opt))
-        self.groups = [(group, group["params"], len(group["params"]), group_signature(group, step)[0],
-                        [members.get(id(p)) for p in group["params"]]) for group in opt.param_groups]
+        self.n_groups = len(opt.param_groups)
+        self.groups = []
+        for gi, group in enumerate(opt.param_groups):
+            params = group["params"]
+            indexed = [(i, members.get(id(p))) for i, p in enumerate(params) if not subset or id(p) in members]
+            if indexed or not subset:
+                self.groups.append((gi, group, params, len(params), group_signature(group, step)[0], indexed))
         # strided params and states are bound through copies; a step that creates states (SGD's
         # first, momentum_buffer = grad) is followed by another trace, so neither is replayed
         self.reusable = not self.write_back and not any(b.compiled.fresh for b in self.buckets.values())
@@ -186,30 +193,35 @@ class StepPlan:
         return False
 
     def _bind(self, opt: torch.optim.Optimizer, config: Config) -> bool:
-        if config is not self.config or len(opt.param_groups) != len(self.groups):
+        groups = opt.param_groups
+        if config is not self.config or len(groups) != self.n_groups:
             return False
         state_of, step = opt.state, unhooked_step(type(opt))
-        for group, (planned, params, count, sig, members) in zip(opt.param_groups, self.groups):
+        for gi, planned, params, count, sig, members in self.groups:
+            group = groups[gi]
             if group is not planned or group["params"] is not params or len(params) != count:
                 return False
             group_sig, values = group_signature(group, step)
             if group_sig is not sig:
                 return False
-            for p, m in zip(params, members):
+            for i, m in members:
+                p = params[i]
                 grad = p.grad
                 if m is None:
-                    if grad is not None:
+                    if grad is not None and not is_released(grad):  # a released grad stepped in backward
                         return False
                     continue
-                storage = p._local_tensor if m.sharded else p
+                if grad is None:
+                    return False
+                storage, local_grad = (p._local_tensor, grad._local_tensor) if m.sharded else (p, grad)
                 # the grad's dtype, size and layout are checked by the launch, which binds it
-                if (grad is None or state_of.get(p) is not m.state or storage.data_ptr() != m.ptr
+                if (type(local_grad) is ReleasedGrad or state_of.get(p) is not m.state or storage.data_ptr() != m.ptr
                         or grad.layout is not torch.strided or len(m.state) != len(m.entries)
                         or any(map(is_not, m.state.values(), m.entries))):  # a state entry replaced
                     return False
                 row = m.row
                 row[m.param_index] = storage
-                row[m.grad_index] = grad._local_tensor if m.sharded else grad
+                row[m.grad_index] = local_grad
             for bucket in self.buckets.values():
                 if bucket.group is group:
                     if not bucket.compiled.guard(values):
@@ -220,6 +232,10 @@ class StepPlan:
                             for row in bucket.rows:
                                 row[i] = value
         return True
+
+    def stepped_groups(self) -> list[dict]:
+        """The param groups this plan steps parameters of."""
+        return [group for _, group, _, _, _, members in self.groups if any(m is not None for _, m in members)]
 
     def grads(self) -> list[torch.Tensor]:
         """The grads bound for this step (between :meth:`refresh` or construction and :meth:`run`)."""

@@ -12,6 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .config import Config
 
 if TYPE_CHECKING:
+    from .release import Release
     from .run import StepPlan
 
 ATTR = "_lowbit"  # the optimizer attribute that holds its Wrapped
@@ -35,6 +36,7 @@ class Wrapped:
         # one step at a time: two threads stepping one optimizer take turns (stock's step is not
         # atomic either, but ours binds rows that a second step would rebind under the first)
         self.lock = threading.RLock()
+        self.release: Release | None = None  # release_grads=True: the hooks that step each param in backward
 
 
 def wrapped_of(opt: torch.optim.Optimizer) -> Wrapped | None:

@@ -1,5 +1,6 @@
 """Distributed training on CPU with gloo: FSDP2 (uneven shards), torch.distributed.checkpoint at the
-same and at another world size, DDP and ZeroRedundancyOptimizer, FSDP1's flat parameters.
+same and at another world size, DDP and ZeroRedundancyOptimizer, FSDP1's flat parameters, gradient
+release on FSDP2 (and DDP's refusal).
 
 Each test launches the ranks of one scenario of ``tests/dist_worker.py`` as processes that meet
 through a file rendezvous (no TCP listener; gloo on the loopback interface), and fails with the
@@ -88,3 +89,12 @@ def test_fsdp2_master_weights_are_the_recipe_and_resume_exactly_at_any_world_siz
 def test_fsdp2_muon_is_stock_and_resumes_exactly(workdir, world):
     """Muon's staged step on FSDP2 shards (Newton-Schulz on the DTensors) at 1 and 2 ranks."""
     print(launch("fsdp_muon", world, workdir))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp2_with_release_grads_is_the_run_without_and_resumes_exactly(workdir, world):
+    print(launch("fsdp_release", world, workdir))
+
+
+def test_ddp_with_release_grads_is_refused_before_any_step(workdir):
+    print(launch("ddp_release", 2, workdir))
