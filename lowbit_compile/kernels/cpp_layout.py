@@ -231,15 +231,19 @@ class BlockKernel:
         blockwise = [s for s in self.states if s.fmt.blockwise]
         rooted = [s for s in blockwise if s.root]
         written = [s for s in blockwise if s.writes]
+        drawn = [s for s in written if s.rand]
+        staged = len(blockwise) + len(rooted)
         out = [
             f"static const int64_t LB_BLOCK = {self.block};",
             f"static const int64_t LB_ROW = {len(self.pointers) + 1};  // element count, then one pointer per input",
             f"static const int LB_N_SCALARS = {self.n_scalars};",
-            f"static const int LB_N_BUFS = {len(blockwise) + len(rooted) + len(self.staged)};",
+            f"static const int LB_N_BUFS = {staged + len(self.staged) + len(drawn)};",
             "",
         ]
-        slot = {s.ident: b for b, s in enumerate(blockwise)}  # a state's buffer, then its root's, in scratch
+        # in scratch: each state's buffer, its root's, the staged square roots, its thresholds'
+        slot = {s.ident: b for b, s in enumerate(blockwise)}
         slot.update({f"root_{s.ident}": len(blockwise) + b for b, s in enumerate(rooted)})
+        slot.update({f"thr_{s.ident}": staged + len(self.staged) + b for b, s in enumerate(drawn)})
         if written:
             out += self._job(written, slot)
         fused = bool(written) and all(w.fmt.name in fused_encodes for w in written)
@@ -278,6 +282,8 @@ class BlockKernel:
         first = len(blockwise) + len(rooted)
         out += [f"float* __restrict {buf} = scratch + {first + b} * LB_BLOCK;"
                 for b, (buf, _, _) in enumerate(self.staged)]
+        out += [f"float* __restrict thr_{s.ident} = scratch + {slot['thr_' + s.ident]} * LB_BLOCK;"
+                for s in blockwise if s.writes and s.rand]
         return out
 
     @staticmethod
@@ -321,7 +327,8 @@ class BlockKernel:
         out = ["job.len = len;"] if written else []
         for j, w in enumerate(written):
             parts = ", ".join(w.ptr(part) for part in PARTS)
-            extra = [w.rand or "{}", f"root_{w.ident}"] if w.root else [w.rand] if w.rand else []
+            extra = [w.rand or "{}", f"root_{w.ident}" if w.root else "nullptr", f"thr_{w.ident}"] if w.rand else (
+                ["{}", f"root_{w.ident}"] if w.root else [])
             out.append(f"job.codes[{j}] = {w.ptr(Part.CODES)};")
             out.append(f"job.enc[{j}] = lb_quantize_scale<{w.template}, {w.fmt.patches}"
                        f"{', LB_STOCHASTIC' if w.rand else ''}>(acc_{w.ident}, buf_{w.ident}, len, LB_BLOCK, "
@@ -345,16 +352,19 @@ class BlockKernel:
             if w.root:
                 out.append(f"{ind}const float* root_{k} = scratch + {slot['root_' + k]} * LB_BLOCK;")
             out.append(f"{ind}uint8_t* {w.ptr(Part.CODES)} = job.codes[{j}];")
+            if w.rand:
+                out.append(f"{ind}const float* thr_{k} = scratch + {slot['thr_' + k]} * LB_BLOCK;")
             out.append(f"{ind}const float mult_{k} = job.mult[{j}];")
             out.append(f"{ind}const bool enc_{k} = job.enc[{j}];")
 
         def args(s: KernelState) -> list[str]:
-            return [f"buf_{s.ident}", f"root_{s.ident}" if s.root else "nullptr", f"mult_{s.ident}", s.ptr(Part.CODES)]
+            return [f"buf_{s.ident}", f"root_{s.ident}" if s.root else "nullptr", f"mult_{s.ident}", s.ptr(Part.CODES),
+                    f"thr_{s.ident}" if s.rand else "nullptr"]
 
         def single(s: KernelState) -> str:
-            buf, root, mult, codes = args(s)
+            buf, root, mult, codes, thr = args(s)
             return (f"if (enc_{s.ident}) lb_encode_block<{s.template}, {_encoding(s.rand)}>({buf}, {root}, "
-                    f"len, {mult}, {codes});")
+                    f"len, {mult}, {codes}, {thr});")
 
         for a, b in zip(written[::2], written[1::2]):
             out.append(f"{ind}if (enc_{a.ident} && enc_{b.ident}) {{")
@@ -374,8 +384,9 @@ class BlockKernel:
         for w in written:
             k = w.ident
             root = f"root_{k}" if w.root else "nullptr"
+            thr = f"thr_{k}" if w.rand else "nullptr"
             lines.append(f"  lb_st_codes(q_codes_{k} + i, lb_encode_at<{self._lane_encode(w)}>(buf_{k}, {root}, i, "
-                         f"q_mult_{k}, q_codes_{k}));")
+                         f"q_mult_{k}, {thr}));")
         return ["if (fuse) {", *lines, "}"]
 
     def _lane_encode(self, s: KernelState) -> str:

@@ -429,9 +429,9 @@ LB_INLINE void lb_st_f16_n(uint16_t* p, vf v, int64_t r) {
   memcpy(p, t, r * sizeof(uint16_t));
 }
 
-// Random bits of stochastic rounding (the lossy residual, stochastically rounded states):
-// hash32(index ^ hash32(seed)), with Chris Wellons' lowbias32 hash and the element's index in the
-// tensor (residual.random_bits; a state's seed carries its stream in the top 8 bits, rounding.py).
+// Random bits of stochastic rounding, with Chris Wellons' lowbias32 hash: the lossy residual's
+// hash32(index ^ hash32(seed)) (residual.random_bits), a stochastically rounded state's 16-bit draws
+// (lb_draws, rounding.state_draws).
 static inline uint32_t lb_hash32_s(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -683,19 +683,18 @@ LB_INLINE vi lb_encode(vf y) {
 
 // Stochastic rounding of 8-bit codes (formats.round_stochastic, triton_lib.round_stochastic): of the two
 // codes around y (the value clamped into the format's range), the one of larger magnitude (outer, value
-// w_out) replaces the one nearer zero (inner, value w_in) where (u + 0.5) * |w_out - w_in| < 256 *
-// |y - w_in|, u the element's 8-bit draw (lb_random_bytes); a positive value of a non-negative state
-// never becomes code 0. Where y is a code's value |y - w_in| is 0 or the whole gap and it keeps that
-// code; a non-finite value gets its special code after (lb_encode_scaled: only a flagged block holds
-// one). t = (u + 0.5) / 256 in one exact fma: the comparison is t * |w_out - w_in| < |y - w_in|.
-LB_INLINE vf lb_draw(vi u) { return lb_fma(__builtin_convertvector(u, vf), lb_splat(0x1p-8f), lb_splat(0x1p-9f)); }
+// w_out) replaces the one nearer zero (inner, value w_in) where t * |w_out - w_in| < |y - w_in| (one fp32
+// product, both distances exact), t = (u + 0.5) / 2^16 the element's threshold (lb_thresholds); a
+// positive value of a non-negative state never becomes code 0. Where y is a code's value |y - w_in| is 0
+// or the whole gap and it keeps that code; a non-finite value gets its special code after
+// (lb_encode_scaled: only a flagged block holds one).
 // int8 (y already normalized): on the magnitude, the inner code floor(|y|), 1 below the outer, and the
 // distance |y| - floor(|y|), all exact; the sign put back on the code.
 template <bool U>
-LB_INLINE vi lb_stochastic_int8(vf y, vi u) {
+LB_INLINE vi lb_stochastic_int8(vf y, vf t) {
   typedef lb_format<LB_INT8, U> f;
   const vf yc = lb_clamp(y, U ? 0.0f : -f::qmax, f::qmax), a = U ? yc : lb_abs(yc), c = lb_floor(a);
-  const vf m = lb_draw(u) < a - c ? c + 1.0f : c;
+  const vf m = t < a - c ? c + 1.0f : c;
   if (U) return lb_lift_positive(__builtin_convertvector(m, vi), y);
   return lb_code_byte(lb_cvt_signed(m, yc));
 }
@@ -703,10 +702,10 @@ LB_INLINE vi lb_stochastic_int8(vf y, vi u) {
 // y = a * a of the clamped root a, the inner code c = floor(a), y - c * c in one fma (c * c is exact)
 // and the outer code's value 2c + 1 above c * c: all exact, nothing decoded.
 template <bool U>
-LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vi u) {
+LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vf t) {
   const vf a = lb_min_nn(r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)), c = lb_floor(a), y = a * a;
   const vf d = lb_fma(-c, c, y), gap = lb_fma(c, lb_splat(2.0f), lb_splat(1.0f));
-  const vf m = lb_draw(u) * gap < d ? c + 1.0f : c;
+  const vf m = t * gap < d ? c + 1.0f : c;
   return U ? lb_lift_positive(__builtin_convertvector(m, vi), y) : lb_code_byte(lb_cvt_signed(m, sign));
 }
 // fp8 on the magnitude, nothing decoded: the codes around |y| are the multiples c and c + 1 of its
@@ -715,7 +714,7 @@ LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vi u) {
 // encoded to nearest. A positive value of a non-negative state is at least code 1 (lb_encode_fp8's lift
 // from x, the value before rounding).
 template <int F, bool U>
-LB_INLINE vi lb_stochastic_fp8(vf x, vi u) {
+LB_INLINE vi lb_stochastic_fp8(vf x, vf t) {
   typedef lb_format<F, U> f;
   constexpr int M = f::mantissa, MIN_EXP = f::min_exponent;
   const vf y = lb_clamp(x, -f::qmax, f::qmax);
@@ -723,14 +722,14 @@ LB_INLINE vi lb_stochastic_fp8(vf x, vi u) {
   vi e = a >> 23;
   e = e > 127 + MIN_EXP ? e : lb_splat_i(127 + MIN_EXP);
   const vf s = lb_bits_f(a) * lb_bits_f((254 + M - e) << 23), c = lb_floor(s);  // |y| / unit, exact
-  const vf m = (lb_draw(u) < s - c ? c + 1.0f : c) * lb_bits_f((e - M) << 23);
+  const vf m = (t < s - c ? c + 1.0f : c) * lb_bits_f((e - M) << 23);
   const vi code = lb_encode_fp8<M, MIN_EXP, false>(lb_bits_f(lb_bits_i(m) | sign));
   return U ? lb_lift_positive(code, x) : code;
 }
 // dynamic8, from the nearest code: the other code around y is code +- 1 (the map is monotone in the
 // code), both codes decoded. (fp8 took this path before lb_stochastic_fp8: the same codes.)
 template <int F, bool U>
-LB_INLINE vi lb_round_stochastic(vf x, vi code, vi u) {
+LB_INLINE vi lb_round_stochastic(vf x, vi code, vf t) {
   typedef lb_format<F, U> f;
   constexpr bool fp8 = F == LB_E4M3 || F == LB_E5M2;
   const vf y = lb_clamp(x, U && !fp8 ? 0.0f : -f::qmax, f::qmax);
@@ -740,15 +739,15 @@ LB_INLINE vi lb_round_stochastic(vf x, vi code, vi u) {
   const vf w = lb_decode<F, U>(lb_lane<F, U>(other));
   // the other code is the inner one (where y is a code's value either answer keeps the code)
   const vi inward = fp8 ? ~away : away ^ (vi)(y >= 0);
-  const vi outer = lb_draw(u) * lb_abs(w - v) < lb_abs(y - (inward ? w : v));
+  const vi outer = t * lb_abs(w - v) < lb_abs(y - (inward ? w : v));
   vi out = inward ? (outer ? code : other) : (outer ? other : code);
   if (U) out = (x > 0) & (out == 0) ? lb_splat_i(1) : out;
   return out;
 }
-// bf16 bits of x (already clamped as the nearest encode clamps it) rounded stochastically: the low 16
-// random bits added to the fp32 pattern, truncated; NaN rounds to nearest.
-LB_INLINE vi lb_bf16_bits_stochastic(vf x, vu bits) {
-  const vi up = (vi)(((vu)lb_bits_i(x) + (bits & 0xFFFFu)) >> 16);
+// bf16 bits of x (already clamped as the nearest encode clamps it) rounded stochastically: the 16-bit
+// draws added to the fp32 pattern, truncated; NaN rounds to nearest.
+LB_INLINE vi lb_bf16_bits_stochastic(vf x, vu draws) {
+  const vi up = (vi)(((vu)lb_bits_i(x) + draws) >> 16);
   return x != x ? lb_f32_to_bf16_bits(x) : up;
 }
 // What a block's stochastic rounding draws from: the state's key (hash32 of its seed) and the index
@@ -757,37 +756,50 @@ struct lb_rand {
   uint32_t key;
   int64_t first;
 };
-template <bool SR>
-LB_INLINE vu lb_bits_at(lb_rand rnd, int64_t i) {  // 32 bits per element (bf16 states and patches)
-  if constexpr (SR) return lb_random_bits(rnd.key, rnd.first + i);
-  else return (vu){};
+// The 16-bit draws (rounding.state_draws): in each run of 16 elements (from index 0 of the tensor) the
+// first 8 take the low halves of words (i / 16) * 8 + 0..7, hashed as hash32(word ^ key), the next 8
+// their high halves, so one hash serves two elements.
+static inline uint32_t lb_draw_s(uint32_t key, int64_t i) {
+  return (lb_hash32_s((uint32_t)(((i >> 4) << 3) | (i & 7)) ^ key) >> ((i & 8) << 1)) & 0xFFFFu;
 }
-// The 8-bit draws of a block's codes (rounding.state_draws): element i draws byte i % 4 of the word
-// hash32((i / 4) ^ 2^31 ^ key) (little-endian), so one hash serves four elements and the block's draws
-// are its words' bytes in memory order. lb_quantize_scale writes them where the block's codes go (its
-// old codes are read by then), and the encode reads each element's draw there before it writes the
-// code over it: one lane vector of words per 4 * LB_W elements, nothing else kept.
-LB_INLINE void lb_random_bytes(lb_rand rnd, int64_t len, uint8_t* out) {
-  const uint32_t key = rnd.key ^ 0x80000000u;
-  if (__builtin_expect(rnd.first & 3, 0)) {  // blocks of 1 or 2 elements: words shared across blocks
-    for (int64_t j = 0; j < len; ++j) {
-      const int64_t i = rnd.first + j;
-      out[j] = (uint8_t)(lb_hash32_s((uint32_t)(i >> 2) ^ key) >> (8 * (i & 3)));
-    }
+// The draws of the LB_W elements from index `first` on (a bf16 state's lane vector): lane l is element
+// first + l, whose run and place in it follow from r = first % 16 + l.
+LB_INLINE vu lb_draws(uint32_t key, int64_t first) {
+  const vi r = lb_splat_i((int32_t)(first & 15)) + lb_iota();
+  const vu word = (vu)lb_splat_i((int32_t)(uint32_t)((first >> 4) << 3)) + (vu)(((r >> 4) << 3) | (r & 7));
+  return (lb_hash32_tail((word ^ key) ^ ((word ^ key) >> 16)) >> (vu)((r & 8) << 1)) & 0xFFFFu;
+}
+// The thresholds of a block's len elements into t[0, len) (rounding.threshold: t = (u + 0.5) / 2^16 of
+// each element's draw u, exact), which the encode reads lane vector by lane vector. Where the block
+// starts a run (every block of 16 or more elements), one vector of 8 hashes gives 16 thresholds: the 8
+// low halves, then the 8 high halves (a block's last run may write past len, within its buffer).
+static inline void lb_thresholds(lb_rand rnd, int64_t len, float* t) {
+  if (__builtin_expect((rnd.first & 15) != 0 || len < 16, 0)) {  // blocks of fewer than 16 elements
+    for (int64_t j = 0; j < len; ++j) t[j] = ((float)lb_draw_s(rnd.key, rnd.first + j) + 0.5f) * 0x1p-16f;
     return;
   }
-  const vu q = (vu){} + (uint32_t)(rnd.first >> 2);
-  for (int64_t i = 0; i < len; i += 4 * LB_W) {
-    vu x = ((q + (uint32_t)(i >> 2)) + (vu)lb_iota()) ^ key;
-    x = lb_hash32_tail(x ^ (x >> 16));
-    if (i + 4 * LB_W <= len) memcpy(out + i, &x, sizeof x);
-    else memcpy(out + i, &x, len - i);
+  typedef uint32_t v8u __attribute__((vector_size(32)));
+  typedef int32_t v8i __attribute__((vector_size(32)));
+  typedef float v8f __attribute__((vector_size(32)));
+  const v8u lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+  const uint32_t first_word = (uint32_t)((rnd.first >> 4) << 3);  // a multiple of 8
+  for (int64_t j = 0; j < len; j += 16) {
+    v8u x = (((v8u){} + (first_word + (uint32_t)(j >> 1))) + lanes) ^ rnd.key;
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    const v8f lo = (__builtin_convertvector((v8i)(x & 0xFFFFu), v8f) + 0.5f) * 0x1p-16f;
+    const v8f hi = (__builtin_convertvector((v8i)(x >> 16), v8f) + 0.5f) * 0x1p-16f;
+    memcpy(t + j, &lo, sizeof lo);
+    memcpy(t + j + 8, &hi, sizeof hi);
   }
 }
 template <bool SR>
-LB_INLINE vi lb_draws_at(const uint8_t* draws) {  // the draws lb_random_bytes left at draws[0, LB_W)
-  if constexpr (SR) return lb_ld_u8(draws);
-  else return (vi){};
+LB_INLINE vf lb_thresholds_at(const float* t) {  // the thresholds lb_thresholds left at t[0, LB_W)
+  if constexpr (SR) return lb_ld(t);
+  else return vf{};
 }
 
 // bf16 storage (states and patches; formats.encode, round_bf16): a finite value saturates at bf16's
@@ -806,7 +818,7 @@ static inline uint16_t lb_patch_bits(float x, lb_rand rnd, int64_t index) {  // 
   const float a = __builtin_fabsf(x);
   if (a > LB_BF16_TOP && a < LB_INF) x = __builtin_copysignf(LB_BF16_TOP, x);
   if (U && x > 0 && x < lb_format<LB_BF16_CODES, U>::min_positive) x = lb_format<LB_BF16_CODES, U>::min_positive;
-  if constexpr (SR) return (uint16_t)lb_bf16_bits_stochastic(lb_splat(x), lb_bits_at<SR>(rnd, index))[0];
+  if constexpr (SR) return (uint16_t)lb_bf16_bits_stochastic(lb_splat(x), (vu){} + lb_draw_s(rnd.key, rnd.first + index))[0];
   return lb_bf16_bits(x);
 }
 
@@ -962,45 +974,46 @@ static inline void lb_block_scale(const float* buf, int64_t len, float absmax, f
 // root times a multiplier's root never underflows); in a flagged block finite values stay within
 // flagged_qmax and +inf, -inf and NaN take the format's special codes. M: lb_encoding flags.
 template <int F, bool U, unsigned M>
-LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vi u) {
+LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vf t) {
   typedef lb_format<F, U> f;
   constexpr bool FLAGGED = lb_mode<M>::flagged, LIFT = lb_mode<M>::lift, SR = lb_mode<M>::sr, ROOT = lb_mode<M>::root;
   vi code;
   if constexpr (F == LB_SQRT8) {
     vf r = (ROOT ? root : lb_sqrt(U ? x : lb_abs(x))) * inverse;
     if (FLAGGED) r = lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(f::enc_flagged_qmax));  // NaN: 0
-    code = SR ? lb_stochastic_sqrt8<U>(r, x, u) : lb_encode_sqrt8<U>(r, x);  // in range (lb_encode_sqrt8)
+    code = SR ? lb_stochastic_sqrt8<U>(r, x, t) : lb_encode_sqrt8<U>(r, x);  // in range (lb_encode_sqrt8)
   } else {
     vf y = x * inverse;
     if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
     if (FLAGGED) y = lb_clamp(y, -f::flagged_qmax, f::flagged_qmax);
-    if constexpr (F == LB_INT8) code = SR ? lb_stochastic_int8<U>(y, u) : lb_encode_int8<U>(y);  // in range
-    else if constexpr ((F == LB_E4M3 || F == LB_E5M2) && SR) code = lb_stochastic_fp8<F, U>(y, u);
+    if constexpr (F == LB_INT8) code = SR ? lb_stochastic_int8<U>(y, t) : lb_encode_int8<U>(y);  // in range
+    else if constexpr ((F == LB_E4M3 || F == LB_E5M2) && SR) code = lb_stochastic_fp8<F, U>(y, t);
     else if constexpr (F == LB_E4M3 || F == LB_E5M2)
       code = lb_encode_fp8<lb_format<F, U>::mantissa, lb_format<F, U>::min_exponent, U>(y);
     else code = lb_encode<F, U>(y);
-    if (SR && F == LB_DYNAMIC8) code = lb_round_stochastic<F, U>(y, code, u);
+    if (SR && F == LB_DYNAMIC8) code = lb_round_stochastic<F, U>(y, code, t);
   }
   if (!FLAGGED) return code;
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
   return lb_key(x) < 0x7F800000 ? code : special;
 }
 // The codes of the whole lane vector at buf + j; with LB_ROOT, root holds the square roots of buf
-// (lb_encode_scaled), and only a flagged block reads buf. With LB_STOCHASTIC, codes (the block's, where
-// they are about to be written) holds the draws (lb_random_bytes).
+// (lb_encode_scaled), and only a flagged block reads buf. With LB_STOCHASTIC, thr holds the block's
+// thresholds (lb_thresholds).
 template <int F, bool U, unsigned M>
-LB_INLINE vi lb_encode_at(const float* buf, const float* root, int64_t j, vf vinv, const uint8_t* codes) {
+LB_INLINE vi lb_encode_at(const float* buf, const float* root, int64_t j, vf vinv, const float* thr) {
   typedef lb_mode<M> m;
   constexpr bool reads_x = !m::root || m::flagged;
   const vf x = reads_x ? lb_ld(buf + j) : vf{}, r = m::root ? lb_ld(root + j) : vf{};
-  return lb_encode_scaled<F, U, M>(x, r, vinv, lb_draws_at<m::sr>(codes + j));
+  return lb_encode_scaled<F, U, M>(x, r, vinv, lb_thresholds_at<m::sr>(thr + j));
 }
 // The codes of buf[0, len) (lb_encode_at).
 template <int F, bool U, unsigned M>
-static inline void lb_encode_loop(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes) {
+static inline void lb_encode_loop(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes,
+                                  const float* thr) {
   typedef lb_mode<M> m;
   const vf vinv = lb_splat(inverse);
-  const auto at = [&](int64_t j) { return lb_encode_at<F, U, M>(buf, root, j, vinv, codes); };
+  const auto at = [&](int64_t j) { return lb_encode_at<F, U, M>(buf, root, j, vinv, thr); };
   int64_t i = 0;
   if constexpr (!m::flagged)  // a flagged block (inf or NaN in it) is rare: not unrolled, less to compile
     for (; i + 4 * LB_W <= len; i += 4 * LB_W)
@@ -1008,9 +1021,8 @@ static inline void lb_encode_loop(const float* buf, const float* root, int64_t l
   for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, at(i));
   if (i < len) {
     const vf x = lb_ld_n(buf + i, len - i), r = m::root ? lb_ld_n(root + i, len - i) : vf{};
-    vi u = {};
-    if constexpr (m::sr) u = lb_ld_codes_n<LB_INT8, LB_UNSIGNED>(codes + i, len - i);  // zero-extended draws
-    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, M>(x, r, vinv, u), len - i);
+    const vf t = m::sr ? lb_ld_n(thr + i, len - i) : vf{};
+    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, M>(x, r, vinv, t), len - i);
   }
 }
 // The multiplier a block's encode applies: the inverse of its scale (sqrt8: the inverse's square root,
@@ -1029,10 +1041,11 @@ LB_INLINE bool lb_fusable(bool enc, float mult) { return enc && (lb_mode<M>::roo
 // The codes of buf[0, len) under the multiplier `mult` (lb_multiplier); sqrt8 encodes from the step's
 // roots where it gives them. M: LB_FLAGGED, LB_STOCHASTIC or neither (this picks LB_ROOT and LB_LIFT).
 template <int F, bool U, unsigned M>
-static inline void lb_encode_block(const float* buf, const float* root, int64_t len, float mult, uint8_t* codes) {
-  if (F == LB_SQRT8 && U && root) lb_encode_loop<F, U, M | LB_ROOT>(buf, root, len, mult, codes);
-  else if (lb_lifts<F, U>(mult)) lb_encode_loop<F, U, M | LB_LIFT>(buf, nullptr, len, mult, codes);
-  else lb_encode_loop<F, U, M>(buf, nullptr, len, mult, codes);
+static inline void lb_encode_block(const float* buf, const float* root, int64_t len, float mult, uint8_t* codes,
+                                   const float* thr) {
+  if (F == LB_SQRT8 && U && root) lb_encode_loop<F, U, M | LB_ROOT>(buf, root, len, mult, codes, thr);
+  else if (lb_lifts<F, U>(mult)) lb_encode_loop<F, U, M | LB_LIFT>(buf, nullptr, len, mult, codes, thr);
+  else lb_encode_loop<F, U, M>(buf, nullptr, len, mult, codes, thr);
 }
 
 // A block holding inf or NaN (rare: off the hot path, scalar): patches are the K largest finite
@@ -1042,7 +1055,7 @@ static inline void lb_encode_block(const float* buf, const float* root, int64_t 
 template <int F, bool U, int K, unsigned M>
 __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* root, int64_t len, int64_t block,
                                                            uint8_t* codes, float* scale, uint16_t* patch_values,
-                                                           int16_t* patch_index, lb_rand rnd) {
+                                                           int16_t* patch_index, lb_rand rnd, const float* thr) {
   if (K > 0) {
     lb_best<K> best;  // keys shifted by one: finite values 1.., non-finite 0
     for (int64_t i = 0; i < len; ++i) {
@@ -1074,11 +1087,11 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
   if (flagged) {
     lb_scale_and_inverse(absmax, lb_format<F, U>::flagged_qmax, &s, &inv);
     *scale = -s;  // the sign bit flags the block (-0.0 included)
-    lb_encode_block<F, U, M | LB_FLAGGED>(buf, root, len, lb_multiplier<F>(inv), codes);
+    lb_encode_block<F, U, M | LB_FLAGGED>(buf, root, len, lb_multiplier<F>(inv), codes, thr);
   } else {
     lb_block_scale<F, U>(buf, len, absmax, &s, &inv);
     *scale = s;
-    lb_encode_block<F, U, M>(buf, root, len, lb_multiplier<F>(inv), codes);
+    lb_encode_block<F, U, M>(buf, root, len, lb_multiplier<F>(inv), codes, thr);
   }
 }
 
@@ -1088,19 +1101,19 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
 // largest key in buf, says which) is quantized whole here (lb_quantize_nonfinite): false. The K
 // patches are the K largest |x| (ties: lowest offset) in the order the reference's repeated argmax
 // finds them; the scale comes from the rest (lb_block_scale). With M = LB_STOCHASTIC the patches round
-// stochastically, drawing from rnd, and the codes' draws are written where the codes go (lb_random_bytes).
+// stochastically, drawing from rnd, and the codes' thresholds are written to thr (lb_thresholds).
 // A non-negative sqrt8 state may give `root`, buf's square roots as the step took them (lb_encode_scaled).
 template <int F, bool U, int K, unsigned M = LB_PLAIN>
 static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
                               uint16_t* patch_values, int16_t* patch_index, float* mult, lb_rand rnd = {},
-                              float* root = nullptr) {
+                              float* root = nullptr, float* thr = nullptr) {
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
   // the K+1 largest elements all reach it, and one pass collects them exactly. With K+1 > LB_W lanes
   // there is no such bound: every element is offered (-1).
-  if constexpr (lb_mode<M>::sr) lb_random_bytes(rnd, len, codes);
+  if constexpr (lb_mode<M>::sr) lb_thresholds(rnd, len, thr);
   const int32_t top = lb_hmax(lane_max);
   if (__builtin_expect(top >= 0x7F800000, 0)) {
-    lb_quantize_nonfinite<F, U, K, M>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd);
+    lb_quantize_nonfinite<F, U, K, M>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd, thr);
     return false;
   }
   int32_t rest = top > 0 ? top : 0;  // no patches: the absmax is the largest lane maximum
@@ -1133,24 +1146,27 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
 // alone. M1, M2: LB_STOCHASTIC, and LB_ROOT where the state encodes from the roots it is given (a
 // non-negative sqrt8 state).
 template <int F1, bool U1, unsigned M1, int F2, bool U2, unsigned M2>
-static void lb_encode_pair(const float* buf1, const float* root1, float mult1, uint8_t* codes1,
-                           const float* buf2, const float* root2, float mult2, uint8_t* codes2, int64_t len) {
+static void lb_encode_pair(const float* buf1, const float* root1, float mult1, uint8_t* codes1, const float* thr1,
+                           const float* buf2, const float* root2, float mult2, uint8_t* codes2, const float* thr2,
+                           int64_t len) {
   if (lb_lifts<F1, U1>(mult1) || lb_lifts<F2, U2>(mult2)) {  // a block of large values, no faster together
-    lb_encode_block<F1, U1, M1 & LB_STOCHASTIC>(buf1, root1, len, mult1, codes1);
-    lb_encode_block<F2, U2, M2 & LB_STOCHASTIC>(buf2, root2, len, mult2, codes2);
+    lb_encode_block<F1, U1, M1 & LB_STOCHASTIC>(buf1, root1, len, mult1, codes1, thr1);
+    lb_encode_block<F2, U2, M2 & LB_STOCHASTIC>(buf2, root2, len, mult2, codes2, thr2);
     return;
   }
   const vf v1 = lb_splat(mult1), v2 = lb_splat(mult2);
-  const auto at1 = [&](int64_t j) { return lb_encode_at<F1, U1, M1>(buf1, root1, j, v1, codes1); };
-  const auto at2 = [&](int64_t j) { return lb_encode_at<F2, U2, M2>(buf2, root2, j, v2, codes2); };
+  const auto at1 = [&](int64_t j) { return lb_encode_at<F1, U1, M1>(buf1, root1, j, v1, thr1); };
+  const auto at2 = [&](int64_t j) { return lb_encode_at<F2, U2, M2>(buf2, root2, j, v2, thr2); };
   int64_t i = 0;
   for (; i + 4 * LB_W <= len; i += 4 * LB_W) {
     lb_st_u8x4(codes1 + i, at1(i), at1(i + LB_W), at1(i + 2 * LB_W), at1(i + 3 * LB_W));
     lb_st_u8x4(codes2 + i, at2(i), at2(i + LB_W), at2(i + 2 * LB_W), at2(i + 3 * LB_W));
   }
   if (i < len) {  // the last partial group, each state alone
-    lb_encode_loop<F1, U1, M1>(buf1 + i, lb_mode<M1>::root ? root1 + i : nullptr, len - i, mult1, codes1 + i);
-    lb_encode_loop<F2, U2, M2>(buf2 + i, lb_mode<M2>::root ? root2 + i : nullptr, len - i, mult2, codes2 + i);
+    lb_encode_loop<F1, U1, M1>(buf1 + i, lb_mode<M1>::root ? root1 + i : nullptr, len - i, mult1, codes1 + i,
+                               lb_mode<M1>::sr ? thr1 + i : nullptr);
+    lb_encode_loop<F2, U2, M2>(buf2 + i, lb_mode<M2>::root ? root2 + i : nullptr, len - i, mult2, codes2 + i,
+                               lb_mode<M2>::sr ? thr2 + i : nullptr);
   }
 }
 

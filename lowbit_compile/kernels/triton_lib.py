@@ -271,11 +271,11 @@ def bf16_code(x, NONNEG: tl.constexpr):
 
 
 @triton.jit
-def bf16_code_stochastic(x, bits, NONNEG: tl.constexpr):
+def bf16_code_stochastic(x, draws, NONNEG: tl.constexpr):
     """``formats.round_stochastic`` of a bf16 state (and of a patch), as int16 bits: :func:`bf16_clamp`,
-    the low 16 random ``bits`` added to the fp32 pattern and truncated; NaN to nearest."""
+    the 16-bit ``draws`` (:func:`state_draws`) added to the fp32 pattern and truncated; NaN to nearest."""
     y = bf16_clamp(x, NONNEG)
-    up = ((y.to(tl.uint32, bitcast=True) + (bits & 0xFFFF)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+    up = ((y.to(tl.uint32, bitcast=True) + draws.to(tl.uint32)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
     return tl.where(y != y, f32_to_bf16_bits(y), up)
 
 
@@ -305,13 +305,13 @@ def code_value(bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
 def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr):
     """``formats.round_stochastic`` of 8-bit codes (uint8 bits) from the nearest ``code`` of a finite
     ``x`` (sqrt8's in the root domain; the caller gives a non-finite x its special code): of the two
-    codes around x, the outer (larger magnitude) replaces the inner where ``(u + 0.5) * |w_out - w_in|
-    < 256 * |x - w_in|``, ``u`` the element's 8-bit draw (:func:`state_draws`; ``cpu_prelude.h``'s
-    ``lb_round_stochastic``). int8 and sqrt8 work on magnitudes from the inner code ``floor``: int8's
-    codes 1 apart, sqrt8's value the square of the clamped root, the inner code's value ``c * c`` and the
-    outer's ``2c + 1`` above it, all exact; fp8 counts units of the value's binade (nothing decoded);
-    dynamic8 takes the other code around x as code +- 1 and decodes both."""
-    t = (u.to(tl.float32) + 0.5) * 0.00390625  # (u + 0.5) / 256, exact
+    codes around x, the outer (larger magnitude) replaces the inner where ``t * |w_out - w_in| < |x -
+    w_in|``, ``t = (u + 0.5) / 2^16`` from the element's 16-bit draw ``u`` (:func:`state_draws`;
+    ``cpu_prelude.h``'s ``lb_round_stochastic``). int8 and sqrt8 work on magnitudes from the inner code
+    ``floor``: int8's codes 1 apart, sqrt8's value the square of the clamped root, the inner code's value
+    ``c * c`` and the outer's ``2c + 1`` above it, all exact; fp8 counts units of the value's binade
+    (nothing decoded); dynamic8 takes the other code around x as code +- 1 and decodes both."""
+    t = (u.to(tl.float32) + 0.5) * 0.0000152587890625  # (u + 0.5) / 2^16, exact
     if FMT == SQRT8 or FMT == INT8:
         if FMT == SQRT8:  # the clamp of encode, which the compiler shares
             if NONNEG:
@@ -367,21 +367,14 @@ def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.conste
 
 
 @triton.jit
-def state_bits(seed, offsets, STREAM: tl.constexpr):
-    """``rounding.state_bits``' low 32: ``hash32(index ^ hash32(counter ^ STREAM << 24))`` per element
-    (a bf16 value draws its low 16)."""
-    key = hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24))
-    return hash32(offsets.to(tl.uint32) ^ key)
-
-
-@triton.jit
 def state_draws(seed, offsets, STREAM: tl.constexpr):
-    """``rounding.state_draws``: each element's 8-bit draw (int32), byte ``index % 4`` of the word
-    ``hash32((index // 4) ^ 2^31 ^ key)``. Computed per element (each hashes its word): sharing one
-    hash between four elements would take a reshape of the tile."""
-    key = hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24)) ^ 0x80000000
-    word = hash32((offsets >> 2).to(tl.uint32) ^ key)
-    return ((word >> ((offsets & 3) * 8).to(tl.uint32)) & 0xFF).to(tl.int32)
+    """``rounding.state_draws``: each element's 16-bit draw (int32), the low half of the word ``hash32(
+    (index // 16) * 8 + index % 8) ^ key)`` where ``index % 16 < 8``, its high half where not, with ``key =
+    hash32(counter ^ STREAM << 24)``. Computed per element (each hashes its word): sharing one hash
+    between two elements would take a reshape of the tile."""
+    key = hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24))
+    word = (((offsets >> 4) << 3) | (offsets & 7)).to(tl.uint32)
+    return ((hash32(word ^ key) >> ((offsets & 8) * 2).to(tl.uint32)) & 0xFFFF).to(tl.int32)
 
 
 @triton.jit
@@ -503,15 +496,15 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
     from its finite values over ``FLAGGED_QMAX`` and is stored negated, its finite codes stay within
     ``FLAGGED_QMAX`` and its inf and NaN take the special codes. The ``INV_*`` are the fp32 reciprocals
     of the divisors on CUDA, 0.0 on the CPU (``scale_and_inverse``). A nonzero ``STREAM`` rounds codes and
-    patches stochastically with the bits of counter ``seed`` in that stream (:func:`state_draws`, a
-    patch's :func:`state_bits`).
+    patches stochastically with the draws of counter ``seed`` in that stream (:func:`state_draws`; a patch
+    with the draw of the element it holds).
     ``APPROXIMATE`` takes sqrt8's root with the GPU's approximate square root (codes within one step).
     """
     x = tl.where(mask, x, 0.0)  # the reference pads a partial last block with zeros
     if FMT == BF16_CODES:
         if STREAM != 0:
-            bits = state_bits(seed, offsets, STREAM)
-            tl.store(codes_ptr + offsets, bf16_code_stochastic(x, bits, NONNEG).to(tl.bfloat16, bitcast=True),
+            draws = state_draws(seed, offsets, STREAM)
+            tl.store(codes_ptr + offsets, bf16_code_stochastic(x, draws, NONNEG).to(tl.bfloat16, bitcast=True),
                      mask=mask)
         else:
             tl.store(codes_ptr + offsets, encode(x, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE),
@@ -525,7 +518,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
             value = tl.sum(tl.where(hit, x.to(tl.int32, bitcast=True), 0), axis=1).to(tl.int32)  # its exact bits
             if STREAM != 0:
                 patch = bf16_code_stochastic(value.to(tl.float32, bitcast=True),
-                                             state_bits(seed, tl.sum(tl.where(hit, offsets, 0), axis=1), STREAM),
+                                             state_draws(seed, tl.sum(tl.where(hit, offsets, 0), axis=1), STREAM),
                                              NONNEG)
             else:
                 patch = bf16_code(value.to(tl.float32, bitcast=True), NONNEG)
