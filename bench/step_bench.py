@@ -5,8 +5,8 @@ in each state format, interleaved in one process on transformer-shaped parameter
     python bench/step_bench.py --quick   # 6M params, fp32, 1 thread, no torchao: a few minutes
     python bench/step_bench.py --master  # bf16 params: master weights against fused fp32 and bf16 AdamW
     python bench/step_bench.py --optimizers all   # every stock optimizer against its fused/foreach twin
-    python bench/step_bench.py --sizes 25M --formats dynamic8,dynamic8+sr   # rounding to nearest vs stochastic
-    python bench/step_bench.py --sizes 6M --threads 1 --formats sqrt8,sqrt8+sr-v,sqrt8+sr   # its cost, v only
+    python bench/step_bench.py --sizes 25M --formats dynamic8+nearest,dynamic8+sr   # nearest vs stochastic
+    python bench/step_bench.py --sizes 25M --threads 1 --formats sqrt8+nearest,sqrt8,sqrt8+sr   # v's, both
 
 Per contender: state bytes/param counted from the tensors its optimizer holds; step time (median and
 interquartile range over rounds in which every contender steps once, in rotating order, on grad
@@ -97,13 +97,16 @@ def _torch(flags: dict) -> Callable:
     return lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **flags)
 
 
-# ``rounding=`` of our names' suffixes, here and in bench/rounding.py's names
-ROUNDINGS = {"": "nearest", "+sr": "stochastic", "+sr-v": {"exp_avg_sq": "stochastic", "max_exp_avg_sq": "stochastic"}}
+# ``rounding=`` of our names' suffixes, here and in bench/rounding.py's names: none, the library's default
+# (v stochastically, m to nearest); +nearest, the default before it
+ROUNDINGS = {"": "auto", "+nearest": "nearest", "+sr": "stochastic",
+             "+sr-v": {"exp_avg_sq": "stochastic", "max_exp_avg_sq": "stochastic"}}
 
 
 def _lowbit(fmt: str, outliers: int) -> Callable:
-    """Our AdamW in ``fmt``; ``<fmt>+sr`` rounds its states stochastically, ``<fmt>+sr-v`` only the
-    second moments (``exp_avg_sq``, ``max_exp_avg_sq``)."""
+    """Our AdamW in ``fmt`` with the default rounding (v stochastically); ``<fmt>+nearest`` rounds every
+    state to nearest, ``<fmt>+sr`` every state stochastically, ``<fmt>+sr-v`` the second moments
+    (``exp_avg_sq``, ``max_exp_avg_sq``) only, as the default does for AdamW."""
     base, sep, suffix = fmt.partition("+")
     if sep + suffix not in ROUNDINGS:
         raise ValueError(f"unknown rounding suffix in {fmt!r}: one of {', '.join(k for k in ROUNDINGS if k)}")

@@ -279,10 +279,13 @@ FormatsOf = Callable[[dict, torch.Tensor], Mapping[str, StateFormat]]
 # (group, param) -> None for a param without master weights, else what its saved entry (per-element
 # states converted) changes to: the master's entries read and brought to the configured mode
 MastersOf = Callable[[dict, torch.Tensor], Callable[[dict], dict] | None]
+# (param, its formats, its saved entry) -> what the entry's rounding counter changes to (None: dropped)
+CountersOf = Callable[[torch.Tensor, Mapping[str, StateFormat], dict], dict]
 
 
 def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: FormatsOf,
-                 name_of: Callable[[torch.Tensor], str | None], masters_of: MastersOf | None = None) -> dict:
+                 name_of: Callable[[torch.Tensor], str | None], masters_of: MastersOf | None = None,
+                 counters_of: CountersOf | None = None) -> dict:
     """``load_state_dict`` pre hook: read and convert every per-element state of the checkpoint
     before the stock loader changes anything; any error names the parameter and state, and leaves
     the optimizer as it was. The converted states are kept aside for :func:`finish_load`, and the
@@ -293,6 +296,8 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: Forma
     weights (``lowbit_compile.master``): a param with them reads its per-element states as fp32 (its
     master's step keeps them so; the stock loader would cast them to the param's dtype), and the
     master's entries never reach the stock loader (dropped for a param without master weights).
+    ``counters_of`` brings the stochastic-rounding counter to the configured rounding: read back,
+    started where a state now rounds stochastically and the checkpoint has none, dropped where none does.
     """
     guard_stock_steps()
     state_dict = unmarked_state_dict(state_dict)
@@ -354,9 +359,17 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, formats_of: Forma
             except ValueError as err:
                 raise ValueError(f"{label}: {err}") from err
             new = {k: v for k, v in {**new, **changes}.items() if v is not None}
+        dropped = set()
+        if counters_of is not None:
+            try:
+                changes = counters_of(param, formats, {**entry, **new})
+            except ValueError as err:
+                raise ValueError(f"{label}: {err}") from err
+            dropped = {k for k, v in changes.items() if v is None}
+            new.update({k: v for k, v in changes.items() if v is not None})
         if new:
             pending[param] = new
-        plain[idx] = {k: v for k, v in entry.items() if k not in new and k not in MASTER_KEYS}
+        plain[idx] = {k: v for k, v in entry.items() if k not in new and k not in dropped and k not in MASTER_KEYS}
     opt.__dict__[_PENDING] = pending
     return {**state_dict, "state": plain}
 

@@ -324,6 +324,9 @@ def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         schema = _schema(opt, group, param, mformat)
         return lambda entry: master.loaded(param, entry, mformat, schema, positions[id(param)])
 
+    def counters_of(param: torch.Tensor, formats: Mapping[str, StateFormat], entry: dict) -> dict:
+        return counter.conformed(entry, bool(config.stochastic(formats)), positions[id(param)])
+
     return checkpoint.prepare_load(
         opt, state_dict, lambda group, param: _formats(opt, config, wrapped.names, group, param),
-        wrapped.names.get, masters_of)
+        wrapped.names.get, masters_of, counters_of)

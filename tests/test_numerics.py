@@ -501,7 +501,7 @@ def _poisoned_run(fmt: str, poison: float | None, steps: int = 8, ours: str = "r
             p.grad = g.clone()
             opt.step()
             states = {k: (v.dequantize() if isinstance(v, QuantizedState) else v.clone())
-                      for k, v in opt.state[p].items() if k != "step"}
+                      for k, v in opt.state[p].items() if k not in ("step", "rounding_seed")}
             history.append((p.detach().clone(), states))
         runs.append(history)
     return runs

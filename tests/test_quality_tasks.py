@@ -80,8 +80,9 @@ def test_state_bytes_count_shared_and_nested_tensors_once():
     opt = lowbit_compile(torch.optim.AdamW([p]), "int8", block_size=2048, outliers=2)
     p.grad = torch.randn(4096)
     opt.step()
-    # codes 1 B/elem, per block a fp32 scale and 2 x (bf16 value + int16 index), twice; the step counter
-    assert state_bytes(opt) == 2 * (4096 + 2 * (4 + 2 * 4)) + 4
+    # codes 1 B/elem, per block a fp32 scale and 2 x (bf16 value + int16 index), twice; the step counter and
+    # v's rounding counter
+    assert state_bytes(opt) == 2 * (4096 + 2 * (4 + 2 * 4)) + 4 + 4
 
 
 def test_bf16_param_names():

@@ -304,7 +304,7 @@ def test_a_resumed_run_is_bit_for_bit_the_uninterrupted_one():
 
 def test_rounding_is_validated_naming_the_option_and_the_fix():
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(8))])
-    with pytest.raises(ValueError, match=r"rounding must be one of \('nearest', 'stochastic'\), got 'random'"):
+    with pytest.raises(ValueError, match=r"rounding must be one of \('auto', 'nearest', 'stochastic'\), got 'random'"):
         lowbit_compile(opt, rounding="random")
     with pytest.raises(ValueError, match=r"rounding\['exp_avg'\] must be one of"):
         lowbit_compile(opt, rounding={"exp_avg": "up"})
@@ -314,18 +314,38 @@ def test_rounding_is_validated_naming_the_option_and_the_fix():
         enable(rounding="sr")
 
 
-def test_per_state_rounding_keeps_the_other_state_to_nearest():
+def _stochastic_states(opt: torch.optim.Optimizer, fmt: str | dict = "int8", **options) -> set[str]:
+    """The states whose write-back rounds stochastically in ``opt``'s rewritten step graph."""
+    graph = pass_graphs(opt, fmt, **options)["quantized"]
+    return {n.args[1].name.removesuffix("_codes") for n in graph.graph.nodes
+            if n.target is torch.ops.lowbit.quantize_stochastic_.default}
+
+
+def test_the_default_rounds_the_non_negative_states_of_8_bit_formats_stochastically():
+    """``"auto"``: the second moments (the non-negative states the sign pass proves: Adam's v and its
+    amsgrad max, RMSprop's square_avg, Adagrad's sum) round stochastically in every 8-bit format,
+    momenta (signed) and bf16 states to nearest; ``"nearest"`` rounds every state to nearest, as before."""
     p = torch.nn.Parameter(torch.randn(64))
-    opt = lowbit_compile(torch.optim.AdamW([p]), "int8", rounding={"exp_avg": "stochastic"}, backend="reference",
+    for fmt in ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2"):
+        assert _stochastic_states(torch.optim.AdamW([p], amsgrad=True), fmt) == {"exp_avg_sq", "max_exp_avg_sq"}
+    assert _stochastic_states(torch.optim.AdamW([p]), "bf16") == set()
+    assert _stochastic_states(torch.optim.AdamW([p]), {"exp_avg": "int8", "exp_avg_sq": "bf16"}) == set()
+    assert _stochastic_states(torch.optim.RMSprop([p], momentum=0.9)) == {"square_avg"}
+    assert _stochastic_states(torch.optim.Adagrad([p])) == {"sum"}
+    assert _stochastic_states(torch.optim.SGD([p], momentum=0.9)) == set()
+    assert _stochastic_states(torch.optim.AdamW([p]), rounding="nearest") == set()
+    assert _stochastic_states(torch.optim.AdamW([p]), rounding="stochastic") == {"exp_avg", "exp_avg_sq"}
+
+
+def test_a_per_state_rounding_dict_leaves_the_other_states_to_the_default():
+    p = torch.nn.Parameter(torch.randn(64))
+    assert _stochastic_states(torch.optim.AdamW([p]), rounding={"exp_avg": "stochastic"}) == {"exp_avg", "exp_avg_sq"}
+    assert _stochastic_states(torch.optim.AdamW([p]), rounding={"exp_avg_sq": "nearest"}) == set()
+    opt = lowbit_compile(torch.optim.AdamW([p]), "int8", rounding={"exp_avg_sq": "nearest"}, backend="reference",
                          min_8bit_size=0)
     p.grad = torch.randn(64)
     opt.step()
-    assert "rounding_seed" in opt.state[p]
-    graph = pass_graphs(torch.optim.AdamW([p]), "int8", rounding={"exp_avg": "stochastic"})["quantized"]
-    targets = {n.args[1].name: n.target for n in graph.graph.nodes if n.target in (
-        torch.ops.lowbit.quantize_.default, torch.ops.lowbit.quantize_stochastic_.default)}
-    assert targets == {"exp_avg_codes": torch.ops.lowbit.quantize_stochastic_.default,
-                       "exp_avg_sq_codes": torch.ops.lowbit.quantize_.default}
+    assert "rounding_seed" not in opt.state[p]
 
 
 def test_enable_the_classes_and_the_cli_take_rounding(tmp_path):
@@ -371,45 +391,23 @@ class TestPrintedStochasticKernels(TestCase):
         nearest = emit_step(body(_adamw(), "int8"), target).source
         stochastic = emit_step(body(_adamw(), "int8", rounding="stochastic"), target).source
         self.assertExpectedInline(_diff(nearest, stochastic), """\
--static const int LB_N_SCALARS = 7;
--static const int LB_N_BUFS = 2;
-+static const int LB_N_SCALARS = 8;
+-static const int LB_N_BUFS = 3;
 +static const int LB_N_BUFS = 4;
 +  const float* thr_exp_avg = scratch + 2 * LB_BLOCK;
+-  const float* thr_exp_avg_sq = scratch + 2 * LB_BLOCK;
 +  const float* thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
--    lb_encode_pair<LB_INT8, LB_SIGNED, LB_PLAIN, LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, nullptr, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, nullptr, len);
+-    lb_encode_pair<LB_INT8, LB_SIGNED, LB_PLAIN, LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, nullptr, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, thr_exp_avg_sq, len);
 +    lb_encode_pair<LB_INT8, LB_SIGNED, LB_STOCHASTIC, LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, thr_exp_avg, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, thr_exp_avg_sq, len);
 -    if (enc_exp_avg) lb_encode_block<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, nullptr);
--    if (enc_exp_avg_sq) lb_encode_block<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, len, mult_exp_avg_sq, p_exp_avg_sq_codes, nullptr);
 +    if (enc_exp_avg) lb_encode_block<LB_INT8, LB_SIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, thr_exp_avg);
-+    if (enc_exp_avg_sq) lb_encode_block<LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, len, mult_exp_avg_sq, p_exp_avg_sq_codes, thr_exp_avg_sq);
-+  const float c_clone_default = s[7];
--  const float c_t8 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
--  const float c_t9 = (float)0x1.0000000000000p+0 / c_pow_3;
-+  const float c_t9 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
-+  const float c_t10 = (float)0x1.0000000000000p+0 / c_pow_3;
 +  const lb_rand h_exp_avg_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (1u << 24)), start};
-+  const lb_rand h_exp_avg_sq_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (2u << 24)), start};
+-  float* __restrict thr_exp_avg_sq = scratch + 2 * LB_BLOCK;
 +  float* __restrict thr_exp_avg = scratch + 2 * LB_BLOCK;
 +  float* __restrict thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, nullptr));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, i, q_mult_exp_avg, thr_exp_avg));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, thr_exp_avg_sq));
--      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
-+      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
--        const vf v_div = v_sqrt * lb_splat(c_t9);
-+        const vf v_div = v_sqrt * lb_splat(c_t10);
--      const vf v_div = v_sqrt * lb_splat(c_t9);
-+      const vf v_div = v_sqrt * lb_splat(c_t10);
--      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
-+      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
--      const vf v_div = v_sqrt * lb_splat(c_t9);
-+      const vf v_div = v_sqrt * lb_splat(c_t10);
+-        lb_encode_x4<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
++        lb_encode_x4<LB_INT8, LB_SIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, i, q_mult_exp_avg, thr_exp_avg, q_codes_exp_avg);
 -  job.enc[0] = lb_quantize_scale<LB_INT8, LB_SIGNED, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0]);
-+  job.enc[0] = lb_quantize_scale<LB_INT8, LB_SIGNED, 0, LB_STOCHASTIC>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0], h_exp_avg_rand, nullptr, thr_exp_avg);
--  job.enc[1] = lb_quantize_scale<LB_INT8, LB_UNSIGNED, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1]);
-+  job.enc[1] = lb_quantize_scale<LB_INT8, LB_UNSIGNED, 0, LB_STOCHASTIC>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], h_exp_avg_sq_rand, nullptr, thr_exp_avg_sq);""")
++  job.enc[0] = lb_quantize_scale<LB_INT8, LB_SIGNED, 0, LB_STOCHASTIC>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0], h_exp_avg_rand, nullptr, thr_exp_avg);""")
 
     def test_the_triton_kernel_passes_the_counter_and_the_stream(self):
         printer = pytest.importorskip("lowbit_compile.kernels.triton_printer")
@@ -420,20 +418,8 @@ class TestPrintedStochasticKernels(TestCase):
             out += [f"== {label}", _diff(nearest, stochastic)]
         self.assertExpectedInline("\n".join(out), """\
 == float8
--    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-+    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, clone_default_ptr, n_elements, first_block, BLOCK: tl.constexpr,
-+    ROWS: tl.constexpr,
-+    clone_default = lb.load_scalar(clone_default_ptr, lb.F32)
 -                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127, APPROXIMATE=True)
 +                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127, APPROXIMATE=True, seed=clone_default, STREAM=1)
--                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127, APPROXIMATE=True)
-+                POS_INF_CODE=126, NEG_INF_CODE=254, NAN_CODE=127, APPROXIMATE=True, seed=clone_default, STREAM=2)
 == integer fp8
--    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-+    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, clone_default_ptr, n_elements, first_block, BLOCK: tl.constexpr,
-+    ROWS: tl.constexpr,
-+    clone_default = lb.load_scalar(clone_default_ptr, lb.F32)
 -                APPROXIMATE=True)
-+                APPROXIMATE=True, seed=clone_default, STREAM=1)
--                APPROXIMATE=True)
-+                APPROXIMATE=True, seed=clone_default, STREAM=2)""")
++                APPROXIMATE=True, seed=clone_default, STREAM=1)""")

@@ -305,7 +305,7 @@ class BlockKernel:
         buffers it overwrites), and what it needs for that."""
         fusable = " && ".join(f"lb_fusable<{w.template}, {_encoding(root=w.root)}>(job.enc[{j}], job.mult[{j}])"
                               for j, w in enumerate(written))
-        out = [f"const bool fuse = job.len == len && len % LB_W == 0 && {fusable};",
+        out = [f"const bool fuse = job.len == len && len % (4 * LB_W) == 0 && {fusable};",
                "if (!fuse) lb_finish(job, scratch);"]
         for j, w in enumerate(written):
             out.append(f"uint8_t* __restrict q_codes_{w.ident} = job.codes[{j}];")
@@ -377,17 +377,17 @@ class BlockKernel:
         return out + ["}", ""]
 
     def _encode_prev(self, written: list[KernelState]) -> list[str]:
-        """The previous block's codes of the lane vector at i, read from the block buffers before this
-        iteration overwrites them (``fuse``): their square roots and conversions then share the loop
-        with this block's arithmetic instead of running in a loop of their own."""
+        """The previous block's codes of the four lane vectors from i, every fourth iteration, read from the
+        block buffers before this and the next three iterations overwrite them (``fuse``): their square
+        roots and conversions then share the loop with this block's arithmetic instead of running in a
+        loop of their own, and four vectors of codes pack into one store."""
         lines = []
         for w in written:
             k = w.ident
             root = f"root_{k}" if w.root else "nullptr"
             thr = f"thr_{k}" if w.rand else "nullptr"
-            lines.append(f"  lb_st_codes(q_codes_{k} + i, lb_encode_at<{self._lane_encode(w)}>(buf_{k}, {root}, i, "
-                         f"q_mult_{k}, {thr}));")
-        return ["if (fuse) {", *lines, "}"]
+            lines.append(f"  lb_encode_x4<{self._lane_encode(w)}>(buf_{k}, {root}, i, q_mult_{k}, {thr}, q_codes_{k});")
+        return ["if (fuse && (i & (4 * LB_W - 1)) == 0) {", *lines, "}"]
 
     def _lane_encode(self, s: KernelState) -> str:
         """A state's template arguments for an unflagged block's encode, lane vector by lane vector."""

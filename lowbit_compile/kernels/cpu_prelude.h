@@ -1007,6 +1007,12 @@ LB_INLINE vi lb_encode_at(const float* buf, const float* root, int64_t j, vf vin
   const vf x = reads_x ? lb_ld(buf + j) : vf{}, r = m::root ? lb_ld(root + j) : vf{};
   return lb_encode_scaled<F, U, M>(x, r, vinv, lb_thresholds_at<m::sr>(thr + j));
 }
+// The codes of the four lane vectors at buf + j, in one store (lb_encode_at).
+template <int F, bool U, unsigned M>
+LB_INLINE void lb_encode_x4(const float* buf, const float* root, int64_t j, vf vinv, const float* thr, uint8_t* codes) {
+  const auto at = [&](int64_t k) LB_INLINE_LAMBDA { return lb_encode_at<F, U, M>(buf, root, k, vinv, thr); };
+  lb_st_u8x4(codes + j, at(j), at(j + LB_W), at(j + 2 * LB_W), at(j + 3 * LB_W));
+}
 // The codes of buf[0, len) (lb_encode_at).
 template <int F, bool U, unsigned M>
 static inline void lb_encode_loop(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes,

@@ -1,6 +1,6 @@
-"""Stochastic rounding of quantized states: the option's names and the 16-bit draw each element rounds
-with, from the same counter-based hash as the lossy master residual (``residual.hash32``), so every
-backend draws the same bits.
+"""Stochastic rounding of quantized states: the option's names, which states round stochastically by
+default, and the 16-bit draw each element rounds with, from the same counter-based hash as the lossy
+master residual (``residual.hash32``), so every backend draws the same bits.
 
 A state rounded stochastically picks, per element, between the two codes around its normalized value
 ``y``: the one of larger magnitude (the outer, value ``w_out``) where ``fl(t * gap) < d``, ``gap =
@@ -24,15 +24,34 @@ independent bits. The master residual's counter has stream 0. One hash serves tw
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .residual import MASK32, SEED_PERIOD, hash32
 
-ROUNDINGS = ("nearest", "stochastic")
+if TYPE_CHECKING:
+    from .formats import StateFormat
+
+ROUNDINGS = ("auto", "nearest", "stochastic")
+DEFAULT_ROUNDING = "auto"  # stochastic for the non-negative states of the 8-bit formats, to nearest for the rest
 SEED = "rounding_seed"  # the per-parameter step counter of the state, saved with the optimizer state
 MAX_STREAMS = 255  # streams 1..255 fill the 8 bits above the counter's 24
 DRAW_BITS = 16  # random bits per rounding
 GROUP = 16  # elements whose draws come from one run of GROUP // 2 words
+
+
+def rounds_stochastically(spec: str, fmt: StateFormat) -> bool:
+    """Whether a state of ``fmt`` rounds stochastically under ``spec`` (one of :data:`ROUNDINGS`): ``"auto"``
+    (the default) for the non-negative states of the 8-bit formats, the second moments the sign pass
+    proves (Adam's ``exp_avg_sq``, RMSprop's ``square_avg``, ...): they decay by under a code a step, which
+    rounding to nearest holds in place (v's ratchet, docs/numerics.md); signed states (momenta) and the
+    16-bit bf16 states round to nearest."""
+    if fmt.passthrough:
+        return False
+    if spec == "auto":
+        return fmt.nonneg and fmt.blockwise
+    return spec == "stochastic"
 
 
 def stream_seed(seed: float, stream: int) -> int:
