@@ -14,7 +14,7 @@ from expecttest import TestCase
 
 from lowbit_compile import enable, lowbit_compile
 from lowbit_compile.cli import main
-from lowbit_compile.kernels import blockquant, rounding
+from lowbit_compile.kernels import blockquant, residual, rounding
 from lowbit_compile.kernels.cpp_printer import emit_step
 from lowbit_compile.kernels.formats import StateFormat, decode, encode
 from lowbit_compile.kernels.lowering import Target
@@ -185,6 +185,42 @@ def test_the_bits_come_from_the_counter_and_the_stream():
         rounding.stream_seed(0, 256)
 
 
+_DRAWS_HARNESS = r"""
+extern "C" void draws(uint32_t key, int64_t first, int64_t n, uint32_t* scalar, uint32_t* lanes, float* thresholds) {
+  for (int64_t j = 0; j < n; ++j) scalar[j] = lb_draw_s(key, first + j);
+  for (int64_t j = 0; j + LB_W <= n; j += LB_W) {
+    const vu u = lb_draws(key, first + j);
+    memcpy(lanes + j, &u, sizeof u);
+  }
+  lb_thresholds({key, first}, n, thresholds);
+}
+"""
+
+
+@pytest.mark.parametrize("build", ["native", "16-lanes"])
+def test_the_cpu_kernel_draws_the_reference_draws_at_any_index(build):
+    """Element by element, a lane vector at a time (any start in a run of 16) and a block's thresholds (a
+    run's start: 8 hashes for 16 elements), at indices past 2^31 and 2^32 as at 0."""
+    import ctypes
+
+    from .helpers import prelude_harness
+
+    lib = prelude_harness(build, _DRAWS_HARNESS)
+    key = int(residual.hash32(torch.tensor(rounding.stream_seed(9, 2))))
+    n = 64
+    for first in (0, 16, 2**31 - 16, 2**31 + 32, 2**32 + 48, 2**35 + 16):
+        want = rounding.state_draws(9, 2, n, first=first)
+        for shift in (0, 1, 8, 13):  # the element and lane-vector paths, from inside a run
+            scalar, lanes = torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+            thresholds = torch.zeros(n)
+            lib.draws(ctypes.c_uint32(key), ctypes.c_int64(first + shift), ctypes.c_int64(n - 16),
+                      *(ctypes.c_void_p(t.data_ptr()) for t in (scalar, lanes, thresholds)))
+            got = want[shift:shift + n - 16]
+            assert torch.equal(scalar[:n - 16].long(), got), (first, shift)
+            assert torch.equal(lanes[:n - 16].long(), got), (first, shift)
+            assert torch.equal(thresholds[:n - 16], rounding.threshold(got)), (first, shift)
+
+
 @pytest.mark.parametrize("backend", ["reference", "cpu", pytest.param("triton", marks=pytest.mark.slow)])
 def test_equal_parameters_stepped_together_draw_different_bits(backend):
     """An element's bits depend on its index, the counter and the stream only, so every parameter's
@@ -204,6 +240,36 @@ def test_equal_parameters_stepped_together_draw_different_bits(backend):
     assert not torch.equal(codes[0], codes[1]) and not torch.equal(codes[1], codes[2])
 
 
+def test_parameters_with_counters_apart_share_one_cpu_kernel_call_and_store_the_reference_bits():
+    """Each parameter's counter starts apart, yet the parameters of a group step in one CPU kernel call
+    (each row passes its own counter in its scalars, and advances it as the step does) and store the
+    reference's bits."""
+    import gc
+
+    from lowbit_compile.kernels import cpu
+
+    torch.manual_seed(0)
+    sizes = [4096, 600, 5000, 1]
+    init = [torch.randn(n) for n in sizes]
+    grads = [[torch.randn(n) for n in sizes] for _ in range(3)]
+    states = []
+    for backend in ("reference", "cpu"):
+        params = [torch.nn.Parameter(x.clone()) for x in init]
+        opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "sqrt8", block_size=256, min_8bit_size=0,
+                             backend=backend)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            opt.step()
+        states.append((params, opt))
+    (ref_params, ref), (params, ours) = states
+    for p, q in zip(ref_params, params):
+        _same_states(ref.state[p], ours.state[q], steps=None)
+    assert len({float(ours.state[q]["rounding_seed"]) for q in params}) == len(params)
+    launches = [o for o in gc.get_objects() if type(o) is cpu.CpuLaunch and o.sizes == sizes]
+    assert launches and all(len(launch.calls) == 1 for launch in launches)
+
+
 def _run(backend: str, fmt: str, outliers: int, nonfinite: bool) -> dict:
     torch.manual_seed(0)
     n = 600
@@ -219,8 +285,8 @@ def _run(backend: str, fmt: str, outliers: int, nonfinite: bool) -> dict:
     return opt.state[p]
 
 
-def _same_states(a: dict, b: dict, steps: int = 2) -> None:
-    assert a["rounding_seed"] == b["rounding_seed"] == steps
+def _same_states(a: dict, b: dict, steps: int | None = 2) -> None:
+    assert a["rounding_seed"] == b["rounding_seed"] and (steps is None or a["rounding_seed"] == steps)
     for key in ("exp_avg", "exp_avg_sq"):
         for part, (x, y) in enumerate(zip(a[key].storage_parts, b[key].storage_parts)):
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (key, part)

@@ -1340,15 +1340,14 @@ struct lb_no_job {  // a step without quantized states: nothing left to write af
 };
 LB_INLINE void lb_finish(lb_no_job&, const float*) {}
 
-// table: one row of ROW int64 per tensor (element count, then its input pointers); scalars: the
-// step's scalar inputs (rounded to float, as aten rounds a Python scalar). Every block of every row,
-// split over threads; with a Job each thread carries the block whose codes are still to be written from
-// one STEP call to the next, and writes the last one's at the end. 0, or 1 (2) where the table (a
-// thread's scratch) could not be allocated.
+// table: one row of ROW int64 per tensor (element count, then its input pointers); scalars: N_SCALARS per
+// row, the step's scalar inputs for that tensor (rounded to float, as aten rounds a Python scalar; rows
+// differ in their stochastic-rounding counters). Every block of every row, split over threads; with a
+// Job each thread carries the block whose codes are still to be written from one STEP call to the next,
+// and writes the last one's at the end. 0, or 1 (2) where the table (a thread's scratch) could not be
+// allocated.
 template <int64_t ROW, int64_t BLOCK, int N_SCALARS, int N_BUFS, class Job, auto STEP>
 static int lb_run(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {
-  float s[N_SCALARS > 0 ? N_SCALARS : 1];
-  for (int k = 0; k < N_SCALARS; ++k) s[k] = (float)scalars[k];
   int64_t* first = (int64_t*)malloc((n_tensors + 1) * sizeof(int64_t));
   if (!first) return 1;
   first[0] = 0;
@@ -1366,10 +1365,15 @@ static int lb_run(int64_t n_tensors, const int64_t* table, const double* scalars
 #pragma omp atomic write
       failed = 1;
     } else {
-      int64_t t = 0;
+      int64_t t = 0, s_row = -1;
+      float s[N_SCALARS > 0 ? N_SCALARS : 1];
       Job job = {};  // the block before g, its codes still to write
       for (int64_t g = lo; g < hi; ++g) {
         while (first[t + 1] <= g) ++t;
+        if (t != s_row) {  // the row's scalars
+          for (int k = 0; k < N_SCALARS; ++k) s[k] = (float)scalars[t * N_SCALARS + k];
+          s_row = t;
+        }
         const int64_t* row = table + t * ROW;
         const int64_t blk = g - first[t], start = blk * BLOCK;
         const int64_t len = row[0] - start < BLOCK ? row[0] - start : BLOCK;

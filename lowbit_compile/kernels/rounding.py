@@ -61,14 +61,17 @@ def stream_seed(seed: float, stream: int) -> int:
     return (int(seed) % SEED_PERIOD) | (stream << 24)
 
 
-def state_draws(seed: float, stream: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16-bit draw (int64 in ``[0, 2**16)``) of each of a state's first ``numel`` elements at counter ``seed``."""
+def state_draws(seed: float, stream: int, numel: int, device: torch.device | str = "cpu",
+                first: int = 0) -> torch.Tensor:
+    """The 16-bit draw (int64 in ``[0, 2**16)``) of each of a state's elements ``first .. first + numel - 1``
+    at counter ``seed``."""
     key = hash32(torch.tensor(stream_seed(seed, stream), dtype=torch.int64)).to(device)
-    runs = -(-numel // GROUP)
-    words = hash32((torch.arange(runs * GROUP // 2, dtype=torch.int64, device=device) ^ key) & MASK32)
-    words = words.view(runs, 1, GROUP // 2)
+    start = first - first % GROUP
+    runs = -(-(first + numel - start) // GROUP)
+    words = torch.arange(runs * GROUP // 2, dtype=torch.int64, device=device) + start // 2
+    words = hash32((words ^ key) & MASK32).view(runs, 1, GROUP // 2)
     halves = torch.cat([words & 0xFFFF, words >> 16], dim=1)  # per run: the low halves, then the high ones
-    return halves.reshape(-1)[:numel]
+    return halves.reshape(-1)[first - start:first - start + numel]
 
 
 def threshold(draws: torch.Tensor) -> torch.Tensor:
