@@ -18,8 +18,10 @@ from lowbit_compile.kernels import blockquant, residual, rounding
 from lowbit_compile.kernels.cpp_printer import emit_step
 from lowbit_compile.kernels.formats import StateFormat, decode, encode
 from lowbit_compile.kernels.lowering import Target
+from lowbit_compile.kernels.residual import first_counter
 
 from .graphs import body, pass_graphs
+from .helpers import assert_same, saved_and_loaded, state_bits
 
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 
@@ -366,6 +368,86 @@ def test_a_resumed_run_is_bit_for_bit_the_uninterrupted_one():
         step(k)
     assert torch.equal(p.detach(), uninterrupted)
     assert float(opt.state[p]["rounding_seed"]) == 304.0
+
+
+def _adamw_run(rounding_: str, params: list[torch.nn.Parameter], steps: range, backend: str = "cpu",
+               state: dict | None = None) -> torch.optim.Optimizer:
+    opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2), "sqrt8", block_size=256, min_8bit_size=0,
+                         rounding=rounding_, backend=backend)
+    if state is not None:
+        opt.load_state_dict(state)
+    for k in steps:
+        for p in params:
+            p.grad = torch.sin(p.detach() * 3 + k)
+        opt.step()
+    return opt
+
+
+def _twins(n: int = 2) -> list[list[torch.nn.Parameter]]:
+    torch.manual_seed(0)
+    init = [torch.randn(1000), torch.randn(300)]
+    return [[torch.nn.Parameter(x.clone()) for x in init] for _ in range(n)]
+
+
+def test_a_checkpoint_saved_rounding_to_nearest_resumes_under_the_default():
+    """A checkpoint of a run that rounded every state to nearest (the default before ``"auto"``: it holds no
+    rounding counter) loads under the default: each parameter's counter starts on load where a fresh one
+    would, v rounds stochastically from the next step, m as before, and two resumes are the same bits."""
+    (a, b) = _twins()
+    saved = saved_and_loaded(_adamw_run("nearest", a, range(3)).state_dict())
+    assert not any("rounding_seed" in entry for entry in saved["state"].values())
+    runs, start = [], [p.detach().clone() for p in a]
+    for params in (a, b):
+        with torch.no_grad():
+            for p, x in zip(params, start):
+                p.copy_(x)
+        opt = _adamw_run("auto", params, range(0), state=copy.deepcopy(saved))
+        assert [float(opt.state[p]["rounding_seed"]) for p in params] == [first_counter(i) for i in range(2)]
+        runs.append((_adamw_run("auto", params, range(3, 6), state=copy.deepcopy(saved)), params))
+    (opt_a, pa), (opt_b, pb) = runs
+    assert_same(state_bits(opt_a, pa), state_bits(opt_b, pb))
+    assert all(float(opt_a.state[p]["rounding_seed"]) == first_counter(i) + 3 for i, p in enumerate(pa))
+
+
+def test_a_checkpoint_saved_under_the_default_resumes_rounding_to_nearest():
+    """The other way round: a checkpoint holding the counter loads with ``rounding="nearest"``, which drops
+    the counter and continues exactly as a nearest run loaded from the same states without it."""
+    (a, b) = _twins()
+    saved = saved_and_loaded(_adamw_run("auto", a, range(3)).state_dict())
+    assert all("rounding_seed" in entry for entry in saved["state"].values())
+    start = [p.detach().clone() for p in a]
+    stripped = copy.deepcopy(saved)
+    for entry in stripped["state"].values():
+        del entry["rounding_seed"]
+    results = []
+    for params, state in ((a, saved), (b, stripped)):
+        with torch.no_grad():
+            for p, x in zip(params, start):
+                p.copy_(x)
+        opt = _adamw_run("nearest", params, range(3, 6), state=copy.deepcopy(state))
+        assert not any("rounding_seed" in opt.state[p] for p in params)
+        results.append((opt, params))
+    (opt_a, pa), (opt_b, pb) = results
+    assert_same([p.detach() for p in pa], [p.detach() for p in pb])
+    assert_same(state_bits(opt_a, pa), state_bits(opt_b, pb))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_two_runs_of_the_default_are_the_same_bits_at_any_thread_count(backend):
+    """Determinism: the draws depend on the counter, the stream and the element's index only, so the same
+    run gives the same params and states, with 1 thread or 2 (the blocks split over threads)."""
+    (a, b) = _twins()
+    results = []
+    for params, threads in ((a, 1), (b, 2)):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            results.append((_adamw_run("auto", params, range(4), backend=backend), params))
+        finally:
+            torch.set_num_threads(previous)
+    (opt_a, pa), (opt_b, pb) = results
+    assert_same([p.detach() for p in pa], [p.detach() for p in pb])
+    assert_same(state_bits(opt_a, pa), state_bits(opt_b, pb))
 
 
 def test_rounding_is_validated_naming_the_option_and_the_fix():

@@ -688,15 +688,21 @@ LB_INLINE vi lb_encode(vf y) {
 // positive value of a non-negative state never becomes code 0. Where y is a code's value |y - w_in| is 0
 // or the whole gap and it keeps that code; a non-finite value gets its special code after
 // (lb_encode_scaled: only a flagged block holds one).
+// The code magnitude c + 1 (outer) or c (inner) of the integral c, from a comparison of two non-negative
+// floats as integers (their bit patterns order as they do), then a truncating conversion: no compare
+// mask to blend under.
+LB_INLINE vi lb_step_up(vf c, vf below, vf above) {
+  return __builtin_convertvector(c, vi) - (lb_bits_i(below) < lb_bits_i(above));
+}
 // int8 (y already normalized): on the magnitude, the inner code floor(|y|), 1 below the outer, and the
 // distance |y| - floor(|y|), all exact; the sign put back on the code.
 template <bool U>
 LB_INLINE vi lb_stochastic_int8(vf y, vf t) {
   typedef lb_format<LB_INT8, U> f;
   const vf yc = lb_clamp(y, U ? 0.0f : -f::qmax, f::qmax), a = U ? yc : lb_abs(yc), c = lb_floor(a);
-  const vf m = t < a - c ? c + 1.0f : c;
-  if (U) return lb_lift_positive(__builtin_convertvector(m, vi), y);
-  return lb_code_byte(lb_cvt_signed(m, yc));
+  const vi m = lb_step_up(c, t, a - c);
+  if (U) return lb_lift_positive(m, y);
+  return lb_code_byte(lb_sign_of(m, yc));
 }
 // sqrt8 from the root-domain magnitude r (the nearest encode's input) and the sign of `sign`: the value
 // y = a * a of the clamped root a, the inner code c = floor(a), y - c * c in one fma (c * c is exact)
@@ -705,8 +711,8 @@ template <bool U>
 LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vf t) {
   const vf a = lb_min_nn(r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)), c = lb_floor(a), y = a * a;
   const vf d = lb_fma(-c, c, y), gap = lb_fma(c, lb_splat(2.0f), lb_splat(1.0f));
-  const vf m = t * gap < d ? c + 1.0f : c;
-  return U ? lb_lift_positive(__builtin_convertvector(m, vi), y) : lb_code_byte(lb_cvt_signed(m, sign));
+  const vi m = lb_step_up(c, t * gap, d);
+  return U ? lb_lift_positive(m, y) : lb_code_byte(lb_sign_of(m, sign));
 }
 // fp8 on the magnitude, nothing decoded: the codes around |y| are the multiples c and c + 1 of its
 // binade's unit 2^(max(e, MIN_EXP) - M) (the outer one at the binade's top is the next binade's first
