@@ -217,10 +217,10 @@ def test_bf16_params_match_reference_bit_for_bit(fmt, cls, kwargs):
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 8, 16, 32])
-def test_stochastic_draws_of_blocks_that_split_a_run_of_draws_match_the_reference(block_size):
-    """A run of 16 elements draws from 8 hash words (rounding.py): blocks of fewer than 16 elements start
-    inside a run (lb_thresholds' scalar path), blocks of 16 and more at one; sizes whose last block ends
-    inside a run."""
+def test_stochastic_draws_of_blocks_that_split_a_hash_match_the_reference(block_size):
+    """Two elements draw from one hash (rounding.py): blocks of 1 element start inside one, blocks of fewer
+    than 16 take lb_thresholds' scalar path, larger ones its 16 at a time; sizes whose last block ends
+    inside a hash."""
     ref, ours = _twins("sqrt8", *ADAMW, torch.float32, [1, 3, 6, 37, 130], block_size=block_size,
                        outliers=1 if block_size > 1 else 0, rounding="stochastic")
     _assert_same_states(ref, ours)

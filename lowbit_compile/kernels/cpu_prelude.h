@@ -762,44 +762,51 @@ struct lb_rand {
   uint32_t key;
   int64_t first;
 };
-// The 16-bit draws (rounding.state_draws): in each run of 16 elements (from index 0 of the tensor) the
-// first 8 take the low halves of words (i / 16) * 8 + 0..7, hashed as hash32(word ^ key), the next 8
-// their high halves, so one hash serves two elements.
+// The 16-bit draws (rounding.state_draws): element i draws the low half of hash32((i / 2) ^ key) where i
+// is even, the high half where it is odd, so one hash serves two elements.
 static inline uint32_t lb_draw_s(uint32_t key, int64_t i) {
-  return (lb_hash32_s((uint32_t)(((i >> 4) << 3) | (i & 7)) ^ key) >> ((i & 8) << 1)) & 0xFFFFu;
+  return (lb_hash32_s((uint32_t)(i >> 1) ^ key) >> ((i & 1) << 4)) & 0xFFFFu;
 }
-// The draws of the LB_W elements from index `first` on (a bf16 state's lane vector): lane l is element
-// first + l, whose run and place in it follow from r = first % 16 + l.
+// The draws of the LB_W elements from index `first` on (a bf16 state's lane vector), each lane its own
+// hash: lane l is element first + l, word (first + l) / 2.
 LB_INLINE vu lb_draws(uint32_t key, int64_t first) {
-  const vi r = lb_splat_i((int32_t)(first & 15)) + lb_iota();
-  const vu word = (vu)lb_splat_i((int32_t)(uint32_t)((first >> 4) << 3)) + (vu)(((r >> 4) << 3) | (r & 7));
-  return (lb_hash32_tail((word ^ key) ^ ((word ^ key) >> 16)) >> (vu)((r & 8) << 1)) & 0xFFFFu;
+  const vi l = lb_splat_i((int32_t)(first & 1)) + lb_iota();
+  const vu word = ((vu){} + (uint32_t)(first >> 1)) + (vu)(l >> 1);
+  const vu x = word ^ key;
+  return (lb_hash32_tail(x ^ (x >> 16)) >> (vu)((l & 1) << 4)) & 0xFFFFu;
 }
 // The thresholds of a block's len elements into t[0, len) (rounding.threshold: t = (u + 0.5) / 2^16 of
 // each element's draw u, exact), which the encode reads lane vector by lane vector. Where the block
-// starts a run (every block of 16 or more elements), one vector of 8 hashes gives 16 thresholds: the 8
-// low halves, then the 8 high halves (a block's last run may write past len, within its buffer).
+// starts at an even index (every block of 2 or more elements), one vector of 8 hashes gives 16
+// thresholds: the words in the order 0 1 4 5 | 2 3 6 7, so that interleaving each 128-bit lane's
+// low (high) 16-bit halves with zeros gives elements 0-7 (8-15) in order (a block's last 16 may write
+// past len, within its buffer).
 static inline void lb_thresholds(lb_rand rnd, int64_t len, float* t) {
-  if (__builtin_expect((rnd.first & 15) != 0 || len < 16, 0)) {  // blocks of fewer than 16 elements
+  if (__builtin_expect((rnd.first & 1) != 0 || len < 16, 0)) {  // blocks of 1 element, and short ones
     for (int64_t j = 0; j < len; ++j) t[j] = ((float)lb_draw_s(rnd.key, rnd.first + j) + 0.5f) * 0x1p-16f;
     return;
   }
   typedef uint32_t v8u __attribute__((vector_size(32)));
   typedef int32_t v8i __attribute__((vector_size(32)));
   typedef float v8f __attribute__((vector_size(32)));
-  const v8u lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-  const uint32_t first_word = (uint32_t)((rnd.first >> 4) << 3);  // a multiple of 8
+  typedef uint16_t v16h __attribute__((vector_size(32)));
+  const v8u order = {0, 1, 4, 5, 2, 3, 6, 7};
+  const v16h zero = {};
+  const uint32_t first_word = (uint32_t)(rnd.first >> 1);
   for (int64_t j = 0; j < len; j += 16) {
-    v8u x = (((v8u){} + (first_word + (uint32_t)(j >> 1))) + lanes) ^ rnd.key;
+    v8u x = (((v8u){} + (first_word + (uint32_t)(j >> 1))) + order) ^ rnd.key;
     x ^= x >> 16;
     x *= 0x7FEB352Du;
     x ^= x >> 15;
     x *= 0x846CA68Bu;
     x ^= x >> 16;
-    const v8f lo = (__builtin_convertvector((v8i)(x & 0xFFFFu), v8f) + 0.5f) * 0x1p-16f;
-    const v8f hi = (__builtin_convertvector((v8i)(x >> 16), v8f) + 0.5f) * 0x1p-16f;
-    memcpy(t + j, &lo, sizeof lo);
-    memcpy(t + j + 8, &hi, sizeof hi);
+    const v16h h = (v16h)x;
+    const v8i lo = (v8i)__builtin_shufflevector(h, zero, 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27);
+    const v8i hi = (v8i)__builtin_shufflevector(h, zero, 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31);
+    const v8f a = (__builtin_convertvector(lo, v8f) + 0.5f) * 0x1p-16f;
+    const v8f b = (__builtin_convertvector(hi, v8f) + 0.5f) * 0x1p-16f;
+    memcpy(t + j, &a, sizeof a);
+    memcpy(t + j + 8, &b, sizeof b);
   }
 }
 template <bool SR>

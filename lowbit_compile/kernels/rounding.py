@@ -16,10 +16,9 @@ The draws come from ``hash32(word ^ key)`` (``residual.hash32``, lowbias32) with
 hash32(counter ^ stream << 24)``: ``counter`` is the parameter's ``rounding_seed``, a scalar state that
 advances by one each step (modulo ``residual.SEED_PERIOD`` = 2**24, so it fills the low 24 bits), and
 ``stream`` (1..255) tells the parameter's states apart, so ``exp_avg`` and ``exp_avg_sq`` draw
-independent bits. The master residual's counter has stream 0. One hash serves two elements: each run of
-16 elements (from index 0 of the tensor) hashes 8 words, ``word = (i // 16) * 8 + i % 8``, and element
-``i`` draws the low 16 bits of its word where ``i % 16 < 8``, the high 16 bits where not. A lane vector of
-8 elements so takes one vector of hashes, and the next 8 elements its other halves.
+independent bits. The master residual's counter has stream 0. One hash serves two elements: element ``i``
+(its index in the tensor) draws the low 16 bits of ``hash32((i // 2) ^ key)`` where ``i`` is even, the high
+16 bits where it is odd.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ ROUNDINGS = ("auto", "nearest", "stochastic")
 DEFAULT_ROUNDING = "auto"  # stochastic for the non-negative states of the 8-bit formats, to nearest for the rest
 SEED = "rounding_seed"  # the per-parameter step counter of the state, saved with the optimizer state
 MAX_STREAMS = 255  # streams 1..255 fill the 8 bits above the counter's 24
-DRAW_BITS = 16  # random bits per rounding
-GROUP = 16  # elements whose draws come from one run of GROUP // 2 words
+DRAW_BITS = 16  # random bits per rounding: two draws per 32-bit hash
 
 
 def rounds_stochastically(spec: str, fmt: StateFormat) -> bool:
@@ -66,12 +64,10 @@ def state_draws(seed: float, stream: int, numel: int, device: torch.device | str
     """The 16-bit draw (int64 in ``[0, 2**16)``) of each of a state's elements ``first .. first + numel - 1``
     at counter ``seed``."""
     key = hash32(torch.tensor(stream_seed(seed, stream), dtype=torch.int64)).to(device)
-    start = first - first % GROUP
-    runs = -(-(first + numel - start) // GROUP)
-    words = torch.arange(runs * GROUP // 2, dtype=torch.int64, device=device) + start // 2
-    words = hash32((words ^ key) & MASK32).view(runs, 1, GROUP // 2)
-    halves = torch.cat([words & 0xFFFF, words >> 16], dim=1)  # per run: the low halves, then the high ones
-    return halves.reshape(-1)[first - start:first - start + numel]
+    words = torch.arange(first // 2, (first + numel + 1) // 2, dtype=torch.int64, device=device)
+    words = hash32((words ^ key) & MASK32)
+    halves = torch.stack([words & 0xFFFF, words >> 16], dim=1)  # per word: the even element's, the odd one's
+    return halves.reshape(-1)[first % 2:first % 2 + numel]
 
 
 def threshold(draws: torch.Tensor) -> torch.Tensor:

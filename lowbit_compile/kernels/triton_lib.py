@@ -367,14 +367,31 @@ def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.conste
 
 
 @triton.jit
+def state_key(seed, STREAM: tl.constexpr):
+    """A state's key at counter ``seed``: ``hash32(counter ^ STREAM << 24)`` (``rounding.state_draws``)."""
+    return hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24))
+
+
+@triton.jit
 def state_draws(seed, offsets, STREAM: tl.constexpr):
-    """``rounding.state_draws``: each element's 16-bit draw (int32), the low half of the word ``hash32(
-    (index // 16) * 8 + index % 8) ^ key)`` where ``index % 16 < 8``, its high half where not, with ``key =
-    hash32(counter ^ STREAM << 24)``. Computed per element (each hashes its word): sharing one hash
-    between two elements would take a reshape of the tile."""
-    key = hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24))
-    word = (((offsets >> 4) << 3) | (offsets & 7)).to(tl.uint32)
-    return ((hash32(word ^ key) >> ((offsets & 8) * 2).to(tl.uint32)) & 0xFFFF).to(tl.int32)
+    """``rounding.state_draws`` of any elements (a patch's): each element's 16-bit draw (int32), the low
+    half of ``hash32((index // 2) ^ key)`` where the index is even, the high half where it is odd."""
+    word = (offsets >> 1).to(tl.uint32)
+    return ((hash32(word ^ state_key(seed, STREAM)) >> ((offsets & 1) * 16).to(tl.uint32)) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def tile_draws(seed, rows, offsets, STREAM: tl.constexpr):
+    """The draws of a ``[ROWS, BLOCK]`` tile whose ``offsets`` are ``rows * BLOCK + cols``: for an even
+    BLOCK one hash per two elements, its halves joined side by side (``rounding.state_draws``)."""
+    BLOCK: tl.constexpr = offsets.shape[1]
+    if BLOCK % 2 == 1:
+        return state_draws(seed, offsets, STREAM)
+    else:
+        words = rows[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+        h = hash32(words.to(tl.uint32) ^ state_key(seed, STREAM))
+        pairs = tl.join((h & 0xFFFF).to(tl.int32), (h >> 16).to(tl.int32))
+        return tl.reshape(pairs, (offsets.shape[0], BLOCK))
 
 
 @triton.jit
@@ -503,7 +520,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
     x = tl.where(mask, x, 0.0)  # the reference pads a partial last block with zeros
     if FMT == BF16_CODES:
         if STREAM != 0:
-            draws = state_draws(seed, offsets, STREAM)
+            draws = tile_draws(seed, rows, offsets, STREAM)
             tl.store(codes_ptr + offsets, bf16_code_stochastic(x, draws, NONNEG).to(tl.bfloat16, bitcast=True),
                      mask=mask)
         else:
@@ -570,7 +587,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
         codes = encode(y, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
         code = code_bits(codes, FMT, FP8_NATIVE)
         if STREAM != 0:
-            code = round_stochastic(y, code, state_draws(seed, offsets, STREAM), table_ptr, FMT, NONNEG, QMAX)
+            code = round_stochastic(y, code, tile_draws(seed, rows, offsets, STREAM), table_ptr, FMT, NONNEG, QMAX)
         if any_flagged:
             special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
             code = tl.where(flagged & ~(tl.abs(x) < float("inf")), special, code)
