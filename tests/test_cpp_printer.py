@@ -71,14 +71,13 @@ static void lb_finish(lb_job& job, const float* scratch) {
   const float* buf_exp_avg_sq = scratch + 1 * LB_BLOCK;
   const float* root_exp_avg_sq = scratch + 2 * LB_BLOCK;
   uint8_t* p_exp_avg_sq_codes = job.codes[1];
-  const float* thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
   const float mult_exp_avg_sq = job.mult[1];
   const bool enc_exp_avg_sq = job.enc[1];
   if (enc_exp_avg && enc_exp_avg_sq) {
-    lb_encode_pair<LB_SQRT8, LB_SIGNED, LB_PLAIN, LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, nullptr, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, thr_exp_avg_sq, len);
+    lb_encode_pair<LB_SQRT8, LB_SIGNED, LB_PLAIN, LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, job.rnd[1], len);
   } else {
-    if (enc_exp_avg) lb_encode_block<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, nullptr);
-    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes, thr_exp_avg_sq);
+    if (enc_exp_avg) lb_encode_block<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
+    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes, job.rnd[1]);
   }
 }
 
@@ -115,13 +114,13 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
   vi acc_exp_avg_sq = lb_splat_i(-1);
   float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
-  float* __restrict thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
   const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
   if (!fuse) lb_finish(job, scratch);
   uint8_t* __restrict q_codes_exp_avg = job.codes[0];
   const vf q_mult_exp_avg = lb_splat(job.mult[0]);
   uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
   const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
+  const lb_rand q_rand_exp_avg_sq = job.rnd[1];
   const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
     int64_t i = 0;
     int64_t prev_i = -1;  // the lane vector whose late part is pending
@@ -136,8 +135,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       lb_prefetch(p_exp_avg_codes + i, LB_BLOCK);
       lb_prefetch(p_exp_avg_sq_codes + i, LB_BLOCK);
       if (fuse && (i & (4 * LB_W - 1)) == 0) {
-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
+        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
       }
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
@@ -188,7 +187,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   job.codes[0] = p_exp_avg_codes;
   job.enc[0] = lb_quantize_scale<LB_SQRT8, LB_SIGNED, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0]);
   job.codes[1] = p_exp_avg_sq_codes;
-  job.enc[1] = lb_quantize_scale<LB_SQRT8, LB_UNSIGNED, 0, LB_STOCHASTIC>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], h_exp_avg_sq_rand, root_exp_avg_sq, thr_exp_avg_sq);
+  job.rnd[1] = h_exp_avg_sq_rand;
+  job.enc[1] = lb_quantize_scale<LB_SQRT8, LB_UNSIGNED, 0, LB_STOCHASTIC>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], h_exp_avg_sq_rand, root_exp_avg_sq);
 }""")
 
     def test_fp32_states_take_torch_sqrt(self):
@@ -321,16 +321,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  float* __restrict thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
 -  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  float* __restrict thr_exp_avg_sq = scratch + 2 * LB_BLOCK;
 +  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
--        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
-+        lb_encode_x4<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
-+        lb_encode_x4<LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
++        lb_encode_x4<LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, LB_SIGNED>(full ? lb_ld_codes<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -347,21 +345,20 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == dynamic8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  float* __restrict thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
 -  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
 -  if (!fuse) lb_finish(job, scratch);
 -  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
 -  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
 -  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
+-  const lb_rand q_rand_exp_avg_sq = job.rnd[1];
 -  const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
-+  float* __restrict thr_exp_avg_sq = scratch + 2 * LB_BLOCK;
 +  const auto lanes0 = [&](auto c_lerp_small) LB_INLINE_LAMBDA {
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -      if (fuse && (i & (4 * LB_W - 1)) == 0) {
--        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
--        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      }
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
@@ -379,16 +376,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e4m3 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  float* __restrict thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
 -  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  float* __restrict thr_exp_avg_sq = scratch + 2 * LB_BLOCK;
 +  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_E4M3, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
--        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
-+        lb_encode_x4<LB_E4M3, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
-+        lb_encode_x4<LB_E4M3, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_E4M3, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
++        lb_encode_x4<LB_E4M3, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, LB_SIGNED>(full ? lb_ld_codes<LB_E4M3, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E4M3, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -405,16 +400,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e5m2 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  float* __restrict thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
 -  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  float* __restrict thr_exp_avg_sq = scratch + 2 * LB_BLOCK;
 +  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_E5M2, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
--        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
-+        lb_encode_x4<LB_E5M2, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
-+        lb_encode_x4<LB_E5M2, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_E5M2, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
++        lb_encode_x4<LB_E5M2, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, LB_SIGNED>(full ? lb_ld_codes<LB_E5M2, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E5M2, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -461,13 +454,13 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  float* __restrict thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
 -  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
 -  if (!fuse) lb_finish(job, scratch);
 -  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
 -  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
 -  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
+-  const lb_rand q_rand_exp_avg_sq = job.rnd[1];
 -  const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
 +  const float c_t8 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
 +  const float c_t9 = (float)0x1.0000000000000p+0 / c_pow_3;
@@ -475,8 +468,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -      if (fuse && (i & (4 * LB_W - 1)) == 0) {
--        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
--        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      }
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
@@ -524,16 +517,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  float* __restrict thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
 -  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  float* __restrict thr_exp_avg_sq = scratch + 2 * LB_BLOCK;
 +  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
--        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
-+        lb_encode_x4<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
-+        lb_encode_x4<LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
++        lb_encode_x4<LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, LB_SIGNED>(full ? lb_ld_codes<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -588,14 +579,12 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  uint16_t* __restrict p_param = (uint16_t*)ptr[0] + start;
 +  const uint16_t* __restrict p_grad = (const uint16_t*)ptr[1] + start;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  float* __restrict thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
 -  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  float* __restrict thr_exp_avg_sq = scratch + 2 * LB_BLOCK;
 +  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
-+        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, thr_exp_avg_sq, q_codes_exp_avg_sq);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
 -      const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
 +      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);

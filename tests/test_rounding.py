@@ -194,22 +194,25 @@ extern "C" void draws(uint32_t key, int64_t first, int64_t n, uint32_t* scalar, 
     const vu u = lb_draws(key, first + j);
     memcpy(lanes + j, &u, sizeof u);
   }
-  lb_thresholds({key, first}, n, thresholds);
+  for (int64_t j = 0; j + 4 * LB_W <= n; j += 4 * LB_W) {
+    const lb_vf4 t = lb_thresholds_x4<true>({key, first}, j);
+    memcpy(thresholds + j, t.v, sizeof t.v);
+  }
 }
 """
 
 
 @pytest.mark.parametrize("build", ["native", "16-lanes"])
 def test_the_cpu_kernel_draws_the_reference_draws_at_any_index(build):
-    """Element by element, a lane vector at a time (any start in a run of 16) and a block's thresholds (a
-    run's start: 8 hashes for 16 elements), at indices past 2^31 and 2^32 as at 0."""
+    """Element by element, a lane vector at a time (a hash per element, any start) and four at a time (a
+    hash per two elements, odd starts included), at indices past 2^31 and 2^32 as at 0."""
     import ctypes
 
     from .helpers import prelude_harness
 
     lib = prelude_harness(build, _DRAWS_HARNESS)
     key = int(residual.hash32(torch.tensor(rounding.stream_seed(9, 2))))
-    n = 64
+    n = 160
     for first in (0, 16, 2**31 - 16, 2**31 + 32, 2**32 + 48, 2**35 + 16):
         want = rounding.state_draws(9, 2, n, first=first)
         for shift in (0, 1, 8, 13):  # the element and lane-vector paths, from inside a run
@@ -220,7 +223,8 @@ def test_the_cpu_kernel_draws_the_reference_draws_at_any_index(build):
             got = want[shift:shift + n - 16]
             assert torch.equal(scalar[:n - 16].long(), got), (first, shift)
             assert torch.equal(lanes[:n - 16].long(), got), (first, shift)
-            assert torch.equal(thresholds[:n - 16], rounding.threshold(got)), (first, shift)
+            whole = (n - 16) // (4 * 16) * (4 * 16) if build == "16-lanes" else (n - 16) // 32 * 32
+            assert whole and torch.equal(thresholds[:whole], rounding.threshold(got[:whole])), (first, shift)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", pytest.param("triton", marks=pytest.mark.slow)])
@@ -539,23 +543,17 @@ class TestPrintedStochasticKernels(TestCase):
         nearest = emit_step(body(_adamw(), "int8"), target).source
         stochastic = emit_step(body(_adamw(), "int8", rounding="stochastic"), target).source
         self.assertExpectedInline(_diff(nearest, stochastic), """\
--static const int LB_N_BUFS = 3;
-+static const int LB_N_BUFS = 4;
-+  const float* thr_exp_avg = scratch + 2 * LB_BLOCK;
--  const float* thr_exp_avg_sq = scratch + 2 * LB_BLOCK;
-+  const float* thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
--    lb_encode_pair<LB_INT8, LB_SIGNED, LB_PLAIN, LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, nullptr, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, thr_exp_avg_sq, len);
-+    lb_encode_pair<LB_INT8, LB_SIGNED, LB_STOCHASTIC, LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, thr_exp_avg, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, thr_exp_avg_sq, len);
--    if (enc_exp_avg) lb_encode_block<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, nullptr);
-+    if (enc_exp_avg) lb_encode_block<LB_INT8, LB_SIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, thr_exp_avg);
+-    lb_encode_pair<LB_INT8, LB_SIGNED, LB_PLAIN, LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, job.rnd[1], len);
++    lb_encode_pair<LB_INT8, LB_SIGNED, LB_STOCHASTIC, LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, job.rnd[0], buf_exp_avg_sq, nullptr, mult_exp_avg_sq, p_exp_avg_sq_codes, job.rnd[1], len);
+-    if (enc_exp_avg) lb_encode_block<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
++    if (enc_exp_avg) lb_encode_block<LB_INT8, LB_SIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, job.rnd[0]);
 +  const lb_rand h_exp_avg_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (1u << 24)), start};
--  float* __restrict thr_exp_avg_sq = scratch + 2 * LB_BLOCK;
-+  float* __restrict thr_exp_avg = scratch + 2 * LB_BLOCK;
-+  float* __restrict thr_exp_avg_sq = scratch + 3 * LB_BLOCK;
--        lb_encode_x4<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, nullptr, q_codes_exp_avg);
-+        lb_encode_x4<LB_INT8, LB_SIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, i, q_mult_exp_avg, thr_exp_avg, q_codes_exp_avg);
++  const lb_rand q_rand_exp_avg = job.rnd[0];
+-        lb_encode_x4<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
++        lb_encode_x4<LB_INT8, LB_SIGNED, LB_STOCHASTIC>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_rand_exp_avg, q_codes_exp_avg);
 -  job.enc[0] = lb_quantize_scale<LB_INT8, LB_SIGNED, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0]);
-+  job.enc[0] = lb_quantize_scale<LB_INT8, LB_SIGNED, 0, LB_STOCHASTIC>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0], h_exp_avg_rand, nullptr, thr_exp_avg);""")
++  job.rnd[0] = h_exp_avg_rand;
++  job.enc[0] = lb_quantize_scale<LB_INT8, LB_SIGNED, 0, LB_STOCHASTIC>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0], h_exp_avg_rand);""")
 
     def test_the_triton_kernel_passes_the_counter_and_the_stream(self):
         printer = pytest.importorskip("lowbit_compile.kernels.triton_printer")

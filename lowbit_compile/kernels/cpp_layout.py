@@ -231,19 +231,15 @@ class BlockKernel:
         blockwise = [s for s in self.states if s.fmt.blockwise]
         rooted = [s for s in blockwise if s.root]
         written = [s for s in blockwise if s.writes]
-        drawn = [s for s in written if s.rand]
-        staged = len(blockwise) + len(rooted)
         out = [
             f"static const int64_t LB_BLOCK = {self.block};",
             f"static const int64_t LB_ROW = {len(self.pointers) + 1};  // element count, then one pointer per input",
             f"static const int LB_N_SCALARS = {self.n_scalars};",
-            f"static const int LB_N_BUFS = {staged + len(self.staged) + len(drawn)};",
+            f"static const int LB_N_BUFS = {len(blockwise) + len(rooted) + len(self.staged)};",
             "",
         ]
-        # in scratch: each state's buffer, its root's, the staged square roots, its thresholds'
-        slot = {s.ident: b for b, s in enumerate(blockwise)}
+        slot = {s.ident: b for b, s in enumerate(blockwise)}  # a state's buffer, then its root's, in scratch
         slot.update({f"root_{s.ident}": len(blockwise) + b for b, s in enumerate(rooted)})
-        slot.update({f"thr_{s.ident}": staged + len(self.staged) + b for b, s in enumerate(drawn)})
         if written:
             out += self._job(written, slot)
         fused = bool(written) and all(w.fmt.name in fused_encodes for w in written)
@@ -282,8 +278,6 @@ class BlockKernel:
         first = len(blockwise) + len(rooted)
         out += [f"float* __restrict {buf} = scratch + {first + b} * LB_BLOCK;"
                 for b, (buf, _, _) in enumerate(self.staged)]
-        out += [f"float* __restrict thr_{s.ident} = scratch + {slot['thr_' + s.ident]} * LB_BLOCK;"
-                for s in blockwise if s.writes and s.rand]
         return out
 
     @staticmethod
@@ -310,6 +304,8 @@ class BlockKernel:
         for j, w in enumerate(written):
             out.append(f"uint8_t* __restrict q_codes_{w.ident} = job.codes[{j}];")
             out.append(f"const vf q_mult_{w.ident} = lb_splat(job.mult[{j}]);")
+            if w.rand:
+                out.append(f"const lb_rand q_rand_{w.ident} = job.rnd[{j}];")
         return out
 
     def _lane_loop(self, k: int, lanes: LanePass, fused: list[KernelState]) -> list[str]:
@@ -327,9 +323,10 @@ class BlockKernel:
         out = ["job.len = len;"] if written else []
         for j, w in enumerate(written):
             parts = ", ".join(w.ptr(part) for part in PARTS)
-            extra = [w.rand or "{}", f"root_{w.ident}" if w.root else "nullptr", f"thr_{w.ident}"] if w.rand else (
-                ["{}", f"root_{w.ident}"] if w.root else [])
+            extra = [w.rand or "{}", f"root_{w.ident}"] if w.root else [w.rand] if w.rand else []
             out.append(f"job.codes[{j}] = {w.ptr(Part.CODES)};")
+            if w.rand:
+                out.append(f"job.rnd[{j}] = {w.rand};")
             out.append(f"job.enc[{j}] = lb_quantize_scale<{w.template}, {w.fmt.patches}"
                        f"{', LB_STOCHASTIC' if w.rand else ''}>(acc_{w.ident}, buf_{w.ident}, len, LB_BLOCK, "
                        f"{', '.join([parts, f'&job.mult[{j}]', *extra])});")
@@ -352,19 +349,19 @@ class BlockKernel:
             if w.root:
                 out.append(f"{ind}const float* root_{k} = scratch + {slot['root_' + k]} * LB_BLOCK;")
             out.append(f"{ind}uint8_t* {w.ptr(Part.CODES)} = job.codes[{j}];")
-            if w.rand:
-                out.append(f"{ind}const float* thr_{k} = scratch + {slot['thr_' + k]} * LB_BLOCK;")
             out.append(f"{ind}const float mult_{k} = job.mult[{j}];")
             out.append(f"{ind}const bool enc_{k} = job.enc[{j}];")
 
+        rnd = {w.ident: f"job.rnd[{j}]" if w.rand else "{}" for j, w in enumerate(written)}
+
         def args(s: KernelState) -> list[str]:
             return [f"buf_{s.ident}", f"root_{s.ident}" if s.root else "nullptr", f"mult_{s.ident}", s.ptr(Part.CODES),
-                    f"thr_{s.ident}" if s.rand else "nullptr"]
+                    rnd[s.ident]]
 
         def single(s: KernelState) -> str:
-            buf, root, mult, codes, thr = args(s)
+            buf, root, mult, codes, draws = args(s)
             return (f"if (enc_{s.ident}) lb_encode_block<{s.template}, {_encoding(s.rand)}>({buf}, {root}, "
-                    f"len, {mult}, {codes}, {thr});")
+                    f"len, {mult}, {codes}, {draws});")
 
         for a, b in zip(written[::2], written[1::2]):
             out.append(f"{ind}if (enc_{a.ident} && enc_{b.ident}) {{")
@@ -385,8 +382,9 @@ class BlockKernel:
         for w in written:
             k = w.ident
             root = f"root_{k}" if w.root else "nullptr"
-            thr = f"thr_{k}" if w.rand else "nullptr"
-            lines.append(f"  lb_encode_x4<{self._lane_encode(w)}>(buf_{k}, {root}, i, q_mult_{k}, {thr}, q_codes_{k});")
+            draws = f"q_rand_{k}" if w.rand else "{}"
+            lines.append(f"  lb_encode_x4<{self._lane_encode(w)}>(buf_{k}, {root}, i, q_mult_{k}, {draws}, "
+                         f"q_codes_{k});")
         return ["if (fuse && (i & (4 * LB_W - 1)) == 0) {", *lines, "}"]
 
     def _lane_encode(self, s: KernelState) -> str:

@@ -684,7 +684,7 @@ LB_INLINE vi lb_encode(vf y) {
 // Stochastic rounding of 8-bit codes (formats.round_stochastic, triton_lib.round_stochastic): of the two
 // codes around y (the value clamped into the format's range), the one of larger magnitude (outer, value
 // w_out) replaces the one nearer zero (inner, value w_in) where t * |w_out - w_in| < |y - w_in| (one fp32
-// product, both distances exact), t = (u + 0.5) / 2^16 the element's threshold (lb_thresholds); a
+// product, both distances exact), t = (u + 0.5) / 2^16 the element's threshold (lb_thresholds_x4); a
 // positive value of a non-negative state never becomes code 0. Where y is a code's value |y - w_in| is 0
 // or the whole gap and it keeps that code; a non-finite value gets its special code after
 // (lb_encode_scaled: only a flagged block holds one).
@@ -775,44 +775,55 @@ LB_INLINE vu lb_draws(uint32_t key, int64_t first) {
   const vu x = word ^ key;
   return (lb_hash32_tail(x ^ (x >> 16)) >> (vu)((l & 1) << 4)) & 0xFFFFu;
 }
-// The thresholds of a block's len elements into t[0, len) (rounding.threshold: t = (u + 0.5) / 2^16 of
-// each element's draw u, exact), which the encode reads lane vector by lane vector. Where the block
-// starts at an even index (every block of 2 or more elements), one vector of 8 hashes gives 16
-// thresholds: the words in the order 0 1 4 5 | 2 3 6 7, so that interleaving each 128-bit lane's
-// low (high) 16-bit halves with zeros gives elements 0-7 (8-15) in order (a block's last 16 may write
-// past len, within its buffer).
-static inline void lb_thresholds(lb_rand rnd, int64_t len, float* t) {
-  if (__builtin_expect((rnd.first & 1) != 0 || len < 16, 0)) {  // blocks of 1 element, and short ones
-    for (int64_t j = 0; j < len; ++j) t[j] = ((float)lb_draw_s(rnd.key, rnd.first + j) + 0.5f) * 0x1p-16f;
-    return;
-  }
-  typedef uint32_t v8u __attribute__((vector_size(32)));
-  typedef int32_t v8i __attribute__((vector_size(32)));
-  typedef float v8f __attribute__((vector_size(32)));
-  typedef uint16_t v16h __attribute__((vector_size(32)));
-  const v8u order = {0, 1, 4, 5, 2, 3, 6, 7};
-  const v16h zero = {};
-  const uint32_t first_word = (uint32_t)(rnd.first >> 1);
-  for (int64_t j = 0; j < len; j += 16) {
-    v8u x = (((v8u){} + (first_word + (uint32_t)(j >> 1))) + order) ^ rnd.key;
-    x ^= x >> 16;
-    x *= 0x7FEB352Du;
-    x ^= x >> 15;
-    x *= 0x846CA68Bu;
-    x ^= x >> 16;
-    const v16h h = (v16h)x;
-    const v8i lo = (v8i)__builtin_shufflevector(h, zero, 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27);
-    const v8i hi = (v8i)__builtin_shufflevector(h, zero, 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31);
-    const v8f a = (__builtin_convertvector(lo, v8f) + 0.5f) * 0x1p-16f;
-    const v8f b = (__builtin_convertvector(hi, v8f) + 0.5f) * 0x1p-16f;
-    memcpy(t + j, &a, sizeof a);
-    memcpy(t + j + 8, &b, sizeof b);
-  }
-}
+// t = (u + 0.5) / 2^16 of 16-bit draws u, exact in one fma (rounding.threshold).
+LB_INLINE vf lb_threshold(vi u) { return lb_fma(__builtin_convertvector(u, vf), lb_splat(0x1p-16f), lb_splat(0x1p-17f)); }
+// The thresholds of the LB_W elements from rnd.first + j on, a hash per element (tails, odd starts).
 template <bool SR>
-LB_INLINE vf lb_thresholds_at(const float* t) {  // the thresholds lb_thresholds left at t[0, LB_W)
-  if constexpr (SR) return lb_ld(t);
+LB_INLINE vf lb_thresholds_at(lb_rand rnd, int64_t j) {
+  if constexpr (SR) return lb_threshold((vi)lb_draws(rnd.key, rnd.first + j));
   else return vf{};
+}
+// The thresholds of the four lane vectors from an even index rnd.first + j, from two vectors of LB_W
+// hashes (one per two elements): each 128-bit lane of a hash vector holds two words of the first half
+// and two of the second, so interleaving the lanes' low (high) 16-bit halves with zeros gives the first
+// (second) LB_W elements' draws in order.
+struct lb_vf4 {
+  vf v[4];
+};
+#if LB_W == 16
+typedef uint16_t lb_vh2 __attribute__((vector_size(4 * LB_W)));
+#define LB_WORD_ORDER 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15
+#define LB_LOW_HALVES 0, 32, 1, 33, 2, 34, 3, 35, 8, 40, 9, 41, 10, 42, 11, 43, \
+                      16, 48, 17, 49, 18, 50, 19, 51, 24, 56, 25, 57, 26, 58, 27, 59
+#define LB_HIGH_HALVES 4, 36, 5, 37, 6, 38, 7, 39, 12, 44, 13, 45, 14, 46, 15, 47, \
+                       20, 52, 21, 53, 22, 54, 23, 55, 28, 60, 29, 61, 30, 62, 31, 63
+#elif LB_W == 8
+typedef uint16_t lb_vh2 __attribute__((vector_size(4 * LB_W)));
+#define LB_WORD_ORDER 0, 1, 4, 5, 2, 3, 6, 7
+#define LB_LOW_HALVES 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27
+#define LB_HIGH_HALVES 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31
+#else
+#error "LB_W must be 8 or 16"
+#endif
+template <bool SR>
+LB_INLINE lb_vf4 lb_thresholds_x4(lb_rand rnd, int64_t j) {
+  if constexpr (!SR) return {};
+  else {
+    const int64_t first = rnd.first + j;
+    if (__builtin_expect(first & 1, 0))  // blocks of one element
+      return {{lb_thresholds_at<SR>(rnd, j), lb_thresholds_at<SR>(rnd, j + LB_W),
+               lb_thresholds_at<SR>(rnd, j + 2 * LB_W), lb_thresholds_at<SR>(rnd, j + 3 * LB_W)}};
+    const vu order = {LB_WORD_ORDER}, base = (vu){} + (uint32_t)(first >> 1);
+    const lb_vh2 zero = {};
+    lb_vf4 t;
+    for (int h = 0; h < 2; ++h) {
+      vu x = (base + (uint32_t)(h * LB_W) + order) ^ rnd.key;
+      const lb_vh2 halves = (lb_vh2)lb_hash32_tail(x ^ (x >> 16));
+      t.v[2 * h] = lb_threshold((vi)__builtin_shufflevector(halves, zero, LB_LOW_HALVES));
+      t.v[2 * h + 1] = lb_threshold((vi)__builtin_shufflevector(halves, zero, LB_HIGH_HALVES));
+    }
+    return t;
+  }
 }
 
 // bf16 storage (states and patches; formats.encode, round_bf16): a finite value saturates at bf16's
@@ -1010,38 +1021,37 @@ LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vf t) {
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
   return lb_key(x) < 0x7F800000 ? code : special;
 }
-// The codes of the whole lane vector at buf + j; with LB_ROOT, root holds the square roots of buf
-// (lb_encode_scaled), and only a flagged block reads buf. With LB_STOCHASTIC, thr holds the block's
-// thresholds (lb_thresholds).
+// The codes of the whole lane vector at buf + j, from the thresholds t (LB_STOCHASTIC); with LB_ROOT,
+// root holds the square roots of buf (lb_encode_scaled), and only a flagged block reads buf.
 template <int F, bool U, unsigned M>
-LB_INLINE vi lb_encode_at(const float* buf, const float* root, int64_t j, vf vinv, const float* thr) {
+LB_INLINE vi lb_encode_at(const float* buf, const float* root, int64_t j, vf vinv, vf t) {
   typedef lb_mode<M> m;
   constexpr bool reads_x = !m::root || m::flagged;
   const vf x = reads_x ? lb_ld(buf + j) : vf{}, r = m::root ? lb_ld(root + j) : vf{};
-  return lb_encode_scaled<F, U, M>(x, r, vinv, lb_thresholds_at<m::sr>(thr + j));
+  return lb_encode_scaled<F, U, M>(x, r, vinv, t);
 }
-// The codes of the four lane vectors at buf + j, in one store (lb_encode_at).
+// The codes of the four lane vectors at buf + j, in one store (lb_encode_at); with LB_STOCHASTIC their
+// draws are those of the elements from rnd.first + j (rnd: the block's key and first element's index).
 template <int F, bool U, unsigned M>
-LB_INLINE void lb_encode_x4(const float* buf, const float* root, int64_t j, vf vinv, const float* thr, uint8_t* codes) {
-  const auto at = [&](int64_t k) LB_INLINE_LAMBDA { return lb_encode_at<F, U, M>(buf, root, k, vinv, thr); };
-  lb_st_u8x4(codes + j, at(j), at(j + LB_W), at(j + 2 * LB_W), at(j + 3 * LB_W));
+LB_INLINE void lb_encode_x4(const float* buf, const float* root, int64_t j, vf vinv, lb_rand rnd, uint8_t* codes) {
+  const lb_vf4 t = lb_thresholds_x4<lb_mode<M>::sr>(rnd, j);
+  const auto at = [&](int k) LB_INLINE_LAMBDA { return lb_encode_at<F, U, M>(buf, root, j + k * LB_W, vinv, t.v[k]); };
+  lb_st_u8x4(codes + j, at(0), at(1), at(2), at(3));
 }
-// The codes of buf[0, len) (lb_encode_at).
+// The codes of buf[0, len) (lb_encode_at), rounding stochastically with the draws of rnd (LB_STOCHASTIC).
 template <int F, bool U, unsigned M>
 static inline void lb_encode_loop(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes,
-                                  const float* thr) {
+                                  lb_rand rnd) {
   typedef lb_mode<M> m;
   const vf vinv = lb_splat(inverse);
-  const auto at = [&](int64_t j) { return lb_encode_at<F, U, M>(buf, root, j, vinv, thr); };
   int64_t i = 0;
   if constexpr (!m::flagged)  // a flagged block (inf or NaN in it) is rare: not unrolled, less to compile
-    for (; i + 4 * LB_W <= len; i += 4 * LB_W)
-      lb_st_u8x4(codes + i, at(i), at(i + LB_W), at(i + 2 * LB_W), at(i + 3 * LB_W));
-  for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, at(i));
+    for (; i + 4 * LB_W <= len; i += 4 * LB_W) lb_encode_x4<F, U, M>(buf, root, i, vinv, rnd, codes);
+  for (; i + LB_W <= len; i += LB_W)
+    lb_st_codes(codes + i, lb_encode_at<F, U, M>(buf, root, i, vinv, lb_thresholds_at<m::sr>(rnd, i)));
   if (i < len) {
     const vf x = lb_ld_n(buf + i, len - i), r = m::root ? lb_ld_n(root + i, len - i) : vf{};
-    const vf t = m::sr ? lb_ld_n(thr + i, len - i) : vf{};
-    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, M>(x, r, vinv, t), len - i);
+    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, M>(x, r, vinv, lb_thresholds_at<m::sr>(rnd, i)), len - i);
   }
 }
 // The multiplier a block's encode applies: the inverse of its scale (sqrt8: the inverse's square root,
@@ -1061,10 +1071,10 @@ LB_INLINE bool lb_fusable(bool enc, float mult) { return enc && (lb_mode<M>::roo
 // roots where it gives them. M: LB_FLAGGED, LB_STOCHASTIC or neither (this picks LB_ROOT and LB_LIFT).
 template <int F, bool U, unsigned M>
 static inline void lb_encode_block(const float* buf, const float* root, int64_t len, float mult, uint8_t* codes,
-                                   const float* thr) {
-  if (F == LB_SQRT8 && U && root) lb_encode_loop<F, U, M | LB_ROOT>(buf, root, len, mult, codes, thr);
-  else if (lb_lifts<F, U>(mult)) lb_encode_loop<F, U, M | LB_LIFT>(buf, nullptr, len, mult, codes, thr);
-  else lb_encode_loop<F, U, M>(buf, nullptr, len, mult, codes, thr);
+                                   lb_rand rnd) {
+  if (F == LB_SQRT8 && U && root) lb_encode_loop<F, U, M | LB_ROOT>(buf, root, len, mult, codes, rnd);
+  else if (lb_lifts<F, U>(mult)) lb_encode_loop<F, U, M | LB_LIFT>(buf, nullptr, len, mult, codes, rnd);
+  else lb_encode_loop<F, U, M>(buf, nullptr, len, mult, codes, rnd);
 }
 
 // A block holding inf or NaN (rare: off the hot path, scalar): patches are the K largest finite
@@ -1074,7 +1084,7 @@ static inline void lb_encode_block(const float* buf, const float* root, int64_t 
 template <int F, bool U, int K, unsigned M>
 __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* root, int64_t len, int64_t block,
                                                            uint8_t* codes, float* scale, uint16_t* patch_values,
-                                                           int16_t* patch_index, lb_rand rnd, const float* thr) {
+                                                           int16_t* patch_index, lb_rand rnd) {
   if (K > 0) {
     lb_best<K> best;  // keys shifted by one: finite values 1.., non-finite 0
     for (int64_t i = 0; i < len; ++i) {
@@ -1106,11 +1116,11 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
   if (flagged) {
     lb_scale_and_inverse(absmax, lb_format<F, U>::flagged_qmax, &s, &inv);
     *scale = -s;  // the sign bit flags the block (-0.0 included)
-    lb_encode_block<F, U, M | LB_FLAGGED>(buf, root, len, lb_multiplier<F>(inv), codes, thr);
+    lb_encode_block<F, U, M | LB_FLAGGED>(buf, root, len, lb_multiplier<F>(inv), codes, rnd);
   } else {
     lb_block_scale<F, U>(buf, len, absmax, &s, &inv);
     *scale = s;
-    lb_encode_block<F, U, M>(buf, root, len, lb_multiplier<F>(inv), codes, thr);
+    lb_encode_block<F, U, M>(buf, root, len, lb_multiplier<F>(inv), codes, rnd);
   }
 }
 
@@ -1120,19 +1130,18 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
 // largest key in buf, says which) is quantized whole here (lb_quantize_nonfinite): false. The K
 // patches are the K largest |x| (ties: lowest offset) in the order the reference's repeated argmax
 // finds them; the scale comes from the rest (lb_block_scale). With M = LB_STOCHASTIC the patches round
-// stochastically, drawing from rnd, and the codes' thresholds are written to thr (lb_thresholds).
+// stochastically, drawing from rnd (the codes draw when they are encoded: lb_encode_block, lb_encode_x4).
 // A non-negative sqrt8 state may give `root`, buf's square roots as the step took them (lb_encode_scaled).
 template <int F, bool U, int K, unsigned M = LB_PLAIN>
 static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
                               uint16_t* patch_values, int16_t* patch_index, float* mult, lb_rand rnd = {},
-                              float* root = nullptr, float* thr = nullptr) {
+                              float* root = nullptr) {
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
   // the K+1 largest elements all reach it, and one pass collects them exactly. With K+1 > LB_W lanes
   // there is no such bound: every element is offered (-1).
-  if constexpr (lb_mode<M>::sr) lb_thresholds(rnd, len, thr);
   const int32_t top = lb_hmax(lane_max);
   if (__builtin_expect(top >= 0x7F800000, 0)) {
-    lb_quantize_nonfinite<F, U, K, M>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd, thr);
+    lb_quantize_nonfinite<F, U, K, M>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd);
     return false;
   }
   int32_t rest = top > 0 ? top : 0;  // no patches: the absmax is the largest lane maximum
@@ -1165,27 +1174,25 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
 // alone. M1, M2: LB_STOCHASTIC, and LB_ROOT where the state encodes from the roots it is given (a
 // non-negative sqrt8 state).
 template <int F1, bool U1, unsigned M1, int F2, bool U2, unsigned M2>
-static void lb_encode_pair(const float* buf1, const float* root1, float mult1, uint8_t* codes1, const float* thr1,
-                           const float* buf2, const float* root2, float mult2, uint8_t* codes2, const float* thr2,
+static void lb_encode_pair(const float* buf1, const float* root1, float mult1, uint8_t* codes1, lb_rand rnd1,
+                           const float* buf2, const float* root2, float mult2, uint8_t* codes2, lb_rand rnd2,
                            int64_t len) {
   if (lb_lifts<F1, U1>(mult1) || lb_lifts<F2, U2>(mult2)) {  // a block of large values, no faster together
-    lb_encode_block<F1, U1, M1 & LB_STOCHASTIC>(buf1, root1, len, mult1, codes1, thr1);
-    lb_encode_block<F2, U2, M2 & LB_STOCHASTIC>(buf2, root2, len, mult2, codes2, thr2);
+    lb_encode_block<F1, U1, M1 & LB_STOCHASTIC>(buf1, root1, len, mult1, codes1, rnd1);
+    lb_encode_block<F2, U2, M2 & LB_STOCHASTIC>(buf2, root2, len, mult2, codes2, rnd2);
     return;
   }
   const vf v1 = lb_splat(mult1), v2 = lb_splat(mult2);
-  const auto at1 = [&](int64_t j) { return lb_encode_at<F1, U1, M1>(buf1, root1, j, v1, thr1); };
-  const auto at2 = [&](int64_t j) { return lb_encode_at<F2, U2, M2>(buf2, root2, j, v2, thr2); };
   int64_t i = 0;
   for (; i + 4 * LB_W <= len; i += 4 * LB_W) {
-    lb_st_u8x4(codes1 + i, at1(i), at1(i + LB_W), at1(i + 2 * LB_W), at1(i + 3 * LB_W));
-    lb_st_u8x4(codes2 + i, at2(i), at2(i + LB_W), at2(i + 2 * LB_W), at2(i + 3 * LB_W));
+    lb_encode_x4<F1, U1, M1>(buf1, root1, i, v1, rnd1, codes1);
+    lb_encode_x4<F2, U2, M2>(buf2, root2, i, v2, rnd2, codes2);
   }
   if (i < len) {  // the last partial group, each state alone
     lb_encode_loop<F1, U1, M1>(buf1 + i, lb_mode<M1>::root ? root1 + i : nullptr, len - i, mult1, codes1 + i,
-                               lb_mode<M1>::sr ? thr1 + i : nullptr);
+                               {rnd1.key, rnd1.first + i});
     lb_encode_loop<F2, U2, M2>(buf2 + i, lb_mode<M2>::root ? root2 + i : nullptr, len - i, mult2, codes2 + i,
-                               lb_mode<M2>::sr ? thr2 + i : nullptr);
+                               {rnd2.key, rnd2.first + i});
   }
 }
 
@@ -1346,6 +1353,7 @@ struct lb_pending {
   int64_t len;  // 0: none pending
   uint8_t* codes[N];
   float mult[N];  // lb_quantize_scale's
+  lb_rand rnd[N];  // what a stochastically rounded state's codes draw from
   bool enc[N];  // false: encoded already (a block with inf or NaN)
 };
 struct lb_no_job {  // a step without quantized states: nothing left to write after a block
