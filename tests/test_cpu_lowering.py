@@ -508,7 +508,7 @@ template <int K> static void quant(float* x, int64_t n, int64_t block, uint8_t* 
     float mult;
     if (lb_quantize_scale<LB_INT8, false, K>(acc, buf, len, block, codes + b * block, scales + b, values + b * K,
                                              index + b * K, &mult))
-      lb_encode_block<LB_INT8, false, LB_PLAIN>(buf, nullptr, len, mult, codes + b * block, nullptr);
+      lb_encode_block<LB_INT8, false, LB_PLAIN>(buf, nullptr, len, mult, codes + b * block, {});
   }
 }
 extern "C" void quant_k(int k, float* x, int64_t n, int64_t block, uint8_t* codes, float* scales,

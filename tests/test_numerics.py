@@ -233,7 +233,7 @@ static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* 
     float mult;
     if (lb_quantize_scale<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K, &mult, {},
                                    root))
-      lb_encode_block<F, U, LB_PLAIN>(buf, root, len, mult, codes + start, nullptr);
+      lb_encode_block<F, U, LB_PLAIN>(buf, root, len, mult, codes + start, {});
   }
 }
 template <int F, bool U, int K>

@@ -475,8 +475,9 @@ def _stochastic_states(opt: torch.optim.Optimizer, fmt: str | dict = "int8", **o
 
 def test_the_default_rounds_the_non_negative_states_of_8_bit_formats_stochastically():
     """``"auto"``: the second moments (the non-negative states the sign pass proves: Adam's v and its
-    amsgrad max, RMSprop's square_avg, Adagrad's sum) round stochastically in every 8-bit format,
-    momenta (signed) and bf16 states to nearest; ``"nearest"`` rounds every state to nearest, as before."""
+    amsgrad max, RMSprop's square_avg, Adagrad's sum, Adamax's exp_inf, Adadelta's two) round
+    stochastically in every 8-bit format, momenta (signed) and bf16 states to nearest; ``"nearest"``
+    rounds every state to nearest, as before."""
     p = torch.nn.Parameter(torch.randn(64))
     for fmt in ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2"):
         assert _stochastic_states(torch.optim.AdamW([p], amsgrad=True), fmt) == {"exp_avg_sq", "max_exp_avg_sq"}
@@ -484,6 +485,8 @@ def test_the_default_rounds_the_non_negative_states_of_8_bit_formats_stochastica
     assert _stochastic_states(torch.optim.AdamW([p]), {"exp_avg": "int8", "exp_avg_sq": "bf16"}) == set()
     assert _stochastic_states(torch.optim.RMSprop([p], momentum=0.9)) == {"square_avg"}
     assert _stochastic_states(torch.optim.Adagrad([p])) == {"sum"}
+    assert _stochastic_states(torch.optim.Adamax([p])) == {"exp_inf"}
+    assert _stochastic_states(torch.optim.Adadelta([p])) == {"square_avg", "acc_delta"}
     assert _stochastic_states(torch.optim.SGD([p], momentum=0.9)) == set()
     assert _stochastic_states(torch.optim.AdamW([p]), rounding="nearest") == set()
     assert _stochastic_states(torch.optim.AdamW([p]), rounding="stochastic") == {"exp_avg", "exp_avg_sq"}

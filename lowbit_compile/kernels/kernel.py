@@ -111,6 +111,7 @@ def step_counters(step: GraphModule) -> tuple[tuple[int, ...], dict[int, int]]:
     inner = [n for n in step.prologue.graph.nodes if n.op == "placeholder"]
     position = {node: prologue_args[k] for k, node in enumerate(inner)}
     output = next(n for n in step.prologue.graph.nodes if n.op == "output").args[0]
+    output = (output,) if isinstance(output, torch.fx.Node) else output or ()
     reads = {j: position[o.args[0]] for j, o in enumerate(output)
              if isinstance(o, torch.fx.Node) and o.target is torch.ops.aten.clone.default
              and position.get(o.args[0]) in counters}
