@@ -7,7 +7,9 @@ optimizers (bitsandbytes, torchao), over several seeds, and reports the final va
     python bench/quality.py --tasks zipf --variants 'int8*' fp32 --seeds 0 1 2
 
 Writes ``bench/results/quality.json`` (every run's curves), ``quality.md`` (the tables) and
-``quality_<task>.png`` (validation-loss curves). Runs already in the JSON are reused with
+``quality_<task>.png`` (validation-loss curves). Optimizer names as in ``bench/rounding.py``: one of
+ours rounds v stochastically and m to nearest (the library's default); ``<ours>+nearest`` rounds every
+state to nearest, as every run of ours did before that default. Runs already in the JSON are reused with
 ``--resume``. Every run of a task and seed sees the same initial weights and batches, so the
 gap to fp32 is a paired difference.
 """
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
+from bench.rounding import check_name, make_optimizer, split_name
 from bench.tasks import PEERS, TASKS, OptimizerSpec, Task, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -116,11 +119,13 @@ def run_one(job: tuple[str, str, int, float, int, bool]) -> dict:
     task_name, variant, seed, step_scale, threads, compile_peers = job
     torch.set_num_threads(threads)
     task = _task(task_name, step_scale)
-    spec = OptimizerSpec(variant, compile_peers)
+    base, rounding = split_name(variant)
+    spec = OptimizerSpec(base, compile_peers)
+    make = make_optimizer(variant, compile_peers=compile_peers, seed=seed) if rounding else spec.build
     built: list[torch.optim.Optimizer] = []
 
     def build(params, hyper):
-        built.append(spec.build(params, hyper))
+        built.append(make(params, hyper))
         return built[-1]
 
     hist = train(task, build, seed, param_dtype=spec.param_dtype)
@@ -175,8 +180,10 @@ def summarize(runs: list[dict], key: str = "loss") -> dict:
 
 
 def _order(variant: str) -> tuple:
+    """Grid order; a rounding-suffixed name (``sqrt8-b512-k0+nearest``) right after its plain one."""
     grid = full_grid()
-    return (grid.index(variant) if variant in grid else len(grid), variant)
+    base, rounding = split_name(variant)
+    return (grid.index(base) if base in grid else len(grid), rounding, variant)
 
 
 def markdown(summary: dict, tasks: dict[str, Task]) -> str:
@@ -278,11 +285,12 @@ def plot(runs: list[dict], summary: dict, task: str, path: Path) -> None:
     for ax in slots[len(panels):]:
         ax.remove()
     for ax, (title, pick) in zip(slots, panels):
-        gaps = {v: gap_curve(v) for v in sorted((v for v in curves if pick(v)), key=_order)}
+        gaps = {v: gap_curve(v) for v in sorted((v for v in curves if pick(split_name(v)[0])), key=_order)}
         ax.fill_between(steps["fp32"], [-s for s in spread], spread, color="0.88", label="fp32 seed std")
         ax.axhline(0, color="black", lw=0.8)
         for variant, gap in gaps.items():
-            ax.plot(steps[variant], gap, "--" if "-b512-" in variant else "-", color=color(variant), label=variant)
+            style = ":" if split_name(variant)[1] else "--" if "-b512-" in variant else "-"
+            ax.plot(steps[variant], gap, style, color=color(variant), label=variant)
         # scale to the curves (after the first evaluation, where every run is still near init)
         shown = [g for gap in gaps.values() for g in gap[1:]] or [0.0]
         pad = max(0.1, (max(shown) - min(shown)) * 0.15)
@@ -338,9 +346,10 @@ def main(argv: list[str] | None = None) -> None:
         return QUICK_GRID if args.quick else full_grid(task)
 
     for task in args.tasks:
-        for v in variants(task):
-            if OptimizerSpec(v).kind in ("ours", "bf16 params"):
-                OptimizerSpec(v).lowbit_options()  # a bad name fails now, not an hour in
+        for v in variants(task):  # a bad name fails now, not an hour in
+            check_name(v)
+            if OptimizerSpec(split_name(v)[0]).kind == "bf16 params":
+                OptimizerSpec(v).lowbit_options()
     seeds = args.seeds or (SEEDS[:2] if args.quick else SEEDS)
     scale = args.step_scale or (0.2 if args.quick else 1.0)
     name = ("quality_master" if args.master else "quality") + ("_quick" if args.quick else "")

@@ -8,11 +8,13 @@ moves 1% a step), the diffusion task (``bench/diffusion.py``) and the long GPT r
     python bench/long_run.py --variants dynamic8+sr-proto --seeds 0 --resume
 
 Optimizer names (here and in the two benches above): ``fp32``; one of ours as in ``bench/tasks.py``
-(``dynamic8``, ``int8-b2048-k0``, ...: the library, rounding to nearest); ``<ours>+sr-v``: the library
-with stochastic rounding of the second moments only; ``<ours>+sr``: the library with
-``rounding="stochastic"``; a peer; ``fp32+perturbed``: stock AdamW with beta2 one float32 step larger, a
-change at float precision that training amplifies like any other, so its paired gap to ``fp32`` is the
-noise floor of every paired gap (the lr would not do: ``tasks.train`` sets it every step).
+(``dynamic8``, ``int8-b2048-k0``, ...: the library with its default rounding, v stochastically and m to
+nearest); ``<ours>+nearest``: the library rounding every state to nearest (the default before);
+``<ours>+sr-v``: the library with stochastic rounding of the second moments only (AdamW's default);
+``<ours>+sr``: the library with ``rounding="stochastic"``; a peer; ``fp32+perturbed``: stock AdamW with
+beta2 one float32 step larger, a change at float precision that training amplifies like any other, so its
+paired gap to ``fp32`` is the noise floor of every paired gap (the lr would not do: ``tasks.train`` sets it
+every step).
 
 PROTOTYPE, not the library feature: ``<ours>+nearest-proto`` and ``<ours>+sr-proto`` emulate 8-bit states
 in plain torch. The stock optimizer keeps fp32 states, and after every step each per-element state of
@@ -49,7 +51,7 @@ from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, decode, dy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
-ROUNDINGS = ("+sr", "+sr-v", "+nearest-proto", "+sr-proto", "+perturbed")
+ROUNDINGS = ("+nearest", "+sr", "+sr-v", "+nearest-proto", "+sr-proto", "+perturbed")
 SEEDS = (0, 1, 2)
 MakeStock = Callable[[list[nn.Parameter], Hyper], torch.optim.Optimizer]
 

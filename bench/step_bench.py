@@ -5,8 +5,8 @@ in each state format, interleaved in one process on transformer-shaped parameter
     python bench/step_bench.py --quick   # 6M params, fp32, 1 thread, no torchao: a few minutes
     python bench/step_bench.py --master  # bf16 params: master weights against fused fp32 and bf16 AdamW
     python bench/step_bench.py --optimizers all   # every stock optimizer against its fused/foreach twin
-    python bench/step_bench.py --sizes 25M --formats dynamic8,dynamic8+sr   # rounding to nearest vs stochastic
-    python bench/step_bench.py --sizes 6M --threads 1 --formats sqrt8,sqrt8+sr-v,sqrt8+sr   # its cost, v only
+    python bench/step_bench.py --sizes 25M --formats dynamic8+nearest,dynamic8+sr   # nearest vs stochastic
+    python bench/step_bench.py --sizes 25M --threads 1 --formats sqrt8+nearest,sqrt8,sqrt8+sr   # v's, both
 
 Per contender: state bytes/param counted from the tensors its optimizer holds; step time (median and
 interquartile range over rounds in which every contender steps once, in rotating order, on grad
@@ -97,13 +97,16 @@ def _torch(flags: dict) -> Callable:
     return lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **flags)
 
 
-# ``rounding=`` of our names' suffixes, here and in bench/rounding.py's names
-ROUNDINGS = {"": "nearest", "+sr": "stochastic", "+sr-v": {"exp_avg_sq": "stochastic", "max_exp_avg_sq": "stochastic"}}
+# ``rounding=`` of our names' suffixes, here and in bench/rounding.py's names: none, the library's default
+# (v stochastically, m to nearest); +nearest, the default before it
+ROUNDINGS = {"": "auto", "+nearest": "nearest", "+sr": "stochastic",
+             "+sr-v": {"exp_avg_sq": "stochastic", "max_exp_avg_sq": "stochastic"}}
 
 
 def _lowbit(fmt: str, outliers: int) -> Callable:
-    """Our AdamW in ``fmt``; ``<fmt>+sr`` rounds its states stochastically, ``<fmt>+sr-v`` only the
-    second moments (``exp_avg_sq``, ``max_exp_avg_sq``)."""
+    """Our AdamW in ``fmt`` with the default rounding (v stochastically); ``<fmt>+nearest`` rounds every
+    state to nearest, ``<fmt>+sr`` every state stochastically, ``<fmt>+sr-v`` the second moments
+    (``exp_avg_sq``, ``max_exp_avg_sq``) only, as the default does for AdamW."""
     base, sep, suffix = fmt.partition("+")
     if sep + suffix not in ROUNDINGS:
         raise ValueError(f"unknown rounding suffix in {fmt!r}: one of {', '.join(k for k in ROUNDINGS if k)}")
@@ -593,8 +596,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16")
     parser.add_argument("--threads", default=None, help="comma list of thread counts")
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--formats", default=None, help="lowbit formats, comma list (<fmt>+sr: stochastic rounding, "
-                        "<fmt>+sr-v: of the second moments only)")
+    parser.add_argument("--formats", default=None, help="lowbit formats, comma list (<fmt>: the default rounding, v "
+                        "stochastic; <fmt>+nearest: every state to nearest; <fmt>+sr: every state stochastic)")
     parser.add_argument("--peers", default=None,
                         help="comma list of bitsandbytes,torchao, or none (default: those installed)")
     parser.add_argument("--no-first-step", action="store_true", help="skip the fresh-process measurements")
@@ -603,10 +606,15 @@ def main() -> None:
     parser.add_argument("--optimizers", default="AdamW",
                         help="AdamW (the default: the full AdamW comparison), or 'all' or a comma list of "
                              f"{','.join(OPTIMIZERS)}: each against its stock fused/foreach twin")
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native",
+                        help="avx2: build our kernels without AVX-512 (-mno-avx512f), the AVX2 column on an "
+                             "AVX-512 machine")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.isa == "avx2":
+        force_avx2()
     if args.child:
         args.threads = int(args.threads)
         child(args)
@@ -789,11 +797,26 @@ def _version(name: str) -> str:
         return "?"
 
 
+_KERNEL_ISA = ""  # "AVX2" where --isa avx2 built our kernels without AVX-512
+
+
+def force_avx2() -> None:
+    """Build every kernel of ours in this process without AVX-512 (as an AVX2-only machine would), whatever
+    the CPU has; the cache keys include the flags, so native builds are not reused."""
+    global _KERNEL_ISA
+    from lowbit_compile.kernels import cpu_build
+
+    native = cpu_build.load_async
+    cpu_build.load_async = lambda source, extra_flags=(): native(source, (*extra_flags, "-mno-avx512f"))
+    _KERNEL_ISA = "AVX2"
+
+
 def _cpu_name() -> str:
+    kernels = f", our kernels built for {_KERNEL_ISA}" if _KERNEL_ISA else ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({torch.backends.cpu.get_cpu_capability()})"
+                return line.split(":", 1)[1].strip() + f" ({torch.backends.cpu.get_cpu_capability()}{kernels})"
     return platform.processor()
 
 

@@ -292,8 +292,6 @@ SpecsOf = Callable[[dict, torch.Tensor], Mapping[str, tuple[StateFormat, torch.d
 # (group, param) -> None for a param without master weights, else what its saved entry (per-element
 # states converted) changes to: the master's entries read and brought to the configured mode
 MastersOf = Callable[[dict, torch.Tensor], Callable[[dict], dict] | None]
-
-
 # (group, param) -> what a saved entry's other states change to, after checking them against what the
 # optimizer keeps: its scalar states (``step``) as the stock loader is to get them, and the states of its
 # own it keeps aside (the rounding counter; None: the entry goes)
@@ -315,7 +313,9 @@ def prepare_load(opt: torch.optim.Optimizer, state_dict: dict, specs_of: SpecsOf
     its per-element states as fp32 (its master's step keeps them so; the stock loader would cast them
     to the param's dtype), and the master's entries never reach the stock loader (dropped for a param
     without master weights). ``scalars_of`` checks the other states and reads the rounding counter.
-    A state saved in another layout (format, block size, outliers) is converted, with one warning.
+    A state saved in another layout (format, block size, outliers) is converted, with one warning. The
+    rounding counter is brought to the configured rounding: read back, started where a state now rounds
+    stochastically and the checkpoint has none, dropped where none does.
     """
     guard_stock_steps()
     state_dict = unmarked_state_dict(_checked_structure(state_dict))

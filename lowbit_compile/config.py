@@ -14,7 +14,7 @@ import torch
 from .kernels import backends
 from .kernels.formats import FORMAT_NAMES, StateFormat
 from .kernels.residual import MODES as MASTER_MODES
-from .kernels.rounding import ROUNDINGS
+from .kernels.rounding import DEFAULT_ROUNDING, ROUNDINGS, rounds_stochastically
 from .options import (  # noqa: F401 (the defaults and spec types, where they were named before options.py)
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -53,7 +53,7 @@ class Config:
     backend: str
     overrides: tuple[tuple[Matcher, str | tuple[tuple[str, str], ...]], ...] = ()
     master_weights: str | None = None  # "exact", "8bit" or None: how 16-bit params keep their fp32 master
-    rounding: str | tuple[tuple[str, str], ...] = "nearest"  # how quantized states round, or per state
+    rounding: str | tuple[tuple[str, str], ...] = DEFAULT_ROUNDING  # how quantized states round, or per state
     release_grads: bool = False  # step each param in backward as its grad completes (release.py)
 
     @staticmethod
@@ -125,9 +125,10 @@ class Config:
                                         f"remove it.{hint}", text, shown, hint)
 
     def stochastic(self, formats: Mapping[str, StateFormat]) -> frozenset[str]:
-        """The quantized states of ``formats`` that round stochastically (fp32 states never round)."""
-        return frozenset(k for k, f in formats.items() if not f.passthrough
-                         and (_pick(self.rounding, k) or "nearest") == "stochastic")
+        """The quantized states of ``formats`` that round stochastically (``rounding.rounds_stochastically``:
+        a per-state dict's unnamed states as the default does; fp32 states never round)."""
+        return frozenset(k for k, f in formats.items()
+                         if rounds_stochastically(_pick(self.rounding, k) or DEFAULT_ROUNDING, f))
 
     def format_name(self, state_key: str) -> str:
         return _pick(self.fmt, state_key) or DEFAULT_FMT

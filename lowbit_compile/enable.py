@@ -41,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from . import checkpoint
 from .api import REWRITTEN, _check_optimizer, is_wrapped, lowbit_compile, restore
 from .config import Config, UnmatchedOverride, param_names
+from .kernels.rounding import SEED
 from .memory import memory_report
 from .monitor import RELEASE_REFUSAL, Monitor
 from .monitor import monitor as sample_health
@@ -67,11 +68,12 @@ class Rewritten:
     reported_at: tuple[int, float] | None = None  # (steps, time) of the last progress line
 
     def measure(self, opt: torch.optim.Optimizer) -> None:
-        """Bytes the optimizer's states hold now, and what stock states of the same dtypes would."""
+        """Bytes the optimizer's states hold now, and what stock states of the same dtypes would (stock
+        keeps no stochastic-rounding counter)."""
         self.state_bytes = memory_report(opt).total.bytes
         self.stock_state_bytes = sum(
             v.numel() * v.dtype.itemsize
-            for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+            for state in opt.state.values() for k, v in state.items() if isinstance(v, torch.Tensor) and k != SEED
         )
 
 

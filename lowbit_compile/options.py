@@ -26,7 +26,7 @@ DEFAULT_MIN_8BIT_SIZE = 4096
 MAX_PARAM_COUNT = 10**18  # the most parameters estimate() sizes: tensor sizes are int64 (9.2e18)
 
 FmtSpec = str | Mapping[str, str]
-RoundingSpec = str | Mapping[str, str]  # "nearest" | "stochastic", or per state
+RoundingSpec = str | Mapping[str, str]  # "auto" | "nearest" | "stochastic", or per state
 # Which parameters an override applies to: a glob on the qualified parameter name
 # ("*embed*", "blocks.*.norm.weight"), a compiled regex (``re.search`` on the name), or a predicate
 # ``(name, param) -> bool`` (``name`` is None when the parameter's name is unknown).
@@ -129,15 +129,18 @@ class Options:
         cli="keep the fp32 master of bf16/fp16 params as a residual state: exact (2.125 B/param, bit for bit an "
             "fp32 master copy) or 8bit (1 B/param)", metavar="MODE")
     rounding: RoundingSpec = option(
-        "nearest",
-        '``"nearest"`` or ``"stochastic"``, or a dict from state name to one of those: how a quantized state\'s '
-        "new values round to codes. Stochastic rounding picks one of the two adjacent codes with probability "
-        "proportional to proximity (unbiased), with random bits of a per-parameter step counter "
+        "auto",
+        '``"auto"``, ``"nearest"`` or ``"stochastic"``, or a dict from state name to one of those (the states it '
+        'leaves out as ``"auto"``): how a quantized state\'s new values round to codes. Stochastic rounding '
+        "picks one of the two adjacent codes with probability proportional to proximity (unbiased to 2^-17 of "
+        "a code gap: 16 random bits per rounding), with random bits of a per-parameter step counter "
         "(``rounding_seed``, saved with the state, so a resumed run is bit for bit the uninterrupted one). "
-        '``{"exp_avg_sq": "stochastic"}`` keeps Adam\'s v from ratcheting above its average on long runs '
-        "(docs/formats-and-quality.md#long-run). See docs/numerics.md.",
-        cli="how quantized states round: nearest (the default) or stochastic, or per state: "
-            "exp_avg=stochastic,exp_avg_sq=nearest", parse=parse_spec)
+        '``"auto"`` rounds the non-negative states of the 8-bit formats stochastically (Adam\'s ``exp_avg_sq``, '
+        "which rounding to nearest holds above its average on long runs: docs/formats-and-quality.md#long-run) "
+        'and the rest to nearest; ``"nearest"`` rounds every state to nearest (the default before). '
+        "See docs/numerics.md.",
+        cli="how quantized states round: auto (the default: v stochastically, m to nearest), nearest or "
+            "stochastic, or per state: exp_avg=stochastic,exp_avg_sq=nearest", parse=parse_spec)
     release_grads: bool = option(
         False,
         "step each parameter inside backward as soon as its grad is complete, and free the grad at once, so the "

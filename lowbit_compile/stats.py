@@ -16,7 +16,7 @@ import torch
 from . import master
 from .kernels import blockquant
 from .kernels.formats import StateFormat
-from .kernels.rounding import state_bits
+from .kernels.rounding import state_draws
 from .passes.trace import shell_optimizer, unhooked_step
 from .state import QuantizedState
 from .state_schema import probe_schema
@@ -184,14 +184,14 @@ def _round_trips(values: list[torch.Tensor], fmt: StateFormat,
     error, else None) of ``fmt``'s round trip of each value, from one quantize of them all: each is
     zero-padded to whole blocks, which changes none of its blocks (blocks quantize independently, and
     zeros move no block's absmax, patch or flag). With ``stochastic_seed`` they round stochastically,
-    with the bits of that counter."""
+    with the draws of that counter."""
     block = fmt.block_size if fmt.blockwise else 1
     flats = [v.detach().reshape(-1).float() for v in values]
     lengths = [-(-f.numel() // block) * block for f in flats]
     x = torch.cat([torch.nn.functional.pad(f, (0, n - f.numel())) for f, n in zip(flats, lengths)])
     quantized = blockquant.empty(x.numel(), fmt, x.device)
-    bits = None if stochastic_seed is None else state_bits(stochastic_seed, 1, x.numel())
-    blockquant.quantize_into(x, quantized, fmt, bits=bits)
+    draws = None if stochastic_seed is None else state_draws(stochastic_seed, 1, x.numel())
+    blockquant.quantize_into(x, quantized, fmt, draws=draws)
     back = blockquant.dequantize(quantized, fmt)
     segment = torch.repeat_interleave(torch.arange(len(flats)), torch.tensor(lengths, dtype=torch.long))
     nonzero = x != 0

@@ -35,7 +35,9 @@ CASES = {
     "muon": (torch.optim.Muon, dict(lr=0.02), torch.float32, dict()),
     "adafactor": (torch.optim.Adafactor, dict(lr=1e-2), torch.float32, dict(fmt="int8")),
 }
-COMMON = dict(block_size=256, min_8bit_size=0)
+# rounding to nearest unless a case names it: the default of layout v0's code (issue 49 made v round
+# stochastically by default; the cases keep what their checkpoints were saved with)
+COMMON = dict(block_size=256, min_8bit_size=0, rounding="nearest")
 
 
 def shapes_of(cls: type) -> tuple:
@@ -59,7 +61,7 @@ def grads(name: str, shapes: tuple, dtype: torch.dtype, steps: int) -> list[list
 
 def wrapped(name: str, params: list[torch.nn.Parameter], backend: str) -> torch.optim.Optimizer:
     cls, kwargs, _, options = CASES[name]
-    return lowbit_compile(cls(params, **kwargs), **COMMON, **options, backend=backend)
+    return lowbit_compile(cls(params, **kwargs), **{**COMMON, **options}, backend=backend)
 
 
 def step(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], gs: list[torch.Tensor]) -> None:

@@ -129,6 +129,27 @@ def tolerance(runs: dict[str, list[torch.Tensor]]) -> float:
     return max_diff(runs["int8"], runs["fp32"])
 
 
+def shard_draws_are_local(net: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    """A rank rounds its shard of v stochastically (the default) with the draws of the shard's own element
+    indices, as its blocks are its own (docs/numerics.md): a plain parameter holding the shard, stepped
+    from the same states and gradient, stores the same codes."""
+    p = net.extra
+    gen = torch.Generator().manual_seed(seed)
+    net(torch.randn(16, 10, generator=gen)).backward()
+    local = {k: (copy.deepcopy(v.to_local()) if isinstance(v, DTensor) else v.clone()) for k, v in opt.state[p].items()}
+    twin = torch.nn.Parameter(p.to_local().detach().clone())
+    twin.grad = p.grad.to_local().detach().clone()
+    opt.step()
+    opt.zero_grad()
+    twin_opt = lowbit_compile(torch.optim.AdamW([twin], lr=LR), **{**CONFIG, "min_8bit_size": 0})
+    twin_opt.state[twin] = local
+    twin_opt.step()
+    assert float(twin_opt.state[twin]["rounding_seed"]) == float(opt.state[p]["rounding_seed"])
+    for key in ("exp_avg", "exp_avg_sq"):
+        ours, theirs = opt.state[p][key].to_local().storage_parts, twin_opt.state[twin][key].storage_parts
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(ours, theirs)), key
+
+
 # scenarios -------------------------------------------------------------------------------------------
 def fsdp(rank: int, world: int, workdir: Path) -> None:
     """FSDP2 at world size ``world``: formats by full shape, stock-exact fp32, single-process match,
@@ -159,6 +180,10 @@ def fsdp(rank: int, world: int, workdir: Path) -> None:
     every = [None] * world
     dist.all_gather_object(every, layout)
     assert all(x == layout for x in every)
+    other = fsdp_net()
+    other_opt = lowbit_compile(torch.optim.AdamW(other.parameters(), lr=LR), **CONFIG)
+    train(other, other_opt, 2, seed=1)
+    shard_draws_are_local(other, other_opt, seed=5)
 
     runs = one_process(3, 0)
     drift, allowed = max_diff(full(net), runs["int8"]), tolerance(runs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS, Config
+from lowbit_compile.kernels.rounding import DEFAULT_ROUNDING
 from lowbit_compile.options import Options
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import label_roles
@@ -15,7 +16,7 @@ from lowbit_compile.trace_cache import trace_for
 
 
 def pass_graphs(opt: torch.optim.Optimizer, fmt: str | dict = DEFAULT_FMT, block_size: int = DEFAULT_BLOCK_SIZE,
-                outliers: int = DEFAULT_OUTLIERS, rounding: str | dict = "nearest") -> dict[str, torch.fx.GraphModule]:
+                outliers: int = DEFAULT_OUTLIERS, rounding: str | dict = DEFAULT_ROUNDING) -> dict[str, torch.fx.GraphModule]:
     group = opt.param_groups[0]
     param = group["params"][0]
     schema = probe_schema(opt, group, param)

@@ -74,10 +74,10 @@ static void lb_finish(lb_job& job, const float* scratch) {
   const float mult_exp_avg_sq = job.mult[1];
   const bool enc_exp_avg_sq = job.enc[1];
   if (enc_exp_avg && enc_exp_avg_sq) {
-    lb_encode_pair<LB_SQRT8, LB_SIGNED, LB_PLAIN, LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, len);
+    lb_encode_pair<LB_SQRT8, LB_SIGNED, LB_PLAIN, LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg, nullptr, mult_exp_avg, p_exp_avg_codes, {}, buf_exp_avg_sq, root_exp_avg_sq, mult_exp_avg_sq, p_exp_avg_sq_codes, job.rnd[1], len);
   } else {
-    if (enc_exp_avg) lb_encode_block<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes);
-    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes);
+    if (enc_exp_avg) lb_encode_block<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, len, mult_exp_avg, p_exp_avg_codes, {});
+    if (enc_exp_avg_sq) lb_encode_block<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, root_exp_avg_sq, len, mult_exp_avg_sq, p_exp_avg_sq_codes, job.rnd[1]);
   }
 }
 
@@ -100,9 +100,11 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const float c_pow_3 = s[4];
   const float c_hp_eps = s[5];
   const float c_neg = s[6];
+  const float c_clone_default = s[7];
   const bool c_lerp_small = __builtin_fabsf(c_sub_1) < (float)0x1.0000000000000p-1;
-  const float c_t8 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
-  const float c_t9 = (float)0x1.0000000000000p+0 / c_pow_3;
+  const float c_t9 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
+  const float c_t10 = (float)0x1.0000000000000p+0 / c_pow_3;
+  const lb_rand h_exp_avg_sq_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (2u << 24)), start};
   float* __restrict buf_exp_avg = scratch + 0 * LB_BLOCK;
   const vf SC_exp_avg = lb_splat(__builtin_fabsf(*p_exp_avg_scales));
   const bool FL_exp_avg = __builtin_signbit(*p_exp_avg_scales);  // a flagged block
@@ -112,12 +114,13 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
   vi acc_exp_avg_sq = lb_splat_i(-1);
   float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
-  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
+  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
   if (!fuse) lb_finish(job, scratch);
   uint8_t* __restrict q_codes_exp_avg = job.codes[0];
   const vf q_mult_exp_avg = lb_splat(job.mult[0]);
   uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
   const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
+  const lb_rand q_rand_exp_avg_sq = job.rnd[1];
   const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
     int64_t i = 0;
     int64_t prev_i = -1;  // the lane vector whose late part is pending
@@ -131,16 +134,16 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       lb_prefetch(p_grad + i, LB_BLOCK);
       lb_prefetch(p_exp_avg_codes + i, LB_BLOCK);
       lb_prefetch(p_exp_avg_sq_codes + i, LB_BLOCK);
-      if (fuse) {
-        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
-        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
+      if (fuse && (i & (4 * LB_W - 1)) == 0) {
+        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
       }
       const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
       const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
       vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
       vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
       const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
-      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
+      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
       const vf v_mul_2 = v_dequantize_default_1_decoded * lb_splat(c_hp_betas_1);
       const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
       const vf v_sqrt = lb_sqrt(v_addcmul);
@@ -155,7 +158,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
         const vf v_lerp = prev_v_lerp;
         const vf v_sqrt = prev_v_sqrt;
         const vf v_mul_1 = v_param * lb_splat(c_sub);
-        const vf v_div = v_sqrt * lb_splat(c_t9);
+        const vf v_div = v_sqrt * lb_splat(c_t10);
         const vf v_add_1 = v_div + lb_splat(c_hp_eps);
         const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
         if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
@@ -173,7 +176,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
       const vf v_lerp = prev_v_lerp;
       const vf v_sqrt = prev_v_sqrt;
       const vf v_mul_1 = v_param * lb_splat(c_sub);
-      const vf v_div = v_sqrt * lb_splat(c_t9);
+      const vf v_div = v_sqrt * lb_splat(c_t10);
       const vf v_add_1 = v_div + lb_splat(c_hp_eps);
       const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
       if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
@@ -184,7 +187,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   job.codes[0] = p_exp_avg_codes;
   job.enc[0] = lb_quantize_scale<LB_SQRT8, LB_SIGNED, 0>(acc_exp_avg, buf_exp_avg, len, LB_BLOCK, p_exp_avg_codes, p_exp_avg_scales, p_exp_avg_patch_values, p_exp_avg_patch_index, &job.mult[0]);
   job.codes[1] = p_exp_avg_sq_codes;
-  job.enc[1] = lb_quantize_scale<LB_SQRT8, LB_UNSIGNED, 0>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], {}, root_exp_avg_sq);
+  job.rnd[1] = h_exp_avg_sq_rand;
+  job.enc[1] = lb_quantize_scale<LB_SQRT8, LB_UNSIGNED, 0, LB_STOCHASTIC>(acc_exp_avg_sq, buf_exp_avg_sq, len, LB_BLOCK, p_exp_avg_sq_codes, p_exp_avg_sq_scales, p_exp_avg_sq_patch_values, p_exp_avg_sq_patch_index, &job.mult[1], h_exp_avg_sq_rand, root_exp_avg_sq);
 }""")
 
     def test_fp32_states_take_torch_sqrt(self):
@@ -317,14 +321,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
++        lb_encode_x4<LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, LB_SIGNED>(full ? lb_ld_codes<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -341,19 +345,20 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == dynamic8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
 -  if (!fuse) lb_finish(job, scratch);
 -  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
 -  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
 -  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
+-  const lb_rand q_rand_exp_avg_sq = job.rnd[1];
 -  const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
 +  const auto lanes0 = [&](auto c_lerp_small) LB_INLINE_LAMBDA {
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--      if (fuse) {
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
+-      if (fuse && (i & (4 * LB_W - 1)) == 0) {
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      }
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
@@ -371,14 +376,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e4m3 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_E4M3, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_E4M3, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E4M3, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_E4M3, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
++        lb_encode_x4<LB_E4M3, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E4M3, LB_SIGNED>(full ? lb_ld_codes<LB_E4M3, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E4M3, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -395,14 +400,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e5m2 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_E5M2, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_E5M2, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_E5M2, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_E5M2, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
++        lb_encode_x4<LB_E5M2, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_E5M2, LB_SIGNED>(full ? lb_ld_codes<LB_E5M2, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_E5M2, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -436,6 +441,10 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  float* __restrict p_exp_avg_sq_scales = (float*)ptr[7] + 0;
 +  uint16_t* __restrict p_exp_avg_sq_patch_values = (uint16_t*)ptr[8] + 0;
 +  int16_t* __restrict p_exp_avg_sq_patch_index = (int16_t*)ptr[9] + 0;
+-  const float c_clone_default = s[7];
+-  const float c_t9 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
+-  const float c_t10 = (float)0x1.0000000000000p+0 / c_pow_3;
+-  const lb_rand h_exp_avg_sq_rand = {lb_hash32_s((uint32_t)c_clone_default ^ (2u << 24)), start};
 -  float* __restrict buf_exp_avg = scratch + 0 * LB_BLOCK;
 -  const vf SC_exp_avg = lb_splat(__builtin_fabsf(*p_exp_avg_scales));
 -  const bool FL_exp_avg = __builtin_signbit(*p_exp_avg_scales);  // a flagged block
@@ -445,24 +454,29 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
 -  if (!fuse) lb_finish(job, scratch);
 -  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
 -  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
 -  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
+-  const lb_rand q_rand_exp_avg_sq = job.rnd[1];
 -  const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
++  const float c_t8 = c_lerp_small ? c_sub_1 : (c_sub_1 - (float)0x1.0000000000000p+0);
++  const float c_t9 = (float)0x1.0000000000000p+0 / c_pow_3;
 +  const auto lanes0 = [&](auto c_lerp_small) LB_INLINE_LAMBDA {
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--      if (fuse) {
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
+-      if (fuse && (i & (4 * LB_W - 1)) == 0) {
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      }
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = full ? lb_ld_bf16(p_exp_avg_codes + i) : lb_ld_bf16_n(p_exp_avg_codes + i, r);
 +      vf v_dequantize_default_1_decoded = full ? lb_ld_bf16(p_exp_avg_sq_codes + i) : lb_ld_bf16_n(p_exp_avg_sq_codes + i, r);
+-      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
++      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
 -      const vf v_sqrt = lb_sqrt(v_addcmul);
 -      if (full) lb_st(buf_exp_avg + i, v_lerp); else lb_st_n(buf_exp_avg + i, v_lerp, r);
 -      acc_exp_avg = lb_vmax(acc_exp_avg, lb_key_masked(v_lerp, r));
@@ -473,12 +487,16 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      if (full) lb_st_bf16(p_exp_avg_sq_codes + i, lb_bf16_state_clamp<LB_UNSIGNED>(v_addcmul)); else lb_st_bf16_n(p_exp_avg_sq_codes + i, lb_bf16_state_clamp<LB_UNSIGNED>(v_addcmul), r);
 -        const vf v_sqrt = prev_v_sqrt;
 +        const vf v_addcmul = prev_v_addcmul;
+-        const vf v_div = v_sqrt * lb_splat(c_t10);
 +        const vf v_sqrt = lb_sqrt(v_addcmul);
++        const vf v_div = v_sqrt * lb_splat(c_t9);
 -      prev_v_sqrt = v_sqrt;
 +      prev_v_addcmul = v_addcmul;
 -      const vf v_sqrt = prev_v_sqrt;
 +      const vf v_addcmul = prev_v_addcmul;
+-      const vf v_div = v_sqrt * lb_splat(c_t10);
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
++      const vf v_div = v_sqrt * lb_splat(c_t9);
 == int8 {'block_size': 2048, 'outliers': 2}
 -  uint16_t* __restrict p_exp_avg_patch_values = (uint16_t*)ptr[4] + blk * 0;
 -  int16_t* __restrict p_exp_avg_patch_index = (int16_t*)ptr[5] + blk * 0;
@@ -499,14 +517,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
-+        lb_st_codes(q_codes_exp_avg + i, lb_encode_at<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, q_codes_exp_avg));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_INT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_INT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
++        lb_encode_x4<LB_INT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_INT8, LB_SIGNED>(full ? lb_ld_codes<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_INT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
@@ -561,38 +579,38 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  uint16_t* __restrict p_param = (uint16_t*)ptr[0] + start;
 +  const uint16_t* __restrict p_grad = (const uint16_t*)ptr[1] + start;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % LB_W == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
+-  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
--        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
-+        lb_st_codes(q_codes_exp_avg_sq + i, lb_encode_at<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_codes_exp_avg_sq));
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC>(buf_exp_avg_sq, nullptr, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
 -      const vf v_param = full ? lb_ld(p_param + i) : lb_ld_n(p_param + i, r);
 -      const vf v_grad = full ? lb_ld(p_grad + i) : lb_ld_n(p_grad + i, r);
 +      const vf v_param = full ? lb_ld_bf16(p_param + i) : lb_ld_bf16_n(p_param + i, r);
 +      const vf v_grad = full ? lb_ld_bf16(p_grad + i) : lb_ld_bf16_n(p_grad + i, r);
 +      const vf v_dequantize_default = lb_round_bf16(v_dequantize_default_decoded);
 -      const vf v_lerp_diff = v_grad - v_dequantize_default_decoded;
--      const vf v_lerp = lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
+-      const vf v_lerp = lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default_decoded : v_grad));
 -      const vf v_mul_2 = v_dequantize_default_1_decoded * lb_splat(c_hp_betas_1);
 -      const vf v_addcmul = lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2);
 -      const vf v_sqrt = lb_sqrt(v_addcmul);
 +      const vf v_dequantize_default_1 = lb_round_bf16(v_dequantize_default_1_decoded);
 +      const vf v_lerp_diff = v_grad - v_dequantize_default;
-+      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
++      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
 +      const vf v_mul_2 = lb_round_bf16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 +      const vf v_addcmul = lb_round_bf16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
 -      if (full) lb_st(root_exp_avg_sq + i, v_sqrt); else lb_st_n(root_exp_avg_sq + i, v_sqrt, r);
 -        const vf v_sqrt = prev_v_sqrt;
 -        const vf v_mul_1 = v_param * lb_splat(c_sub);
--        const vf v_div = v_sqrt * lb_splat(c_t9);
+-        const vf v_div = v_sqrt * lb_splat(c_t10);
 -        const vf v_add_1 = v_div + lb_splat(c_hp_eps);
 -        const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
 -        if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
 +        const vf v_addcmul = prev_v_addcmul;
 +        const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
 +        const vf v_sqrt = lb_round_bf16(lb_sqrt(v_addcmul));
-+        const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t9)));
++        const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t10)));
 +        const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
 +        const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 +        if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
@@ -600,14 +618,14 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      prev_v_addcmul = v_addcmul;
 -      const vf v_sqrt = prev_v_sqrt;
 -      const vf v_mul_1 = v_param * lb_splat(c_sub);
--      const vf v_div = v_sqrt * lb_splat(c_t9);
+-      const vf v_div = v_sqrt * lb_splat(c_t10);
 -      const vf v_add_1 = v_div + lb_splat(c_hp_eps);
 -      const vf v_addcdiv = v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1);
 -      if (full) lb_st(p_param + i, v_addcdiv); else lb_st_n(p_param + i, v_addcdiv, r);
 +      const vf v_addcmul = prev_v_addcmul;
 +      const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
 +      const vf v_sqrt = lb_round_bf16(lb_sqrt(v_addcmul));
-+      const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t9)));
++      const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t10)));
 +      const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
 +      const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 +      if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
@@ -620,33 +638,33 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_dequantize_default = lb_round_f16(v_dequantize_default_decoded);
 -      const vf v_dequantize_default_1 = lb_round_bf16(v_dequantize_default_1_decoded);
 +      const vf v_dequantize_default_1 = lb_round_f16(v_dequantize_default_1_decoded);
--      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
+-      const vf v_lerp = lb_round_bf16(lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
 -      const vf v_mul_2 = lb_round_bf16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 -      const vf v_addcmul = lb_round_bf16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
-+      const vf v_lerp = lb_round_f16(lb_fma(lb_splat(c_t8), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
++      const vf v_lerp = lb_round_f16(lb_fma(lb_splat(c_t9), v_lerp_diff, (c_lerp_small ? v_dequantize_default : v_grad)));
 +      const vf v_mul_2 = lb_round_f16((v_dequantize_default_1 * lb_splat(c_hp_betas_1)));
 +      const vf v_addcmul = lb_round_f16(lb_fma((lb_splat(c_sub_2) * v_grad), v_grad, v_mul_2));
 -        const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
 -        const vf v_sqrt = lb_round_bf16(lb_sqrt(v_addcmul));
--        const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t9)));
+-        const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t10)));
 -        const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
 -        const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 -        if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
 +        const vf v_mul_1 = lb_round_f16((v_param * lb_splat(c_sub)));
 +        const vf v_sqrt = lb_round_f16(lb_sqrt(v_addcmul));
-+        const vf v_div = lb_round_f16((v_sqrt * lb_splat(c_t9)));
++        const vf v_div = lb_round_f16((v_sqrt * lb_splat(c_t10)));
 +        const vf v_add_1 = lb_round_f16((v_div + lb_splat(lb_round_f16_s(c_hp_eps))));
 +        const vf v_addcdiv = lb_round_f16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 +        if (full) lb_st_f16(p_param + i, v_addcdiv); else lb_st_f16_n(p_param + i, v_addcdiv, r);
 -      const vf v_mul_1 = lb_round_bf16((v_param * lb_splat(c_sub)));
 -      const vf v_sqrt = lb_round_bf16(lb_sqrt(v_addcmul));
--      const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t9)));
+-      const vf v_div = lb_round_bf16((v_sqrt * lb_splat(c_t10)));
 -      const vf v_add_1 = lb_round_bf16((v_div + lb_splat(lb_round_bf16_s(c_hp_eps))));
 -      const vf v_addcdiv = lb_round_bf16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 -      if (full) lb_st_bf16_exact(p_param + i, v_addcdiv); else lb_st_bf16_exact_n(p_param + i, v_addcdiv, r);
 +      const vf v_mul_1 = lb_round_f16((v_param * lb_splat(c_sub)));
 +      const vf v_sqrt = lb_round_f16(lb_sqrt(v_addcmul));
-+      const vf v_div = lb_round_f16((v_sqrt * lb_splat(c_t9)));
++      const vf v_div = lb_round_f16((v_sqrt * lb_splat(c_t10)));
 +      const vf v_add_1 = lb_round_f16((v_div + lb_splat(lb_round_f16_s(c_hp_eps))));
 +      const vf v_addcdiv = lb_round_f16((v_mul_1 + ((lb_splat(c_neg) * v_lerp) / v_add_1)));
 +      if (full) lb_st_f16(p_param + i, v_addcdiv); else lb_st_f16_n(p_param + i, v_addcdiv, r);""")

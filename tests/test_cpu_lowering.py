@@ -216,11 +216,11 @@ def test_bf16_params_match_reference_bit_for_bit(fmt, cls, kwargs):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("block_size", [1, 2, 4, 32])
-def test_stochastic_draws_of_blocks_that_split_a_hash_word_match_the_reference(block_size):
-    """An 8-bit draw is a byte of a hash word shared by four elements (rounding.py): blocks of 1 or 2
-    elements start inside a word (lb_random_bytes' scalar path), blocks of 4 and more at one; sizes
-    whose last block ends inside a word."""
+@pytest.mark.parametrize("block_size", [1, 2, 8, 16, 32])
+def test_stochastic_draws_of_blocks_that_split_a_hash_match_the_reference(block_size):
+    """Two elements draw from one hash (rounding.py): blocks of 1 element start inside one, blocks of fewer
+    than 16 take lb_thresholds' scalar path, larger ones its 16 at a time; sizes whose last block ends
+    inside a hash."""
     ref, ours = _twins("sqrt8", *ADAMW, torch.float32, [1, 3, 6, 37, 130], block_size=block_size,
                        outliers=1 if block_size > 1 else 0, rounding="stochastic")
     _assert_same_states(ref, ours)
@@ -508,7 +508,7 @@ template <int K> static void quant(float* x, int64_t n, int64_t block, uint8_t* 
     float mult;
     if (lb_quantize_scale<LB_INT8, false, K>(acc, buf, len, block, codes + b * block, scales + b, values + b * K,
                                              index + b * K, &mult))
-      lb_encode_block<LB_INT8, false, LB_PLAIN>(buf, nullptr, len, mult, codes + b * block);
+      lb_encode_block<LB_INT8, false, LB_PLAIN>(buf, nullptr, len, mult, codes + b * block, {});
   }
 }
 extern "C" void quant_k(int k, float* x, int64_t n, int64_t block, uint8_t* codes, float* scales,

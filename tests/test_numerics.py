@@ -233,7 +233,7 @@ static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* 
     float mult;
     if (lb_quantize_scale<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K, &mult, {},
                                    root))
-      lb_encode_block<F, U, LB_PLAIN>(buf, root, len, mult, codes + start);
+      lb_encode_block<F, U, LB_PLAIN>(buf, root, len, mult, codes + start, {});
   }
 }
 template <int F, bool U, int K>
@@ -501,7 +501,7 @@ def _poisoned_run(fmt: str, poison: float | None, steps: int = 8, ours: str = "r
             p.grad = g.clone()
             opt.step()
             states = {k: (v.dequantize() if isinstance(v, QuantizedState) else v.clone())
-                      for k, v in opt.state[p].items() if k != "step"}
+                      for k, v in opt.state[p].items() if k not in ("step", "rounding_seed")}
             history.append((p.detach().clone(), states))
         runs.append(history)
     return runs

@@ -23,7 +23,7 @@ class TestOpmathGraph(TestCase):
         p = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
         g = pass_graphs(torch.optim.AdamW([p]), fmt="int8")
         self.assertExpectedInline(code(compute_in_fp32(g["quantized"])), """\
-def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
+def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, state_rounding_seed, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
     _to_copy_default = torch.ops.aten._to_copy.default(param, dtype = torch.float32)
     _to_copy_default_1 = torch.ops.aten._to_copy.default(grad, dtype = torch.float32);  grad = None
     dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'int8:512:0:s', 'float32')
@@ -52,7 +52,10 @@ def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_av
     copy_ = torch.ops.aten.copy_.default(param, addcdiv);  param = addcdiv = copy_ = None
     copy__1 = torch.ops.aten.copy_.default(state_step, add);  state_step = add = copy__1 = None
     quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'int8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
-    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'int8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
+    add_tensor = torch.ops.aten.add.Tensor(state_rounding_seed, 1.0)
+    remainder_scalar = torch.ops.aten.remainder.Scalar(add_tensor, 16777216.0);  add_tensor = None
+    copy__default = torch.ops.aten.copy_.default(state_rounding_seed, remainder_scalar);  remainder_scalar = copy__default = None
+    quantize_stochastic__default = torch.ops.lowbit.quantize_stochastic_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, state_rounding_seed, 2, 'int8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = state_rounding_seed = quantize_stochastic__default = None
     return None""")
 
     def test_fp32_params_are_unchanged(self):

@@ -26,7 +26,7 @@ def test_the_keyword_api_is_the_one_users_had():
         "(opt: 'torch.optim.Optimizer', fmt: 'str | Mapping[str, str]' = 'sqrt8', *, block_size: 'int' = 512, "
         "outliers: 'int' = 0, min_8bit_size: 'int' = 4096, backend: 'str' = 'auto', overrides: 'Overrides | None' "
         "= None, model: 'torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None' = None, master_weights: "
-        "'str | None' = None, rounding: 'RoundingSpec' = 'nearest', release_grads: 'bool' = False) -> "
+        "'str | None' = None, rounding: 'RoundingSpec' = 'auto', release_grads: 'bool' = False) -> "
         "'torch.optim.Optimizer'")
 
 

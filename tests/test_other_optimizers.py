@@ -101,7 +101,7 @@ def test_groups_that_keep_different_states(cls, kwargs, other):
     for p in c:
         p.grad = torch.randn_like(p)
     opt_c.step()
-    assert [sorted(opt_c.state[p]) for p in c] == [sorted(opt_b.state[q]) for q in b]
+    assert [sorted(set(opt_c.state[p]) - {"rounding_seed"}) for p in c] == [sorted(opt_b.state[q]) for q in b]
     assert all(isinstance(v, QuantizedState) for p in c for v in opt_c.state[p].values() if v.dim())
 
 

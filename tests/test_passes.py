@@ -59,7 +59,7 @@ def forward(self, param, grad, state_step, state_exp_avg, state_exp_avg_sq, hp_l
     def test_quantized_adam(self):
         g = pass_graphs(_adam())
         self.assertExpectedInline(code(g["quantized"]), """\
-def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
+def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, state_rounding_seed, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
     dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s', 'float32')
     dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
     add = torch.ops.aten.add.Tensor(state_step, 1)
@@ -83,13 +83,17 @@ def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_av
     copy_ = torch.ops.aten.copy_.default(param, addcdiv);  param = addcdiv = copy_ = None
     copy__1 = torch.ops.aten.copy_.default(state_step, add);  state_step = add = copy__1 = None
     quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
-    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
+    add_tensor = torch.ops.aten.add.Tensor(state_rounding_seed, 1.0)
+    remainder_scalar = torch.ops.aten.remainder.Scalar(add_tensor, 16777216.0);  add_tensor = None
+    copy__default = torch.ops.aten.copy_.default(state_rounding_seed, remainder_scalar);  remainder_scalar = copy__default = None
+    quantize_stochastic__default = torch.ops.lowbit.quantize_stochastic_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, state_rounding_seed, 2, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = state_rounding_seed = quantize_stochastic__default = None
     return None""")
 
     def test_split_adam(self):
         g = pass_graphs(_adam())
         self.assertExpectedInline(code(g["split"].prologue), """\
-def forward(self, state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
+def forward(self, state_step, state_rounding_seed, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
+    clone_default = torch.ops.aten.clone.default(state_rounding_seed)
     add = torch.ops.aten.add.Tensor(state_step, 1)
     sub = 1.0 - hp_betas_0
     sub_1 = 1.0 - hp_betas_1
@@ -102,9 +106,12 @@ def forward(self, state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_d
     pow_3 = sub_3 ** 0.5;  sub_3 = None
     neg = -truediv;  truediv = None
     copy__1 = torch.ops.aten.copy_.default(state_step, add);  state_step = add = copy__1 = None
-    return (sub, sub_1, pow_3, neg)""")
+    add_tensor = torch.ops.aten.add.Tensor(state_rounding_seed, 1.0)
+    remainder_scalar = torch.ops.aten.remainder.Scalar(add_tensor, 16777216.0);  add_tensor = None
+    copy__default = torch.ops.aten.copy_.default(state_rounding_seed, remainder_scalar);  state_rounding_seed = remainder_scalar = copy__default = None
+    return (sub, sub_1, pow_3, neg, clone_default)""")
         self.assertExpectedInline(code(g["split"].body), """\
-def forward(self, param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, sub, hp_betas_1, sub_1, pow_3, hp_eps, neg):
+def forward(self, param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, sub, hp_betas_1, sub_1, pow_3, hp_eps, neg, clone_default):
     dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s', 'float32')
     dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
     lerp = torch.ops.aten.lerp.Scalar(dequantize_default, grad, sub);  dequantize_default = sub = None
@@ -116,7 +123,7 @@ def forward(self, param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_valu
     addcdiv = torch.ops.aten.addcdiv.default(param, lerp, add_1, value = neg);  add_1 = neg = None
     copy_ = torch.ops.aten.copy_.default(param, addcdiv);  param = addcdiv = copy_ = None
     quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
-    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
+    quantize_stochastic__default = torch.ops.lowbit.quantize_stochastic_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, clone_default, 2, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = clone_default = quantize_stochastic__default = None
     return None""")
 
 
@@ -158,7 +165,7 @@ def forward(self, param, grad, state_step, state_exp_avg, state_exp_avg_sq, stat
     def test_quantized_adamw_amsgrad(self):
         g = pass_graphs(_adamw(amsgrad=True, maximize=True))
         self.assertExpectedInline(code(g["quantized"]), """\
-def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, max_exp_avg_sq_codes, max_exp_avg_sq_scales, max_exp_avg_sq_patch_values, max_exp_avg_sq_patch_index, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
+def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, max_exp_avg_sq_codes, max_exp_avg_sq_scales, max_exp_avg_sq_patch_values, max_exp_avg_sq_patch_index, state_rounding_seed, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
     dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s', 'float32')
     dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
     dequantize_default_2 = torch.ops.lowbit.dequantize.default(max_exp_avg_sq_codes, max_exp_avg_sq_scales, max_exp_avg_sq_patch_values, max_exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
@@ -188,24 +195,29 @@ def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_av
     copy_ = torch.ops.aten.copy_.default(param, addcdiv);  param = addcdiv = copy_ = None
     copy__1 = torch.ops.aten.copy_.default(state_step, add);  state_step = add = copy__1 = None
     quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
-    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
-    quantize__default_2 = torch.ops.lowbit.quantize_.default(maximum, max_exp_avg_sq_codes, max_exp_avg_sq_scales, max_exp_avg_sq_patch_values, max_exp_avg_sq_patch_index, 'sqrt8:512:0:u');  maximum = max_exp_avg_sq_codes = max_exp_avg_sq_scales = max_exp_avg_sq_patch_values = max_exp_avg_sq_patch_index = quantize__default_2 = None
+    add_tensor = torch.ops.aten.add.Tensor(state_rounding_seed, 1.0)
+    remainder_scalar = torch.ops.aten.remainder.Scalar(add_tensor, 16777216.0);  add_tensor = None
+    copy__default = torch.ops.aten.copy_.default(state_rounding_seed, remainder_scalar);  remainder_scalar = copy__default = None
+    quantize_stochastic__default = torch.ops.lowbit.quantize_stochastic_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, state_rounding_seed, 2, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize_stochastic__default = None
+    quantize_stochastic__default_1 = torch.ops.lowbit.quantize_stochastic_.default(maximum, max_exp_avg_sq_codes, max_exp_avg_sq_scales, max_exp_avg_sq_patch_values, max_exp_avg_sq_patch_index, state_rounding_seed, 3, 'sqrt8:512:0:u');  maximum = max_exp_avg_sq_codes = max_exp_avg_sq_scales = max_exp_avg_sq_patch_values = max_exp_avg_sq_patch_index = state_rounding_seed = quantize_stochastic__default_1 = None
     return None""")
 
     def test_split_adamw(self):
         g = pass_graphs(_adamw())
         self.assertExpectedInline(code(g["split"]), """\
-def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
-    prologue = self.prologue(state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay);  state_step = hp_lr = hp_betas_0 = hp_weight_decay = None
+def forward(self, param, grad, state_step, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, state_rounding_seed, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
+    prologue = self.prologue(state_step, state_rounding_seed, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay);  state_step = state_rounding_seed = hp_lr = hp_betas_0 = hp_weight_decay = None
     sub = prologue[0]
     sub_1 = prologue[1]
     sub_2 = prologue[2]
     pow_3 = prologue[3]
-    neg = prologue[4];  prologue = None
-    body = self.body(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, sub, sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg);  param = grad = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = sub = sub_1 = hp_betas_1 = sub_2 = pow_3 = hp_eps = neg = body = None
+    neg = prologue[4]
+    clone_default = prologue[5];  prologue = None
+    body = self.body(param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, sub, sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, clone_default);  param = grad = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = sub = sub_1 = hp_betas_1 = sub_2 = pow_3 = hp_eps = neg = clone_default = body = None
     return None""")
         self.assertExpectedInline(code(g["split"].prologue), """\
-def forward(self, state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
+def forward(self, state_step, state_rounding_seed, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
+    clone_default = torch.ops.aten.clone.default(state_rounding_seed)
     add = torch.ops.aten.add.Tensor(state_step, 1)
     mul = hp_lr * hp_weight_decay;  hp_weight_decay = None
     sub = 1.0 - mul;  mul = None
@@ -220,9 +232,12 @@ def forward(self, state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_d
     pow_3 = sub_4 ** 0.5;  sub_4 = None
     neg = -truediv;  truediv = None
     copy__1 = torch.ops.aten.copy_.default(state_step, add);  state_step = add = copy__1 = None
-    return (sub, sub_1, sub_2, pow_3, neg)""")
+    add_tensor = torch.ops.aten.add.Tensor(state_rounding_seed, 1.0)
+    remainder_scalar = torch.ops.aten.remainder.Scalar(add_tensor, 16777216.0);  add_tensor = None
+    copy__default = torch.ops.aten.copy_.default(state_rounding_seed, remainder_scalar);  state_rounding_seed = remainder_scalar = copy__default = None
+    return (sub, sub_1, sub_2, pow_3, neg, clone_default)""")
         self.assertExpectedInline(code(g["split"].body), """\
-def forward(self, param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, sub, sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg):
+def forward(self, param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, sub, sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, clone_default):
     dequantize_default = torch.ops.lowbit.dequantize.default(exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s', 'float32')
     dequantize_default_1 = torch.ops.lowbit.dequantize.default(exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u', 'float32')
     mul_1 = torch.ops.aten.mul.Tensor(param, sub);  sub = None
@@ -235,13 +250,14 @@ def forward(self, param, grad, exp_avg_codes, exp_avg_scales, exp_avg_patch_valu
     addcdiv = torch.ops.aten.addcdiv.default(mul_1, lerp, add_1, value = neg);  mul_1 = add_1 = neg = None
     copy_ = torch.ops.aten.copy_.default(param, addcdiv);  param = addcdiv = copy_ = None
     quantize__default = torch.ops.lowbit.quantize_.default(lerp, exp_avg_codes, exp_avg_scales, exp_avg_patch_values, exp_avg_patch_index, 'sqrt8:512:0:s');  lerp = exp_avg_codes = exp_avg_scales = exp_avg_patch_values = exp_avg_patch_index = quantize__default = None
-    quantize__default_1 = torch.ops.lowbit.quantize_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = quantize__default_1 = None
+    quantize_stochastic__default = torch.ops.lowbit.quantize_stochastic_.default(addcmul, exp_avg_sq_codes, exp_avg_sq_scales, exp_avg_sq_patch_values, exp_avg_sq_patch_index, clone_default, 2, 'sqrt8:512:0:u');  addcmul = exp_avg_sq_codes = exp_avg_sq_scales = exp_avg_sq_patch_values = exp_avg_sq_patch_index = clone_default = quantize_stochastic__default = None
     return None""")
 
     def test_tensor_lr_is_a_graph_input(self):
         g = pass_graphs(_adamw(lr=torch.tensor(0.01), weight_decay=0.1))
         self.assertExpectedInline(code(g["split"].prologue), """\
-def forward(self, state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
+def forward(self, state_step, state_rounding_seed, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_decay):
+    clone_default = torch.ops.aten.clone.default(state_rounding_seed)
     add = torch.ops.aten.add.Tensor(state_step, 1)
     mul = torch.ops.aten.mul.Tensor(hp_lr, hp_weight_decay);  hp_weight_decay = None
     rsub = torch.ops.aten.rsub.Scalar(mul, 1);  mul = None
@@ -257,7 +273,10 @@ def forward(self, state_step, hp_lr, hp_betas_0, hp_betas_1, hp_eps, hp_weight_d
     neg = torch.ops.aten.neg.default(div);  div = None
     _local_scalar_dense_1 = torch.ops.aten._local_scalar_dense.default(neg);  neg = None
     copy__1 = torch.ops.aten.copy_.default(state_step, add);  state_step = add = copy__1 = None
-    return (rsub, sub, sub_1, pow_3, _local_scalar_dense_1)""")
+    add_tensor = torch.ops.aten.add.Tensor(state_rounding_seed, 1.0)
+    remainder_scalar = torch.ops.aten.remainder.Scalar(add_tensor, 16777216.0);  add_tensor = None
+    copy__default = torch.ops.aten.copy_.default(state_rounding_seed, remainder_scalar);  state_rounding_seed = remainder_scalar = copy__default = None
+    return (rsub, sub, sub_1, pow_3, _local_scalar_dense_1, clone_default)""")
 
     def test_fp32_states_are_not_rewritten(self):
         g = pass_graphs(_adamw(), fmt="fp32")

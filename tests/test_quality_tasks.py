@@ -55,6 +55,21 @@ def test_a_seed_fixes_weights_and_batches(name, one_thread):
     assert set(first.final) == ({"loss", "acc"} if task.metric else {"loss"}) | bands
 
 
+def test_a_rounding_suffix_builds_that_rounding_and_sorts_after_its_plain_name(one_thread, tmp_path):
+    """``<ours>+nearest`` (every state to nearest, the runs before v's stochastic default) trains
+    differently from the plain name (the default) on the same start and batches; bad suffixes fail at
+    the command line."""
+    from bench.quality import _order, main, run_one
+
+    runs = {v: run_one(("zipf", v, 0, 0.03, 1, False)) for v in ("int8-b512-k0", "int8-b512-k0+nearest")}
+    assert runs["int8-b512-k0"]["train_loss"][0] == runs["int8-b512-k0+nearest"]["train_loss"][0]
+    assert runs["int8-b512-k0"]["train_loss"] != runs["int8-b512-k0+nearest"]["train_loss"]
+    names = ["int8-b512-k0+nearest", "fp32", "int8-b512-k0", "int8-b2048-k2"]
+    assert sorted(names, key=_order) == ["fp32", "int8-b2048-k2", "int8-b512-k0", "int8-b512-k0+nearest"]
+    with pytest.raises(ValueError, match="unknown rounding suffix"):
+        main(["--tasks", "zipf", "--variants", "int8+closest", "--out", str(tmp_path), "--report"])
+
+
 def _run(variant, seed, loss):
     return {"task": "t", "variant": variant, "seed": seed, "val_steps": [1], "val": [{"loss": loss}],
             "seconds": 1.0, "state_bytes_per_param": 2.0}
@@ -80,8 +95,9 @@ def test_state_bytes_count_shared_and_nested_tensors_once():
     opt = lowbit_compile(torch.optim.AdamW([p]), "int8", block_size=2048, outliers=2)
     p.grad = torch.randn(4096)
     opt.step()
-    # codes 1 B/elem, per block a fp32 scale and 2 x (bf16 value + int16 index), twice; the step counter
-    assert state_bytes(opt) == 2 * (4096 + 2 * (4 + 2 * 4)) + 4
+    # codes 1 B/elem, per block a fp32 scale and 2 x (bf16 value + int16 index), twice; the step counter and
+    # v's rounding counter
+    assert state_bytes(opt) == 2 * (4096 + 2 * (4 + 2 * 4)) + 4 + 4
 
 
 def test_bf16_param_names():

@@ -36,8 +36,9 @@ def _snapshot(opt, params):
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 def test_stats_measure_what_the_next_step_does_and_change_nothing(fmt):
     params = transformer_params(d=32, layers=1, vocab=256)
+    # to nearest: a stochastic state is measured with draws of its own, the step rounds with others
     opt = lowbit_compile(torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1), fmt, block_size=256,
-                         backend=BACKEND)
+                         backend=BACKEND, rounding="nearest")
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         _grads(params, gen)
@@ -128,7 +129,7 @@ def test_stepping_never_calls_stats(monkeypatch):
     opt = lowbit_compile(torch.optim.AdamW(params), backend=BACKEND)
     _grads(params, torch.Generator().manual_seed(0))
     opt.step()
-    assert all(set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in params)
+    assert all(set(opt.state[p]) <= {"step", "exp_avg", "exp_avg_sq", "rounding_seed"} for p in params)
 
 
 @pytest.mark.parametrize("fmt,outliers", [("int8", 2), ("dynamic8", 0)])
@@ -138,7 +139,7 @@ def test_sampled_stats_are_exact_on_the_blocks_they_measure(fmt, outliers):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(20, 250))  # 5000 elements: 19 blocks of 256 and a partial one
     opt = lowbit_compile(torch.optim.AdamW([p], lr=1e-2), fmt, block_size=256, outliers=outliers, min_8bit_size=0,
-                         backend=BACKEND)
+                         backend=BACKEND, rounding="nearest")  # as above: the figures are the step's own
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         _grads([p], gen)

@@ -36,7 +36,8 @@ from lowbit_compile.kernels import triton_lib as lb
 @triton.jit
 def adam_step(
     param_ptr, grad_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, sub,
-    hp_betas_1, sub_1, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    hp_betas_1, sub_1, pow_3, hp_eps, neg, clone_default_ptr, n_elements, first_block, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -51,6 +52,7 @@ def adam_step(
     pow_3 = tl.cast(pow_3, tl.float32)
     hp_eps = tl.cast(hp_eps, tl.float32)
     neg = tl.cast(neg, tl.float32)
+    clone_default = lb.load_scalar(clone_default_ptr, lb.F32)
     # sqrt8:512:0:s
     dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, None, rows, cols,
                                        offsets, mask, row_mask, FMT=lb.SQRT8, K=0, POS_INF_CODE=127,
@@ -79,7 +81,7 @@ def adam_step(
     lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, None, rows, cols, offsets, mask,
                 row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0,
                 INV_QMAX=1.537870048196055e-05, FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=1.5747040379210375e-05,
-                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True)
+                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True, seed=clone_default, STREAM=2)
 """)
 
     def test_adamw(self):
@@ -94,7 +96,8 @@ from lowbit_compile.kernels import triton_lib as lb
 @triton.jit
 def adamw_step(
     param_ptr, grad_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, sub,
-    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, clone_default_ptr, n_elements, first_block, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -110,6 +113,7 @@ def adamw_step(
     pow_3 = tl.cast(pow_3, tl.float32)
     hp_eps = tl.cast(hp_eps, tl.float32)
     neg = tl.cast(neg, tl.float32)
+    clone_default = lb.load_scalar(clone_default_ptr, lb.F32)
     # sqrt8:512:0:s
     dequantize_default = lb.dequantize(exp_avg_codes_ptr, exp_avg_scales_ptr, None, None, None, rows, cols,
                                        offsets, mask, row_mask, FMT=lb.SQRT8, K=0, POS_INF_CODE=127,
@@ -139,7 +143,7 @@ def adamw_step(
     lb.quantize(addcmul, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, None, None, None, rows, cols, offsets, mask,
                 row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0,
                 INV_QMAX=1.537870048196055e-05, FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=1.5747040379210375e-05,
-                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True)
+                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True, seed=clone_default, STREAM=2)
 """)
 
     def test_batched_kernel_differs_only_where_a_program_finds_its_tensor_and_tile(self):
@@ -152,12 +156,13 @@ def adamw_step(
 --- per-tensor
 +++ batched
 -    param_ptr, grad_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr, exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, sub,
--    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, n_elements, first_block, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+-    sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, clone_default_ptr, n_elements, first_block, BLOCK: tl.constexpr,
+-    ROWS: tl.constexpr,
 +    sub, sub_1, hp_betas_1, sub_2, pow_3, hp_eps, neg, row_table_ptr, program_rows_ptr, BLOCK: tl.constexpr,
 +    ROWS: tl.constexpr, MASKED: tl.constexpr,
 -    rows = first_block + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
 +    pid = tl.program_id(0).to(tl.int64)
-+    entry = row_table_ptr + tl.load(program_rows_ptr + pid).to(tl.int64) * 8
++    entry = row_table_ptr + tl.load(program_rows_ptr + pid).to(tl.int64) * 9
 +    n_total = tl.load(entry + 1)
 +    if MASKED:  # the tensor's last tile, partial: bounded by the tensor's size
 +        first_block = n_total // (ROWS * BLOCK) * ROWS
@@ -171,6 +176,7 @@ def adamw_step(
 +    exp_avg_scales_ptr = tl.multiple_of(tl.load(entry + 5).to(tl.pointer_type(tl.float32), bitcast=True), 16)
 +    exp_avg_sq_codes_ptr = tl.multiple_of(tl.load(entry + 6).to(tl.pointer_type(tl.uint8), bitcast=True), 16)
 +    exp_avg_sq_scales_ptr = tl.multiple_of(tl.load(entry + 7).to(tl.pointer_type(tl.float32), bitcast=True), 16)
++    clone_default_ptr = tl.multiple_of(tl.load(entry + 8).to(tl.pointer_type(tl.float32), bitcast=True), 16)
 +    rows = first_block + tl.arange(0, ROWS).to(tl.int64)""")
 
     def test_cpu_flavor_differs_only_where_eager_cpu_rounds_differently(self):
@@ -196,10 +202,10 @@ def adamw_step(
 +                APPROXIMATE=True)
 -                row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0,
 -                INV_QMAX=1.537870048196055e-05, FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=1.5747040379210375e-05,
--                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True)
+-                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True, seed=clone_default, STREAM=2)
 +                row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0, INV_QMAX=0.0,
 +                FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254,
-+                APPROXIMATE=True)""")
++                APPROXIMATE=True, seed=clone_default, STREAM=2)""")
 
 
 def test_an_op_without_a_lowering_is_an_error_naming_it():

@@ -8,12 +8,17 @@ import os
 import pytest
 import torch
 
-from lowbit_compile.kernels import blockquant
+from lowbit_compile.kernels import blockquant, rounding
 from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat
 
 from .helpers import CORNER_BLOCK, CORNER_N, bits, corner_values, dynamic8_probes
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
+import triton  # noqa: E402  (after the importorskip: triton comes with the test extra)
+import triton.language as tl  # noqa: E402
+
+from lowbit_compile.kernels import triton_lib as lb  # noqa: E402
+
 # conftest.py sets TRITON_INTERPRET=1 before triton is imported; without it CPU tensors cannot run
 assert os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -68,3 +73,18 @@ def test_patch_count_is_a_parameter_of_the_kernel(outliers):
     triton_backend.quantize_into(x, ours, fmt)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ref, ours))
     assert torch.equal(triton_backend.dequantize(ref, fmt), blockquant.dequantize(ref, fmt))
+
+
+
+@triton.jit
+def _draws(out_ptr, seed_ptr, first, STREAM: tl.constexpr, N: tl.constexpr):
+    offsets = first + tl.arange(0, N).to(tl.int64)
+    tl.store(out_ptr + tl.arange(0, N), lb.state_draws(lb.load_scalar(seed_ptr, lb.F32), offsets, STREAM))
+
+
+def test_the_triton_kernel_draws_the_reference_draws_at_any_index():
+    """``triton_lib.state_draws`` at element indices past 2^31 and 2^32 as at 0 (``rounding.state_draws``)."""
+    for first in (0, 2**31 - 8, 2**32 + 40, 2**35 + 3):
+        out = torch.zeros(64, dtype=torch.int32)
+        _draws[(1,)](out, torch.tensor(9.0), first, STREAM=2, N=64)
+        assert torch.equal(out.long(), rounding.state_draws(9, 2, 64, first=first)), first

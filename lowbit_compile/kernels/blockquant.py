@@ -119,18 +119,17 @@ def _block_scale(blocks: torch.Tensor, fmt: StateFormat) -> tuple[torch.Tensor, 
     return torch.where(negative, scale_n, scale_p), torch.where(negative, inverse_n, inverse_p)
 
 
-def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, bits: torch.Tensor | None = None) -> None:
-    """Quantize the flat values ``x`` into the preallocated storage ``out``; with ``bits`` (the random
-    bits of each element, int64: ``rounding.state_bits``) codes and patches round stochastically
-    (``formats.round_stochastic``: a code from its 8-bit draw, a patch from the low 16 bits of the
-    element it holds)."""
+def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, draws: torch.Tensor | None = None) -> None:
+    """Quantize the flat values ``x`` into the preallocated storage ``out``; with ``draws`` (the 16-bit
+    draw of each element, int64: ``rounding.state_draws``) codes and patches round stochastically
+    (``formats.round_stochastic``; a patch with the draw of the element it holds)."""
     if not fmt.blockwise:
-        out.codes.copy_(encode(x.reshape(-1).float(), fmt, bits=bits))
+        out.codes.copy_(encode(x.reshape(-1).float(), fmt, draws=draws))
         return
     n = x.numel()
     blocks = _blocks(x, fmt)
-    if bits is not None:
-        bits = torch.nn.functional.pad(bits.reshape(-1), (0, blocks.numel() - n)).view(blocks.shape)
+    if draws is not None:
+        draws = torch.nn.functional.pad(draws.reshape(-1), (0, blocks.numel() - n)).view(blocks.shape)
     finite = torch.isfinite(blocks)
     all_finite = bool(finite.all())  # the usual case skips the non-finite handling below
     idx = []
@@ -144,7 +143,7 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, bits: torch
         index = torch.cat(idx, dim=1)
         # encoded like a bf16 state of the same sign: saturating, and a positive v never 0
         out.patch_values.copy_(encode(blocks.gather(1, index), StateFormat.make("bf16", 0, 0, fmt.nonneg),
-                                      bits=bits.gather(1, index) if bits is not None else None))
+                                      draws=draws.gather(1, index) if draws is not None else None))
         out.patch_index.copy_(index.to(PATCH_INDEX_DTYPE))
         blocks = blocks.scatter(1, index, 0.0)
     if all_finite:
@@ -163,7 +162,7 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, bits: torch
     out.scales.copy_(scale)
     if fmt.nonneg:  # x * inverse may underflow to 0; the zero-point rule needs it positive
         normalized = torch.where(blocks > 0, normalized.clamp(min=_SMALLEST_SUBNORMAL), normalized)
-    out.codes.copy_(encode(normalized, fmt, flagged, bits).reshape(-1)[:n])
+    out.codes.copy_(encode(normalized, fmt, flagged, draws).reshape(-1)[:n])
 
 
 def invalid_records(scales: torch.Tensor, patch_index: torch.Tensor, fmt: StateFormat) -> str | None:

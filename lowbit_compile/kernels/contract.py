@@ -19,7 +19,9 @@ import torch
 from torch.fx import Graph, Node
 
 from . import ops
+from . import rounding as state_rounding
 from .formats import StateFormat
+from .residual import SEED as MASTER_SEED
 from .residual import SEED_PERIOD, MasterFormat
 
 lowbit = torch.ops.lowbit
@@ -238,6 +240,16 @@ def add_master_write(graph: Graph, value: Node, param: Node, residual: Node, tie
                      seed: Node | None, fmt: MasterFormat) -> Node:
     """Insert the node that splits the new fp32 master ``value`` into the param and its residual."""
     return graph.call_function(lowbit.master_write_.default, (value, param, residual, ties, seed, fmt.tag()))
+
+
+STEP_COUNTERS = frozenset({MASTER_SEED, state_rounding.SEED})  # the scalar states add_step_counter makes
+
+
+def is_step_counter(node: Node) -> bool:
+    """Whether a placeholder is a step counter of stochastic rounding (:func:`add_step_counter`): a scalar
+    state of ours, which rows that otherwise share a launch may hold at different values."""
+    value = input_of(node)
+    return value is not None and value.role is Role.SCALAR_STATE and value.key in STEP_COUNTERS
 
 
 def add_step_counter(graph: Graph, key: str, after: Node, before: Node) -> Node:

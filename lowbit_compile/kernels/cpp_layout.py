@@ -299,11 +299,13 @@ class BlockKernel:
         buffers it overwrites), and what it needs for that."""
         fusable = " && ".join(f"lb_fusable<{w.template}, {_encoding(root=w.root)}>(job.enc[{j}], job.mult[{j}])"
                               for j, w in enumerate(written))
-        out = [f"const bool fuse = job.len == len && len % LB_W == 0 && {fusable};",
+        out = [f"const bool fuse = job.len == len && len % (4 * LB_W) == 0 && {fusable};",
                "if (!fuse) lb_finish(job, scratch);"]
         for j, w in enumerate(written):
             out.append(f"uint8_t* __restrict q_codes_{w.ident} = job.codes[{j}];")
             out.append(f"const vf q_mult_{w.ident} = lb_splat(job.mult[{j}]);")
+            if w.rand:
+                out.append(f"const lb_rand q_rand_{w.ident} = job.rnd[{j}];")
         return out
 
     def _lane_loop(self, k: int, lanes: LanePass, fused: list[KernelState]) -> list[str]:
@@ -323,6 +325,8 @@ class BlockKernel:
             parts = ", ".join(w.ptr(part) for part in PARTS)
             extra = [w.rand or "{}", f"root_{w.ident}"] if w.root else [w.rand] if w.rand else []
             out.append(f"job.codes[{j}] = {w.ptr(Part.CODES)};")
+            if w.rand:
+                out.append(f"job.rnd[{j}] = {w.rand};")
             out.append(f"job.enc[{j}] = lb_quantize_scale<{w.template}, {w.fmt.patches}"
                        f"{', LB_STOCHASTIC' if w.rand else ''}>(acc_{w.ident}, buf_{w.ident}, len, LB_BLOCK, "
                        f"{', '.join([parts, f'&job.mult[{j}]', *extra])});")
@@ -348,13 +352,16 @@ class BlockKernel:
             out.append(f"{ind}const float mult_{k} = job.mult[{j}];")
             out.append(f"{ind}const bool enc_{k} = job.enc[{j}];")
 
+        rnd = {w.ident: f"job.rnd[{j}]" if w.rand else "{}" for j, w in enumerate(written)}
+
         def args(s: KernelState) -> list[str]:
-            return [f"buf_{s.ident}", f"root_{s.ident}" if s.root else "nullptr", f"mult_{s.ident}", s.ptr(Part.CODES)]
+            return [f"buf_{s.ident}", f"root_{s.ident}" if s.root else "nullptr", f"mult_{s.ident}", s.ptr(Part.CODES),
+                    rnd[s.ident]]
 
         def single(s: KernelState) -> str:
-            buf, root, mult, codes = args(s)
+            buf, root, mult, codes, draws = args(s)
             return (f"if (enc_{s.ident}) lb_encode_block<{s.template}, {_encoding(s.rand)}>({buf}, {root}, "
-                    f"len, {mult}, {codes});")
+                    f"len, {mult}, {codes}, {draws});")
 
         for a, b in zip(written[::2], written[1::2]):
             out.append(f"{ind}if (enc_{a.ident} && enc_{b.ident}) {{")
@@ -367,16 +374,18 @@ class BlockKernel:
         return out + ["}", ""]
 
     def _encode_prev(self, written: list[KernelState]) -> list[str]:
-        """The previous block's codes of the lane vector at i, read from the block buffers before this
-        iteration overwrites them (``fuse``): their square roots and conversions then share the loop
-        with this block's arithmetic instead of running in a loop of their own."""
+        """The previous block's codes of the four lane vectors from i, every fourth iteration, read from the
+        block buffers before this and the next three iterations overwrite them (``fuse``): their square
+        roots and conversions then share the loop with this block's arithmetic instead of running in a
+        loop of their own, and four vectors of codes pack into one store."""
         lines = []
         for w in written:
             k = w.ident
             root = f"root_{k}" if w.root else "nullptr"
-            lines.append(f"  lb_st_codes(q_codes_{k} + i, lb_encode_at<{self._lane_encode(w)}>(buf_{k}, {root}, i, "
-                         f"q_mult_{k}, q_codes_{k}));")
-        return ["if (fuse) {", *lines, "}"]
+            draws = f"q_rand_{k}" if w.rand else "{}"
+            lines.append(f"  lb_encode_x4<{self._lane_encode(w)}>(buf_{k}, {root}, i, q_mult_{k}, {draws}, "
+                         f"q_codes_{k});")
+        return ["if (fuse && (i & (4 * LB_W - 1)) == 0) {", *lines, "}"]
 
     def _lane_encode(self, s: KernelState) -> str:
         """A state's template arguments for an unflagged block's encode, lane vector by lane vector."""

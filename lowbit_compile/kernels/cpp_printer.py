@@ -352,7 +352,7 @@ class CppPrinter:
         if state.fmt.name == "bf16":
             v, codes = f"lb_bf16_state_clamp<{sign_name(state.fmt)}>({x.text})", state.ptr(Part.CODES)
             if seed is not None:
-                bits = f"lb_bf16_bits_stochastic({v}, lb_bits_at<true>({state.rand}, i))"
+                bits = f"lb_bf16_bits_stochastic({v}, lb_draws({state.rand}.key, {state.rand}.first + i))"
                 self.kernel.body.stores.append(self._write(f"if (full) lb_st_u16({codes} + i, {bits}); "
                                                     f"else lb_st_u16_n({codes} + i, {bits}, r);", x))
                 return

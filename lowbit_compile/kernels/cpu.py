@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 from . import cpu_build
 from .contract import Role, role_of
 from .cpp_printer import ENTRY, EmittedStep, PointerInput, emit_step
-from .kernel import body_sources, check_grad, same_scalar_states
+from .kernel import advance_counters, body_sources, check_grad, same_scalar_states, step_counters
 from .lowering import Target
 
 
@@ -51,12 +51,18 @@ class CpuStep:
         assert all(sources[p.index][0] == "arg" for p in emitted.pointers)
         self.scalar_sources = tuple(sources[i] for i in emitted.scalars)
         self.scalar_states = tuple(index[n] for n in top if role_of(n) is Role.SCALAR_STATE)
+        self.counters, reads = step_counters(step)
+        self.shared_states = tuple(k for k in self.scalar_states if k not in self.counters)  # one value per call
+        # the scalars that are a counter's value from before the step: each row passes its own
+        self.counter_slots = {k: reads[j] for k, (kind, j) in enumerate(self.scalar_sources)
+                              if kind == "pro" and j in reads}
         self.param_arg = next(index[n] for n in top if role_of(n) is Role.PARAM)
         self.grad_arg = next((index[n] for n in top if role_of(n) is Role.GRAD), None)
 
     def launch(self, rows: Sequence[list]) -> CpuLaunch:
-        """One kernel call per set of rows whose scalar states (the step count) are equal, prepared:
-        every buffer checked and its pointer in the call's table."""
+        """One kernel call per set of rows whose scalar states (the step count; not the stochastic-rounding
+        counters, which each row passes its own) are equal, prepared: every buffer checked and its pointer
+        in the call's table."""
         return CpuLaunch(self, rows)
 
     def check(self, row: Sequence[object], i: int, n: int, spec: PointerInput, dtypes: frozenset) -> int:
@@ -79,8 +85,9 @@ class CpuLaunch:
     pointer table is built once, but for the grads, which :meth:`run` reads from the rows and points
     to on every run (a strided grad through a copy made for that run); it reads the rows'
     hyperparameters as they are when it runs. The prologue runs once per call, on its first row, and
-    the other rows' scalar states are set to its result. The param's pointer stays in the table: the
-    caller checks its ``data_ptr()`` before each run.
+    the other rows' scalar states are set to its result, but for their stochastic-rounding counters, which
+    advance as the first row's does and reach the kernel in the row's own scalars. The param's pointer
+    stays in the table: the caller checks its ``data_ptr()`` before each run.
 
     Every run checks each grad's dtype, size and layout and takes its ``data_ptr()`` afresh (a few
     attribute reads): training hands the step new grads every time, and a grad changed in place
@@ -106,7 +113,7 @@ class CpuLaunch:
         grad_slot = next((k for k, (i, _, _) in enumerate(step.checks) if i == self.grad_arg), None)
         self.calls: list[tuple[list[int], array]] = []
         self.grad_slots: list[tuple[array, int, int]] = []  # (a call's table, the slot of a grad pointer, row)
-        for members in same_scalar_states(self.rows, step.scalar_states):
+        for members in same_scalar_states(self.rows, step.shared_states):
             table = array("q")
             for r in members:
                 if grad_slot is not None:
@@ -140,11 +147,16 @@ class CpuLaunch:
         self._bind_grads(copies)
         for members, table in self.calls:
             first = self.rows[members[0]]
+            others = advance_counters(self.rows, members[1:], step.counters) if step.counter_slots else []
             outputs = step.prologue(*(first[i] for i in step.prologue_args))
-            if len(members) > 1 and step.scalar_states:
-                for k in step.scalar_states:
+            if len(members) > 1 and step.shared_states:
+                for k in step.shared_states:
                     torch._foreach_copy_([self.rows[r][k] for r in members[1:]], [first[k]] * (len(members) - 1))
-            scalars = array("d", [float(outputs[j] if kind == "pro" else first[j]) for kind, j in step.scalar_sources])
+            row = [float(outputs[j] if kind == "pro" else first[j]) for kind, j in step.scalar_sources]
+            scalars = array("d", row * (len(members) - len(others)))  # per row; others' counters their own
+            slots = step.counter_slots
+            for before in others:
+                scalars.extend(before[slots[k]] if k in slots else x for k, x in enumerate(row))
             scalars_addr = scalars.buffer_info()[0] if scalars else None
             status = step.kernel(len(members), table.buffer_info()[0], scalars_addr, torch.get_num_threads())
             if status:

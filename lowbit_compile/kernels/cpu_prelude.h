@@ -429,9 +429,9 @@ LB_INLINE void lb_st_f16_n(uint16_t* p, vf v, int64_t r) {
   memcpy(p, t, r * sizeof(uint16_t));
 }
 
-// Random bits of stochastic rounding (the lossy residual, stochastically rounded states):
-// hash32(index ^ hash32(seed)), with Chris Wellons' lowbias32 hash and the element's index in the
-// tensor (residual.random_bits; a state's seed carries its stream in the top 8 bits, rounding.py).
+// Random bits of stochastic rounding, with Chris Wellons' lowbias32 hash: the lossy residual's
+// hash32(index ^ hash32(seed)) (residual.random_bits), a stochastically rounded state's 16-bit draws
+// (lb_draws, rounding.state_draws).
 static inline uint32_t lb_hash32_s(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -683,31 +683,36 @@ LB_INLINE vi lb_encode(vf y) {
 
 // Stochastic rounding of 8-bit codes (formats.round_stochastic, triton_lib.round_stochastic): of the two
 // codes around y (the value clamped into the format's range), the one of larger magnitude (outer, value
-// w_out) replaces the one nearer zero (inner, value w_in) where (u + 0.5) * |w_out - w_in| < 256 *
-// |y - w_in|, u the element's 8-bit draw (lb_random_bytes); a positive value of a non-negative state
-// never becomes code 0. Where y is a code's value |y - w_in| is 0 or the whole gap and it keeps that
-// code; a non-finite value gets its special code after (lb_encode_scaled: only a flagged block holds
-// one). t = (u + 0.5) / 256 in one exact fma: the comparison is t * |w_out - w_in| < |y - w_in|.
-LB_INLINE vf lb_draw(vi u) { return lb_fma(__builtin_convertvector(u, vf), lb_splat(0x1p-8f), lb_splat(0x1p-9f)); }
+// w_out) replaces the one nearer zero (inner, value w_in) where t * |w_out - w_in| < |y - w_in| (one fp32
+// product, both distances exact), t = (u + 0.5) / 2^16 the element's threshold (lb_thresholds_x4); a
+// positive value of a non-negative state never becomes code 0. Where y is a code's value |y - w_in| is 0
+// or the whole gap and it keeps that code; a non-finite value gets its special code after
+// (lb_encode_scaled: only a flagged block holds one).
+// The code magnitude c + 1 (outer) or c (inner) of the integral c, from a comparison of two non-negative
+// floats as integers (their bit patterns order as they do), then a truncating conversion: no compare
+// mask to blend under.
+LB_INLINE vi lb_step_up(vf c, vf below, vf above) {
+  return __builtin_convertvector(c, vi) - (lb_bits_i(below) < lb_bits_i(above));
+}
 // int8 (y already normalized): on the magnitude, the inner code floor(|y|), 1 below the outer, and the
 // distance |y| - floor(|y|), all exact; the sign put back on the code.
 template <bool U>
-LB_INLINE vi lb_stochastic_int8(vf y, vi u) {
+LB_INLINE vi lb_stochastic_int8(vf y, vf t) {
   typedef lb_format<LB_INT8, U> f;
   const vf yc = lb_clamp(y, U ? 0.0f : -f::qmax, f::qmax), a = U ? yc : lb_abs(yc), c = lb_floor(a);
-  const vf m = lb_draw(u) < a - c ? c + 1.0f : c;
-  if (U) return lb_lift_positive(__builtin_convertvector(m, vi), y);
-  return lb_code_byte(lb_cvt_signed(m, yc));
+  const vi m = lb_step_up(c, t, a - c);
+  if (U) return lb_lift_positive(m, y);
+  return lb_code_byte(lb_sign_of(m, yc));
 }
 // sqrt8 from the root-domain magnitude r (the nearest encode's input) and the sign of `sign`: the value
 // y = a * a of the clamped root a, the inner code c = floor(a), y - c * c in one fma (c * c is exact)
 // and the outer code's value 2c + 1 above c * c: all exact, nothing decoded.
 template <bool U>
-LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vi u) {
+LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vf t) {
   const vf a = lb_min_nn(r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)), c = lb_floor(a), y = a * a;
   const vf d = lb_fma(-c, c, y), gap = lb_fma(c, lb_splat(2.0f), lb_splat(1.0f));
-  const vf m = lb_draw(u) * gap < d ? c + 1.0f : c;
-  return U ? lb_lift_positive(__builtin_convertvector(m, vi), y) : lb_code_byte(lb_cvt_signed(m, sign));
+  const vi m = lb_step_up(c, t * gap, d);
+  return U ? lb_lift_positive(m, y) : lb_code_byte(lb_sign_of(m, sign));
 }
 // fp8 on the magnitude, nothing decoded: the codes around |y| are the multiples c and c + 1 of its
 // binade's unit 2^(max(e, MIN_EXP) - M) (the outer one at the binade's top is the next binade's first
@@ -715,7 +720,7 @@ LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vi u) {
 // encoded to nearest. A positive value of a non-negative state is at least code 1 (lb_encode_fp8's lift
 // from x, the value before rounding).
 template <int F, bool U>
-LB_INLINE vi lb_stochastic_fp8(vf x, vi u) {
+LB_INLINE vi lb_stochastic_fp8(vf x, vf t) {
   typedef lb_format<F, U> f;
   constexpr int M = f::mantissa, MIN_EXP = f::min_exponent;
   const vf y = lb_clamp(x, -f::qmax, f::qmax);
@@ -723,14 +728,14 @@ LB_INLINE vi lb_stochastic_fp8(vf x, vi u) {
   vi e = a >> 23;
   e = e > 127 + MIN_EXP ? e : lb_splat_i(127 + MIN_EXP);
   const vf s = lb_bits_f(a) * lb_bits_f((254 + M - e) << 23), c = lb_floor(s);  // |y| / unit, exact
-  const vf m = (lb_draw(u) < s - c ? c + 1.0f : c) * lb_bits_f((e - M) << 23);
+  const vf m = (t < s - c ? c + 1.0f : c) * lb_bits_f((e - M) << 23);
   const vi code = lb_encode_fp8<M, MIN_EXP, false>(lb_bits_f(lb_bits_i(m) | sign));
   return U ? lb_lift_positive(code, x) : code;
 }
 // dynamic8, from the nearest code: the other code around y is code +- 1 (the map is monotone in the
 // code), both codes decoded. (fp8 took this path before lb_stochastic_fp8: the same codes.)
 template <int F, bool U>
-LB_INLINE vi lb_round_stochastic(vf x, vi code, vi u) {
+LB_INLINE vi lb_round_stochastic(vf x, vi code, vf t) {
   typedef lb_format<F, U> f;
   constexpr bool fp8 = F == LB_E4M3 || F == LB_E5M2;
   const vf y = lb_clamp(x, U && !fp8 ? 0.0f : -f::qmax, f::qmax);
@@ -740,15 +745,15 @@ LB_INLINE vi lb_round_stochastic(vf x, vi code, vi u) {
   const vf w = lb_decode<F, U>(lb_lane<F, U>(other));
   // the other code is the inner one (where y is a code's value either answer keeps the code)
   const vi inward = fp8 ? ~away : away ^ (vi)(y >= 0);
-  const vi outer = lb_draw(u) * lb_abs(w - v) < lb_abs(y - (inward ? w : v));
+  const vi outer = t * lb_abs(w - v) < lb_abs(y - (inward ? w : v));
   vi out = inward ? (outer ? code : other) : (outer ? other : code);
   if (U) out = (x > 0) & (out == 0) ? lb_splat_i(1) : out;
   return out;
 }
-// bf16 bits of x (already clamped as the nearest encode clamps it) rounded stochastically: the low 16
-// random bits added to the fp32 pattern, truncated; NaN rounds to nearest.
-LB_INLINE vi lb_bf16_bits_stochastic(vf x, vu bits) {
-  const vi up = (vi)(((vu)lb_bits_i(x) + (bits & 0xFFFFu)) >> 16);
+// bf16 bits of x (already clamped as the nearest encode clamps it) rounded stochastically: the 16-bit
+// draws added to the fp32 pattern, truncated; NaN rounds to nearest.
+LB_INLINE vi lb_bf16_bits_stochastic(vf x, vu draws) {
+  const vi up = (vi)(((vu)lb_bits_i(x) + draws) >> 16);
   return x != x ? lb_f32_to_bf16_bits(x) : up;
 }
 // What a block's stochastic rounding draws from: the state's key (hash32 of its seed) and the index
@@ -757,37 +762,68 @@ struct lb_rand {
   uint32_t key;
   int64_t first;
 };
-template <bool SR>
-LB_INLINE vu lb_bits_at(lb_rand rnd, int64_t i) {  // 32 bits per element (bf16 states and patches)
-  if constexpr (SR) return lb_random_bits(rnd.key, rnd.first + i);
-  else return (vu){};
+// The 16-bit draws (rounding.state_draws): element i draws the low half of hash32((i / 2) ^ key) where i
+// is even, the high half where it is odd, so one hash serves two elements.
+static inline uint32_t lb_draw_s(uint32_t key, int64_t i) {
+  return (lb_hash32_s((uint32_t)(i >> 1) ^ key) >> ((i & 1) << 4)) & 0xFFFFu;
 }
-// The 8-bit draws of a block's codes (rounding.state_draws): element i draws byte i % 4 of the word
-// hash32((i / 4) ^ 2^31 ^ key) (little-endian), so one hash serves four elements and the block's draws
-// are its words' bytes in memory order. lb_quantize_scale writes them where the block's codes go (its
-// old codes are read by then), and the encode reads each element's draw there before it writes the
-// code over it: one lane vector of words per 4 * LB_W elements, nothing else kept.
-LB_INLINE void lb_random_bytes(lb_rand rnd, int64_t len, uint8_t* out) {
-  const uint32_t key = rnd.key ^ 0x80000000u;
-  if (__builtin_expect(rnd.first & 3, 0)) {  // blocks of 1 or 2 elements: words shared across blocks
-    for (int64_t j = 0; j < len; ++j) {
-      const int64_t i = rnd.first + j;
-      out[j] = (uint8_t)(lb_hash32_s((uint32_t)(i >> 2) ^ key) >> (8 * (i & 3)));
+// The draws of the LB_W elements from index `first` on (a bf16 state's lane vector), each lane its own
+// hash: lane l is element first + l, word (first + l) / 2.
+LB_INLINE vu lb_draws(uint32_t key, int64_t first) {
+  const vi l = lb_splat_i((int32_t)(first & 1)) + lb_iota();
+  const vu word = ((vu){} + (uint32_t)(first >> 1)) + (vu)(l >> 1);
+  const vu x = word ^ key;
+  return (lb_hash32_tail(x ^ (x >> 16)) >> (vu)((l & 1) << 4)) & 0xFFFFu;
+}
+// t = (u + 0.5) / 2^16 of 16-bit draws u, exact in one fma (rounding.threshold).
+LB_INLINE vf lb_threshold(vi u) { return lb_fma(__builtin_convertvector(u, vf), lb_splat(0x1p-16f), lb_splat(0x1p-17f)); }
+// The thresholds of the LB_W elements from rnd.first + j on, a hash per element (tails, odd starts).
+template <bool SR>
+LB_INLINE vf lb_thresholds_at(lb_rand rnd, int64_t j) {
+  if constexpr (SR) return lb_threshold((vi)lb_draws(rnd.key, rnd.first + j));
+  else return vf{};
+}
+// The thresholds of the four lane vectors from an even index rnd.first + j, from two vectors of LB_W
+// hashes (one per two elements): each 128-bit lane of a hash vector holds two words of the first half
+// and two of the second, so interleaving the lanes' low (high) 16-bit halves with zeros gives the first
+// (second) LB_W elements' draws in order.
+struct lb_vf4 {
+  vf v[4];
+};
+#if LB_W == 16
+typedef uint16_t lb_vh2 __attribute__((vector_size(4 * LB_W)));
+#define LB_WORD_ORDER 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15
+#define LB_LOW_HALVES 0, 32, 1, 33, 2, 34, 3, 35, 8, 40, 9, 41, 10, 42, 11, 43, \
+                      16, 48, 17, 49, 18, 50, 19, 51, 24, 56, 25, 57, 26, 58, 27, 59
+#define LB_HIGH_HALVES 4, 36, 5, 37, 6, 38, 7, 39, 12, 44, 13, 45, 14, 46, 15, 47, \
+                       20, 52, 21, 53, 22, 54, 23, 55, 28, 60, 29, 61, 30, 62, 31, 63
+#elif LB_W == 8
+typedef uint16_t lb_vh2 __attribute__((vector_size(4 * LB_W)));
+#define LB_WORD_ORDER 0, 1, 4, 5, 2, 3, 6, 7
+#define LB_LOW_HALVES 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27
+#define LB_HIGH_HALVES 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31
+#else
+#error "LB_W must be 8 or 16"
+#endif
+template <bool SR>
+LB_INLINE lb_vf4 lb_thresholds_x4(lb_rand rnd, int64_t j) {
+  if constexpr (!SR) return {};
+  else {
+    const int64_t first = rnd.first + j;
+    if (__builtin_expect(first & 1, 0))  // blocks of one element
+      return {{lb_thresholds_at<SR>(rnd, j), lb_thresholds_at<SR>(rnd, j + LB_W),
+               lb_thresholds_at<SR>(rnd, j + 2 * LB_W), lb_thresholds_at<SR>(rnd, j + 3 * LB_W)}};
+    const vu order = {LB_WORD_ORDER}, base = (vu){} + (uint32_t)(first >> 1);
+    const lb_vh2 zero = {};
+    lb_vf4 t;
+    for (int h = 0; h < 2; ++h) {
+      vu x = (base + (uint32_t)(h * LB_W) + order) ^ rnd.key;
+      const lb_vh2 halves = (lb_vh2)lb_hash32_tail(x ^ (x >> 16));
+      t.v[2 * h] = lb_threshold((vi)__builtin_shufflevector(halves, zero, LB_LOW_HALVES));
+      t.v[2 * h + 1] = lb_threshold((vi)__builtin_shufflevector(halves, zero, LB_HIGH_HALVES));
     }
-    return;
+    return t;
   }
-  const vu q = (vu){} + (uint32_t)(rnd.first >> 2);
-  for (int64_t i = 0; i < len; i += 4 * LB_W) {
-    vu x = ((q + (uint32_t)(i >> 2)) + (vu)lb_iota()) ^ key;
-    x = lb_hash32_tail(x ^ (x >> 16));
-    if (i + 4 * LB_W <= len) memcpy(out + i, &x, sizeof x);
-    else memcpy(out + i, &x, len - i);
-  }
-}
-template <bool SR>
-LB_INLINE vi lb_draws_at(const uint8_t* draws) {  // the draws lb_random_bytes left at draws[0, LB_W)
-  if constexpr (SR) return lb_ld_u8(draws);
-  else return (vi){};
 }
 
 // bf16 storage (states and patches; formats.encode, round_bf16): a finite value saturates at bf16's
@@ -806,7 +842,7 @@ static inline uint16_t lb_patch_bits(float x, lb_rand rnd, int64_t index) {  // 
   const float a = __builtin_fabsf(x);
   if (a > LB_BF16_TOP && a < LB_INF) x = __builtin_copysignf(LB_BF16_TOP, x);
   if (U && x > 0 && x < lb_format<LB_BF16_CODES, U>::min_positive) x = lb_format<LB_BF16_CODES, U>::min_positive;
-  if constexpr (SR) return (uint16_t)lb_bf16_bits_stochastic(lb_splat(x), lb_bits_at<SR>(rnd, index))[0];
+  if constexpr (SR) return (uint16_t)lb_bf16_bits_stochastic(lb_splat(x), (vu){} + lb_draw_s(rnd.key, rnd.first + index))[0];
   return lb_bf16_bits(x);
 }
 
@@ -962,55 +998,60 @@ static inline void lb_block_scale(const float* buf, int64_t len, float absmax, f
 // root times a multiplier's root never underflows); in a flagged block finite values stay within
 // flagged_qmax and +inf, -inf and NaN take the format's special codes. M: lb_encoding flags.
 template <int F, bool U, unsigned M>
-LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vi u) {
+LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vf t) {
   typedef lb_format<F, U> f;
   constexpr bool FLAGGED = lb_mode<M>::flagged, LIFT = lb_mode<M>::lift, SR = lb_mode<M>::sr, ROOT = lb_mode<M>::root;
   vi code;
   if constexpr (F == LB_SQRT8) {
     vf r = (ROOT ? root : lb_sqrt(U ? x : lb_abs(x))) * inverse;
     if (FLAGGED) r = lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(f::enc_flagged_qmax));  // NaN: 0
-    code = SR ? lb_stochastic_sqrt8<U>(r, x, u) : lb_encode_sqrt8<U>(r, x);  // in range (lb_encode_sqrt8)
+    code = SR ? lb_stochastic_sqrt8<U>(r, x, t) : lb_encode_sqrt8<U>(r, x);  // in range (lb_encode_sqrt8)
   } else {
     vf y = x * inverse;
     if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
     if (FLAGGED) y = lb_clamp(y, -f::flagged_qmax, f::flagged_qmax);
-    if constexpr (F == LB_INT8) code = SR ? lb_stochastic_int8<U>(y, u) : lb_encode_int8<U>(y);  // in range
-    else if constexpr ((F == LB_E4M3 || F == LB_E5M2) && SR) code = lb_stochastic_fp8<F, U>(y, u);
+    if constexpr (F == LB_INT8) code = SR ? lb_stochastic_int8<U>(y, t) : lb_encode_int8<U>(y);  // in range
+    else if constexpr ((F == LB_E4M3 || F == LB_E5M2) && SR) code = lb_stochastic_fp8<F, U>(y, t);
     else if constexpr (F == LB_E4M3 || F == LB_E5M2)
       code = lb_encode_fp8<lb_format<F, U>::mantissa, lb_format<F, U>::min_exponent, U>(y);
     else code = lb_encode<F, U>(y);
-    if (SR && F == LB_DYNAMIC8) code = lb_round_stochastic<F, U>(y, code, u);
+    if (SR && F == LB_DYNAMIC8) code = lb_round_stochastic<F, U>(y, code, t);
   }
   if (!FLAGGED) return code;
   const vi special = x != x ? lb_splat_i(f::nan_code) : (x > 0 ? lb_splat_i(f::pos_inf_code) : lb_splat_i(f::neg_inf_code));
   return lb_key(x) < 0x7F800000 ? code : special;
 }
-// The codes of the whole lane vector at buf + j; with LB_ROOT, root holds the square roots of buf
-// (lb_encode_scaled), and only a flagged block reads buf. With LB_STOCHASTIC, codes (the block's, where
-// they are about to be written) holds the draws (lb_random_bytes).
+// The codes of the whole lane vector at buf + j, from the thresholds t (LB_STOCHASTIC); with LB_ROOT,
+// root holds the square roots of buf (lb_encode_scaled), and only a flagged block reads buf.
 template <int F, bool U, unsigned M>
-LB_INLINE vi lb_encode_at(const float* buf, const float* root, int64_t j, vf vinv, const uint8_t* codes) {
+LB_INLINE vi lb_encode_at(const float* buf, const float* root, int64_t j, vf vinv, vf t) {
   typedef lb_mode<M> m;
   constexpr bool reads_x = !m::root || m::flagged;
   const vf x = reads_x ? lb_ld(buf + j) : vf{}, r = m::root ? lb_ld(root + j) : vf{};
-  return lb_encode_scaled<F, U, M>(x, r, vinv, lb_draws_at<m::sr>(codes + j));
+  return lb_encode_scaled<F, U, M>(x, r, vinv, t);
 }
-// The codes of buf[0, len) (lb_encode_at).
+// The codes of the four lane vectors at buf + j, in one store (lb_encode_at); with LB_STOCHASTIC their
+// draws are those of the elements from rnd.first + j (rnd: the block's key and first element's index).
 template <int F, bool U, unsigned M>
-static inline void lb_encode_loop(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes) {
+LB_INLINE void lb_encode_x4(const float* buf, const float* root, int64_t j, vf vinv, lb_rand rnd, uint8_t* codes) {
+  const lb_vf4 t = lb_thresholds_x4<lb_mode<M>::sr>(rnd, j);
+  const auto at = [&](int k) LB_INLINE_LAMBDA { return lb_encode_at<F, U, M>(buf, root, j + k * LB_W, vinv, t.v[k]); };
+  lb_st_u8x4(codes + j, at(0), at(1), at(2), at(3));
+}
+// The codes of buf[0, len) (lb_encode_at), rounding stochastically with the draws of rnd (LB_STOCHASTIC).
+template <int F, bool U, unsigned M>
+static inline void lb_encode_loop(const float* buf, const float* root, int64_t len, float inverse, uint8_t* codes,
+                                  lb_rand rnd) {
   typedef lb_mode<M> m;
   const vf vinv = lb_splat(inverse);
-  const auto at = [&](int64_t j) { return lb_encode_at<F, U, M>(buf, root, j, vinv, codes); };
   int64_t i = 0;
   if constexpr (!m::flagged)  // a flagged block (inf or NaN in it) is rare: not unrolled, less to compile
-    for (; i + 4 * LB_W <= len; i += 4 * LB_W)
-      lb_st_u8x4(codes + i, at(i), at(i + LB_W), at(i + 2 * LB_W), at(i + 3 * LB_W));
-  for (; i + LB_W <= len; i += LB_W) lb_st_codes(codes + i, at(i));
+    for (; i + 4 * LB_W <= len; i += 4 * LB_W) lb_encode_x4<F, U, M>(buf, root, i, vinv, rnd, codes);
+  for (; i + LB_W <= len; i += LB_W)
+    lb_st_codes(codes + i, lb_encode_at<F, U, M>(buf, root, i, vinv, lb_thresholds_at<m::sr>(rnd, i)));
   if (i < len) {
     const vf x = lb_ld_n(buf + i, len - i), r = m::root ? lb_ld_n(root + i, len - i) : vf{};
-    vi u = {};
-    if constexpr (m::sr) u = lb_ld_codes_n<LB_INT8, LB_UNSIGNED>(codes + i, len - i);  // zero-extended draws
-    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, M>(x, r, vinv, u), len - i);
+    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, M>(x, r, vinv, lb_thresholds_at<m::sr>(rnd, i)), len - i);
   }
 }
 // The multiplier a block's encode applies: the inverse of its scale (sqrt8: the inverse's square root,
@@ -1029,10 +1070,11 @@ LB_INLINE bool lb_fusable(bool enc, float mult) { return enc && (lb_mode<M>::roo
 // The codes of buf[0, len) under the multiplier `mult` (lb_multiplier); sqrt8 encodes from the step's
 // roots where it gives them. M: LB_FLAGGED, LB_STOCHASTIC or neither (this picks LB_ROOT and LB_LIFT).
 template <int F, bool U, unsigned M>
-static inline void lb_encode_block(const float* buf, const float* root, int64_t len, float mult, uint8_t* codes) {
-  if (F == LB_SQRT8 && U && root) lb_encode_loop<F, U, M | LB_ROOT>(buf, root, len, mult, codes);
-  else if (lb_lifts<F, U>(mult)) lb_encode_loop<F, U, M | LB_LIFT>(buf, nullptr, len, mult, codes);
-  else lb_encode_loop<F, U, M>(buf, nullptr, len, mult, codes);
+static inline void lb_encode_block(const float* buf, const float* root, int64_t len, float mult, uint8_t* codes,
+                                   lb_rand rnd) {
+  if (F == LB_SQRT8 && U && root) lb_encode_loop<F, U, M | LB_ROOT>(buf, root, len, mult, codes, rnd);
+  else if (lb_lifts<F, U>(mult)) lb_encode_loop<F, U, M | LB_LIFT>(buf, nullptr, len, mult, codes, rnd);
+  else lb_encode_loop<F, U, M>(buf, nullptr, len, mult, codes, rnd);
 }
 
 // A block holding inf or NaN (rare: off the hot path, scalar): patches are the K largest finite
@@ -1074,11 +1116,11 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
   if (flagged) {
     lb_scale_and_inverse(absmax, lb_format<F, U>::flagged_qmax, &s, &inv);
     *scale = -s;  // the sign bit flags the block (-0.0 included)
-    lb_encode_block<F, U, M | LB_FLAGGED>(buf, root, len, lb_multiplier<F>(inv), codes);
+    lb_encode_block<F, U, M | LB_FLAGGED>(buf, root, len, lb_multiplier<F>(inv), codes, rnd);
   } else {
     lb_block_scale<F, U>(buf, len, absmax, &s, &inv);
     *scale = s;
-    lb_encode_block<F, U, M>(buf, root, len, lb_multiplier<F>(inv), codes);
+    lb_encode_block<F, U, M>(buf, root, len, lb_multiplier<F>(inv), codes, rnd);
   }
 }
 
@@ -1088,7 +1130,7 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
 // largest key in buf, says which) is quantized whole here (lb_quantize_nonfinite): false. The K
 // patches are the K largest |x| (ties: lowest offset) in the order the reference's repeated argmax
 // finds them; the scale comes from the rest (lb_block_scale). With M = LB_STOCHASTIC the patches round
-// stochastically, drawing from rnd, and the codes' draws are written where the codes go (lb_random_bytes).
+// stochastically, drawing from rnd (the codes draw when they are encoded: lb_encode_block, lb_encode_x4).
 // A non-negative sqrt8 state may give `root`, buf's square roots as the step took them (lb_encode_scaled).
 template <int F, bool U, int K, unsigned M = LB_PLAIN>
 static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
@@ -1097,7 +1139,6 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
   // Bound: the (K+1)-th largest lane maximum. K+1 lanes hold an element at least this large, so
   // the K+1 largest elements all reach it, and one pass collects them exactly. With K+1 > LB_W lanes
   // there is no such bound: every element is offered (-1).
-  if constexpr (lb_mode<M>::sr) lb_random_bytes(rnd, len, codes);
   const int32_t top = lb_hmax(lane_max);
   if (__builtin_expect(top >= 0x7F800000, 0)) {
     lb_quantize_nonfinite<F, U, K, M>(buf, root, len, block, codes, scale, patch_values, patch_index, rnd);
@@ -1133,24 +1174,25 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
 // alone. M1, M2: LB_STOCHASTIC, and LB_ROOT where the state encodes from the roots it is given (a
 // non-negative sqrt8 state).
 template <int F1, bool U1, unsigned M1, int F2, bool U2, unsigned M2>
-static void lb_encode_pair(const float* buf1, const float* root1, float mult1, uint8_t* codes1,
-                           const float* buf2, const float* root2, float mult2, uint8_t* codes2, int64_t len) {
+static void lb_encode_pair(const float* buf1, const float* root1, float mult1, uint8_t* codes1, lb_rand rnd1,
+                           const float* buf2, const float* root2, float mult2, uint8_t* codes2, lb_rand rnd2,
+                           int64_t len) {
   if (lb_lifts<F1, U1>(mult1) || lb_lifts<F2, U2>(mult2)) {  // a block of large values, no faster together
-    lb_encode_block<F1, U1, M1 & LB_STOCHASTIC>(buf1, root1, len, mult1, codes1);
-    lb_encode_block<F2, U2, M2 & LB_STOCHASTIC>(buf2, root2, len, mult2, codes2);
+    lb_encode_block<F1, U1, M1 & LB_STOCHASTIC>(buf1, root1, len, mult1, codes1, rnd1);
+    lb_encode_block<F2, U2, M2 & LB_STOCHASTIC>(buf2, root2, len, mult2, codes2, rnd2);
     return;
   }
   const vf v1 = lb_splat(mult1), v2 = lb_splat(mult2);
-  const auto at1 = [&](int64_t j) { return lb_encode_at<F1, U1, M1>(buf1, root1, j, v1, codes1); };
-  const auto at2 = [&](int64_t j) { return lb_encode_at<F2, U2, M2>(buf2, root2, j, v2, codes2); };
   int64_t i = 0;
   for (; i + 4 * LB_W <= len; i += 4 * LB_W) {
-    lb_st_u8x4(codes1 + i, at1(i), at1(i + LB_W), at1(i + 2 * LB_W), at1(i + 3 * LB_W));
-    lb_st_u8x4(codes2 + i, at2(i), at2(i + LB_W), at2(i + 2 * LB_W), at2(i + 3 * LB_W));
+    lb_encode_x4<F1, U1, M1>(buf1, root1, i, v1, rnd1, codes1);
+    lb_encode_x4<F2, U2, M2>(buf2, root2, i, v2, rnd2, codes2);
   }
   if (i < len) {  // the last partial group, each state alone
-    lb_encode_loop<F1, U1, M1>(buf1 + i, lb_mode<M1>::root ? root1 + i : nullptr, len - i, mult1, codes1 + i);
-    lb_encode_loop<F2, U2, M2>(buf2 + i, lb_mode<M2>::root ? root2 + i : nullptr, len - i, mult2, codes2 + i);
+    lb_encode_loop<F1, U1, M1>(buf1 + i, lb_mode<M1>::root ? root1 + i : nullptr, len - i, mult1, codes1 + i,
+                               {rnd1.key, rnd1.first + i});
+    lb_encode_loop<F2, U2, M2>(buf2 + i, lb_mode<M2>::root ? root2 + i : nullptr, len - i, mult2, codes2 + i,
+                               {rnd2.key, rnd2.first + i});
   }
 }
 
@@ -1313,6 +1355,7 @@ struct lb_pending {
   int64_t len;  // 0: none pending
   uint8_t* codes[N];
   float mult[N];  // lb_quantize_scale's
+  lb_rand rnd[N];  // what a stochastically rounded state's codes draw from
   bool enc[N];  // false: encoded already (a block with inf or NaN)
 };
 struct lb_no_job {  // a step without quantized states: nothing left to write after a block
@@ -1320,15 +1363,14 @@ struct lb_no_job {  // a step without quantized states: nothing left to write af
 };
 LB_INLINE void lb_finish(lb_no_job&, const float*) {}
 
-// table: one row of ROW int64 per tensor (element count, then its input pointers); scalars: the
-// step's scalar inputs (rounded to float, as aten rounds a Python scalar). Every block of every row,
-// split over threads; with a Job each thread carries the block whose codes are still to be written from
-// one STEP call to the next, and writes the last one's at the end. 0, or 1 (2) where the table (a
-// thread's scratch) could not be allocated.
+// table: one row of ROW int64 per tensor (element count, then its input pointers); scalars: N_SCALARS per
+// row, the step's scalar inputs for that tensor (rounded to float, as aten rounds a Python scalar; rows
+// differ in their stochastic-rounding counters). Every block of every row, split over threads; with a
+// Job each thread carries the block whose codes are still to be written from one STEP call to the next,
+// and writes the last one's at the end. 0, or 1 (2) where the table (a thread's scratch) could not be
+// allocated.
 template <int64_t ROW, int64_t BLOCK, int N_SCALARS, int N_BUFS, class Job, auto STEP>
 static int lb_run(int64_t n_tensors, const int64_t* table, const double* scalars, int n_threads) {
-  float s[N_SCALARS > 0 ? N_SCALARS : 1];
-  for (int k = 0; k < N_SCALARS; ++k) s[k] = (float)scalars[k];
   int64_t* first = (int64_t*)malloc((n_tensors + 1) * sizeof(int64_t));
   if (!first) return 1;
   first[0] = 0;
@@ -1346,10 +1388,15 @@ static int lb_run(int64_t n_tensors, const int64_t* table, const double* scalars
 #pragma omp atomic write
       failed = 1;
     } else {
-      int64_t t = 0;
+      int64_t t = 0, s_row = -1;
+      float s[N_SCALARS > 0 ? N_SCALARS : 1];
       Job job = {};  // the block before g, its codes still to write
       for (int64_t g = lo; g < hi; ++g) {
         while (first[t + 1] <= g) ++t;
+        if (t != s_row) {  // the row's scalars
+          for (int k = 0; k < N_SCALARS; ++k) s[k] = (float)scalars[t * N_SCALARS + k];
+          s_row = t;
+        }
         const int64_t* row = table + t * ROW;
         const int64_t blk = g - first[t], start = blk * BLOCK;
         const int64_t len = row[0] - start < BLOCK ? row[0] - start : BLOCK;

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .rounding import threshold
+
 FORMAT_NAMES = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32", "sqrt8")
 # The number of each format in the kernels (the C++ prelude's enum, triton_lib's constexprs).
 FORMAT_IDS = {name: i for i, name in enumerate(FORMAT_NAMES)}
@@ -345,12 +347,12 @@ def round_fp8(y: torch.Tensor, mantissa_bits: int, min_exponent: int) -> torch.T
 
 
 def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = None,
-           bits: torch.Tensor | None = None) -> torch.Tensor:
+           draws: torch.Tensor | None = None) -> torch.Tensor:
     """Encode normalized values (:func:`normalize`: divided by their block scale, |x| <= qmax; sqrt8's
     in the root domain, |x| <= sqrt(qmax)) into codes.
 
-    Rounding is to nearest, ties to even, or with ``bits`` (the random bits of each element,
-    ``rounding.state_bits``: int64 shaped like ``x``) stochastic (:func:`round_stochastic`, sqrt8's
+    Rounding is to nearest, ties to even, or with ``draws`` (the 16-bit draw of each element,
+    ``rounding.state_draws``: int64 shaped like ``x``) stochastic (:func:`round_stochastic`, sqrt8's
     from the value ``x * |x|``); for a non-negative state a positive value never becomes code 0.
     Where ``flagged`` (a bool tensor broadcasting against ``x``: the element's block is flagged)
     finite values are clamped to ``flagged_qmax`` and +inf, -inf and NaN get their special codes;
@@ -359,12 +361,12 @@ def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = Non
     if flagged is not None and fmt.blockwise:
         top = domain_bound(fmt, fmt.flagged_qmax)
         inner = torch.where(flagged, x.clamp(-top, top), x)
-        codes = encode(inner, fmt, bits=bits).view(torch.uint8)
+        codes = encode(inner, fmt, draws=draws).view(torch.uint8)
         pos_inf, neg_inf, nan = special_codes(fmt)
         special = torch.where(torch.isnan(x), nan, torch.where(x > 0, pos_inf, neg_inf)).to(torch.uint8)
         return torch.where(flagged & ~torch.isfinite(x), special, codes).view(fmt.code_dtype)
-    if bits is not None:
-        return round_stochastic(x * x.abs() if fmt.name == "sqrt8" else x, encode(x, fmt), fmt, bits)
+    if draws is not None:
+        return round_stochastic(x * x.abs() if fmt.name == "sqrt8" else x, encode(x, fmt), fmt, draws)
     name = fmt.name
     if name == "int8":
         lo = 0.0 if fmt.nonneg else -fmt.qmax
@@ -400,26 +402,26 @@ def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = Non
     raise AssertionError(name)
 
 
-def round_stochastic(x: torch.Tensor, codes: torch.Tensor, fmt: StateFormat, bits: torch.Tensor) -> torch.Tensor:
+def round_stochastic(x: torch.Tensor, codes: torch.Tensor, fmt: StateFormat, draws: torch.Tensor) -> torch.Tensor:
     """Stochastic rounding (``rounding.py``), from the nearest ``codes`` of ``x``: of the two codes around
     ``x``, the one of larger magnitude (outer, value ``w_out``) replaces the one nearer zero (inner,
-    ``w_in``) where ``(u + 0.5) / 256 < p = |x - w_in| / |w_out - w_in|``, ``u`` the element's 8-bit
-    draw (bits 32..39 of ``bits``, ``rounding.state_bits``), so with probability ``round(256 p) / 256``:
-    the expected value is ``x`` to within 1/512 of the gap between the two codes, an error that averages
-    to zero over ``p``. Except where the rules of :func:`encode` act: ``x`` is first clamped into the
-    format's range (the top code never rounds up), a non-finite ``x`` keeps its nearest code, and a
-    positive value of a non-negative state never becomes code 0 (values below the smallest positive
-    code all round up to it, a bias of at most that code's value).
+    ``w_in``) where ``fl(t * |w_out - w_in|) < |x - w_in|``, ``t = (u + 0.5) / 2**16`` from the element's
+    16-bit draw ``u`` (``rounding.threshold``), so with probability ``round(2**16 p) / 2**16``, ``p = |x -
+    w_in| / |w_out - w_in|``: the expected value is ``x`` to within 2**-17 of the gap between the two codes,
+    an error that averages to zero over ``p``. Except where the rules of :func:`encode` act: ``x`` is first
+    clamped into the format's range (the top code never rounds up), a non-finite ``x`` keeps its nearest
+    code, and a positive value of a non-negative state never becomes code 0 (values below the smallest
+    positive code all round up to it, a bias of at most that code's value).
 
-    The comparison is exact in fp32 on every backend for int8, sqrt8 and fp8 (``(u + 0.5) * |w_out -
-    w_in| < 256 * |x - w_in|``, both sides exact) and the same fp32 operations for dynamic8. bf16 adds the
-    low 16 of ``bits`` to the fp32 bit pattern and truncates to 16 bits."""
+    Both distances are exact in fp32 for every format, and the product is one fp32 multiply on every
+    backend (exact for int8 and fp8, whose gaps are powers of two). bf16 adds ``u`` to the fp32 bit
+    pattern and truncates to 16 bits: exactly unbiased."""
     if fmt.name == "bf16":
         y = saturate_bf16(x)
         if fmt.nonneg:
             y = torch.where(y > 0, y.clamp(min=fmt.min_positive), y)
         pattern = y.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        up = ((pattern + (bits & 0xFFFF)) >> 16) & 0xFFFF
+        up = ((pattern + draws) >> 16) & 0xFFFF
         up = torch.where(up >= 2**15, up - 2**16, up).to(torch.int16).view(torch.bfloat16)
         return torch.where(torch.isnan(x), codes, up)
     signed_int = fmt.name in ("int8", "sqrt8") and not fmt.nonneg
@@ -435,8 +437,8 @@ def round_stochastic(x: torch.Tensor, codes: torch.Tensor, fmt: StateFormat, bit
     other_codes = other.to(torch.int8) if signed_int else other.to(torch.uint8).view(fmt.code_dtype)
     w = decode(other_codes, fmt)
     inward = w.abs() < v.abs()  # the other code is the inner one
-    u = ((bits >> 32) & 0xFF).to(torch.float32)
-    outward = (u + 0.5) * (w - v).abs() < 256 * (y - torch.where(inward, w, v)).abs()
+    t = threshold(draws)
+    outward = t * (w - v).abs() < (y - torch.where(inward, w, v)).abs()
     out = torch.where((inward ^ outward) & torch.isfinite(x), other, q)
     if fmt.nonneg:
         out = torch.where((x > 0) & (out == 0), 1, out)

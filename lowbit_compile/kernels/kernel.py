@@ -14,7 +14,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch.fx import GraphModule
 
-from .contract import Role, role_of
+from .contract import Role, is_step_counter, role_of
+from .residual import SEED_PERIOD
 
 
 class BuildError(RuntimeError):
@@ -97,6 +98,40 @@ def body_sources(step: GraphModule) -> tuple[tuple[int, ...], tuple[tuple[str, i
             assert a.target is operator.getitem and a.args[0] is call_pro
             sources.append(("pro", a.args[1]))
     return tuple(index[a] for a in call_pro.args), tuple(sources)
+
+
+def step_counters(step: GraphModule) -> tuple[tuple[int, ...], dict[int, int]]:
+    """The step counters of stochastic rounding among a split step's top-level inputs (positions), and
+    the prologue outputs that hold a counter's value from before the step (output -> counter position).
+    Each parameter's counter starts apart (``residual.first_counter``), so the rows of one launch hold
+    different counters: they share the prologue's other outputs and take their own counters' values."""
+    top = [n for n in step.graph.nodes if n.op == "placeholder"]
+    counters = tuple(i for i, n in enumerate(top) if is_step_counter(n))
+    prologue_args, _ = body_sources(step)
+    inner = [n for n in step.prologue.graph.nodes if n.op == "placeholder"]
+    position = {node: prologue_args[k] for k, node in enumerate(inner)}
+    output = next(n for n in step.prologue.graph.nodes if n.op == "output").args[0]
+    output = (output,) if isinstance(output, torch.fx.Node) else output or ()
+    reads = {j: position[o.args[0]] for j, o in enumerate(output)
+             if isinstance(o, torch.fx.Node) and o.target is torch.ops.aten.clone.default
+             and position.get(o.args[0]) in counters}
+    return counters, reads
+
+
+def advance_counters(rows: Sequence[Sequence[object]], members: Sequence[int], counters: Sequence[int]
+                     ) -> list[dict[int, float]]:
+    """Each row's counters' values (by position) before the step, the rows' counters then advanced by one
+    modulo ``SEED_PERIOD`` as the step graph advances them; in one stack and one add for all rows."""
+    tensors = [rows[r][c] for r in members for c in counters]
+    if not tensors:
+        return [{} for _ in members]
+    values = torch.stack(tensors).tolist()
+    torch._foreach_add_(tensors, 1.0)
+    for t, v in zip(tensors, values):
+        if v + 1 >= SEED_PERIOD:  # every 2**24 steps
+            t.fill_((v + 1) % SEED_PERIOD)
+    n = len(counters)
+    return [dict(zip(counters, values[k * n:(k + 1) * n])) for k in range(len(members))]
 
 
 def same_scalar_states(rows: Sequence[Sequence[object]], indices: Sequence[int]) -> list[list[int]]:

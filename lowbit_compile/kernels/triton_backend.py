@@ -28,7 +28,16 @@ from triton.runtime.interpreter import InterpretedFunction
 from . import blockquant, triton_cache
 from .contract import Role, role_of
 from .formats import StateFormat, dynamic_lookup_table
-from .kernel import BuildError, RowLaunch, body_sources, check_grad, per_step_inputs, same_scalar_states
+from .kernel import (
+    BuildError,
+    RowLaunch,
+    advance_counters,
+    body_sources,
+    check_grad,
+    per_step_inputs,
+    same_scalar_states,
+    step_counters,
+)
 from .lowering import Target
 from .triton_env import interpreting
 from .triton_printer import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
@@ -310,6 +319,8 @@ class TritonStep:
         top = [n for n in step.graph.nodes if n.op == "placeholder"]
         roles = [role_of(n) for n in top]
         self.scalar_states = tuple(i for i, r in enumerate(roles) if r is Role.SCALAR_STATE)
+        self.counters, self.counter_reads = step_counters(step)
+        self.shared_states = tuple(k for k in self.scalar_states if k not in self.counters)  # one value per call
         self.param_arg = roles.index(Role.PARAM)
         self.grad_arg = roles.index(Role.GRAD) if Role.GRAD in roles else None
         bound = (Role.PARAM, Role.PER_ELEMENT_STATE, Role.STATE_PART, Role.MASTER_PART)
@@ -334,13 +345,15 @@ class TritonStep:
 
 
 class BatchedLaunch:
-    """Kernel calls over fixed rows, kept between steps: per set of rows with equal scalar states, one call
+    """Kernel calls over fixed rows, kept between steps: per set of rows with equal scalar states (but for
+    their stochastic-rounding counters, which each row's table entry points to), one call
     of the batched kernel's full-tile variant over a 1-D grid of all their whole tiles, and one of its
     masked variant over their partial last tiles (where any row has one). Each set's row table (first
     program, element count and the tensor inputs' pointers per row) and program-to-row tables are built
     once; :meth:`run` rewrites the per-step pointers (grads, tensor hyperparameters and prologue results)
     and uploads the row table only when a pointer changed. Like ``CpuLaunch``, the prologue runs once per
-    set on its first row and the other rows' scalar states are set to its result. No grad (nor a copy
+    set on its first row and the other rows' scalar states are set to its result, but for their counters,
+    which advance on their own. No grad (nor a copy
     of one) is referenced once :meth:`run` returns: the tables hold integers."""
 
     def __init__(self, step: TritonStep, rows: Sequence[list]) -> None:
@@ -364,7 +377,7 @@ class BatchedLaunch:
         tile = e.block * e.rows
         # (members, host row table, device row table, [(masked, device program rows, programs)])
         self.calls = []
-        for members in same_scalar_states(self.rows, step.scalar_states):
+        for members in same_scalar_states(self.rows, step.shared_states):
             table, full_rows, last_rows = [], [], []
             for j, r in enumerate(members):
                 entry = [len(full_rows), self.sizes[r]] + [0] * (self.stride - 2)
@@ -389,15 +402,23 @@ class BatchedLaunch:
         for call in self.calls:
             members, table, _, grids = call
             first = self.rows[members[0]]
+            others = advance_counters(self.rows, members[1:], step.counters) if step.counter_reads else []
             outputs = step.prologue(*(first[i] for i in step.prologue_args))
-            if len(members) > 1 and step.scalar_states:
-                for k in step.scalar_states:
+            if len(members) > 1 and step.shared_states:
+                for k in step.shared_states:
                     torch._foreach_copy_([self.rows[r][k] for r in members[1:]], [first[k]] * (len(members) - 1))
+            # the other rows' counters from before the step, one 16-byte row each (the kernel's pointer alignment)
+            own = {j: self._per_step_tensor(torch.tensor([[b[c], 0, 0, 0] for b in others], dtype=torch.float32),
+                                            -1, members[0], "counter", keep)
+                   for j, c in step.counter_reads.items()} if others else {}
             new = list(table)
             for j, r in enumerate(members):
                 row = self.rows[r]
                 for k, p in self.per_step:
                     kind, i = step.sources[p.index]
+                    if j and kind == "pro" and i in own:
+                        new[j * self.stride + 2 + k] = own[i].data_ptr() + 16 * (j - 1)
+                        continue
                     value = self._per_step_tensor(outputs[i] if kind == "pro" else row[i], i, r, kind, keep)
                     new[j * self.stride + 2 + k] = value.data_ptr()
             if new != table or call[2] is None:

@@ -271,11 +271,11 @@ def bf16_code(x, NONNEG: tl.constexpr):
 
 
 @triton.jit
-def bf16_code_stochastic(x, bits, NONNEG: tl.constexpr):
+def bf16_code_stochastic(x, draws, NONNEG: tl.constexpr):
     """``formats.round_stochastic`` of a bf16 state (and of a patch), as int16 bits: :func:`bf16_clamp`,
-    the low 16 random ``bits`` added to the fp32 pattern and truncated; NaN to nearest."""
+    the 16-bit ``draws`` (:func:`state_draws`) added to the fp32 pattern and truncated; NaN to nearest."""
     y = bf16_clamp(x, NONNEG)
-    up = ((y.to(tl.uint32, bitcast=True) + (bits & 0xFFFF)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+    up = ((y.to(tl.uint32, bitcast=True) + draws.to(tl.uint32)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
     return tl.where(y != y, f32_to_bf16_bits(y), up)
 
 
@@ -302,16 +302,16 @@ def code_value(bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
 
 
 @triton.jit
-def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr):
+def round_stochastic(x, code, t1, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr):
     """``formats.round_stochastic`` of 8-bit codes (uint8 bits) from the nearest ``code`` of a finite
     ``x`` (sqrt8's in the root domain; the caller gives a non-finite x its special code): of the two
-    codes around x, the outer (larger magnitude) replaces the inner where ``(u + 0.5) * |w_out - w_in|
-    < 256 * |x - w_in|``, ``u`` the element's 8-bit draw (:func:`state_draws`; ``cpu_prelude.h``'s
-    ``lb_round_stochastic``). int8 and sqrt8 work on magnitudes from the inner code ``floor``: int8's
-    codes 1 apart, sqrt8's value the square of the clamped root, the inner code's value ``c * c`` and the
-    outer's ``2c + 1`` above it, all exact; fp8 counts units of the value's binade (nothing decoded);
-    dynamic8 takes the other code around x as code +- 1 and decodes both."""
-    t = (u.to(tl.float32) + 0.5) * 0.00390625  # (u + 0.5) / 256, exact
+    codes around x, the outer (larger magnitude) replaces the inner where ``t * |w_out - w_in| < |x -
+    w_in|``, ``t = (u + 0.5) / 2^16`` from the element's 16-bit draw ``u``, given as ``t1 = 1 + t``
+    (:func:`tile_thresholds`; ``cpu_prelude.h``'s ``lb_round_stochastic``): ``fma(t1, gap, -gap)`` is
+    ``t * gap`` rounded once, and ``t1 - 1`` is ``t``, both exact. int8 and sqrt8 work on magnitudes from
+    the inner code ``floor``: int8's codes 1 apart, sqrt8's value the square of the clamped root, the inner
+    code's value ``c * c`` and the outer's ``2c + 1`` above it, all exact; fp8 counts units of the value's
+    binade (nothing decoded); dynamic8 takes the other code around x as code +- 1 and decodes both."""
     if FMT == SQRT8 or FMT == INT8:
         if FMT == SQRT8:  # the clamp of encode, which the compiler shares
             if NONNEG:
@@ -319,14 +319,15 @@ def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.conste
             else:
                 a = tl.minimum(tl.abs(x), QMAX**0.5)
             c = tl.floor(a)
-            m = tl.where(t * tl.fma(c, 2.0, 1.0) < tl.fma(-c, c, a * a), c + 1.0, c)
+            gap = tl.fma(c, 2.0, 1.0)
+            m = tl.where(tl.fma(t1, gap, -gap) < tl.fma(-c, c, a * a), c + 1.0, c)
         else:
             if NONNEG:
                 a = tl.minimum(tl.maximum(x, 0.0), QMAX)
             else:
                 a = tl.minimum(tl.abs(x), QMAX)
             c = tl.floor(a)
-            m = tl.where(t < a - c, c + 1.0, c)
+            m = tl.where(t1 - 1.0 < a - c, c + 1.0, c)
         if NONNEG:
             out = m.to(tl.int32)
         else:
@@ -347,7 +348,7 @@ def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.conste
         e = tl.maximum(a >> 23, E0)
         units = a.to(tl.float32, bitcast=True) * ((254 + MB - e) << 23).to(tl.float32, bitcast=True)  # exact
         c = tl.floor(units)
-        out = (((e - E0) << MB) + c.to(tl.int32) + tl.where(t < units - c, 1, 0)) | ((bits >> 24) & 0x80)
+        out = (((e - E0) << MB) + c.to(tl.int32) + tl.where(t1 - 1.0 < units - c, 1, 0)) | ((bits >> 24) & 0x80)
     else:
         if NONNEG:
             y = tl.minimum(tl.maximum(x, 0.0), QMAX)
@@ -359,7 +360,8 @@ def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.conste
         other = (q + tl.where(away, 1, -1)) & 0xFF
         w = code_value(other.to(tl.uint8), table_ptr, FMT, NONNEG)
         inward = away != (y >= 0)  # the other code is the inner one (where y is a code's value, either does)
-        outward = t * tl.abs(w - v) < tl.abs(y - tl.where(inward, w, v))
+        gap = tl.abs(w - v)
+        outward = tl.fma(t1, gap, -gap) < tl.abs(y - tl.where(inward, w, v))
         out = tl.where(inward != outward, other, q)
     if NONNEG:
         out = tl.where((x > 0) & (out == 0), 1, out)
@@ -367,21 +369,49 @@ def round_stochastic(x, code, u, table_ptr, FMT: tl.constexpr, NONNEG: tl.conste
 
 
 @triton.jit
-def state_bits(seed, offsets, STREAM: tl.constexpr):
-    """``rounding.state_bits``' low 32: ``hash32(index ^ hash32(counter ^ STREAM << 24))`` per element
-    (a bf16 value draws its low 16)."""
-    key = hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24))
-    return hash32(offsets.to(tl.uint32) ^ key)
+def state_key(seed, STREAM: tl.constexpr):
+    """A state's key at counter ``seed``: ``hash32(counter ^ STREAM << 24)`` (``rounding.state_draws``)."""
+    return hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24))
 
 
 @triton.jit
 def state_draws(seed, offsets, STREAM: tl.constexpr):
-    """``rounding.state_draws``: each element's 8-bit draw (int32), byte ``index % 4`` of the word
-    ``hash32((index // 4) ^ 2^31 ^ key)``. Computed per element (each hashes its word): sharing one
-    hash between four elements would take a reshape of the tile."""
-    key = hash32(seed.to(tl.uint32) ^ ((tl.zeros([], tl.uint32) + STREAM) << 24)) ^ 0x80000000
-    word = hash32((offsets >> 2).to(tl.uint32) ^ key)
-    return ((word >> ((offsets & 3) * 8).to(tl.uint32)) & 0xFF).to(tl.int32)
+    """``rounding.state_draws`` of any elements (a patch's): each element's 16-bit draw (int32), the low
+    half of ``hash32((index // 2) ^ key)`` where the index is even, the high half where it is odd."""
+    word = (offsets >> 1).to(tl.uint32)
+    return ((hash32(word ^ state_key(seed, STREAM)) >> ((offsets & 1) * 16).to(tl.uint32)) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def tile_thresholds(seed, rows, offsets, STREAM: tl.constexpr):
+    """``1 + t`` (``rounding.threshold``'s ``t = (u + 0.5) / 2^16``, exact) of each element of a ``[ROWS,
+    BLOCK]`` tile (:func:`tile_draws`), from the bits of its draw: ``u`` as the mantissa bits below 1's
+    (the fp32 ``1 + (u + 0.5) / 2^16`` is ``0x3F800040 | u << 7``), no conversion."""
+    BLOCK: tl.constexpr = offsets.shape[1]
+    if BLOCK % 2 == 1:
+        bits = (state_draws(seed, offsets, STREAM) << 7) | 0x3F800040
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        words = rows[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+        h = hash32(words.to(tl.uint32) ^ state_key(seed, STREAM))
+        lo = ((h << 7) & 0x7FFF80) | 0x3F800040
+        hi = ((h >> 9) & 0x7FFF80) | 0x3F800040
+        pairs = tl.join(lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True))
+        return tl.reshape(pairs, (offsets.shape[0], BLOCK))
+
+
+@triton.jit
+def tile_draws(seed, rows, offsets, STREAM: tl.constexpr):
+    """The draws of a ``[ROWS, BLOCK]`` tile whose ``offsets`` are ``rows * BLOCK + cols``: for an even
+    BLOCK one hash per two elements, its halves joined side by side (``rounding.state_draws``)."""
+    BLOCK: tl.constexpr = offsets.shape[1]
+    if BLOCK % 2 == 1:
+        return state_draws(seed, offsets, STREAM)
+    else:
+        words = rows[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+        h = hash32(words.to(tl.uint32) ^ state_key(seed, STREAM))
+        pairs = tl.join((h & 0xFFFF).to(tl.int32), (h >> 16).to(tl.int32))
+        return tl.reshape(pairs, (offsets.shape[0], BLOCK))
 
 
 @triton.jit
@@ -503,15 +533,15 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
     from its finite values over ``FLAGGED_QMAX`` and is stored negated, its finite codes stay within
     ``FLAGGED_QMAX`` and its inf and NaN take the special codes. The ``INV_*`` are the fp32 reciprocals
     of the divisors on CUDA, 0.0 on the CPU (``scale_and_inverse``). A nonzero ``STREAM`` rounds codes and
-    patches stochastically with the bits of counter ``seed`` in that stream (:func:`state_draws`, a
-    patch's :func:`state_bits`).
+    patches stochastically with the draws of counter ``seed`` in that stream (:func:`state_draws`; a patch
+    with the draw of the element it holds).
     ``APPROXIMATE`` takes sqrt8's root with the GPU's approximate square root (codes within one step).
     """
     x = tl.where(mask, x, 0.0)  # the reference pads a partial last block with zeros
     if FMT == BF16_CODES:
         if STREAM != 0:
-            bits = state_bits(seed, offsets, STREAM)
-            tl.store(codes_ptr + offsets, bf16_code_stochastic(x, bits, NONNEG).to(tl.bfloat16, bitcast=True),
+            draws = tile_draws(seed, rows, offsets, STREAM)
+            tl.store(codes_ptr + offsets, bf16_code_stochastic(x, draws, NONNEG).to(tl.bfloat16, bitcast=True),
                      mask=mask)
         else:
             tl.store(codes_ptr + offsets, encode(x, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE),
@@ -525,7 +555,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
             value = tl.sum(tl.where(hit, x.to(tl.int32, bitcast=True), 0), axis=1).to(tl.int32)  # its exact bits
             if STREAM != 0:
                 patch = bf16_code_stochastic(value.to(tl.float32, bitcast=True),
-                                             state_bits(seed, tl.sum(tl.where(hit, offsets, 0), axis=1), STREAM),
+                                             state_draws(seed, tl.sum(tl.where(hit, offsets, 0), axis=1), STREAM),
                                              NONNEG)
             else:
                 patch = bf16_code(value.to(tl.float32, bitcast=True), NONNEG)
@@ -577,7 +607,8 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
         codes = encode(y, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
         code = code_bits(codes, FMT, FP8_NATIVE)
         if STREAM != 0:
-            code = round_stochastic(y, code, state_draws(seed, offsets, STREAM), table_ptr, FMT, NONNEG, QMAX)
+            t1 = tile_thresholds(seed, rows, offsets, STREAM)
+            code = round_stochastic(y, code, t1, table_ptr, FMT, NONNEG, QMAX)
         if any_flagged:
             special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
             code = tl.where(flagged & ~(tl.abs(x) < float("inf")), special, code)
