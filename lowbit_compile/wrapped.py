@@ -13,6 +13,7 @@ from .config import Config
 
 if TYPE_CHECKING:
     from .run import StepPlan
+    from .step_op import GraphInputs
 
 ATTR = "_lowbit"  # the optimizer attribute that holds its Wrapped
 
@@ -35,6 +36,7 @@ class Wrapped:
         # one step at a time: two threads stepping one optimizer take turns (stock's step is not
         # atomic either, but ours binds rows that a second step would rebind under the first)
         self.lock = threading.RLock()
+        self.graph_inputs: GraphInputs | None = None  # what a torch.compile graph hands the step (step_op.py)
 
 
 def wrapped_of(opt: torch.optim.Optimizer) -> Wrapped | None:
