@@ -118,7 +118,9 @@ def _define_op() -> None:
     for key, reason in REFUSALS.items():
         _eager_steps[key] = torch.compiler.disable(_step, reason=reason)
 
-    @torch.library.custom_op(OP, mutates_args=("params", "states"))
+    # cudagraph_unsafe: its host side reads hyperparameters and may trace or compile; a CUDA graph that
+    # replayed it would skip all that (inductor keeps it out of its CUDA graphs)
+    @torch.library.custom_op(OP, mutates_args=("params", "states"), tags=(torch.Tag.cudagraph_unsafe,))
     def optimizer_step(handle: int, params: list[torch.Tensor], grads: list[torch.Tensor | None],
                        states: list[torch.Tensor]) -> None:
         _run(handle, params, grads, states)
