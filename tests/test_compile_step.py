@@ -174,6 +174,29 @@ def test_a_compiled_step_resumes_from_a_loaded_state_dict_as_eager():
     assert_same(resumed(True), resumed(False))
 
 
+def test_the_op_run_by_a_dispatch_mode_builds_the_first_steps_kernels():
+    """AOT autograd runs a graph's first call under a torch_dispatch mode, below which functionalization is
+    off; the op's first run traces the optimizer (make_fx, functionalized) all the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lowbit_compile.wrapped import wrapped_of
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def run(mode):
+        model, opt = model_and_optimizer()
+        model(torch.randn(4, 32)).square().mean().backward()
+        inputs = wrapped_of(opt).graph_inputs
+        with mode, torch.no_grad():
+            torch.ops.lowbit.optimizer_step(inputs.handle, list(inputs.params), [p.grad for p in inputs.params],
+                                            list(inputs.states))
+        return snapshot(model, opt)
+
+    assert_same(run(PassThrough()), run(contextlib.nullcontext()))
+
+
 @pytest.mark.slow
 def test_under_inductor_the_op_steps_the_optimizers_own_tensors_bit_for_bit(monkeypatch):
     """Inductor writes the op's inputs in place (no copies of params or states to run it on)."""
