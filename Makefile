@@ -27,23 +27,29 @@ $(VENV)/.torch:
 	$(PY) -m pip install -q $(TORCH_PIN)
 	touch $@
 
+# $(call editable,PYTHON): pip install -e with that venv's python, one at a time (each writes
+# lowbit_compile.egg-info in this tree); the torch downloads before it run in parallel
+editable = python3 -c 'import fcntl, subprocess, sys; lock = open(".install.lock", "w"); \
+	fcntl.flock(lock, fcntl.LOCK_EX); sys.exit(subprocess.call(sys.argv[1:]))' $(1) -m pip install -q -e
+
 $(VENV)/.installed: $(VENV)/.torch pyproject.toml Makefile
-	$(PY) -m pip install -q -e ".[test]" $(TORCH_PIN)
+	$(call editable,$(PY)) ".[test]" $(TORCH_PIN)
 	touch $@
 
 # the demo's own extra (tqdm, matplotlib): the demo starts within seconds of the torch install
 $(VENV)/.demo: $(VENV)/.torch pyproject.toml
-	$(PY) -m pip install -q -e ".[demo]" $(TORCH_PIN)
+	$(call editable,$(PY)) ".[demo]" $(TORCH_PIN)
 	touch $@
 
 $(VENV)/.peers: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[peers,bench]" $(TORCH_PIN)
+	$(call editable,$(PY)) ".[peers,bench]" $(TORCH_PIN)
 	touch $@
 
 # .venv-torch<version>: the test extra on one pinned pair; pip must keep both pins
 .venv-torch%/.installed: pyproject.toml Makefile
 	python3 -m venv .venv-torch$*
-	.venv-torch$*/bin/python -m pip install -q -e ".[test]" torch==$* triton==$(TRITON_$*)
+	.venv-torch$*/bin/python -m pip install -q torch==$* triton==$(TRITON_$*)
+	$(call editable,.venv-torch$*/bin/python) ".[test]" torch==$* triton==$(TRITON_$*)
 	.venv-torch$*/bin/python -c "import torch, triton; v = torch.__version__.split('+')[0], triton.__version__; \
 		assert v == ('$*', '$(TRITON_$*)'), v"
 	touch $@
