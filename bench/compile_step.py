@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "compile_step.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     made = contenders(args.backend)
     for step in made.values():  # warm up: kernels built, graphs compiled (twice: before and after states)
         for _ in range(3):
@@ -79,14 +81,15 @@ def main() -> None:
                      f"{med / base:.2f}x |")
     table = "\n".join(lines)
     print(table)
+    load = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"
     meta = {"params": n, "tensors": len(SHAPES), "threads": args.threads, "rounds": args.rounds,
-            "steps": args.steps, "backend": args.backend, "torch": torch.__version__}
+            "steps": args.steps, "backend": args.backend, "torch": torch.__version__, "load_1min": load}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "seconds": times}, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(
         f"# The wrapped step under torch.compile\n\n`python bench/compile_step.py` (backend {args.backend}, "
-        f"{args.rounds} interleaved rounds of {args.steps} steps, torch {torch.__version__}); the default format, "
-        f"the CPU kernel.\n\n{table}\n")
+        f"{args.rounds} interleaved rounds of {args.steps} steps, torch {torch.__version__}, 1-minute load average "
+        f"{load}); the default format, the CPU kernel.\n\n{table}\n")
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
 

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
-MAX_README_LINES = 350
+MAX_README_LINES = 380  # 350 until the README said what a state dict holds and which torch versions CI runs
 TWO_COMMANDS = [
     "make demo   # creates .venv, trains a small char-level GPT with fp32 and 8-bit states (paired, 3 seeds): "
     "memory, loss gap",
