@@ -1,6 +1,7 @@
 # The README's two entry points: `make demo` runs the demo training, `make test` runs lint + tests
 # (CI); `make test-fast` is the quick tier for every change.
-# Each creates .venv and installs what it needs; torch is pinned to the CPU build for dev and CI.
+# Each creates .venv (torch 2.13.0's CPU build) and installs what it needs there; `make test` also
+# makes a venv per other supported torch (.venv-torch<version>).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
