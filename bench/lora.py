@@ -1,7 +1,7 @@
 """LoRA fine-tuning (peft) with stock AdamW and with low-bit states: the optimizer memory each holds
 for the adapters, and the loss each reaches, paired per seed.
 
-    python bench/lora.py                    # ranks 4, 16, 64; seeds 0, 1; 200 steps (a few minutes)
+    python bench/lora.py                    # ranks 4, 16, 64; seeds 0, 1, 2; 200 steps
     python bench/lora.py --ranks 16 --seeds 0 --steps 50
 
 A 4-layer Llama of width 256 (transformers, built from a config: no download) is first trained on
@@ -82,7 +82,7 @@ def base_model(vocab: int, pretrain: Text, steps: int) -> dict[str, torch.Tensor
     return {"config": config, "weights": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-def fine_tune(base: dict, text: Text, rank: int, options: dict | None, seed: int, steps: int) -> dict:
+def fine_tune(base: dict, text: Text, rank: int, options: dict | None, seed: int, steps: int, lr: float) -> dict:
     """LoRA on every projection of ``base``: AdamW over the adapters, wrapped with ``options`` unless None."""
     import peft
     import transformers
@@ -93,14 +93,14 @@ def fine_tune(base: dict, text: Text, rank: int, options: dict | None, seed: int
     model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                                        target_modules=TARGETS))
     adapters = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(adapters, lr=2e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(adapters, lr=lr, weight_decay=0.0)
     if options is not None:
         opt = lowbit_compile(opt, **options, model=model)
     gen = torch.Generator().manual_seed(1000 + seed)
     start = time.perf_counter()
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = 2e-3 * min(1.0, (step + 1) / 20)
+            group["lr"] = lr * min(1.0, (step + 1) / 20)
         loss_of(model, text.batch(gen)).backward()
         opt.step()
         opt.zero_grad()
@@ -134,7 +134,8 @@ def table(results: dict, ranks: list[int], seeds: list[int]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak lr (20 warmup steps), lora_alpha = 2 x rank")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--out", type=Path, default=RESULTS / "lora.json")
@@ -157,20 +158,20 @@ def main() -> None:
             if name == OVERRIDE and min(r["low_bit_share"] for r in results[str(rank)][DEFAULT].values()) == 1:
                 continue  # the default already holds every adapter in 8 bits
             for seed in args.seeds:
-                run = fine_tune(base, finetune, rank, options, seed, args.steps)
+                run = fine_tune(base, finetune, rank, options, seed, args.steps, args.lr)
                 results.setdefault(str(rank), {}).setdefault(name, {})[str(seed)] = run
                 print(f"  rank {rank:>3} {name:<40} seed {seed}: val loss {run['val_loss']:.4f}, m + v "
                       f"{run['moment_bytes_per_param']:.3f} B/param ({run['seconds']:.0f} s)", flush=True)
     text = table(results, args.ranks, args.seeds)
     print("\n" + text)
-    meta = {"width": WIDTH, "layers": LAYERS, "targets": TARGETS, "steps": args.steps,
+    meta = {"width": WIDTH, "layers": LAYERS, "targets": TARGETS, "steps": args.steps, "lr": args.lr,
             "pretrain_steps": args.pretrain_steps, "seeds": args.seeds, "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(
         f"# LoRA fine-tuning: adapter optimizer states\n\n`python bench/lora.py` "
         f"(ranks {', '.join(map(str, args.ranks))}; seeds {', '.join(map(str, args.seeds))}; {args.steps} steps; "
-        f"torch {torch.__version__}). A {LAYERS}-layer "
+        f"peak lr {args.lr}; torch {torch.__version__}). A {LAYERS}-layer "
         f"Llama of width {WIDTH} pretrained {args.pretrain_steps} steps on half of pydoc's text, its adapters on "
         f"every projection fine-tuned on the other half. m + v: the bytes `exp_avg` and `exp_avg_sq` hold over "
         f"the adapter params; 8-bit share: of the adapter params, those whose states are 8-bit.\n\n{text}\n")
