@@ -46,8 +46,9 @@ $(VENV)/.peers: $(VENV)/.installed
 	$(call editable,$(PY)) ".[peers,bench]" $(TORCH_PIN)
 	touch $@
 
-# .venv-torch<version>: the test extra on one pinned pair; pip must keep both pins
-.venv-torch%/.installed: pyproject.toml Makefile
+# .venv-torch<version>: the test extra on one pinned pair; pip must keep both pins. Built after .venv (an
+# order-only prerequisite), so that the first suite is not kept waiting for job slots by these downloads
+.venv-torch%/.installed: pyproject.toml Makefile | $(VENV)/.installed
 	python3 -m venv .venv-torch$*
 	.venv-torch$*/bin/python -m pip install -q torch==$* triton==$(TRITON_$*)
 	$(call editable,.venv-torch$*/bin/python) ".[test]" torch==$* triton==$(TRITON_$*)
