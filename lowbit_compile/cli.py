@@ -47,9 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     est = sub.add_parser("estimate", help="training memory of a model size, stock AdamW vs low-bit states")
     est.add_argument("--params", required=True, type=parse_count, help="parameter count: 7e9, 7B, 125M")
     est.add_argument("--param-dtype", default="fp32", help="fp32, bf16 or fp16")
-    est.add_argument("--master-weights", nargs="?", const="fp32", choices=("fp32", "exact", "8bit"),
-                     help="the fp32 master of 16-bit params: fp32 (a copy, also the stock column; the default "
-                          "when given without a value), exact or 8bit (our residual in the low-bit column)")
+    est.add_argument("--master-weights", choices=("fp32", "exact", "8bit"), metavar="MODE",
+                     help="the fp32 master of bf16/fp16 params, a MODE as run's flag takes (exact, 8bit: our "
+                          "residual in the low-bit column), or fp32 (the recipe's fp32 copy in both columns)")
     for field, flag in _OPTION_FLAGS:
         if field.name in ("fmt", "block_size", "outliers", "release_grads"):
             est.add_argument(flag, dest=field.name, help=field.metadata["cli"], **field.metadata["argparse"])

@@ -391,14 +391,27 @@ def _outermost_names(modules: Iterable[torch.nn.Module]) -> dict[torch.Tensor, s
 
 
 def _global_pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    if torch.compiler.is_compiling():  # a stock step dynamo traces: decided eagerly, in a graph break
+        return _eager_hooks[_global_pre_hook](opt, args, kwargs)
     scopes = _active.get()
     return scopes[-1]._pre_step(opt, args, kwargs) if scopes else None
 
 
 def _global_post_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():
+        return _eager_hooks[_global_post_hook](opt, args, kwargs)
     for scope in reversed(_active.get()):
         if scope._post_step(opt):
             return
+
+
+# A stock optimizer stepped for the first time in scope is rewritten by that step, which torch.compile
+# cannot hold in its graph: the hooks run as a graph break, and under fullgraph=True dynamo's error says this.
+_IN_COMPILE = ("lowbit_compile.enable() rewrites an optimizer on its first step in scope, which torch.compile "
+               "cannot capture; wrap the optimizer before compiling (opt = lowbit_compile(opt, ...), or "
+               "lowbit_compile.optim.AdamW(...)), or take its first step outside the compiled function; its "
+               "later steps are one op in the graph")
+_eager_hooks: dict[Callable, Callable] = {}  # made with the hooks (torch.compiler loads dynamo)
 
 
 _stock_load_state_dict = torch.optim.Optimizer.load_state_dict
@@ -417,6 +430,9 @@ def _acquire_hooks() -> None:
     global _hook_users
     with _hook_lock:
         if _hook_users == 0:
+            if not _eager_hooks:
+                _eager_hooks.update({hook: torch.compiler.disable(hook, reason=_IN_COMPILE)
+                                     for hook in (_global_pre_hook, _global_post_hook)})
             _hook_handles.append(register_optimizer_step_pre_hook(_global_pre_hook))
             _hook_handles.append(register_optimizer_step_post_hook(_global_post_hook))
             torch.optim.Optimizer.load_state_dict = _load_state_dict
@@ -435,4 +451,5 @@ def _release_hooks() -> None:
 
 
 # an optimizer stepped in scope is rewritten (or refused) by Scope._pre_step, not by the stock-step guard
-checkpoint.defer_to(lambda opt: bool(_active.get()))
+# (a step dynamo traces does not read the scopes: _global_pre_hook decides it in a graph break)
+checkpoint.defer_to(lambda opt: not torch.compiler.is_compiling() and bool(_active.get()))

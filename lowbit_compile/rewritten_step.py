@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, master, sharding
+from . import checkpoint, master, sharding, step_op
 from . import rounding as counter
 from .compile import COUNTER_KEYS, compile_steps, step_request
 from .config import Config
@@ -53,13 +53,15 @@ def install(opt: torch.optim.Optimizer, config: Config, options: dict[str, Any],
             opt.register_step_pre_hook(_redirect_stock_step),
         ]
         wrapped = Wrapped(config, options, previous, hooks)
+        step_op.register(opt, wrapped)
     else:
         wrapped.config, wrapped.options = config, options
     wrapped.names = names
     for state, key, new in updates:
         _apply(state, {key: new})
+    step_op.refresh(opt, wrapped)
     setattr(opt, ATTR, wrapped)
-    opt.step = _make_step(opt, wrapped.previous_step)
+    opt.step = _make_step(opt)
 
 
 def uninstall(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
@@ -80,23 +82,23 @@ def uninstall(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
     delattr(opt, ATTR)
 
 
-def _make_step(opt: torch.optim.Optimizer, previous: Any) -> Callable:
-    """The instance ``step``: stock hooks around the rewritten update; keeps an LR scheduler's
-    "optimizer.step() was called" tracking working when the scheduler wrapped ``step`` first."""
+def _make_step(opt: torch.optim.Optimizer) -> Callable:
+    """The instance ``step``: stock hooks around the rewritten update. It does an LR scheduler's
+    "optimizer.step() was called" tracking itself, so that a scheduler made later does not wrap it in
+    a function that ``torch.compile`` will not trace; under ``torch.compile`` it is one op."""
     hooked = torch.optim.Optimizer.profile_hook_step(_rewritten_update())
-    track_lr_sched = previous is not None and getattr(previous, "_wrapped_by_lr_sched", False)
 
     def step(self, closure=None):
-        if track_lr_sched:
-            self._opt_called = True
+        if torch.compiler.is_compiling():  # dynamo traces it: one op, whose eager run comes back here
+            return step_op.captured_step(self, closure)
+        self._opt_called = True
         token = _IN_REWRITTEN_STEP.set(True)
         try:
             return hooked(self, closure)
         finally:
             _IN_REWRITTEN_STEP.reset(token)
 
-    if track_lr_sched:
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     return types.MethodType(step, opt)
 
 
@@ -186,6 +188,7 @@ def _locked_step(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
         plan, on_meta = _prepare(opt, wrapped)
         wrapped.plan = plan if plan.reusable and not on_meta else None
         wrapped.transient = plan.transient
+        step_op.refresh(opt, wrapped)
     if grad_scale is not None:
         for grad in plan.grads():
             grad.div_(grad_scale)

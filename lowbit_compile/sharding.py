@@ -102,10 +102,18 @@ def shard_ranges(param: torch.Tensor) -> list[tuple[int, int]]:
         split = []
         for start, stop in ranges:
             for i in range(n):
-                size, offset = Shard.local_shard_size_and_offset(stop - start, n, i)
+                size, offset = _chunk(stop - start, n, i)
                 split.append((start + offset, start + offset + size))
         ranges = split
     return ranges
+
+
+def _chunk(size: int, n: int, i: int) -> tuple[int, int]:
+    """The size and offset of chunk ``i`` of ``n`` of ``size`` rows, split as ``torch.chunk`` and DTensor's
+    ``Shard`` split them (its own helper for this is private before torch 2.10)."""
+    full = -(-size // n)
+    offset = min(size, full * i)
+    return min(size, offset + full) - offset, offset
 
 
 def local_rows(param: torch.Tensor) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from .config import Config
 if TYPE_CHECKING:
     from .release import Release
     from .run import StepPlan
+    from .step_op import GraphInputs
 
 ATTR = "_lowbit"  # the optimizer attribute that holds its Wrapped
 
@@ -37,6 +38,7 @@ class Wrapped:
         # atomic either, but ours binds rows that a second step would rebind under the first)
         self.lock = threading.RLock()
         self.release: Release | None = None  # release_grads=True: the hooks that step each param in backward
+        self.graph_inputs: GraphInputs | None = None  # what a torch.compile graph hands the step (step_op.py)
 
 
 def wrapped_of(opt: torch.optim.Optimizer) -> Wrapped | None:

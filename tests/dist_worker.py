@@ -34,6 +34,7 @@ from lowbit_compile import QuantizedState, checkpoint, lowbit_compile, memory_re
 from lowbit_compile.checkpoint import stock_state_dict
 
 LR = 1e-2
+FLATTENS_PACKED_STATES = torch.__version__ >= "2.10"  # flatten_optimizer_state_dict takes dict states
 # low-bit from 1000 elements: a.weight (129x10, shards of 650/640), extra (3001, shards 1501/1500) and
 # wide (5x300, shards of 900/600) are quantized although no shard reaches 1000; c.weight (7x101 = 707)
 # keeps fp32 on every rank. wide's rows span a block, so its checkpoint keeps records per row; the
@@ -218,10 +219,12 @@ def fsdp(rank: int, world: int, workdir: Path) -> None:
     else:
         dense_states(opt, net.extra)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(workdir / f"dcp{world}"))
-    # torchtitan's way: states flattened to one level, which allows only tensors, ints, floats, dicts
-    flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    dcp.save(dict(zip(("model", "optim"), get_state_dict(net, opt, options=flat))),
-             checkpoint_id=str(workdir / f"flat{world}"))
+    # torchtitan's way: states flattened to one level, which allows only tensors, ints, floats and (from
+    # torch 2.10) dicts; torch 2.9 cannot flatten a packed state, and the resume below reads the plain layout
+    flat = StateDictOptions(flatten_optimizer_state_dict=True) if FLATTENS_PACKED_STATES else None
+    if flat is not None:
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(net, opt, options=flat))),
+                 checkpoint_id=str(workdir / f"flat{world}"))
     path = workdir / f"rank{rank}.pt"
     torch.save(copy.deepcopy({"model": net.state_dict(), "optim": opt.state_dict()}), path)
     kept = opt.state_dict()  # a DTensor's packed state is a copy: it must not follow the steps below
@@ -238,7 +241,7 @@ def fsdp(rank: int, world: int, workdir: Path) -> None:
 
     resumed = fsdp_net()
     resumed_opt = lowbit_compile(torch.optim.AdamW(resumed.parameters(), lr=LR), **CONFIG)
-    dcp_load(resumed, resumed_opt, workdir / f"flat{world}", flat)
+    dcp_load(resumed, resumed_opt, workdir / (f"flat{world}" if flat is not None else f"dcp{world}"), flat)
     train(resumed, resumed_opt, 3, seed=2)
     assert bitwise(full(resumed), expected), "DCP resume at the same world size is not exact"
 

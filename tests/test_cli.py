@@ -198,7 +198,7 @@ def test_estimate_refuses_a_count_no_tensor_holds():
 
 
 @pytest.mark.parametrize("args,error", [
-    (["--params", "7B", "--master-weights"], "pass --param-dtype 'bf16' or 'fp16'"),
+    (["--params", "7B", "--master-weights", "fp32"], "pass --param-dtype 'bf16' or 'fp16'"),
     (["--params", "7B", "--shards", "0"], "--shards must be a positive int"),
     (["--params", "7B", "--muon-params", "8B"], "--muon-params must be an int between 0 and"),
 ])
@@ -207,6 +207,19 @@ def test_estimate_errors_name_the_flags(capsys, args, error):
         main(["estimate", *args])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and error in err and "param_dtype" not in err
+
+
+@pytest.mark.parametrize("command", [["run"], ["estimate", "--params", "7B", "--param-dtype", "bf16"]])
+def test_both_master_weights_flags_take_a_mode(capsys, tmp_path, command):
+    """``run`` and ``estimate`` spell --master-weights alike: a mode is required (exact or 8bit, which
+    estimate counts as our residual)."""
+    script = ["train.py"] if command == ["run"] else []
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--master-weights", "--fmt", "int8", *script])
+    assert exit_.value.code == 2 and "--master-weights" in capsys.readouterr().err
+    if command != ["run"]:
+        assert main([*command, "--master-weights", "exact"]) == 0
+        assert "master (exact residual)" in capsys.readouterr().out
 
 
 def test_estimate_counts_muon_params_with_one_momentum(capsys):

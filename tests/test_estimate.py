@@ -127,7 +127,7 @@ def test_bad_combinations_are_refused():
 
 
 def test_cli_prints_the_table(capsys):
-    assert main(["estimate", "--params", "7e9", "--param-dtype", "fp16", "--master-weights", "--fmt", "int8",
+    assert main(["estimate", "--params", "7e9", "--param-dtype", "fp16", "--master-weights", "fp32", "--fmt", "int8",
                  "--block-size", "2048", "--outliers", "2"]) == 0
     out = capsys.readouterr().out
     assert "112,000,000,000  112.000" in out
