@@ -19,9 +19,11 @@ import torch
 
 from . import checkpoint, master, release
 from .config import Config, param_names
+from .formats import format_names
 from .kernels.backends import BackendError, resolve
 from .memory import memory_report
 from .options import (
+    PARAM_DTYPE_NAMES,
     FmtSpec,
     OptionKeywords,
     Options,
@@ -111,7 +113,7 @@ def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec | None = None,
 lowbit_compile.__signature__ = entry_signature(  # type: ignore[attr-defined]
     [inspect.Parameter("opt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.optim.Optimizer")], Options,
     returns="torch.optim.Optimizer")
-lowbit_compile.__doc__ = lowbit_compile.__doc__.replace("<OPTIONS>", args_doc(Options))
+lowbit_compile.__doc__ = lowbit_compile.__doc__.replace("<OPTIONS>", args_doc(Options, formats=format_names()))
 
 
 def _warn_of_defaults(opt: torch.optim.Optimizer, kept: dict[str, Any], given: set[str]) -> None:
@@ -247,7 +249,7 @@ def _check_state_names(opt: torch.optim.Optimizer, config: Config) -> None:
 _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))
 _STATE_KEY = "_lowbit_options"  # where __getstate__ keeps the options a copy is wrapped with
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+_DTYPE_NAMES = {**dict(zip((torch.float32, torch.bfloat16, torch.float16), PARAM_DTYPE_NAMES)), torch.float64: "fp64"}
 _classes: dict[type, type] = {}  # stock class -> its low-bit subclass
 _OPTIM_MODULE = __name__.rsplit(".", 1)[0] + ".optim"  # where the classes of REWRITTEN are importable
 

@@ -59,10 +59,9 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import sharding
-from .kernels import blockquant
-from .kernels.formats import DYNAMIC_MAP_VERSION, StateFormat, decode, upgrade_dynamic8_codes
-from .kernels.residual import KEYS as MASTER_KEYS
-from .kernels.rounding import SEED as ROUNDING_SEED
+from .formats import StateFormat, blockquant, decode
+from .formats.residual import KEYS as MASTER_KEYS
+from .formats.rounding import SEED as ROUNDING_SEED
 from .state import QuantizedState, bits_of
 from .state_schema import is_real_number
 
@@ -201,8 +200,8 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
         "dtype": _int(str(qs.dtype).removeprefix("torch.")),
         "row_splits": _int(_splits_text(splits)),
     }
-    if qs.fmt.name == "dynamic8":
-        out["lowbit_map"] = DYNAMIC_MAP_VERSION  # no tag: a version-1 map (converted on load)
+    if qs.fmt.spec.map_version is not None:
+        out["lowbit_map"] = qs.fmt.spec.map_version  # no tag: a version-1 map (converted on load)
     for name, t in tables.items():
         by_rows = sharded and (name == "codes" or not gathered)
         out[name] = sharding.like(t, param, (rows, *t.shape[1:])) if by_rows else t
@@ -626,9 +625,9 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state", dtyp
     except ValueError as err:
         raise ValueError(f"state {key!r}: {err}") from err
     saved = _Blocks(*(t.to(shard.device) for t in saved))
-    if version < DYNAMIC_MAP_VERSION:  # codes of the old dynamic map: the nearest codes of this one
+    if version is not None and version < fmt.spec.map_version:  # codes of an older map: this one's nearest
         at_element = torch.searchsorted(saved.first, start * width + torch.arange(codes.numel()), right=True) - 1
-        codes = upgrade_dynamic8_codes(codes, fmt.nonneg, torch.signbit(saved.scales[at_element.clamp(min=0)]))
+        codes = fmt.spec.upgrade_codes(codes, fmt, torch.signbit(saved.scales[at_element.clamp(min=0)]))
     n, b = codes.numel(), fmt.block_size
     first = start * width + torch.arange(blockquant.n_blocks(n, fmt), device=shard.device) * b
     length = torch.clamp(start * width + n - first, max=b)
@@ -656,14 +655,16 @@ def kept_dtypes(param: torch.Tensor, dtype: torch.dtype) -> tuple[torch.dtype, .
     return (dtype,)
 
 
-def _map_version(packed: dict[str, Any], fmt: StateFormat) -> int:
-    """The dynamic map a dynamic8 state's codes were saved in (1 before maps were tagged)."""
-    if fmt.name != "dynamic8":
-        return DYNAMIC_MAP_VERSION
+def _map_version(packed: dict[str, Any], fmt: StateFormat) -> int | None:
+    """The version of the code map a state's codes were saved in (1 before maps were tagged); None for a
+    format whose map has no versions (``ElementFormat.map_version``)."""
+    latest = fmt.spec.map_version
+    if latest is None:
+        return None
     version = packed.get("lowbit_map", 1)
-    if not isinstance(version, int) or not 1 <= version <= DYNAMIC_MAP_VERSION:
-        raise ValueError(f"its dynamic8 codes use map version {version!r}, newer than this version of "
-                         f"lowbit_compile reads (1..{DYNAMIC_MAP_VERSION}): upgrade lowbit_compile to load it")
+    if not isinstance(version, int) or not 1 <= version <= latest:
+        raise ValueError(f"its {fmt.name} codes use map version {version!r}, newer than this version of "
+                         f"lowbit_compile reads (1..{latest}): upgrade lowbit_compile to load it")
     return version
 
 

@@ -18,13 +18,13 @@ import torch
 
 from . import sharding
 from .config import Config
+from .formats import StateFormat, passthrough
+from .formats.residual import KEYS as MASTER_KEYS
+from .formats.residual import MasterFormat
+from .formats.rounding import SEED as ROUNDING_SEED
 from .kernels.backends import lower
 from .kernels.contract import Role, input_of
-from .kernels.formats import StateFormat
 from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
-from .kernels.residual import KEYS as MASTER_KEYS
-from .kernels.residual import MasterFormat
-from .kernels.rounding import SEED as ROUNDING_SEED
 from .kernels.staged import StagedStep
 from .passes.master_weights import master_weights
 from .passes.opmath import LOW_PRECISION, compute_in_fp32
@@ -211,7 +211,7 @@ class _Builder:
                         f"lowbit-compile: the step of {type(self.opt).__name__} takes a square root of a value "
                         f"computed from {list(states)} that the fp32 step keeps >= 0 only by cancellation; "
                         "the rounding of quantized states can make it negative and the step NaN. Keep these "
-                        f"states fp32 (fmt={{..., {', '.join(f'{k!r}: {chr(39)}fp32{chr(39)}' for k in states)}}})",
+                        f"states fp32 (fmt={{..., {', '.join(f'{k!r}: {passthrough().name!r}' for k in states)}}})",
                         stacklevel=2)
         rewritten = quantize_states(roles, self.formats, self.stochastic)
         if self.opmath:

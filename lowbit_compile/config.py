@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .formats import StateFormat, format_names, passthrough
+from .formats.residual import MODES as MASTER_MODES
+from .formats.rounding import DEFAULT_ROUNDING, ROUNDINGS, rounds_stochastically
 from .kernels import backends
-from .kernels.formats import FORMAT_NAMES, StateFormat
-from .kernels.residual import MODES as MASTER_MODES
-from .kernels.rounding import DEFAULT_ROUNDING, ROUNDINGS, rounds_stochastically
 from .options import (  # noqa: F401 (the defaults and spec types, where they were named before options.py)
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -150,7 +150,7 @@ class Config:
         out = []
         for key in per_element:
             fmt_name = _pick(spec, key) if spec is not None else None
-            fmt_name = fmt_name or ("fp32" if small else self.format_name(key))
+            fmt_name = fmt_name or (passthrough().name if small else self.format_name(key))
             out.append((key, StateFormat.make(fmt_name, self.block_size, self.outliers, key in nonneg)))
         return tuple(out)
 
@@ -207,7 +207,7 @@ def _pick(spec: str | tuple[tuple[str, str], ...] | None, state_key: str) -> str
 
 def _fmt_key(fmt: object, what: str) -> str | tuple[tuple[str, str], ...]:
     """A validated, hashable form of a fmt argument: a name, or sorted (state, name) pairs."""
-    return _spec_key(fmt, what, FORMAT_NAMES, _width_hint)
+    return _spec_key(fmt, what, format_names(), _width_hint)
 
 
 # A width as other libraries name a state format: bitsandbytes' "8bit" and "4bit", "int4", "nf4", "16-bit".
@@ -221,7 +221,7 @@ def _width_hint(name: str) -> str | None:
     if match is None:
         return None
     bits = int(match.group(1))
-    widths = {f: StateFormat(f).bits for f in FORMAT_NAMES}
+    widths = {f: StateFormat(f).bits for f in format_names()}
     same = sorted((f for f, b in widths.items() if b == bits), key=lambda f: f != DEFAULT_FMT)
     if not same:
         smallest = min(widths.values())

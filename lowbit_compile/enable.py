@@ -41,7 +41,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from . import checkpoint
 from .api import REWRITTEN, _check_optimizer, is_wrapped, lowbit_compile, restore
 from .config import Config, UnmatchedOverride, param_names
-from .kernels.rounding import SEED
+from .formats import format_names
+from .formats.rounding import SEED
 from .memory import memory_report
 from .monitor import RELEASE_REFUSAL, Monitor
 from .monitor import monitor as sample_health
@@ -353,7 +354,7 @@ def enable(fmt: str | Mapping[str, str] | Callable = DEFAULT_FMT, **options: Any
 
 Scope.__init__.__signature__ = entry_signature(  # type: ignore[attr-defined]
     [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)], Options, ScopeOptions, returns="None")
-enable.__doc__ = enable.__doc__.replace("<SCOPE_OPTIONS>", args_doc(ScopeOptions, indent=4))
+enable.__doc__ = enable.__doc__.replace("<SCOPE_OPTIONS>", args_doc(ScopeOptions, indent=4, formats=format_names()))
 
 
 def _summary_row(label: str, params: int, steps: int, stock: int, held: int) -> str:

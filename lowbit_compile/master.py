@@ -2,7 +2,7 @@
 
 A bf16/fp16 parameter stepped with master weights has, next to its stock states (fp32, as stepping an
 fp32 master copy keeps them, then in their configured formats), the residual of its master
-(``kernels/residual.py``): ``master_residual`` shaped like the param (int16 exact, int8 lossy),
+(``formats/residual.py``): ``master_residual`` shaped like the param (int16 exact, int8 lossy),
 ``master_ties`` (exact bf16: one bit per element, in int32 words of the local shard) and
 ``master_seed`` (lossy: the step counter of its stochastic rounding). Here they are created, kept in
 step with the configuration, saved as raw bytes per parameter row (every sharding reads them, and a
@@ -25,8 +25,8 @@ import torch
 
 from . import checkpoint, sharding
 from .config import Config
-from .kernels import residual
-from .kernels.residual import KEYS, PARAM_DTYPES, RESIDUAL, SEED, TIES, MasterFormat
+from .formats import residual
+from .formats.residual import KEYS, PARAM_DTYPES, RESIDUAL, SEED, TIES, MasterFormat
 from .state import QuantizedState
 from .state_schema import StateSchema
 from .wrapped import wrapped_of

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .config import param_names
-from .kernels.formats import StateFormat
+from .formats import StateFormat
 from .memory import memory_report
 from .rewritten_step import RunRewritten
 from .stats import StateStats, stats
@@ -77,9 +77,7 @@ class Alert:
                          f"(threshold {max_zero_flush:.0%})")
         if self.rel_error > max_rel_error:
             found.append(f"its round trip loses {self.rel_error:.0%} of the norm (threshold {max_rel_error:.0%})")
-        widest = "fmt='dynamic8' (a map spanning six decades)"
-        finer = {"int8": widest, "sqrt8": widest, "fp8_e5m2": "fmt='dynamic8'",
-                 "fp8_e4m3": "fmt='dynamic8'"}.get(fmt.name)
+        finer = fmt.spec.advice  # the format the registry suggests instead, if any
         smaller = f"block_size={fmt.block_size // 4}" if fmt.block_size >= 256 else None
         options = " or ".join(x for x in (finer, smaller) if x)
         return (f"lowbit_compile: {s.state} of parameter {s.param!r} ({fmt.name}, blocks of {fmt.block_size}) is being "

@@ -18,9 +18,8 @@ from . import checkpoint, master, sharding, step_op
 from . import rounding as counter
 from .compile import COUNTER_KEYS, compile_steps, step_request
 from .config import Config
-from .kernels import blockquant
-from .kernels.formats import StateFormat
-from .kernels.rounding import SEED as ROUNDING_SEED
+from .formats import StateFormat, blockquant
+from .formats.rounding import SEED as ROUNDING_SEED
 from .param_groups import check_group, reads_every_default
 from .passes.trace import entries_read, unhooked_step
 from .released_grad import is_released

@@ -1,4 +1,4 @@
-"""The step counter of stochastically rounded states (``rounding="stochastic"``, ``kernels/rounding.py``):
+"""The step counter of stochastically rounded states (``rounding="stochastic"``, ``formats/rounding.py``):
 one 0-d fp32 ``rounding_seed`` per parameter in the optimizer state, created when a state of the
 parameter first rounds stochastically (at a start apart for each parameter, ``first_counter``),
 advanced by the step itself, saved as its four bytes (like the master residual's counter, so a stock
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from . import master
-from .kernels.residual import first_counter
-from .kernels.rounding import SEED
+from .formats.residual import first_counter
+from .formats.rounding import SEED
 
 
 def conformed(state: dict, stochastic: bool, position: int) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from .kernels.formats import StateFormat
+from .formats import StateFormat
 from .state import QuantizedState
 
 

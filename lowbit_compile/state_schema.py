@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import sharding
-from .kernels.formats import StateFormat
+from .formats import StateFormat
 from .passes.roles import NotElementwiseError, label_roles
 from .passes.signs import prove_nonneg
 from .passes.trace import Layout, hyper_slots, shell_optimizer, static_group_items, tensor_meta, unhooked_step

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from . import master
-from .kernels import blockquant
-from .kernels.formats import StateFormat
-from .kernels.rounding import state_draws
+from .formats import StateFormat, blockquant
+from .formats.rounding import state_draws
 from .passes.trace import shell_optimizer, unhooked_step
 from .state import QuantizedState
 from .state_schema import probe_schema

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS, Config
-from lowbit_compile.kernels.rounding import DEFAULT_ROUNDING
+from lowbit_compile.formats.rounding import DEFAULT_ROUNDING
 from lowbit_compile.options import Options
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import label_roles

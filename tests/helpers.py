@@ -19,10 +19,16 @@ from torch.testing._internal.common_optimizers import optim_db
 
 from lowbit_compile import QuantizedState
 from lowbit_compile.cli import main
+from lowbit_compile.formats import StateFormat, decode, format_names, registered
+from lowbit_compile.formats.dynamic import dynamic_map, dynamic_thresholds
 from lowbit_compile.kernels import cpp_printer, cpu_build
-from lowbit_compile.kernels.formats import StateFormat, decode, dynamic_map, dynamic_thresholds
 
-BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8"]
+# The registry's formats, as the tests list them: every one, those a kernel stores (blockwise and bf16),
+# the blockwise ones, the fp8 ones.
+FORMATS = list(format_names())
+KERNEL_FORMATS = [f.name for f in registered() if not f.passthrough]
+BLOCKWISE = [f.name for f in registered() if f.blockwise]
+FP8 = [f.name for f in registered() if f.fp8_mantissa is not None]
 
 
 # -- parameter sets, and twin runs against stock ----------------------------------------------------
@@ -192,6 +198,8 @@ def dynamic8_probes(nonneg: bool, seed: int = 0) -> torch.Tensor:
 
 # -- the C++ prelude's element formats, called on whole arrays from Python -------------------------
 
+# dir 0: decode, 1: encode, 2: decode under a block scale (its sign bit set: a flagged block); fmt: the
+# format's index in BLOCKWISE
 FORMATS_HARNESS = r"""
 template <int F, bool U> static void run(int dir, float scale, void* codes, float* x, int64_t n) {
   uint8_t* c = (uint8_t*)codes;
@@ -201,20 +209,10 @@ template <int F, bool U> static void run(int dir, float scale, void* codes, floa
     else lb_st(x + i, lb_decode_scaled<F, U>(lb_ld_codes<F, U>(c + i), lb_splat(__builtin_fabsf(scale)),
                                              __builtin_signbit(scale)));  // a block's scale, as the kernels
 }
-// dir 0: decode, 1: encode, 2: decode under a block scale (its sign bit set: a flagged block)
 extern "C" void convert(int fmt, int nonneg, int dir, float scale, void* codes, float* x, int64_t n) {
   switch (fmt * 2 + nonneg) {
-    case 0: run<LB_INT8, false>(dir, scale, codes, x, n); break;
-    case 1: run<LB_INT8, true>(dir, scale, codes, x, n); break;
-    case 2: run<LB_DYNAMIC8, false>(dir, scale, codes, x, n); break;
-    case 3: run<LB_DYNAMIC8, true>(dir, scale, codes, x, n); break;
-    case 4: run<LB_E4M3, false>(dir, scale, codes, x, n); break;
-    case 5: run<LB_E4M3, true>(dir, scale, codes, x, n); break;
-    case 6: run<LB_E5M2, false>(dir, scale, codes, x, n); break;
-    case 7: run<LB_E5M2, true>(dir, scale, codes, x, n); break;
-    case 8: run<LB_SQRT8, false>(dir, scale, codes, x, n); break;
-    case 9: run<LB_SQRT8, true>(dir, scale, codes, x, n); break;
-  }
+""" + "".join(f"    case {2 * i + u}: run<{f.cpp_name}, {'true' if u else 'false'}>(dir, scale, codes, x, n); break;\n"
+              for i, f in enumerate(f for f in registered() if f.blockwise) for u in (0, 1)) + """  }
 }
 """
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_compile.kernels.blockquant import Quantized
-from lowbit_compile.kernels.formats import StateFormat, special_codes
+from lowbit_compile.formats import StateFormat, special_codes
+from lowbit_compile.formats.blockquant import Quantized
 
 # A step from the same inputs: approximate square root (<= 2 ulps), division (div.full: <= 2 ulps) and
 # contracted multiply-adds (one rounding fewer each) move the update by at most UPDATE_ULPS of itself,

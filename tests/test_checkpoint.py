@@ -12,15 +12,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from lowbit_compile import QuantizedState, checkpoint, enable, lowbit_compile, restore
 from lowbit_compile.config import DEFAULT_OUTLIERS
-from lowbit_compile.kernels.formats import (
-    StateFormat,
-    decode,
-    dynamic_map,
-    encode,
-    legacy_dynamic_map,
-    special_codes,
-    upgrade_dynamic8_codes,
-)
+from lowbit_compile.formats import StateFormat, decode, encode, special_codes
+from lowbit_compile.formats.dynamic import dynamic_map, legacy_dynamic_map, upgrade_codes
 
 from .helpers import assert_same, saved_and_loaded, state_bits, text, train
 
@@ -662,11 +655,11 @@ def test_old_map_codes_of_a_flagged_block_keep_their_special_codes():
     for nonneg in (False, True):
         fmt = StateFormat("dynamic8", nonneg=nonneg)
         codes = torch.arange(256).to(torch.uint8)
-        upgraded = upgrade_dynamic8_codes(codes, nonneg, torch.ones(256, dtype=torch.bool))
+        upgraded = upgrade_codes(codes, fmt, torch.ones(256, dtype=torch.bool))
         special = list(special_codes(fmt))
         assert upgraded[special].tolist() == special
         finite = torch.ones(256, dtype=torch.bool)
         finite[special] = False
         assert torch.all(decode(upgraded[finite], fmt).abs() <= fmt.flagged_qmax)
-        plain = upgrade_dynamic8_codes(codes, nonneg, torch.zeros(256, dtype=torch.bool))
+        plain = upgrade_codes(codes, fmt, torch.zeros(256, dtype=torch.bool))
         assert torch.equal(plain, encode(legacy_dynamic_map(nonneg), fmt))

@@ -15,8 +15,8 @@ import torch
 from examples.lion import Lion
 from lowbit_compile import lowbit_compile
 from lowbit_compile.api import SUPPORTED
+from lowbit_compile.formats import format_names
 from lowbit_compile.kernels import cpp_printer, triton_printer
-from lowbit_compile.kernels.formats import FORMAT_NAMES
 from lowbit_compile.kernels.lowering import LOWERINGS, LoweringError, Target, unsupported
 from lowbit_compile.kernels.primitives import PRIMITIVES, Primitives
 
@@ -48,7 +48,7 @@ def test_every_op_lowers_on_both_backends_for_every_format_and_dtype(cls, kwargs
     for dtype in DTYPES:
         opt = cls([torch.nn.Parameter(torch.randn(64, dtype=dtype))],
                   **{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()})
-        for fmt in FORMAT_NAMES:
+        for fmt in format_names():
             graph = body(opt, fmt)
             for target in TARGETS:
                 assert unsupported(graph, target) == [], (dtype, fmt, target)

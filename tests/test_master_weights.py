@@ -39,7 +39,8 @@ from lowbit_compile.checkpoint import stock_state_dict
 from lowbit_compile.cli import main
 from lowbit_compile.config import Config
 from lowbit_compile.estimate import estimate
-from lowbit_compile.kernels import cpp_printer, residual, triton_printer
+from lowbit_compile.formats import residual
+from lowbit_compile.kernels import cpp_printer, triton_printer
 from lowbit_compile.kernels.lowering import Target, unsupported
 from lowbit_compile.options import Options
 from lowbit_compile.passes.master_weights import master_weights

@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lowbit_compile import QuantizedState, checkpoint, lowbit_compile
-from lowbit_compile.kernels import blockquant, cpp_printer, cpu_build
-from lowbit_compile.kernels.formats import FORMAT_IDS, StateFormat
+from lowbit_compile.formats import StateFormat, blockquant
+from lowbit_compile.kernels import cpp_printer, cpu_build
 
-from .helpers import BLOCKWISE, bf16_bound, element_bound
+from .helpers import BLOCKWISE, KERNEL_FORMATS, bf16_bound, element_bound
 
 FORMATS = [pytest.param(name, nonneg, id=f"{name}-{'u' if nonneg else 's'}")
            for name in BLOCKWISE for nonneg in (False, True)]
@@ -271,7 +271,7 @@ def _cpu_blocks():
 
 def _cpu_call(values: torch.Tensor, q: blockquant.Quantized, fmt: StateFormat, quantize: int) -> None:
     ptr = [ctypes.c_void_p(t.data_ptr()) for t in (values, *q)]
-    missing = _cpu_blocks().blocks(FORMAT_IDS[fmt.name], int(fmt.nonneg), fmt.patches, quantize, ptr[0],
+    missing = _cpu_blocks().blocks(fmt.spec.id, int(fmt.nonneg), fmt.patches, quantize, ptr[0],
                                    ctypes.c_int64(values.numel()), ctypes.c_int64(fmt.block_size), *ptr[1:])
     assert not missing, f"the block harness has no instance for {fmt}"
 
@@ -377,7 +377,7 @@ def _rig(opt_name: str, fmt: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", BLOCKWISE + ["bf16"])
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), step=st.integers(1, 10**6))
@@ -430,9 +430,9 @@ def _kernel_rig(fmt: str, backend: str, dtype: torch.dtype):
 
 KERNEL_STEPS = [pytest.param(backend, fmt, dtype, id=f"{backend}-{fmt}-{str(dtype)[6:]}")
                 for backend, fmt, dtype in
-                [("cpu", f, torch.float32) for f in BLOCKWISE + ["bf16"]]
+                [("cpu", f, torch.float32) for f in KERNEL_FORMATS]
                 + [("cpu", f, d) for f in ("dynamic8", "fp8_e5m2") for d in (torch.bfloat16, torch.float16)]
-                + [("triton", f, torch.float32) for f in BLOCKWISE + ["bf16"]] + [("triton", "dynamic8", torch.bfloat16)]]
+                + [("triton", f, torch.float32) for f in KERNEL_FORMATS] + [("triton", "dynamic8", torch.bfloat16)]]
 
 
 @pytest.mark.slow
@@ -508,7 +508,7 @@ def _poisoned_run(fmt: str, poison: float | None, steps: int = 8, ours: str = "r
 
 
 @pytest.mark.parametrize("poison", [1e30, INF, -INF, NAN], ids=["1e30", "inf", "-inf", "nan"])
-@pytest.mark.parametrize("fmt", BLOCKWISE + ["bf16"])
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_a_non_finite_gradient_stays_in_its_element(backend, fmt, poison):
     """After every step the inf/NaN elements of the param and of every state are exactly stock's
@@ -658,7 +658,7 @@ def idle_row_run(fmt: str, steps: int, block_size: int = 256, backend: str = "re
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", BLOCKWISE + ["bf16"])
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 def test_a_long_idle_row_stays_finite_and_within_its_bound(fmt):
     """The issue's embedding row: updated once, then idle for 5,000 steps (fp8 NaNed its block after
     ~700, or after 2 with gradients of 1e-20): every param stays finite and ends within the bound of

@@ -76,7 +76,7 @@ def test_cli_flags_carry_the_schema_defaults_and_parsers(capsys):
 
 
 def test_a_state_format_defaults_to_the_shipped_blocks():
-    from lowbit_compile.kernels.formats import StateFormat
+    from lowbit_compile.formats import StateFormat
     from lowbit_compile.options import DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS
 
     fmt = StateFormat("int8")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lowbit_compile import QuantizedState, checkpoint, lowbit_compile, sharding
-from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.formats import StateFormat
 
 from .helpers import assert_same
 

@@ -159,7 +159,7 @@ def test_sampled_stats_are_exact_on_the_blocks_they_measure(fmt, outliers):
         for row in rows:
             fmt_ = opt.state[p][row.state].fmt
             x = twin.state[twin_p][row.state].reshape(-1)[index]
-            back = lc.kernels.blockquant.dequantize(lc.kernels.blockquant.quantize(x, fmt_), fmt_)
+            back = lc.formats.blockquant.dequantize(lc.formats.blockquant.quantize(x, fmt_), fmt_)
             assert row.sampled == index.numel() / 5000
             assert row.rel_error == pytest.approx(((back - x).norm() / x.norm()).item(), rel=1e-5)
             assert row.zero_flush == ((x != 0) & (back == 0)).sum().item() / (x != 0).sum().item()

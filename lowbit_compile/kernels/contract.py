@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
+from ..formats import StateFormat
+from ..formats import rounding as state_rounding
+from ..formats.residual import SEED as MASTER_SEED
+from ..formats.residual import SEED_PERIOD, MasterFormat
 from . import ops
-from . import rounding as state_rounding
-from .formats import StateFormat
-from .residual import SEED as MASTER_SEED
-from .residual import SEED_PERIOD, MasterFormat
 
 lowbit = torch.ops.lowbit
 aten = torch.ops.aten

@@ -14,8 +14,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch.fx import GraphModule
 
+from ..formats.residual import SEED_PERIOD
 from .contract import Role, is_step_counter, role_of
-from .residual import SEED_PERIOD
 
 
 class BuildError(RuntimeError):

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from . import blockquant, rounding
-from . import residual as residual_ref
-from .formats import StateFormat
+from ..formats import StateFormat, blockquant, rounding
+from ..formats import residual as residual_ref
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 

@@ -17,6 +17,8 @@ from collections.abc import Collection, Mapping
 import torch
 from torch.fx import GraphModule, Node
 
+from ..formats import StateFormat
+from ..formats.rounding import MAX_STREAMS, SEED
 from ..kernels.contract import (
     Role,
     add_dequantize,
@@ -27,8 +29,6 @@ from ..kernels.contract import (
     set_per_element,
     state_part_inputs,
 )
-from ..kernels.formats import StateFormat
-from ..kernels.rounding import MAX_STREAMS, SEED
 
 
 def quantize_states(gm: GraphModule, formats: Mapping[str, StateFormat],

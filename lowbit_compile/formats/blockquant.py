@@ -46,9 +46,10 @@ from typing import NamedTuple
 
 import torch
 
-from .formats import StateFormat, decode, encode, normalize
+from .builtin import PATCHES
+from .element import StateFormat, decode, encode, normalize
 
-PATCH_VALUE_DTYPE = torch.bfloat16
+PATCH_VALUE_DTYPE = PATCHES.code_dtype[0]
 PATCH_INDEX_DTYPE = torch.int16
 # The smallest scale of a block with a nonzero value: the smallest normal float, so its reciprocal
 # (2^126) is finite and exact, and every format's smallest positive code times it is > 0.
@@ -142,7 +143,7 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, draws: torc
     if idx:
         index = torch.cat(idx, dim=1)
         # encoded like a bf16 state of the same sign: saturating, and a positive v never 0
-        out.patch_values.copy_(encode(blocks.gather(1, index), StateFormat.make("bf16", 0, 0, fmt.nonneg),
+        out.patch_values.copy_(encode(blocks.gather(1, index), StateFormat.make(PATCHES.name, 0, 0, fmt.nonneg),
                                       draws=draws.gather(1, index) if draws is not None else None))
         out.patch_index.copy_(index.to(PATCH_INDEX_DTYPE))
         blocks = blocks.scatter(1, index, 0.0)

@@ -30,7 +30,7 @@ import torch
 from .residual import MASK32, SEED_PERIOD, hash32
 
 if TYPE_CHECKING:
-    from .formats import StateFormat
+    from .element import StateFormat
 
 ROUNDINGS = ("auto", "nearest", "stochastic")
 DEFAULT_ROUNDING = "auto"  # stochastic for the non-negative states of the 8-bit formats, to nearest for the rest
