@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from . import optim
     from .api import is_wrapped, lowbit_compile, restore
     from .enable import Scope, enable
-    from .master import load_master_params, master_params
+    from .masters import load_master_params, master_params
     from .memory import memory_report
     from .monitor import LowbitHealthWarning, Monitor, monitor
     from .passes.trace import trace_count
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # public name -> the module that defines it
 _PUBLIC = {
     "optim": ".optim", "is_wrapped": ".api", "lowbit_compile": ".api", "restore": ".api", "Scope": ".enable",
-    "enable": ".enable", "load_master_params": ".master", "master_params": ".master", "memory_report": ".memory",
+    "enable": ".enable", "load_master_params": ".masters", "master_params": ".masters", "memory_report": ".memory",
     "LowbitHealthWarning": ".monitor", "Monitor": ".monitor", "monitor": ".monitor", "trace_count": ".passes.trace",
     "QuantizedState": ".state", "StateStats": ".stats", "stats": ".stats",
 }
@@ -44,8 +44,8 @@ def _load() -> None:
     # `from lowbit_compile import lowbit_compile` gives the function; `@lowbit_compile.enable(...)` works on it too.
     fn = globals()["lowbit_compile"]
     fn.enable, fn.stats, fn.monitor = globals()["enable"], globals()["stats"], globals()["monitor"]
-    # a stock optimizer stepping over a low-bit checkpoint's states fails naming the fix (checkpoint.py)
-    importlib.import_module(".checkpoint", __name__).guard_stock_steps()
+    # a stock optimizer stepping over a low-bit checkpoint's states fails naming the fix (state/stock.py)
+    importlib.import_module(".state.stock", __name__).guard_stock_steps()
 
 
 def _running_the_cli() -> bool:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import checkpoint, master, release
+from . import release
 from .config import Config, param_names
 from .formats import format_names
 from .kernels.backends import BackendError, resolve
@@ -34,8 +34,8 @@ from .options import (
 )
 from .param_groups import check_group, reads_every_default
 from .rewritten_step import conform_updates, install, uninstall
-from .state import QuantizedState
-from .state_schema import probe_schema
+from .state import QuantizedState, stock
+from .state.schema import probe_schema
 from .wrapped import wrapped_of
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def lowbit_compile(opt: torch.optim.Optimizer, fmt: FmtSpec | None = None,
         # an optimizer built from named_parameters() knows its names
         known = {p: n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
     names = _names_for(opt, config, known)
-    master.warn_if_no_effect(opt, config)
+    _warn_if_no_master(opt, config)
     wrapped = wrapped_of(opt)
     if names is None:
         names = wrapped.names if wrapped is not None else {}
@@ -169,6 +169,16 @@ def _names_for(opt: torch.optim.Optimizer, config: Config, known: dict[torch.Ten
         raise ValueError(f"{missing} of the optimizer's {len(params)} parameters are not in model=, so name "
                          "patterns cannot apply to them; pass the module whose parameters the optimizer holds")
     return {p: known[p] for p in params if p in known}
+
+
+def _warn_if_no_master(opt: torch.optim.Optimizer, config: Config) -> None:
+    """One warning when ``master_weights`` is set but no parameter of ``opt`` is bf16 or fp16 (fp32 ones are
+    their own master)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if config.master_weights is not None and params and all(config.master_format(p) is None for p in params):
+        warnings.warn(f"master_weights={config.master_weights!r} has no effect: every parameter of this "
+                      f"{type(opt).__name__} is {params[0].dtype}, its own master; it keeps the fp32 "
+                      "master of bfloat16 and float16 parameters", stacklevel=3)
 
 
 def _check_optimizer(opt: object) -> None:
@@ -402,4 +412,4 @@ def _signature(stock: inspect.Signature, own: tuple[str, ...]) -> inspect.Signat
 # The stock-step guard leaves alone a wrapped optimizer (its step converts what a loader left in its
 # state) and optimizers that are not stock elementwise ones (ZeroRedundancyOptimizer keeps a copy of
 # its inner optimizer's state but steps the inner one).
-checkpoint.defer_to(lambda opt: is_wrapped(opt) or not isinstance(opt, REWRITTEN))
+stock.defer_to(lambda opt: is_wrapped(opt) or not isinstance(opt, REWRITTEN))

@@ -16,12 +16,9 @@ from typing import Any
 
 import torch
 
-from . import sharding
 from .config import Config
 from .formats import StateFormat, passthrough
-from .formats.residual import KEYS as MASTER_KEYS
 from .formats.residual import MasterFormat
-from .formats.rounding import SEED as ROUNDING_SEED
 from .kernels.backends import lower
 from .kernels.contract import Role, input_of
 from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
@@ -34,7 +31,9 @@ from .passes.signs import NonnegProof, prove_nonneg
 from .passes.split import split_prologue
 from .passes.stages import elementwise_stage, split_stages
 from .passes.trace import BranchFlipped, HyperSlot, Layout, TracedStep, check_branch, hyper_slots
-from .state_schema import StateSchema, example_state
+from .state import sharding
+from .state.kinds import OWN_KEYS
+from .state.schema import StateSchema, example_state
 from .trace_cache import TRACE_LOCK, LruCache, skeleton, trace_example, trace_group, trace_key, traced
 
 
@@ -54,7 +53,6 @@ class CompiledStep:
 
 
 _compiled: LruCache = LruCache()  # signature -> its compiled steps (one per guard)
-COUNTER_KEYS = (*MASTER_KEYS, ROUNDING_SEED)  # states of ours, not the stock step's: never traced
 
 
 @dataclass
@@ -90,7 +88,7 @@ def step_request(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     tgroup = trace_group(group)
     slots = hyper_slots(tgroup)
     dtype = torch.float32 if master is not None else param.dtype
-    state = {k: v for k, v in state.items() if k not in COUNTER_KEYS}
+    state = {k: v for k, v in state.items() if k not in OWN_KEYS}
     example = trace_example(example_state(state, schema, param))
     opmath = fp32_opmath(group, dtype, formats)  # a master's step is traced in fp32 already
     stochastic = config.stochastic(formats)
@@ -220,8 +218,7 @@ class _Builder:
             rewritten = master_weights(rewritten, self.master)
         graph = split_stages(rewritten) if self.shape is not None else split_prologue(rewritten)
         inputs = tuple(binding(n) for n in graph.graph.nodes if n.op == "placeholder")
-        dtypes = {k: rest[-1] for k, (kind, *rest) in self.schema.init if kind in ("fill", "computed")}
-        fresh = tuple((k, self.formats[k], dtypes[k]) for k in trace.fresh)
+        fresh = tuple((k, self.formats[k], self.schema.dtypes[k]) for k in trace.fresh)
         kernel = self._staged(graph) if self.shape is not None else lower(graph, self.backend, self.device)
         return guard, lambda: CompiledStep(kernel(), inputs, guard, graph, fresh)
 
@@ -246,7 +243,7 @@ class _Builder:
                     seq = list(tgroup[key.key])
                     seq[key.index] = value
                     tgroup[key.key] = type(self.tgroup[key.key])(seq)
-            elif role is Role.SCALAR_STATE and key not in COUNTER_KEYS:
+            elif role is Role.SCALAR_STATE and key not in OWN_KEYS:
                 example[key] = value
         with TRACE_LOCK:
             trace = traced(self.opt, tgroup, self.dtype, self.device, example, self.schema.per_element, exclude,

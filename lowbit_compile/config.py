@@ -13,6 +13,8 @@ import torch
 
 from .formats import StateFormat, format_names, passthrough
 from .formats.residual import MODES as MASTER_MODES
+from .formats.residual import PARAM_DTYPES as MASTERED_DTYPES
+from .formats.residual import MasterFormat
 from .formats.rounding import DEFAULT_ROUNDING, ROUNDINGS, rounds_stochastically
 from .kernels import backends
 from .options import (  # noqa: F401 (the defaults and spec types, where they were named before options.py)
@@ -132,6 +134,12 @@ class Config:
 
     def format_name(self, state_key: str) -> str:
         return _pick(self.fmt, state_key) or DEFAULT_FMT
+
+    def master_format(self, param: torch.Tensor) -> MasterFormat | None:
+        """How ``param`` keeps its fp32 master (None: it is fp32, its own master, or the option is off)."""
+        if self.master_weights is None or param.dtype not in MASTERED_DTYPES:
+            return None
+        return MasterFormat(self.master_weights, param.dtype)
 
     def formats_for(self, param: torch.Tensor, per_element: tuple[str, ...], name: str | None = None,
                     nonneg: Collection[str] = NONNEG_STATES) -> tuple[tuple[str, StateFormat], ...]:

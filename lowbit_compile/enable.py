@@ -6,7 +6,7 @@ It is built on torch's process-wide optimizer step hooks; they are registered wh
 is entered and removed when the last one is left (importing the package registers nothing). For the
 same span ``Optimizer.load_state_dict`` is replaced by one that, in scope, gives a stock optimizer
 a low-bit checkpoint with its steps in place (torch has no process-wide load hook, and outside
-lowbit_compile such a checkpoint is refused: ``checkpoint.STOCK_REFUSAL``); the first step converts
+lowbit_compile such a checkpoint is refused: ``state.stock.STOCK_REFUSAL``); the first step converts
 the packed states the stock loader keeps. The pre-hook runs
 *inside* the stock ``Adam.step`` wrapper, before the per-optimizer pre-hooks and the stock update,
 and may only replace the step's ``(args, kwargs)``. On an optimizer's first step in scope the hook
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import checkpoint
 from .api import REWRITTEN, _check_optimizer, is_wrapped, lowbit_compile, restore
 from .config import Config, UnmatchedOverride, param_names
 from .formats import format_names
@@ -48,6 +47,7 @@ from .monitor import RELEASE_REFUSAL, Monitor
 from .monitor import monitor as sample_health
 from .options import DEFAULT_FMT, FmtSpec, Options, ScopeOptions, args_doc, entry_signature, from_keywords
 from .rewritten_step import stock_step_runs_rewritten
+from .state import stock
 
 _log = logging.getLogger(__name__)
 _active: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar("lowbit_enable_scopes", default=())
@@ -111,7 +111,7 @@ class Scope(contextlib.ContextDecorator):
 
     # entering and leaving ---------------------------------------------------------------------
     def __enter__(self) -> Scope:
-        checkpoint.guard_stock_steps()
+        stock.guard_stock_steps()
         _acquire_hooks()
         self._tokens.append(_active.set((*_active.get(), self)))
         wants_names = self.config.uses_names or self.monitor_every is not None
@@ -153,7 +153,7 @@ class Scope(contextlib.ContextDecorator):
             self._decided.add(opt)
             if self._rewrites(opt):
                 return self._rewrite(opt, args, kwargs)
-        checkpoint.refuse_packed_states(opt)  # left stock: its stock step cannot take low-bit states
+        stock.refuse_packed_states(opt)  # left stock: its stock step cannot take low-bit states
         return None
 
     def _rewrites(self, opt: torch.optim.Optimizer) -> bool:
@@ -423,7 +423,7 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict) -> None:
     """``Optimizer.load_state_dict`` while a scope is open: in scope, a low-bit checkpoint's steps are
     put back first (a wrapped optimizer's own loader does the same), so a stock optimizer takes it."""
     if _active.get():
-        state_dict = checkpoint.unmarked_state_dict(state_dict)
+        state_dict = stock.unmarked_state_dict(state_dict)
     return _stock_load_state_dict(self, state_dict)
 
 
@@ -453,4 +453,4 @@ def _release_hooks() -> None:
 
 # an optimizer stepped in scope is rewritten (or refused) by Scope._pre_step, not by the stock-step guard
 # (a step dynamo traces does not read the scopes: _global_pre_hook decides it in a graph break)
-checkpoint.defer_to(lambda opt: not torch.compiler.is_compiling() and bool(_active.get()))
+stock.defer_to(lambda opt: not torch.compiler.is_compiling() and bool(_active.get()))

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import sharding
-from .state import QuantizedState
+from .state import QuantizedState, sharding
 from .wrapped import wrapped_of
 
 

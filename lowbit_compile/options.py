@@ -129,7 +129,7 @@ class Options:
         'a residual state (``master_residual``): ``"exact"`` is bit for bit an fp32 master copy stepped by the '
         'stock optimizer and the param refreshed from it (2.125 B/param), ``"8bit"`` keeps the master to 1/256 of '
         "the param's spacing, unbiased (1 B/param). The stock states are then those of the fp32 step (then in "
-        "``fmt``). fp32 parameters are their own master and stay as they are. See ``lowbit_compile.master``.",
+        "``fmt``). fp32 parameters are their own master and stay as they are. See ``lowbit_compile.state.master``.",
         cli="keep the fp32 master of bf16/fp16 params as a residual state: exact (2.125 B/param, bit for bit an "
             "fp32 master copy) or 8bit (1 B/param)", metavar="MODE")
     rounding: RoundingSpec = option(

@@ -21,11 +21,12 @@ from collections.abc import Iterator
 
 import torch
 
-from . import release_conflicts, sharding
+from . import release_conflicts
 from .passes.trace import hyper_slots, unhooked_step
 from .released_grad import ReleasedGrad, is_released, local_released
 from .rewritten_step import prepare_params
 from .run import StepPlan, group_signature
+from .state import sharding
 from .trace_cache import trace_group
 from .wrapped import Wrapped, wrapped_of
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from . import sharding
 from .monitor import RELEASE_REFUSAL, Monitor
+from .state import sharding
 
 _RELEASING: weakref.WeakSet = weakref.WeakSet()  # every live Release: while one lives, GradScaler.scale refuses
 

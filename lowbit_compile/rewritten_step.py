@@ -1,7 +1,8 @@
 """The rewritten step of a wrapped optimizer: the ``step`` that ``lowbit_compile`` installs, the
-preparation of each parameter's kernel and states (formats, master residual, rounding counter) and
-the plan that binds and runs them; also the redirect that keeps the class's stock ``step`` from
-running on low-bit states, and the conversion of existing states to their configured formats."""
+preparation of each parameter's kernel and states (every kind of per-parameter state, ``state/kinds.py``,
+brought to the configuration) and the plan that binds and runs them; also the redirect that keeps the
+class's stock ``step`` from running on low-bit states, and the conversion of existing states to their
+configured formats."""
 
 from __future__ import annotations
 
@@ -14,18 +15,20 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, master, sharding, step_op
-from . import rounding as counter
-from .compile import COUNTER_KEYS, compile_steps, step_request
+from . import step_op
+from .compile import compile_steps, step_request
 from .config import Config
-from .formats import StateFormat, blockquant
-from .formats.rounding import SEED as ROUNDING_SEED
+from .formats import blockquant
+from .formats.residual import MasterFormat
 from .param_groups import check_group, reads_every_default
 from .passes.trace import entries_read, unhooked_step
 from .released_grad import is_released
 from .run import Prepared, StepPlan, group_signature
-from .state import QuantizedState
-from .state_schema import StateSchema, init_state, probe_schema
+from .state import QuantizedState, hooks, kinds, stock
+from .state.kind import StateConfig, apply
+from .state.kinds import OWN_KEYS
+from .state.master import stand_in
+from .state.schema import StateSchema, init_state, probe_schema
 from .wrapped import ATTR, Wrapped, wrapped_of
 
 # True while a rewritten ``step`` (the instance attribute) runs its hooks and update, so that the
@@ -38,41 +41,33 @@ def install(opt: torch.optim.Optimizer, config: Config, options: dict[str, Any],
     """Wrap ``opt`` (or re-configure it): attach its :class:`Wrapped` and the hooks that pack and load its
     checkpoints, store the converted states ``updates`` (``conform_updates``), and install the rewritten
     ``step``. Everything that can fail was checked before; this changes ``opt``."""
-    checkpoint.guard_stock_steps()
+    stock.guard_stock_steps()
     wrapped = wrapped_of(opt)
     if wrapped is None:
         previous = opt.__dict__.get("step")
-        hooks = [
-            opt.register_state_dict_post_hook(checkpoint.pack_state_dict),
-            opt.register_state_dict_post_hook(master.pack_state_dict),
-            opt.register_state_dict_post_hook(counter.pack_state_dict),
-            opt.register_state_dict_post_hook(checkpoint.mark_state_dict),
+        handles = [
+            opt.register_state_dict_post_hook(hooks.pack_state_dict),
             opt.register_load_state_dict_pre_hook(_before_load),
-            opt.register_load_state_dict_post_hook(checkpoint.finish_load),
+            opt.register_load_state_dict_post_hook(hooks.finish_load),
             opt.register_step_pre_hook(_redirect_stock_step),
         ]
-        wrapped = Wrapped(config, options, previous, hooks)
+        wrapped = Wrapped(config, options, previous, handles)
         step_op.register(opt, wrapped)
     else:
         wrapped.config, wrapped.options = config, options
     wrapped.names = names
-    for state, key, new in updates:
-        _apply(state, {key: new})
+    for state, changes in updates:
+        apply(state, changes)
     step_op.refresh(opt, wrapped)
     setattr(opt, ATTR, wrapped)
     opt.step = _make_step(opt)
 
 
 def uninstall(opt: torch.optim.Optimizer, wrapped: Wrapped) -> None:
-    """Undo ``install``: stock-dtype states (no residual, no rounding counter), no hooks, the class's
-    ``step`` (or the one it shadowed), no :class:`Wrapped`."""
+    """Undo ``install``: stock-dtype states (every kind released: no residual, no rounding counter), no
+    hooks, the class's ``step`` (or the one it shadowed), no :class:`Wrapped`."""
     for param, state in opt.state.items():
-        for key, value in list(state.items()):
-            if sharding.is_quantized(value):  # one of the meta device holds no values to decode
-                state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta") if value.is_meta \
-                    else sharding.dequantize(value)
-        master.release(param, state)
-        state.pop(ROUNDING_SEED, None)
+        kinds.release(param, state)
     for hook in wrapped.hooks:
         hook.remove()
     del opt.step
@@ -216,17 +211,15 @@ def _prepare(opt: torch.optim.Optimizer, wrapped: Wrapped, only: set[int] | None
             break
     # Then create or convert the states of the parameters stepped for the first time, and run.
     materialised = 0
-    for compiled, (schema, formats, mformat, group, group_sig, param, grad, position) in zip(compiled_steps, todo):
+    for compiled, (wanted, group, group_sig, param, grad) in zip(compiled_steps, todo):
         state = opt.state[param]
         if _holds_meta(state):  # stepped on the meta device, materialised since: no values to keep
             state.clear()
             materialised += 1
-        if not state.keys() - set(COUNTER_KEYS):
-            state.update(init_state(param, schema, formats))
+        if not state.keys() - set(OWN_KEYS):
+            state.update(init_state(param, wanted.schema, dict(wanted.formats)))
         # a loader that bypasses load_state_dict (ZeroRedundancyOptimizer) leaves packed or stock states
-        checkpoint.conform(param, state, formats, schema.dtypes)
-        _apply(state, master.conformed(param, state, mformat, schema, position))
-        _apply(state, counter.conformed(state, bool(config.stochastic(formats)), position))
+        apply(state, kinds.conformed(param, state, wanted))
         prepared = wrapped.prepared[param] = Prepared.make(compiled, state, param, config, group_sig)
         ready.append((prepared, group, param, grad, state))
     if materialised:
@@ -267,16 +260,15 @@ def _requests(opt: torch.optim.Optimizer, wrapped: Wrapped, only: set[int] | Non
             state = opt.state.get(param, {})
             if _holds_meta(state):  # stepped on the meta device: the step starts afresh (_prepare clears it)
                 state = {}
-            _apply(state, checkpoint.step_restored(state))  # a loader that bypasses load_state_dict (ZeRO)
+            apply(state, stock.step_restored(state))  # a loader that bypasses load_state_dict (ZeRO)
             prepared = wrapped.prepared.get(param)
             if prepared is not None and prepared.still_valid(state, param, config, group_sig, guards, values):
                 ready.append((prepared, group, param, grad, state))
                 continue
-            mformat = master.format_for(param, config)
-            schema = _schema(opt, group, param, mformat)
-            formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
-            requests.append(step_request(opt, group, param, state, schema, formats, config, mformat))
-            todo.append((schema, formats, mformat, group, group_sig, param, grad, positions[id(param)]))
+            wanted = _state_config(opt, config, wrapped.names, group, param, positions[id(param)])
+            requests.append(step_request(opt, group, param, state, wanted.schema, dict(wanted.formats), config,
+                                         wanted.master))
+            todo.append((wanted, group, group_sig, param, grad))
     return ready, todo, requests, on_meta
 
 
@@ -291,8 +283,8 @@ def _meta_step(opt: torch.optim.Optimizer, wrapped: Wrapped, params: list[tuple[
         for key, value in state.items():  # the stock update reads plain tensors
             if isinstance(value, QuantizedState):
                 state[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
-        stand_in = torch.empty((1,) * param.dim(), dtype=param.dtype)  # the probe runs the stock step on values
-        schema = _schema(opt, group, stand_in, master.format_for(param, config))
+        probe = torch.empty((1,) * param.dim(), dtype=param.dtype)  # the probe runs the stock step on values
+        schema = _schema(opt, group, probe, config.master_format(param))
         formats[param] = config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg)
     _stock_step(opt, params)
     for param, held in formats.items():
@@ -320,43 +312,39 @@ def _stock_step(opt: torch.optim.Optimizer, params: list[tuple[dict, torch.Tenso
     unhooked_step(type(opt))(shell)
 
 
-def _specs(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
-           param: torch.Tensor) -> dict[str, tuple[StateFormat, torch.dtype]]:
-    """The configured format of each per-element state of ``param`` in ``group``, and its dtype."""
-    schema = _schema(opt, group, param, master.format_for(param, config))
-    formats = config.formats_for(param, schema.per_element, names.get(param), schema.nonneg)
-    return {key: (fmt, schema.dtypes[key]) for key, fmt in dict(formats).items()}
+def _state_config(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str], group: dict,
+                  param: torch.Tensor, position: int) -> StateConfig:
+    """What ``config`` asks of ``param``'s state in ``group``: its states' formats, the schema of its step
+    (the fp32 master's under master weights), its master, whether a state rounds stochastically."""
+    mformat = config.master_format(param)
+    schema = _schema(opt, group, param, mformat)
+    formats = dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
+    return StateConfig(formats, schema, mformat, bool(config.stochastic(formats)), position, type(opt).__name__)
 
 
-def _schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, mformat: master.MasterFormat | None
+def _schema(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, mformat: MasterFormat | None
             ) -> StateSchema:
     """The states ``param``'s step keeps: those of the fp32 step of its master when it has one."""
-    return probe_schema(opt, group, master.stand_in(param) if mformat else param)
+    return probe_schema(opt, group, stand_in(param) if mformat else param)
 
 
-def conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str]) -> list:
-    """``(state, key, new)`` for every existing per-element state not in its configured format
-    (adoption mid-training, a re-configuration, a checkpoint a stock loader stored): all built
-    before any is stored, so a state that cannot be converted changes nothing."""
+def conform_updates(opt: torch.optim.Optimizer, config: Config, names: Mapping[torch.Tensor, str]
+                    ) -> list[tuple[dict, dict]]:
+    """``(state, changes)`` that bring every existing parameter state to ``config`` (adoption mid-training, a
+    re-configuration, a checkpoint a stock loader stored): all built before any is stored, so a state that
+    cannot be converted changes nothing."""
     updates = []
     positions = _positions(opt)
     for group in opt.param_groups:
         for param in group["params"]:
-            position = positions[id(param)]
             state = opt.state.get(param)
             if not state or param.is_meta or _holds_meta(state):  # no values: nothing to convert
                 continue
-            mformat = master.format_for(param, config)
-            schema = _schema(opt, group, param, mformat)
-            changes = checkpoint.step_restored(state)
-            formats = dict(config.formats_for(param, schema.per_element, names.get(param), schema.nonneg))
-            for key, fmt in formats.items():
-                new = checkpoint.converted(param, key, state.get(key), fmt, schema.dtypes.get(key))
-                if new is not None:
-                    changes[key] = new
-            changes.update(master.conformed(param, {**state, **changes}, mformat, schema, position))
-            changes.update(counter.conformed(state, bool(config.stochastic(formats)), position))
-            updates.extend((state, key, new) for key, new in changes.items())
+            changes = stock.step_restored(state)
+            wanted = _state_config(opt, config, names, group, param, positions[id(param)])
+            changes.update(kinds.conformed(param, {k: v for k, v in {**state, **changes}.items() if v is not None},
+                                           wanted))
+            updates.append((state, changes))
     return updates
 
 
@@ -366,37 +354,11 @@ def _positions(opt: torch.optim.Optimizer) -> dict[int, int]:
     return {id(p): i for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
 
 
-def _apply(state: dict, changes: dict) -> None:
-    """Set the entries of ``changes`` in ``state``; None removes one."""
-    for key, value in changes.items():
-        if value is None:
-            state.pop(key, None)
-        else:
-            state[key] = value
-
-
 def _before_load(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``load_state_dict`` pre hook: read and convert every state first (``checkpoint.prepare_load``)."""
+    """``load_state_dict`` pre hook: read and convert every state first (``state.hooks.prepare_load``)."""
     wrapped = wrapped_of(opt)
-    config = wrapped.config
     positions = _positions(opt)
-
-    def masters_of(group: dict, param: torch.Tensor) -> Callable[[dict], dict] | None:
-        mformat = master.format_for(param, config)
-        if mformat is None:
-            return None
-        schema = _schema(opt, group, param, mformat)
-        return lambda entry: master.loaded(param, entry, mformat, schema, positions[id(param)])
-
-    def scalars_of(group: dict, param: torch.Tensor) -> Callable[[dict], tuple[dict, dict]]:
-        schema = _schema(opt, group, param, master.format_for(param, config))
-        formats = dict(config.formats_for(param, schema.per_element, wrapped.names.get(param), schema.nonneg))
-
-        def changes(entry: dict) -> tuple[dict, dict]:
-            stock = schema.read_saved(entry, param.shape, type(opt).__name__, COUNTER_KEYS)
-            return stock, counter.conformed(entry, bool(config.stochastic(formats)), positions[id(param)])
-        return changes
-
-    return checkpoint.prepare_load(
-        opt, state_dict, lambda group, param: _specs(opt, config, wrapped.names, group, param),
-        wrapped.names.get, masters_of, scalars_of)
+    return hooks.prepare_load(
+        opt, state_dict,
+        lambda group, param: _state_config(opt, wrapped.config, wrapped.names, group, param, positions[id(param)]),
+        wrapped.names.get)

@@ -10,14 +10,14 @@ from operator import is_not
 
 import torch
 
-from . import sharding
 from .compile import CompiledStep
 from .config import Config
 from .kernels.contract import Role
 from .kernels.kernel import Launch
 from .passes.trace import hyper_slots, static_group_items, tensor_meta, unhooked_step
 from .released_grad import ReleasedGrad, is_released
-from .state_schema import filled
+from .state import sharding
+from .state.schema import filled
 from .trace_cache import LruCache, trace_group
 
 

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import master
 from .formats import StateFormat, blockquant
 from .formats.rounding import state_draws
 from .passes.trace import shell_optimizer, unhooked_step
-from .state import QuantizedState
-from .state_schema import probe_schema
+from .state import QuantizedState, master
+from .state.schema import probe_schema
 from .trace_cache import trace_group
 from .wrapped import wrapped_of
 

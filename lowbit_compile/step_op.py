@@ -19,8 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import checkpoint, sharding
-from .state import QuantizedState
+from .state import QuantizedState, sharding, stock
 from .wrapped import Wrapped, wrapped_of
 
 OP = "lowbit::optimizer_step"
@@ -49,9 +48,9 @@ class GraphInputs(NamedTuple):
     refusal: str | None  # a key of REFUSALS
 
 
-# The guard against a stock step over packed states (checkpoint.refuse_packed_states) reads weak
+# The guard against a stock step over packed states (state.stock.refuse_packed_states) reads weak
 # mappings dynamo does not trace: a stock step traced by torch.compile goes unguarded rather than failing.
-checkpoint.defer_to(lambda opt: torch.compiler.is_compiling())
+stock.defer_to(lambda opt: torch.compiler.is_compiling())
 
 _optimizers: dict[int, weakref.ref] = {}
 _handles = itertools.count()

@@ -27,7 +27,7 @@ from .passes.trace import (
     trace_step,
     unhooked_step,
 )
-from .state import QuantizedState
+from .state.quantized import QuantizedState
 
 # Group flags that select the foreach/fused implementations: the trace always takes the
 # single-tensor path, whatever the group asks for.

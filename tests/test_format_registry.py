@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import lowbit_compile
-from lowbit_compile import QuantizedState, lowbit_compile as wrap
+from lowbit_compile import QuantizedState
+from lowbit_compile import lowbit_compile as wrap
 from lowbit_compile.formats import StateFormat, element_format, format_names, registered
 from lowbit_compile.kernels import cpp_printer
 

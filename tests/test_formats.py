@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit_compile import QuantizedState, checkpoint
+from lowbit_compile import QuantizedState
 from lowbit_compile.formats import StateFormat, blockquant, decode, encode, normalize
 from lowbit_compile.formats.dynamic import dynamic_level_table, dynamic_levels, dynamic_map, dynamic_thresholds
+from lowbit_compile.state import codec
 
 from .helpers import BLOCKWISE, FP8, KERNEL_FORMATS, dynamic8_probes
 
@@ -310,6 +311,6 @@ class TestQuantizedState:
     def test_packed_round_trip(self):
         s = self._state()
         param = torch.empty(s.shape)
-        back = checkpoint.unpack(checkpoint.pack(s, param), param)
+        back = codec.unpack(codec.pack(s, param), param)
         assert back.fmt == s.fmt and back.shape == s.shape
         assert all(torch.equal(a, b) for a, b in zip(back.storage_parts, s.storage_parts))

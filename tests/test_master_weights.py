@@ -47,7 +47,7 @@ from lowbit_compile.passes.master_weights import master_weights
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.split import split_prologue
-from lowbit_compile.state_schema import init_state, probe_schema
+from lowbit_compile.state.schema import init_state, probe_schema
 from lowbit_compile.trace_cache import trace_for
 
 from .helpers import bits, slow_but
@@ -968,17 +968,17 @@ def test_the_cli_takes_the_option(tmp_path, capsys, monkeypatch):
 def test_tie_bits_are_saved_per_row_and_read_back(shape, monkeypatch):
     """Rows of whole bytes save the words' own bytes; other widths are repacked in chunks (forced small
     here): either way row r's bits are the flags of its elements, and loading gives the words back."""
-    from lowbit_compile import master
+    from lowbit_compile.state import codec
 
-    monkeypatch.setattr(master, "_CHUNK", 64)
+    monkeypatch.setattr(codec, "_CHUNK", 64)
     n = torch.Size(shape).numel()
     flags = torch.rand(n, generator=torch.Generator().manual_seed(0)) < 0.3
     param = torch.empty(shape)
-    packed = master._pack_ties(residual.pack_ties(flags), param)
+    packed = codec.pack_ties(residual.pack_ties(flags), param)
     rows, width = (shape[0], n // shape[0]) if shape else (1, 1)
     per_row = ((packed["bits"].to(torch.int32)[:, :, None] >> torch.arange(8)) & 1).reshape(rows, -1)
     assert torch.equal(per_row[:, :width].reshape(-1).bool(), flags)
-    assert torch.equal(residual.unpack_ties(master._unpack_ties(packed, param), n), flags)
+    assert torch.equal(residual.unpack_ties(codec.unpack_ties(packed, param), n), flags)
 
 
 @pytest.mark.parametrize("mode", ["exact", "8bit"])

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from lowbit_compile import QuantizedState, checkpoint, lowbit_compile
 from lowbit_compile.formats import StateFormat, blockquant
 from lowbit_compile.kernels import cpp_printer, cpu_build
+from lowbit_compile.state import codec
 
 from .helpers import BLOCKWISE, KERNEL_FORMATS, bf16_bound, element_bound
 
@@ -682,8 +683,8 @@ def test_flagged_blocks_survive_checkpoints(name):
     x = torch.randn(10, 48)
     x[1, 3], x[4, 40], x[7, 0] = INF, NAN, -INF
     state = QuantizedState.from_dense(x, StateFormat(name, 64, 1, False))
-    packed = checkpoint.pack(state, param)
-    back = checkpoint.unpack(packed, param)
+    packed = codec.pack(state, param)
+    back = codec.unpack(packed, param)
     assert all(same_values(a, b) for a, b in zip(back.storage_parts, state.storage_parts))
     dense = checkpoint.stock_state_dict({"state": {0: {"exp_avg": packed}}, "param_groups": []})
     assert same_values(dense["state"][0]["exp_avg"], state.dequantize())

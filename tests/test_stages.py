@@ -14,7 +14,7 @@ from lowbit_compile.passes.opmath import compute_in_fp32
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import NotElementwiseError, label_roles
 from lowbit_compile.passes.stages import split_stages
-from lowbit_compile.state_schema import init_state, probe_schema
+from lowbit_compile.state.schema import init_state, probe_schema
 from lowbit_compile.trace_cache import trace_for
 
 from .helpers import each_param

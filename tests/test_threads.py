@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from lowbit_compile import compile, lowbit_compile, state_schema, trace_cache, trace_count
+from lowbit_compile import compile, lowbit_compile, trace_cache, trace_count
+from lowbit_compile.state import schema as state_schema
 
 CASES = [(torch.optim.AdamW, {"weight_decay": 0.1}), (torch.optim.Adam, {"amsgrad": True}),
          (torch.optim.RAdam, {}), (torch.optim.NAdam, {}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),

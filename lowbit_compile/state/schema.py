@@ -6,46 +6,86 @@ from __future__ import annotations
 import collections
 import inspect
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from ..formats import StateFormat
+from ..param_groups import is_real_number
+from ..passes.roles import NotElementwiseError, label_roles
+from ..passes.signs import prove_nonneg
+from ..passes.trace import Layout, hyper_slots, shell_optimizer, static_group_items, tensor_meta, unhooked_step
+from ..trace_cache import TRACE_LOCK, LruCache, trace_group, traced
 from . import sharding
-from .formats import StateFormat
-from .passes.roles import NotElementwiseError, label_roles
-from .passes.signs import prove_nonneg
-from .passes.trace import Layout, hyper_slots, shell_optimizer, static_group_items, tensor_meta, unhooked_step
-from .state import QuantizedState
-from .trace_cache import TRACE_LOCK, LruCache, trace_group, traced
+from .quantized import QuantizedState
+
+
+# How the stock step creates each state (``StateSchema.init``): one record per way, its tag first (so an
+# entry still reads as the tagged tuple it was: ``("fill", value, dtype)``, ...).
+class Fill(NamedTuple):
+    """A per-element state the stock step starts from a constant."""
+
+    kind: str = "fill"
+    value: float = 0.0
+    dtype: torch.dtype = torch.float32
+
+
+class Computed(NamedTuple):
+    """A per-element state the first stock step computes (SGD's ``momentum_buffer = grad.clone()``)."""
+
+    kind: str = "computed"
+    dtype: torch.dtype = torch.float32
+
+
+class Reduced(NamedTuple):
+    """A state reduced over some dimensions of the parameter (Adafactor's row and column factors: the
+    parameter's size where ``kept``, else 1), started from a constant, kept in its stock storage."""
+
+    kind: str = "reduced"
+    kept: tuple[bool, ...] = ()
+    value: float = 0.0
+    dtype: torch.dtype = torch.float32
+
+
+class Scalar(NamedTuple):
+    """A scalar state (``step``), a tensor: its first value."""
+
+    kind: str = "tensor"
+    example: torch.Tensor | None = None
+
+
+class Plain(NamedTuple):
+    """Any other state: its first value."""
+
+    kind: str = "value"
+    value: Any = None
+
+
+InitEntry = Fill | Computed | Reduced | Scalar | Plain
 
 
 @dataclass(frozen=True)
 class StateSchema:
     """What the stock optimizer keeps per parameter, learned by stepping tiny probe parameters.
 
-    ``init`` maps each state key to how the stock step creates it: ``("fill", value, dtype)`` for
-    a per-element state that starts from a constant, ``("computed", dtype)`` for one the first step
-    computes (SGD's ``momentum_buffer = grad.clone()``), ``("reduced", kept, value, dtype)`` for a
-    state reduced over some dimensions of the parameter (Adafactor's row and column factors: the
-    parameter's size where ``kept``, else 1) that starts from a constant and keeps its stock storage,
-    ``("tensor", example)`` for a scalar state, ``("value", obj)`` otherwise. ``nonneg``: the
-    per-element states proven never negative.
+    ``init`` maps each state key to how the stock step creates it (:data:`InitEntry`): :class:`Fill`,
+    :class:`Computed`, :class:`Reduced`, :class:`Scalar` or :class:`Plain`. ``nonneg``: the per-element
+    states proven never negative.
     ``shaped``: the step treats a parameter by its shape, not as its flat values (Muon's orthogonalized
     update), so it is traced at each parameter's shape and run in stages (``passes.stages``).
     """
 
     per_element: tuple[str, ...]
-    init: tuple[tuple[str, tuple], ...]
+    init: tuple[tuple[str, InitEntry], ...]
     nonneg: frozenset[str] = frozenset()
     shaped: bool = False
 
     @property
     def dtypes(self) -> dict[str, torch.dtype]:
         """The dtype the stock step creates each per-element state in."""
-        return {name: rest[-1] for name, (kind, *rest) in self.init if kind in ("fill", "computed")}
+        return {name: entry.dtype for name, entry in self.init if isinstance(entry, (Fill, Computed))}
 
     def read_saved(self, entry: Mapping[str, Any], shape: Sequence[int], optimizer: str,
                    counters: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
@@ -62,20 +102,20 @@ class StateSchema:
             raise ValueError(f"its saved state lacks {missing} ({optimizer} keeps {sorted(n for n, _ in self.init)} "
                              "once a parameter has stepped); the checkpoint is truncated or of another optimizer")
         out = {}
-        for name, (kind, *rest) in self.init:
+        for name, init in self.init:
             value = entry[name]
-            if kind == "tensor" and name == "step":  # a count: a negative one divides by zero (1 - beta ** 0)
+            if isinstance(init, Scalar) and name == "step":  # a count: a negative one divides by zero (1 - beta ** 0)
                 ok = is_real_number(value) and 0 <= float(value) < math.inf
                 want = "a count of steps, a number >= 0"
-            elif kind == "tensor":
+            elif isinstance(init, Scalar):
                 ok = is_real_number(value)
                 want = "one real number"
-            elif kind == "reduced":
-                want_shape = _reduced_shape(shape, rest[0])
+            elif isinstance(init, Reduced):
+                want_shape = _reduced_shape(shape, init.kept)
                 ok = (isinstance(value, torch.Tensor) and value.is_floating_point()
                       and tuple(value.shape) == want_shape)
                 want = f"a floating-point tensor of shape {want_shape}"
-            elif kind == "value" and is_real_number(rest[0]):
+            elif isinstance(init, Plain) and is_real_number(init.value):
                 ok, want = is_real_number(value), "one real number"
             else:
                 continue
@@ -84,7 +124,7 @@ class StateSchema:
                        else f"a {type(value).__name__}")
                 raise ValueError(f"its saved state {name!r} is {got}, not {want}; the checkpoint is corrupt or of "
                                  "another optimizer")
-            example = rest[0] if kind == "tensor" else None
+            example = init.example if isinstance(init, Scalar) else None
             if isinstance(value, torch.Tensor) and example is not None and (
                     value.dtype != example.dtype or value.shape != example.shape):
                 out[name] = value.detach().to(example.dtype).reshape(example.shape)
@@ -148,9 +188,9 @@ def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor)
             per_element.append(name)
             first = value.reshape(-1)[0]
             if torch.all(value == first) and _same(value, again):
-                init.append((name, ("fill", first.item(), value.dtype)))
+                init.append((name, Fill(value=first.item(), dtype=value.dtype)))
             else:
-                init.append((name, ("computed", value.dtype)))
+                init.append((name, Computed(dtype=value.dtype)))
         elif (kept := _reduced_dims(value, probed)) is not None:
             first = value.reshape(-1)[0]
             if not (torch.all(value == first) and _same(value, again)):
@@ -158,13 +198,13 @@ def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor)
                     f"{type(opt).__name__} starts its state {name!r}, reduced over the parameter's dimensions, "
                     "from the parameter's or the gradient's values; lowbit-compile starts such states from a "
                     "constant only")
-            init.append((name, ("reduced", kept, first.item(), value.dtype)))
+            init.append((name, Reduced(kept=kept, value=first.item(), dtype=value.dtype)))
         elif not _same(value, again):
             raise NotElementwiseError(
                 f"{type(opt).__name__} starts its state {name!r} from the parameter's or the gradient's "
                 "values as a whole; lowbit-compile only rewrites steps that are elementwise over each parameter")
         else:
-            init.append((name, ("tensor", value) if isinstance(value, torch.Tensor) else ("value", value)))
+            init.append((name, Scalar(example=value) if isinstance(value, torch.Tensor) else Plain(value=value)))
     try:
         nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first,
                                shape if shaped else None)
@@ -174,13 +214,6 @@ def _probe_schema(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor)
         shaped = True
         nonneg = _infer_nonneg(opt, tgroup, param, tuple(per_element), init, flat.after_first, shape)
     return StateSchema(tuple(per_element), tuple(init), nonneg, shaped)
-
-
-def is_real_number(value: object) -> bool:
-    """One real number: a Python or numpy number (not a bool) or a one-element real tensor."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _reduced_dims(value: object, shape: tuple[int, ...]) -> tuple[bool, ...] | None:
@@ -302,22 +335,22 @@ def _infer_nonneg(opt: torch.optim.Optimizer, tgroup: dict, param: torch.Tensor,
     """The per-element states that every traced step keeps >= 0 (and that start >= 0): the first
     step's graph and, when the first step creates states, the graph of the steps after it."""
     first = {}
-    for name, (kind, *rest) in init:
-        if kind == "fill":
-            first[name] = torch.empty(0, dtype=rest[1], device=param.device)
-        elif kind == "reduced":
-            kept, value, dtype = rest
-            first[name] = torch.full(_reduced_shape(shape, kept), value, dtype=dtype, device=param.device)
-        elif kind == "tensor":
-            first[name] = rest[0]
-        elif kind == "value":
-            first[name] = rest[0]
+    for name, entry in init:
+        if isinstance(entry, Fill):
+            first[name] = torch.empty(0, dtype=entry.dtype, device=param.device)
+        elif isinstance(entry, Reduced):
+            first[name] = torch.full(_reduced_shape(shape, entry.kept), entry.value, dtype=entry.dtype,
+                                     device=param.device)
+        elif isinstance(entry, Scalar):
+            first[name] = entry.example
+        elif isinstance(entry, Plain):
+            first[name] = entry.value
     examples = [first]
-    if any(kind == "computed" for _, (kind, *_) in init):
+    if any(isinstance(entry, Computed) for _, entry in init):
         examples.append({k: (torch.empty(0, dtype=v.dtype, device=param.device) if k in per_element else v)
                          for k, v in after_first.items()})
     values = {s: s.get(tgroup) for s in hyper_slots(tgroup)}
-    proven = {k for k, (kind, *rest) in init if k in per_element and (kind != "fill" or rest[0] >= 0)}
+    proven = {k for k, entry in init if k in per_element and (not isinstance(entry, Fill) or entry.value >= 0)}
     for example in examples:
         trace = traced(opt, tgroup, param.dtype, param.device, example, per_element, shape=shape)
         proven &= prove_nonneg(label_roles(trace.graph, staged=shape is not None), values).states
@@ -328,17 +361,16 @@ def init_state(param: torch.Tensor, schema: StateSchema, formats: dict[str, Stat
     """The stock initial state of ``param`` with per-element states created directly quantized
     (of the local shard, inside a ``DTensor`` like the parameter, for a sharded parameter)."""
     state: dict[str, Any] = {}
-    for name, (kind, *rest) in schema.init:
-        if kind == "fill":
-            value, dtype = rest
-            state[name] = filled(param, value, formats[name], dtype)
-        elif kind == "reduced":
-            kept, value, dtype = rest
-            state[name] = torch.full(_reduced_shape(param.shape, kept), value, dtype=dtype, device=param.device)
-        elif kind == "tensor":
-            state[name] = rest[0].clone()
-        elif kind == "value":
-            state[name] = rest[0]
+    for name, entry in schema.init:
+        if isinstance(entry, Fill):
+            state[name] = filled(param, entry.value, formats[name], entry.dtype)
+        elif isinstance(entry, Reduced):
+            state[name] = torch.full(_reduced_shape(param.shape, entry.kept), entry.value, dtype=entry.dtype,
+                                     device=param.device)
+        elif isinstance(entry, Scalar):
+            state[name] = entry.example.clone()
+        elif isinstance(entry, Plain):
+            state[name] = entry.value
     return state
 
 
@@ -362,12 +394,14 @@ def example_state(state: dict, schema: StateSchema, param: torch.Tensor) -> dict
     if state:
         return {k: torch.empty(0, dtype=dtypes[k], device=device) if k in dtypes else v for k, v in state.items()}
     example: dict[str, Any] = {}
-    for name, (kind, *rest) in schema.init:
-        if kind == "fill":
-            example[name] = torch.empty(0, dtype=rest[1], device=device)
-        elif kind == "reduced":
-            kept, value, dtype = rest
-            example[name] = torch.full(_reduced_shape(param.shape, kept), value, dtype=dtype, device=device)
-        elif kind in ("tensor", "value"):
-            example[name] = rest[0]
+    for name, entry in schema.init:
+        if isinstance(entry, Fill):
+            example[name] = torch.empty(0, dtype=entry.dtype, device=device)
+        elif isinstance(entry, Reduced):
+            example[name] = torch.full(_reduced_shape(param.shape, entry.kept), entry.value, dtype=entry.dtype,
+                                       device=device)
+        elif isinstance(entry, Scalar):
+            example[name] = entry.example
+        elif isinstance(entry, Plain):
+            example[name] = entry.value
     return example

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from .formats import StateFormat, blockquant
+from ..formats import StateFormat, blockquant
 
 aten = torch.ops.aten
 _PARTS = ("codes", "scales", "patch_values", "patch_index")

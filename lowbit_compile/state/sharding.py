@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from .formats import StateFormat
-from .state import QuantizedState
+from ..formats import StateFormat
+from .quantized import QuantizedState
 
 
 def is_sharded(t: object) -> bool:
