@@ -103,8 +103,8 @@ def cases() -> list[Case]:
 @functools.cache
 def step_body(case: Case) -> torch.fx.GraphModule:
     """The body of the split step ``lowbit_compile`` builds for this case (traced on the CPU)."""
-    from lowbit_compile import compile as compile_module
     from lowbit_compile import lowbit_compile
+    from lowbit_compile.runtime import compile as compile_module
 
     captured = []
     original = compile_module.lower

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import release
 from .config import Config, param_names
 from .formats import format_names
 from .kernels.backends import BackendError, resolve
@@ -33,10 +32,11 @@ from .options import (
     refuse_foreign,
 )
 from .param_groups import check_group, reads_every_default
-from .rewritten_step import conform_updates, install, uninstall
+from .runtime import release
+from .runtime.rewritten_step import conform_updates, install, uninstall
+from .runtime.wrapped import wrapped_of
 from .state import QuantizedState, stock
 from .state.schema import probe_schema
-from .wrapped import wrapped_of
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # torch's dependency; only type checkers read it here

@@ -15,7 +15,7 @@ from .formats import StateFormat, format_names, passthrough
 from .formats.residual import MODES as MASTER_MODES
 from .formats.residual import PARAM_DTYPES as MASTERED_DTYPES
 from .formats.residual import MasterFormat
-from .formats.rounding import DEFAULT_ROUNDING, ROUNDINGS, rounds_stochastically
+from .formats.rounding import DEFAULT_ROUNDING, ROUNDINGS
 from .kernels import backends
 from .options import (  # noqa: F401 (the defaults and spec types, where they were named before options.py)
     DEFAULT_BLOCK_SIZE,
@@ -127,7 +127,7 @@ class Config:
                                         f"remove it.{hint}", text, shown, hint)
 
     def stochastic(self, formats: Mapping[str, StateFormat]) -> frozenset[str]:
-        """The quantized states of ``formats`` that round stochastically (``rounding.rounds_stochastically``:
+        """The quantized states of ``formats`` that round stochastically (:func:`rounds_stochastically`:
         a per-state dict's unnamed states as the default does; fp32 states never round)."""
         return frozenset(k for k, f in formats.items()
                          if rounds_stochastically(_pick(self.rounding, k) or DEFAULT_ROUNDING, f))
@@ -269,3 +269,15 @@ def _choice(value: object, what: str, choices: tuple[str, ...], hint: Callable[[
                              f"{' or '.join(map(repr, close))}?)")
     raise ValueError(f"{what} must be one of {choices}, got {value!r}")
 
+
+def rounds_stochastically(spec: str, fmt: StateFormat) -> bool:
+    """Whether a state of ``fmt`` rounds stochastically under ``spec`` (one of :data:`ROUNDINGS`): ``"auto"``
+    (the default) for the non-negative states of the 8-bit formats, the second moments the sign pass
+    proves (Adam's ``exp_avg_sq``, RMSprop's ``square_avg``, ...): they decay by under a code a step, which
+    rounding to nearest holds in place (v's ratchet, docs/numerics.md); signed states (momenta) and the
+    16-bit bf16 states round to nearest."""
+    if fmt.passthrough:
+        return False
+    if spec == "auto":
+        return fmt.nonneg and fmt.blockwise
+    return spec == "stochastic"

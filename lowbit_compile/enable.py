@@ -43,10 +43,11 @@ from .config import Config, UnmatchedOverride, param_names
 from .formats import format_names
 from .formats.rounding import SEED
 from .memory import memory_report
-from .monitor import RELEASE_REFUSAL, Monitor
+from .monitor import Monitor
 from .monitor import monitor as sample_health
 from .options import DEFAULT_FMT, FmtSpec, Options, ScopeOptions, args_doc, entry_signature, from_keywords
-from .rewritten_step import stock_step_runs_rewritten
+from .runtime.release_conflicts import RELEASE_REFUSAL
+from .runtime.rewritten_step import stock_step_runs_rewritten
 from .state import stock
 
 _log = logging.getLogger(__name__)

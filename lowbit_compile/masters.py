@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
+from .runtime.wrapped import wrapped_of
 from .state import sharding
 from .state.master import master_of, set_master
-from .wrapped import wrapped_of
 
 
 def master_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .runtime.wrapped import wrapped_of
 from .state import QuantizedState, sharding
-from .wrapped import wrapped_of
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,10 @@ import torch
 from .config import param_names
 from .formats import StateFormat
 from .memory import memory_report
-from .rewritten_step import RunRewritten
+from .runtime.release_conflicts import RELEASE_REFUSAL, SamplesAtStep
+from .runtime.rewritten_step import RunRewritten
+from .runtime.wrapped import wrapped_of
 from .stats import StateStats, stats
-from .wrapped import wrapped_of
 
 _log = logging.getLogger(__name__)
 
@@ -42,13 +43,6 @@ MIN_SAMPLES = 3
 # Blocks per parameter one sample measures, evenly spaced and others each sample: 8 blocks of 512
 # are 4096 values; a sample then costs in proportion to the number of parameters, not their size.
 DEFAULT_MAX_BLOCKS = 8
-
-# Why a monitor and gradient release (release_grads=True) refuse each other.
-RELEASE_REFUSAL = (
-    "release_grads=True cannot combine with a monitor (monitor=, lowbit_compile.monitor, the HF and Lightning "
-    "monitor callbacks): a monitor measures, at opt.step(), the step the grads will make, and release has "
-    "stepped each param and freed its grad in backward. Monitor a run without release_grads, or release "
-    "without monitoring")
 
 # A sink: a TensorBoard ``SummaryWriter`` (``add_scalar``), a Lightning logger (``log_metrics``), a
 # ``logging.Logger``, or any callable ``log(metrics: dict, step: int)`` (``wandb.log``).
@@ -87,7 +81,7 @@ class Alert:
                 + ("" if not s.param.startswith("group") else "; pass model= to name it"))
 
 
-class Monitor:
+class Monitor(SamplesAtStep):
     """What ``monitor(...)`` returns: ``history`` holds each sample's metrics, ``alerts`` the states
     flagged so far; ``remove()`` (or leaving a ``with`` block) detaches it."""
 

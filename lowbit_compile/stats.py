@@ -16,10 +16,10 @@ import torch
 from .formats import StateFormat, blockquant
 from .formats.rounding import state_draws
 from .passes.trace import shell_optimizer, unhooked_step
+from .passes.trace_cache import trace_group
+from .runtime.wrapped import wrapped_of
 from .state import QuantizedState, master
 from .state.schema import probe_schema
-from .trace_cache import trace_group
-from .wrapped import wrapped_of
 
 
 @dataclass(frozen=True)

@@ -622,7 +622,7 @@ def fsdp_release(rank: int, world: int, workdir: Path) -> None:
     """FSDP2 with release_grads: each rank's shard steps as its reduce-scattered grad lands (the grads
     are released before opt.step()), bit for bit the run without release (int8 and fp32 states, uneven
     shards); a DCP checkpoint taken with release resumes exactly."""
-    from lowbit_compile.released_grad import is_released
+    from lowbit_compile.runtime.released_grad import is_released
 
     for config in (CONFIG, {**CONFIG, "fmt": "fp32"}):
         nets = [fsdp_net(), fsdp_net()]

@@ -11,8 +11,7 @@ from lowbit_compile.options import Options
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.split import split_prologue
-from lowbit_compile.state.schema import init_state, probe_schema
-from lowbit_compile.trace_cache import trace_for
+from lowbit_compile.state.schema import init_state, probe_schema, trace_for
 
 
 def pass_graphs(opt: torch.optim.Optimizer, fmt: str | dict = DEFAULT_FMT, block_size: int = DEFAULT_BLOCK_SIZE,

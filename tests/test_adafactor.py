@@ -16,8 +16,7 @@ from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.stages import split_stages
 from lowbit_compile.state import QuantizedState
-from lowbit_compile.state.schema import init_state, probe_schema
-from lowbit_compile.trace_cache import trace_for
+from lowbit_compile.state.schema import init_state, probe_schema, trace_for
 from tests.helpers import assert_same, optim_db_params, saved_and_loaded, state_bits, step_twins, train
 
 STEPS = 6

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from lowbit_compile import QuantizedState, compile, lowbit_compile
+from lowbit_compile import QuantizedState, lowbit_compile
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.formats import StateFormat, blockquant, decode, encode
 from lowbit_compile.formats.blockquant import decode_scaled
@@ -21,6 +21,7 @@ from lowbit_compile.kernels.backends import resolve
 from lowbit_compile.kernels.lowering import Target
 from lowbit_compile.passes.opmath import compute_in_fp32
 from lowbit_compile.passes.split import split_prologue
+from lowbit_compile.runtime import compile
 
 from .graphs import pass_graphs
 from .helpers import (

@@ -124,8 +124,8 @@ def test_a_backend_asked_for_by_name_fails_before_the_step_changes_anything(back
 
 def _fresh_kernel_cache(monkeypatch, tmp_path) -> None:
     """No kernel built in this process or on disk: the next steps run the C++ compiler."""
-    from lowbit_compile import compile as compile_module
     from lowbit_compile.kernels import cpu_build
+    from lowbit_compile.runtime import compile as compile_module
 
     monkeypatch.setenv("LOWBIT_COMPILE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_build, "_loaded", {})

@@ -47,8 +47,7 @@ from lowbit_compile.passes.master_weights import master_weights
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.split import split_prologue
-from lowbit_compile.state.schema import init_state, probe_schema
-from lowbit_compile.trace_cache import trace_for
+from lowbit_compile.state.schema import init_state, probe_schema, trace_for
 
 from .helpers import bits, slow_but
 

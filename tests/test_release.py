@@ -15,9 +15,9 @@ import torch
 import lowbit_compile
 from lowbit_compile import QuantizedState, enable, restore
 from lowbit_compile import lowbit_compile as wrap
-from lowbit_compile import release as release_module
-from lowbit_compile.released_grad import ReleasedGrad, is_released
-from lowbit_compile.run import StepPlan
+from lowbit_compile.runtime import release as release_module
+from lowbit_compile.runtime.released_grad import ReleasedGrad, is_released
+from lowbit_compile.runtime.run import StepPlan
 
 from .helpers import FORMATS, run_command
 

@@ -7,15 +7,14 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from lowbit_compile.compile import fp32_opmath
 from lowbit_compile.config import Config
 from lowbit_compile.options import Options
 from lowbit_compile.passes.opmath import compute_in_fp32
 from lowbit_compile.passes.quantize_states import quantize_states
 from lowbit_compile.passes.roles import NotElementwiseError, label_roles
 from lowbit_compile.passes.stages import split_stages
-from lowbit_compile.state.schema import init_state, probe_schema
-from lowbit_compile.trace_cache import trace_for
+from lowbit_compile.runtime.compile import fp32_opmath
+from lowbit_compile.state.schema import init_state, probe_schema, trace_for
 
 from .helpers import each_param
 

@@ -9,7 +9,9 @@ import threading
 import pytest
 import torch
 
-from lowbit_compile import compile, lowbit_compile, trace_cache, trace_count
+from lowbit_compile import lowbit_compile, trace_count
+from lowbit_compile.passes import trace_cache
+from lowbit_compile.runtime import compile
 from lowbit_compile.state import schema as state_schema
 
 CASES = [(torch.optim.AdamW, {"weight_decay": 0.1}), (torch.optim.Adam, {"amsgrad": True}),

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .element import StateFormat
-
-Encode = Callable[[torch.Tensor, "StateFormat"], torch.Tensor]
+Encode = Callable[..., torch.Tensor]  # (values or codes, the element.StateFormat) -> codes or values
 Pair = tuple[float, float]  # a value for a signed state, then for a non-negative one
 
 
@@ -55,14 +51,14 @@ class ElementFormat:
     neg_qmax: float | None = None  # a signed state's most negative code's magnitude, where it is not qmax
     special_codes: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
     fp8_mantissa: int | None = None
-    round_stochastic: Callable[[torch.Tensor, torch.Tensor, StateFormat, torch.Tensor], torch.Tensor] | None = None
+    round_stochastic: Callable[..., torch.Tensor] | None = None  # element.round_stochastic's signature
     advice: str | None = None
     fused_cpu_encode: bool = False
     cpp_name: str | None = None
     triton_name: str | None = None
     lookup_table: Callable[[bool], torch.Tensor] | None = None
     map_version: int | None = None
-    upgrade_codes: Callable[[torch.Tensor, StateFormat, torch.Tensor], torch.Tensor] | None = None
+    upgrade_codes: Callable[..., torch.Tensor] | None = None  # (codes, StateFormat, flagged) -> codes
 
     @property
     def id(self) -> int:

@@ -23,33 +23,15 @@ independent bits. The master residual's counter has stream 0. One hash serves tw
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .residual import MASK32, SEED_PERIOD, hash32
-
-if TYPE_CHECKING:
-    from .element import StateFormat
 
 ROUNDINGS = ("auto", "nearest", "stochastic")
 DEFAULT_ROUNDING = "auto"  # stochastic for the non-negative states of the 8-bit formats, to nearest for the rest
 SEED = "rounding_seed"  # the per-parameter step counter of the state, saved with the optimizer state
 MAX_STREAMS = 255  # streams 1..255 fill the 8 bits above the counter's 24
 DRAW_BITS = 16  # random bits per rounding: two draws per 32-bit hash
-
-
-def rounds_stochastically(spec: str, fmt: StateFormat) -> bool:
-    """Whether a state of ``fmt`` rounds stochastically under ``spec`` (one of :data:`ROUNDINGS`): ``"auto"``
-    (the default) for the non-negative states of the 8-bit formats, the second moments the sign pass
-    proves (Adam's ``exp_avg_sq``, RMSprop's ``square_avg``, ...): they decay by under a code a step, which
-    rounding to nearest holds in place (v's ratchet, docs/numerics.md); signed states (momenta) and the
-    16-bit bf16 states round to nearest."""
-    if fmt.passthrough:
-        return False
-    if spec == "auto":
-        return fmt.nonneg and fmt.blockwise
-    return spec == "stochastic"
 
 
 def stream_seed(seed: float, stream: int) -> int:

@@ -15,7 +15,7 @@ import torch
 from torch.fx import Node
 
 from ..formats import StateFormat
-from .contract import PARTS, Part
+from ..ir.contract import PARTS, Part
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from torch.fx import GraphModule, Node
 
 from ..formats import StateFormat, domain_bound, registered, special_codes
 from ..formats.dynamic import DYNAMIC_LEVEL_FIELDS, dynamic_level_table
-from .contract import (
+from ..ir.contract import (
     PARTS,
     MasterAccess,
     Part,
@@ -45,14 +45,7 @@ from .contract import (
     master_access,
     state_access,
 )
-from .cpp_layout import (
-    BlockKernel,
-    KernelState,
-    LanePass,
-    PointerInput,
-    Stmt,
-    sign_name,
-)
+from .cpp_layout import BlockKernel, KernelState, LanePass, PointerInput, Stmt, sign_name
 from .lowering import LoweringError, Target, lower_body
 from .primitives import Kind, Value
 

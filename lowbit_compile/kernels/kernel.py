@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule
 
 from ..formats.residual import SEED_PERIOD
-from .contract import Role, is_step_counter, role_of
+from ..ir.contract import Role, is_step_counter, role_of
 
 
 class BuildError(RuntimeError):

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from torch.fx import Node
 
-from .contract import MasterAccess, StateAccess
+from ..ir.contract import MasterAccess, StateAccess
 
 
 class Kind(enum.Enum):

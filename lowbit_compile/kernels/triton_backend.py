@@ -26,8 +26,8 @@ from torch.fx import GraphModule
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..formats import StateFormat, blockquant, element_format
+from ..ir.contract import Role, role_of
 from . import triton_cache
-from .contract import Role, role_of
 from .kernel import (
     BuildError,
     RowLaunch,

@@ -21,7 +21,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..formats import StateFormat, special_codes
 from ..formats.blockquant import PATCH_INDEX_DTYPE, PATCH_VALUE_DTYPE
-from .contract import (
+from ..ir.contract import (
     GraphInput,
     MasterAccess,
     Role,

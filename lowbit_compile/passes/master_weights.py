@@ -23,7 +23,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ..formats.residual import RESIDUAL, SEED, TIES, MasterFormat, tie_words
-from ..kernels.contract import (
+from ..ir.contract import (
     GraphInput,
     Role,
     add_master_read,

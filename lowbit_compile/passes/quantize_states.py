@@ -19,7 +19,7 @@ from torch.fx import GraphModule, Node
 
 from ..formats import StateFormat
 from ..formats.rounding import MAX_STREAMS, SEED
-from ..kernels.contract import (
+from ..ir.contract import (
     Role,
     add_dequantize,
     add_quantize,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import GraphModule, Node
 
-from ..kernels.contract import Role, input_of, role_of
+from ..ir.contract import Role, input_of, role_of
 
 if TYPE_CHECKING:
     from .trace import HyperSlot

@@ -16,8 +16,16 @@ from ..formats import StateFormat
 from ..param_groups import is_real_number
 from ..passes.roles import NotElementwiseError, label_roles
 from ..passes.signs import prove_nonneg
-from ..passes.trace import Layout, hyper_slots, shell_optimizer, static_group_items, tensor_meta, unhooked_step
-from ..trace_cache import TRACE_LOCK, LruCache, trace_group, traced
+from ..passes.trace import (
+    Layout,
+    TracedStep,
+    hyper_slots,
+    shell_optimizer,
+    static_group_items,
+    tensor_meta,
+    unhooked_step,
+)
+from ..passes.trace_cache import TRACE_LOCK, LruCache, trace_group, traced
 from . import sharding
 from .quantized import QuantizedState
 
@@ -405,3 +413,13 @@ def example_state(state: dict, schema: StateSchema, param: torch.Tensor) -> dict
         elif isinstance(entry, Plain):
             example[name] = entry.value
     return example
+
+
+def trace_for(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
+              per_element: tuple[str, ...], shape: Layout | None = None) -> TracedStep:
+    """The traced stock step of ``param`` in ``group`` with this state (cached; at ``shape`` for a shaped
+    step): quantized states stand for empty tensors of their stock dtype (the traced graph is the stock
+    one, whatever the formats)."""
+    example = {k: (torch.empty(0, dtype=v.dtype, device=v.device) if isinstance(v, QuantizedState) else v)
+               for k, v in state.items()}
+    return traced(opt, trace_group(group), param.dtype, param.device, example, per_element, shape=shape)

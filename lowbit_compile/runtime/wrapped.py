@@ -4,17 +4,12 @@ the modules that act on a wrapped optimizer find it."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .config import Config
-
-if TYPE_CHECKING:
-    from .release import Release
-    from .run import StepPlan
-    from .step_op import GraphInputs
+from ..config import Config
 
 ATTR = "_lowbit"  # the optimizer attribute that holds its Wrapped
 
@@ -32,13 +27,14 @@ class Wrapped:
         self.names: dict[torch.Tensor, str] = {}
         # per parameter, reused while valid; weak, so a parameter the optimizer lets go of is freed
         self.prepared: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.plan: StepPlan | None = None  # the last step's bound launches, reused while they fit
+        self.plan: Any = None  # the last step's bound launches (run.StepPlan), reused while they fit
         self.transient = 0  # bytes a step allocates for one parameter at a time (a staged step's temporaries)
         # one step at a time: two threads stepping one optimizer take turns (stock's step is not
         # atomic either, but ours binds rows that a second step would rebind under the first)
         self.lock = threading.RLock()
-        self.release: Release | None = None  # release_grads=True: the hooks that step each param in backward
-        self.graph_inputs: GraphInputs | None = None  # what a torch.compile graph hands the step (step_op.py)
+        # release_grads=True: the hooks that step each param in backward (release.Release)
+        self.release: Any = None
+        self.graph_inputs: Any = None  # what a torch.compile graph hands the step (step_op.GraphInputs)
 
 
 def wrapped_of(opt: torch.optim.Optimizer) -> Wrapped | None:

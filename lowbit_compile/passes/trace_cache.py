@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .options import is_int
-from .passes.trace import (
+from ..options import is_int
+from .trace import (
     HyperSlot,
     Layout,
     TracedStep,
@@ -27,7 +27,6 @@ from .passes.trace import (
     trace_step,
     unhooked_step,
 )
-from .state.quantized import QuantizedState
 
 # Group flags that select the foreach/fused implementations: the trace always takes the
 # single-tensor path, whatever the group asks for.
@@ -89,13 +88,6 @@ def float_hyperparameters() -> frozenset[str]:
     return frozenset(names)
 
 
-def trace_example(state: dict) -> dict:
-    """What of a parameter's state a trace depends on: quantized states stand for empty tensors of
-    their stock dtype (the traced graph is the stock one, whatever the formats)."""
-    return {k: (torch.empty(0, dtype=v.dtype, device=v.device) if isinstance(v, QuantizedState) else v)
-            for k, v in state.items()}
-
-
 def trace_key(opt: torch.optim.Optimizer, tgroup: dict, slots: tuple[HyperSlot, ...], dtype: torch.dtype,
               device: torch.device, example: dict, per_element: tuple[str, ...],
               shape: tuple[int, ...] | Layout | None = None) -> tuple:
@@ -130,14 +122,6 @@ def traced(opt: torch.optim.Optimizer, tgroup: dict, dtype: torch.dtype, device:
         if known is not traces:
             known.append(trace)
         return trace
-
-
-def trace_for(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, state: dict,
-              per_element: tuple[str, ...], shape: Layout | None = None) -> TracedStep:
-    """The traced stock step of ``param`` in ``group`` with this state (cached; at ``shape`` for a shaped
-    step)."""
-    return traced(opt, trace_group(group), param.dtype, param.device, trace_example(state), per_element,
-                  shape=shape)
 
 
 def skeleton(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -271,3 +271,9 @@ def add_step_counter(graph: Graph, key: str, after: Node, before: Node) -> Node:
     for node in seed.users:
         set_per_element(node, False)
     return seed
+
+
+def is_view(target: object) -> bool:
+    """Whether the op ``target`` returns a view of its input."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None

@@ -21,13 +21,13 @@ from collections.abc import Iterator
 
 import torch
 
+from ..passes.trace import hyper_slots, unhooked_step
+from ..passes.trace_cache import trace_group
+from ..state import sharding
 from . import release_conflicts
-from .passes.trace import hyper_slots, unhooked_step
 from .released_grad import ReleasedGrad, is_released, local_released
 from .rewritten_step import prepare_params
 from .run import StepPlan, group_signature
-from .state import sharding
-from .trace_cache import trace_group
 from .wrapped import Wrapped, wrapped_of
 
 # A parameter with fewer elements waits for others and steps with them: one launch for a bucket of

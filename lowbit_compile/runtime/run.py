@@ -10,15 +10,15 @@ from operator import is_not
 
 import torch
 
+from ..config import Config
+from ..ir.contract import Role
+from ..kernels.kernel import Launch
+from ..passes.trace import hyper_slots, static_group_items, tensor_meta, unhooked_step
+from ..passes.trace_cache import LruCache, trace_group
+from ..state import sharding
+from ..state.schema import filled
 from .compile import CompiledStep
-from .config import Config
-from .kernels.contract import Role
-from .kernels.kernel import Launch
-from .passes.trace import hyper_slots, static_group_items, tensor_meta, unhooked_step
 from .released_grad import ReleasedGrad, is_released
-from .state import sharding
-from .state.schema import filled
-from .trace_cache import LruCache, trace_group
 
 
 def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -15,20 +15,20 @@ from typing import Any
 
 import torch
 
+from ..config import Config
+from ..formats import blockquant
+from ..formats.residual import MasterFormat
+from ..param_groups import check_group, reads_every_default
+from ..passes.trace import entries_read, unhooked_step
+from ..state import QuantizedState, hooks, kinds, stock
+from ..state.kind import StateConfig, apply
+from ..state.kinds import OWN_KEYS
+from ..state.master import stand_in
+from ..state.schema import StateSchema, init_state, probe_schema
 from . import step_op
 from .compile import compile_steps, step_request
-from .config import Config
-from .formats import blockquant
-from .formats.residual import MasterFormat
-from .param_groups import check_group, reads_every_default
-from .passes.trace import entries_read, unhooked_step
 from .released_grad import is_released
 from .run import Prepared, StepPlan, group_signature
-from .state import QuantizedState, hooks, kinds, stock
-from .state.kind import StateConfig, apply
-from .state.kinds import OWN_KEYS
-from .state.master import stand_in
-from .state.schema import StateSchema, init_state, probe_schema
 from .wrapped import ATTR, Wrapped, wrapped_of
 
 # True while a rewritten ``step`` (the instance attribute) runs its hooks and update, so that the

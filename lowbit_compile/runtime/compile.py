@@ -16,25 +16,25 @@ from typing import Any
 
 import torch
 
-from .config import Config
-from .formats import StateFormat, passthrough
-from .formats.residual import MasterFormat
-from .kernels.backends import lower
-from .kernels.contract import Role, input_of
-from .kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
-from .kernels.staged import StagedStep
-from .passes.master_weights import master_weights
-from .passes.opmath import LOW_PRECISION, compute_in_fp32
-from .passes.quantize_states import quantize_states
-from .passes.roles import label_roles
-from .passes.signs import NonnegProof, prove_nonneg
-from .passes.split import split_prologue
-from .passes.stages import elementwise_stage, split_stages
-from .passes.trace import BranchFlipped, HyperSlot, Layout, TracedStep, check_branch, hyper_slots
-from .state import sharding
-from .state.kinds import OWN_KEYS
-from .state.schema import StateSchema, example_state
-from .trace_cache import TRACE_LOCK, LruCache, skeleton, trace_example, trace_group, trace_key, traced
+from ..config import Config
+from ..formats import StateFormat, passthrough
+from ..formats.residual import MasterFormat
+from ..ir.contract import Role, input_of
+from ..kernels.backends import lower
+from ..kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
+from ..kernels.staged import StagedStep
+from ..passes.master_weights import master_weights
+from ..passes.opmath import LOW_PRECISION, compute_in_fp32
+from ..passes.quantize_states import quantize_states
+from ..passes.roles import label_roles
+from ..passes.signs import NonnegProof, prove_nonneg
+from ..passes.split import split_prologue
+from ..passes.stages import elementwise_stage, split_stages
+from ..passes.trace import BranchFlipped, HyperSlot, Layout, TracedStep, check_branch, hyper_slots
+from ..passes.trace_cache import TRACE_LOCK, LruCache, skeleton, trace_group, trace_key, traced
+from ..state import sharding
+from ..state.kinds import OWN_KEYS
+from ..state.schema import StateSchema, example_state
 
 
 @dataclass
@@ -89,7 +89,7 @@ def step_request(opt: torch.optim.Optimizer, group: dict, param: torch.Tensor, s
     slots = hyper_slots(tgroup)
     dtype = torch.float32 if master is not None else param.dtype
     state = {k: v for k, v in state.items() if k not in OWN_KEYS}
-    example = trace_example(example_state(state, schema, param))
+    example = example_state(state, schema, param)
     opmath = fp32_opmath(group, dtype, formats)  # a master's step is traced in fp32 already
     stochastic = config.stochastic(formats)
     shape = schema.trace_shape(param)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .state import QuantizedState, sharding, stock
+from ..state import QuantizedState, sharding, stock
 from .wrapped import Wrapped, wrapped_of
 
 OP = "lowbit::optimizer_step"

@@ -18,15 +18,27 @@ from typing import Any
 
 import torch
 
-from .monitor import RELEASE_REFUSAL, Monitor
-from .state import sharding
+from ..state import sharding
 
 _RELEASING: weakref.WeakSet = weakref.WeakSet()  # every live Release: while one lives, GradScaler.scale refuses
 
 
+# Why a monitor and gradient release (release_grads=True) refuse each other.
+RELEASE_REFUSAL = (
+    "release_grads=True cannot combine with a monitor (monitor=, lowbit_compile.monitor, the HF and Lightning "
+    "monitor callbacks): a monitor measures, at opt.step(), the step the grads will make, and release has "
+    "stepped each param and freed its grad in backward. Monitor a run without release_grads, or release "
+    "without monitoring")
+
+
+class SamplesAtStep:
+    """What reads an optimizer's grads at ``opt.step()`` from a step pre-hook (a monitor): release, which has
+    stepped every param and freed its grad by then, refuses to run beside it."""
+
+
 def check_monitor(opt: torch.optim.Optimizer) -> None:
     """Refuse to release the grads of an optimizer a monitor samples (``monitor``, ``enable(monitor=)``)."""
-    if any(isinstance(getattr(h, "__self__", None), Monitor) for h in opt._optimizer_step_pre_hooks.values()):
+    if any(isinstance(getattr(h, "__self__", None), SamplesAtStep) for h in opt._optimizer_step_pre_hooks.values()):
         raise ValueError(RELEASE_REFUSAL)
 
 
