@@ -43,10 +43,7 @@ from lowbit_compile.formats import residual
 from lowbit_compile.kernels import cpp_printer, triton_printer
 from lowbit_compile.kernels.lowering import Target, unsupported
 from lowbit_compile.options import Options
-from lowbit_compile.passes.master_weights import master_weights
-from lowbit_compile.passes.quantize_states import quantize_states
-from lowbit_compile.passes.roles import label_roles
-from lowbit_compile.passes.split import split_prologue
+from lowbit_compile.passes.pipeline import Rewrite, rewrite
 from lowbit_compile.state.schema import init_state, probe_schema, trace_for
 
 from .helpers import bits, slow_but
@@ -204,9 +201,8 @@ def master_graphs(opt: torch.optim.Optimizer, fmt: str, mode: str) -> dict[str, 
     config = Config.of(Options(fmt, block_size=512, outliers=0, min_8bit_size=0, backend="reference"))
     formats = dict(config.formats_for(param, schema.per_element, nonneg=schema.nonneg))
     traced = trace_for(opt, group, stand_in, init_state(stand_in, schema, formats), schema.per_element).graph
-    rewritten = master_weights(quantize_states(label_roles(traced), formats),
-                               residual.MasterFormat(mode, param.dtype))
-    return {"master": rewritten, "split": split_prologue(rewritten)}
+    graphs = rewrite(traced, Rewrite(formats, master=residual.MasterFormat(mode, param.dtype)))
+    return {"master": graphs["master"], "split": graphs["split"]}
 
 
 class TestMasterGraphs(TestCase):

@@ -23,13 +23,11 @@ from ..ir.contract import Role, input_of
 from ..kernels.backends import lower
 from ..kernels.kernel import Launch, RowLaunch, StepKernel, same_scalar_states
 from ..kernels.staged import StagedStep
-from ..passes.master_weights import master_weights
-from ..passes.opmath import LOW_PRECISION, compute_in_fp32
-from ..passes.quantize_states import quantize_states
-from ..passes.roles import label_roles
+from ..passes.opmath import LOW_PRECISION
+from ..passes.pipeline import Rewrite, rewrite
 from ..passes.signs import NonnegProof, prove_nonneg
 from ..passes.split import split_prologue
-from ..passes.stages import elementwise_stage, split_stages
+from ..passes.stages import elementwise_stage
 from ..passes.trace import BranchFlipped, HyperSlot, Layout, TracedStep, check_branch, hyper_slots
 from ..passes.trace_cache import TRACE_LOCK, LruCache, skeleton, trace_group, trace_key, traced
 from ..state import sharding
@@ -188,39 +186,40 @@ class _Builder:
 
     def lower(self, trace: TracedStep, values: list) -> tuple[Callable, Callable[[], CompiledStep]]:
         """Rewrite and lower a trace: the guard of the result, and what waits for its kernel and gives it."""
-        roles = label_roles(trace.graph, staged=self.shape is not None)
-        guard = trace.guard
-        quantized = {k for k, f in self.formats.items() if not f.passthrough}
-        if quantized:
-            # by slot, not by name: two keys of a param group can give one name ("betas_1", betas[1])
-            proof = prove_nonneg(roles, dict(zip(self.slots, values)))
-            unsigned = {k for k in quantized if self.formats[k].nonneg}
-            if unsigned - proof.states:
-                raise RuntimeError(
-                    f"lowbit-compile stores {sorted(unsigned - proof.states)} unsigned (it proved them never "
-                    f"negative on the first steps), but this step of {type(self.opt).__name__} with "
-                    f"{ {s.name: v for s, v in zip(self.slots, values)} } can make them negative; restore() the "
-                    "optimizer and wrap it again")
-            if unsigned:
-                guard = _and(trace.guard, self.slots, proof)
-            for _, states in proof.fragile_roots:
-                if quantized & set(states):
-                    warnings.warn(
-                        f"lowbit-compile: the step of {type(self.opt).__name__} takes a square root of a value "
-                        f"computed from {list(states)} that the fp32 step keeps >= 0 only by cancellation; "
-                        "the rounding of quantized states can make it negative and the step NaN. Keep these "
-                        f"states fp32 (fmt={{..., {', '.join(f'{k!r}: {passthrough().name!r}' for k in states)}}})",
-                        stacklevel=2)
-        rewritten = quantize_states(roles, self.formats, self.stochastic)
-        if self.opmath:
-            rewritten = compute_in_fp32(rewritten)
-        if self.master is not None:
-            rewritten = master_weights(rewritten, self.master)
-        graph = split_stages(rewritten) if self.shape is not None else split_prologue(rewritten)
+        request = Rewrite(self.formats, self.stochastic, self.opmath, self.master, staged=self.shape is not None)
+        graphs = rewrite(trace.graph, request)
+        guard = self._proven(graphs["roles"], trace.guard, values)
+        graph = graphs["split"]
         inputs = tuple(binding(n) for n in graph.graph.nodes if n.op == "placeholder")
         fresh = tuple((k, self.formats[k], self.schema.dtypes[k]) for k in trace.fresh)
         kernel = self._staged(graph) if self.shape is not None else lower(graph, self.backend, self.device)
         return guard, lambda: CompiledStep(kernel(), inputs, guard, graph, fresh)
+
+    def _proven(self, roles: torch.fx.GraphModule, guard: Callable, values: list) -> Callable:
+        """The guard of a step whose unsigned states the sign pass proves never negative (``guard`` and the
+        hyperparameter ranges the proof assumed); a step that can make one negative is refused, and a square
+        root of a value kept >= 0 only by cancellation warns."""
+        quantized = {k for k, f in self.formats.items() if not f.passthrough}
+        if not quantized:
+            return guard
+        # by slot, not by name: two keys of a param group can give one name ("betas_1", betas[1])
+        proof = prove_nonneg(roles, dict(zip(self.slots, values)))
+        unsigned = {k for k in quantized if self.formats[k].nonneg}
+        if unsigned - proof.states:
+            raise RuntimeError(
+                f"lowbit-compile stores {sorted(unsigned - proof.states)} unsigned (it proved them never "
+                f"negative on the first steps), but this step of {type(self.opt).__name__} with "
+                f"{ {s.name: v for s, v in zip(self.slots, values)} } can make them negative; restore() the "
+                "optimizer and wrap it again")
+        for _, states in proof.fragile_roots:
+            if quantized & set(states):
+                warnings.warn(
+                    f"lowbit-compile: the step of {type(self.opt).__name__} takes a square root of a value "
+                    f"computed from {list(states)} that the fp32 step keeps >= 0 only by cancellation; "
+                    "the rounding of quantized states can make it negative and the step NaN. Keep these "
+                    f"states fp32 (fmt={{..., {', '.join(f'{k!r}: {passthrough().name!r}' for k in states)}}})",
+                    stacklevel=3)
+        return _and(guard, self.slots, proof) if unsigned else guard
 
     def _staged(self, graph: torch.fx.GraphModule) -> Callable[[], StagedStep]:
         """The kernel of a staged step: each elementwise stage lowered as a step of its own."""
