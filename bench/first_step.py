@@ -35,7 +35,7 @@ SHAPES = [(9216, 1024), (1024, 3072), (1024, 3072), (3072, 1024), (3072, 1024), 
           (1024, 1024)] + [(1024,)] * 7
 # (module, attribute, stage): the functions a first step goes through, wrapped where they are looked up
 STAGES = [
-    ("lowbit_compile.api", "probe_schema", "probe"),
+    ("lowbit_compile.runtime.wrap", "probe_schema", "probe"),
     ("lowbit_compile.runtime.rewritten_step", "probe_schema", "probe"),
     ("lowbit_compile.passes.trace_cache", "trace_step", "trace"),
     ("lowbit_compile.state.schema", "label_roles", "passes"),

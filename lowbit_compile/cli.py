@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
 
     _load()  # torch loads here, after the command line and the script were checked
     from .config import UnmatchedOverride
-    from .enable import Scope
+    from .scope import Scope
 
     try:
         scope = Scope(**_given(**given))

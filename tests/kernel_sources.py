@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterator
 import torch
 
 from lowbit_compile import lowbit_compile
-from lowbit_compile.api import REWRITTEN, STAGED
 from lowbit_compile.formats import StateFormat
 from lowbit_compile.kernels import backends, cpp_printer, triton_lib
 from lowbit_compile.kernels.lowering import Target
 from lowbit_compile.kernels.triton_printer import dequantize_graph, emit_kernel, quantize_graph
+from lowbit_compile.runtime.wrap import REWRITTEN, STAGED
 
 from .helpers import optim_db_cases
 

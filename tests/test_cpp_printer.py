@@ -11,12 +11,12 @@ import torch
 from expecttest import TestCase
 
 from examples.lion import Lion
-from lowbit_compile.api import SUPPORTED
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.kernels.cpp_printer import emit_step, format_constants
 from lowbit_compile.kernels.lowering import Target
 from lowbit_compile.passes.opmath import compute_in_fp32
 from lowbit_compile.passes.split import split_prologue
+from lowbit_compile.runtime.wrap import SUPPORTED
 
 from .graphs import body, pass_graphs
 

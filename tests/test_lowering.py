@@ -14,11 +14,11 @@ import torch
 
 from examples.lion import Lion
 from lowbit_compile import lowbit_compile
-from lowbit_compile.api import SUPPORTED
 from lowbit_compile.formats import format_names
 from lowbit_compile.kernels import cpp_printer, triton_printer
 from lowbit_compile.kernels.lowering import LOWERINGS, LoweringError, Target, unsupported
 from lowbit_compile.kernels.primitives import PRIMITIVES, Primitives
+from lowbit_compile.runtime.wrap import SUPPORTED
 
 from .graphs import body
 from .helpers import each_param, optim_db_cases, slow_but

@@ -209,7 +209,7 @@ def test_meta_parameters_hold_low_bit_states_that_start_afresh_once_materialised
 
 
 def test_stock_state_names_cover_every_supported_optimizer():
-    from lowbit_compile.api import SUPPORTED
+    from lowbit_compile.runtime.wrap import SUPPORTED
 
     flags = {torch.optim.Adam: {"amsgrad": True}, torch.optim.AdamW: {"amsgrad": True},
              torch.optim.SGD: {"momentum": 0.9}, torch.optim.RMSprop: {"momentum": 0.9, "centered": True}}

@@ -118,7 +118,7 @@ def test_rows_are_named_and_print_as_a_table():
 
 
 def test_stepping_never_calls_stats(monkeypatch):
-    stats_module = importlib.import_module("lowbit_compile.stats")  # the name alone is the function
+    stats_module = importlib.import_module("lowbit_compile.state_stats")  # the name alone is the function
 
     def fail(*args, **kwargs):
         raise AssertionError("stats code ran during step()")

@@ -24,9 +24,9 @@ from .memory import memory_report
 from .runtime.release_conflicts import RELEASE_REFUSAL, SamplesAtStep
 from .runtime.rewritten_step import RunRewritten
 from .runtime.wrapped import wrapped_of
-from .stats import StateStats, stats
+from .state_stats import StateStats, stats
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("lowbit_compile.monitor")  # the logger the docs name
 
 # A state is flagged when its figures, averaged over its recent samples (an exponential moving
 # average, weight AVERAGE_WEIGHT per sample, from its MIN_SAMPLES-th sample on; one sample sees only

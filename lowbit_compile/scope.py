@@ -38,19 +38,20 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .api import REWRITTEN, _check_optimizer, is_wrapped, lowbit_compile, restore
+from .api import is_wrapped, lowbit_compile, restore
 from .config import Config, UnmatchedOverride, param_names
 from .formats import format_names
 from .formats.rounding import SEED
+from .health import Monitor
+from .health import monitor as sample_health
 from .memory import memory_report
-from .monitor import Monitor
-from .monitor import monitor as sample_health
 from .options import DEFAULT_FMT, FmtSpec, Options, ScopeOptions, args_doc, entry_signature, from_keywords
 from .runtime.release_conflicts import RELEASE_REFUSAL
 from .runtime.rewritten_step import stock_step_runs_rewritten
+from .runtime.wrap import REWRITTEN, check_optimizer
 from .state import stock
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("lowbit_compile.enable")  # the logger the docs name
 _active: contextvars.ContextVar[tuple[Scope, ...]] = contextvars.ContextVar("lowbit_enable_scopes", default=())
 _hook_lock = threading.Lock()
 _hook_users = 0
@@ -166,7 +167,7 @@ class Scope(contextlib.ContextDecorator):
             self.skipped[f"{type(opt).__name__} (stepped after a restore request)"] += 1
             return False
         try:
-            _check_optimizer(opt)
+            check_optimizer(opt)
         except (TypeError, ValueError) as err:
             warnings.warn(f"lowbit_compile.enable left a {type(opt).__name__} stock: {err}", stacklevel=5)
             self.skipped[f"{type(opt).__name__} (unsupported: {err})"] += 1
