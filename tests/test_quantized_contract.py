@@ -11,12 +11,12 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from bench.quantized_contract import assert_codes_within_one_step, assert_params_within_bound, code_rank
 from lowbit_compile import lowbit_compile
 from lowbit_compile.formats import StateFormat, blockquant
 
 from .graphs import body
 from .helpers import BLOCKWISE
-from .quantized_contract import assert_codes_within_one_step, assert_params_within_bound, code_rank
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before triton is imported

@@ -3,6 +3,7 @@ interpreter: the scripts are run by hand, so nothing else in the suite would not
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -19,3 +20,15 @@ def test_every_bench_and_example_script_imports():
     done = subprocess.run([sys.executable, "-c", code, *modules], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_no_benchmark_imports_the_tests():
+    """Benchmarks run without the test suite (nor pytest): what they share with the tests lives in bench/, which the
+    tests import."""
+    found = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "tests"]
+    assert not found, found

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import lowbit_compile as lc
+from bench.shapes import transformer_params
 from lowbit_compile import lowbit_compile, stats
-
-from .helpers import transformer_params
 
 BACKEND = "reference"  # what stats measures does not depend on the lowering; this one needs no compiler
 
