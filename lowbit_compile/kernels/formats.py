@@ -366,7 +366,11 @@ def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = Non
         special = torch.where(torch.isnan(x), nan, torch.where(x > 0, pos_inf, neg_inf)).to(torch.uint8)
         return torch.where(flagged & ~torch.isfinite(x), special, codes).view(fmt.code_dtype)
     if draws is not None:
-        return round_stochastic(x * x.abs() if fmt.name == "sqrt8" else x, encode(x, fmt), fmt, draws)
+        if fmt.name != "sqrt8":
+            return round_stochastic(x, encode(x, fmt), fmt, draws)
+        codes = round_stochastic(x * x.abs(), encode(x, fmt), fmt, draws)
+        # x * |x| underflows to 0 for a root below 2^-75: the zero-point rule reads the root itself
+        return torch.where((x > 0) & (codes == 0), 1, codes) if fmt.nonneg else codes
     name = fmt.name
     if name == "int8":
         lo = 0.0 if fmt.nonneg else -fmt.qmax
