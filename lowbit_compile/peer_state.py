@@ -74,7 +74,7 @@ def from_peer_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         where.update({idx: f"param_groups[{gi}]['params'][{pi}]" for pi, idx in enumerate(group["params"])})
     state, libraries = {}, set()
     for idx, entry in state_dict["state"].items():
-        label = f"the state of parameter {where.get(idx, f'state[{idx!r}]')}"
+        label = f"parameter {where.get(idx, f'state[{idx!r}]')}"
         if is_bnb_entry(entry):
             state[idx] = _bnb_entry(entry, label)
             libraries.add("bitsandbytes")
@@ -99,10 +99,11 @@ def _bnb_entry(entry: Mapping, label: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"{label} has no 'state1' and 'state2' (keys {sorted(map(str, entry))}): only Adam8bit/"
                          "AdamW8bit states (two moments) are read; the state of another bitsandbytes optimizer "
                          "(Lion, SGD, RMSprop, ...) cannot continue as Adam: start this optimizer afresh")
-    m, v = (_plain(entry[k], f"{label}'s {k!r}") for k in ("state1", "state2"))
+    m, v = (_plain(entry[k], label, repr(k)) for k in ("state1", "state2"))
     if m.shape != v.shape:
-        raise ValueError(f"{label}: 'state1' has shape {tuple(m.shape)} and 'state2' {tuple(v.shape)} (AdEMAMix "
-                         "keeps two first moments): only Adam8bit/AdamW8bit states are read")
+        raise ValueError(f"{label}: 'state1' has shape {tuple(m.shape)} and 'state2' {tuple(v.shape)}, where Adam "
+                         "keeps both in the parameter's shape (AdEMAMix keeps two first moments in 'state1'): only "
+                         f"Adam8bit/AdamW8bit states are read, or {_CORRUPT}")
     step = _step(entry.get("step"), label)
     if m.dtype == torch.uint8 and v.dtype == torch.uint8:
         blockwise = "absmax1" in entry or "absmax2" in entry
@@ -119,16 +120,16 @@ def _bnb_entry(entry: Mapping, label: str) -> dict[str, torch.Tensor]:
 
 def _bnb_moment(entry: Mapping, label: str, i: int, codes: torch.Tensor, blockwise: bool) -> torch.Tensor:
     """State ``i`` (1: m, 2: v) of a bitsandbytes entry: ``qmap[code] * scale`` per element."""
-    qmap = _qmap(entry.get(f"qmap{i}"), 256, f"{label}'s 'qmap{i}'", codes.device)
+    qmap = _qmap(entry.get(f"qmap{i}"), 256, label, f"'qmap{i}'", codes.device)
     n = codes.numel()
     if blockwise:
-        blocks = -(-n // _BNB_BLOCK)
-        scales = _scales(entry.get(f"absmax{i}"), blocks, f"{label}'s 'absmax{i}'", codes.device)
+        scales = _scales(entry.get(f"absmax{i}"), -(-n // _BNB_BLOCK), label, f"'absmax{i}'", codes.device)
         per_element = scales.repeat_interleave(_BNB_BLOCK)[:n]
+    elif f"max{i}" not in entry:
+        raise ValueError(f"{label} has neither 'absmax{i}' (a scale per block) nor 'max{i}' (one scale): its "
+                         f"'state{i}' codes cannot be read; {_CORRUPT}")
     else:  # one scale: the max of the whole state, after the step (bitsandbytes swaps max and new_max)
-        scales = _scales(entry.get(f"max{i}"), 1, f"{label}'s 'max{i}' (it has neither 'absmax{i}' nor it)",
-                         codes.device)
-        per_element = scales.expand(n)
+        per_element = _scales(entry[f"max{i}"], 1, label, f"'max{i}'", codes.device).expand(n)
     return (qmap[codes.reshape(-1).long()] * per_element).view(codes.shape)
 
 
@@ -140,7 +141,7 @@ def _torchao_entry(entry: Mapping, label: str) -> dict[str, torch.Tensor]:
         if key == "step":
             out[key] = _step(value, label)
         elif is_torchao_state(value):
-            out[key] = _torchao_moment(value, f"{label}'s {key!r}")
+            out[key] = _torchao_moment(value, f"{label}, state {key!r}")
         else:
             out[key] = value
     _check_moments(out, label)
@@ -156,19 +157,19 @@ def _torchao_moment(value: torch.Tensor, label: str) -> torch.Tensor:
     kind = type(value).__name__
     shape = tuple(value.shape)
     n = math.prod(shape)
-    codes = _plain(getattr(value, "codes", None), f"{label}'s codes")
+    codes = _plain(getattr(value, "codes", None), label, "codes")
     device = codes.device
     if kind == "OptimState4bit":
-        _want(codes, torch.uint8, f"{label}'s codes")
+        _want(codes, torch.uint8, label, "codes")
         if codes.dim() != 1 or 2 * codes.numel() != n:
             raise ValueError(f"{label}: its codes have shape {tuple(codes.shape)}, where a state of shape {shape} "
                              f"packs {n} 4-bit codes in {-(-n // 2)} bytes; {_CORRUPT}")
         unpacked = torch.stack([codes >> 4, codes & 0xF], dim=-1).reshape(-1)
-        values = _qmap(getattr(value, "qmap", None), 16, f"{label}'s qmap", device)[unpacked.long()]
+        values = _qmap(getattr(value, "qmap", None), 16, label, "qmap", device)[unpacked.long()]
     elif kind == "OptimState8bit":
-        _want(codes, torch.uint8, f"{label}'s codes")
+        _want(codes, torch.uint8, label, "codes")
         _same_shape(codes, shape, label)
-        values = _qmap(getattr(value, "qmap", None), 256, f"{label}'s qmap", device)[codes.reshape(-1).long()]
+        values = _qmap(getattr(value, "qmap", None), 256, label, "qmap", device)[codes.reshape(-1).long()]
     else:
         if codes.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError(f"{label}: its codes are {codes.dtype}, where torchao saves float8_e4m3fn; {_CORRUPT}")
@@ -176,29 +177,29 @@ def _torchao_moment(value: torch.Tensor, label: str) -> torch.Tensor:
         values = codes.reshape(-1).float()
         if not torch.isfinite(values).all():
             raise ValueError(f"{label}: its fp8 codes hold inf or NaN, which torchao never stores; {_CORRUPT}")
-    scale = _plain(getattr(value, "scale", None), f"{label}'s scale")
+    scale = _plain(getattr(value, "scale", None), label, "scale")
     blocks = scale.numel()
     if scale.dim() != 1 or blocks == 0 or n % blocks:
         raise ValueError(f"{label}: its scale has shape {tuple(scale.shape)}, which does not split its {n} "
                          f"elements into equal blocks; {_CORRUPT}")
-    scales = _scales(scale, blocks, f"{label}'s scale", device)
+    scales = _scales(scale, blocks, label, "scale", device)
     return (values.view(blocks, n // blocks) * scales[:, None]).view(shape)
 
 
-# checks -------------------------------------------------------------------------------------------------
-def _plain(value: object, label: str) -> torch.Tensor:
+# checks (``label``: the parameter and state; ``field``: the saved tensor) ----------------------------------
+def _plain(value: object, label: str, field: str) -> torch.Tensor:
     """``value`` if it is a plain (dense, unsharded) tensor."""
     if type(value) is not torch.Tensor:
-        raise ValueError(f"{label} is {type(value).__name__ if value is not None else 'missing'}, not a plain "
-                         f"tensor; {_CORRUPT}")
+        raise ValueError(f"{label}: its {field} is {type(value).__name__ if value is not None else 'missing'}, not "
+                         f"a plain tensor; {_CORRUPT}")
     if value.layout != torch.strided:
-        raise ValueError(f"{label} is a {value.layout} tensor, not a dense one; {_CORRUPT}")
+        raise ValueError(f"{label}: its {field} is a {value.layout} tensor, not a dense one; {_CORRUPT}")
     return value
 
 
-def _want(t: torch.Tensor, dtype: torch.dtype, label: str) -> None:
+def _want(t: torch.Tensor, dtype: torch.dtype, label: str, field: str) -> None:
     if t.dtype != dtype:
-        raise ValueError(f"{label} are {t.dtype}, not {dtype}; {_CORRUPT}")
+        raise ValueError(f"{label}: its {field} are {t.dtype}, not {dtype}; {_CORRUPT}")
 
 
 def _same_shape(codes: torch.Tensor, shape: tuple[int, ...], label: str) -> None:
@@ -206,30 +207,31 @@ def _same_shape(codes: torch.Tensor, shape: tuple[int, ...], label: str) -> None
         raise ValueError(f"{label}: its codes have shape {tuple(codes.shape)}, not the state's {shape}; {_CORRUPT}")
 
 
-def _qmap(value: object, size: int, label: str, device: torch.device) -> torch.Tensor:
+def _qmap(value: object, size: int, label: str, field: str, device: torch.device) -> torch.Tensor:
     """A code -> value map: ``size`` finite fp32 values within [-1, 1] (every code indexes one)."""
-    qmap = _plain(value, label)
-    _want(qmap, torch.float32, label)
+    qmap = _plain(value, label, field)
+    _want(qmap, torch.float32, label, field)
     if qmap.shape != (size,):
-        raise ValueError(f"{label} has shape {tuple(qmap.shape)}, not ({size},): one value per code; {_CORRUPT}")
+        raise ValueError(f"{label}: its {field} has shape {tuple(qmap.shape)}, not ({size},): one value per code; "
+                         f"{_CORRUPT}")
     if not (torch.isfinite(qmap) & (qmap.abs() <= 1)).all():
-        raise ValueError(f"{label} holds values that are not finite or outside [-1, 1]; {_CORRUPT}")
+        raise ValueError(f"{label}: its {field} holds values that are not finite or outside [-1, 1]; {_CORRUPT}")
     return qmap.to(device)
 
 
-def _scales(value: object, count: int, label: str, device: torch.device) -> torch.Tensor:
+def _scales(value: object, count: int, label: str, field: str, device: torch.device) -> torch.Tensor:
     """``count`` block scales: fp32, finite and non-negative (a peer's state of a run already diverged has
     inf or NaN scales; it cannot be continued)."""
-    scales = _plain(value, label)
-    _want(scales, torch.float32, label)
+    scales = _plain(value, label, field)
+    _want(scales, torch.float32, label, field)
     if scales.numel() != count:
-        raise ValueError(f"{label} holds {scales.numel()} scales, where its codes need {count}; {_CORRUPT}")
+        raise ValueError(f"{label}: its {field} holds {scales.numel()} scales, where its codes need {count}; "
+                         f"{_CORRUPT}")
     scales = scales.reshape(-1)
     if not (torch.isfinite(scales) & (scales >= 0)).all():
-        raise ValueError(f"{label} holds inf, NaN or negative scales: the peer's run had diverged or {_CORRUPT}")
+        raise ValueError(f"{label}: its {field} holds inf, NaN or negative scales: the peer's run had diverged, or "
+                         f"{_CORRUPT}")
     return scales.to(device)
-
-
 def _step(value: object, label: str) -> torch.Tensor:
     """The step count as a stock fp32 tensor."""
     if not is_real_number(value) or not math.isfinite(step := float(value)) or step < 0 or step != int(step):
@@ -255,8 +257,10 @@ def _group(group: Mapping, index: int, libraries: set[str]) -> dict:
     group = dict(group)
     if "bitsandbytes" in libraries:
         extra = {k: group.pop(k) for k in _BNB_ADEMAMIX if k in group}
-        if any(v != _BNB_ADEMAMIX[k] for k, v in extra.items()) or len(group.get("betas", ())) > 2:
-            raise ValueError(f"param_groups[{index}] is an AdEMAMix group ({extra}, betas {group.get('betas')}): "
+        betas = group.get("betas")
+        three_betas = isinstance(betas, (tuple, list)) and len(betas) > 2
+        if three_betas or any(v != _BNB_ADEMAMIX[k] for k, v in extra.items()):
+            raise ValueError(f"param_groups[{index}] is an AdEMAMix group ({extra}, betas {betas}): "
                              "only Adam8bit/AdamW8bit states are read")
     lr = group.get("lr")
     if "torchao" in libraries and isinstance(lr, torch.Tensor):
