@@ -59,9 +59,9 @@ def from_peer_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         opt.load_state_dict(lowbit_compile.checkpoint.from_peer_state_dict(torch.load(path)))
 
     (a torchao checkpoint needs torchao importable to be ``torch.load``-ed: its states are torchao
-    classes). Everything is checked before anything is converted: codes, maps and scales of the shapes
-    and dtypes the peer saves, maps within [-1, 1], scales finite and non-negative, fp8 codes finite.
-    Entries that are neither library's (stock ones) are kept as they are.
+    classes). Every field is checked before it is read, and the input is left as it was: codes, maps and
+    scales of the shapes and dtypes the peer saves, maps within [-1, 1], scales finite and non-negative,
+    fp8 codes finite. Entries that are neither library's (stock ones) are kept as they are.
     """
     if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping) or not isinstance(
             state_dict.get("param_groups"), (list, tuple)):
@@ -183,7 +183,10 @@ def _torchao_moment(value: torch.Tensor, label: str) -> torch.Tensor:
         raise ValueError(f"{label}: its scale has shape {tuple(scale.shape)}, which does not split its {n} "
                          f"elements into equal blocks; {_CORRUPT}")
     scales = _scales(scale, blocks, label, "scale", device)
-    return (values.view(blocks, n // blocks) * scales[:, None]).view(shape)
+    out = (values.view(blocks, n // blocks) * scales[:, None]).view(shape)
+    if not torch.isfinite(out).all():  # fp8 codes up to 448 times a scale near the float maximum
+        raise ValueError(f"{label}: its codes times its scales overflow to inf; {_CORRUPT}")
+    return out
 
 
 # checks (``label``: the parameter and state; ``field``: the saved tensor) ----------------------------------
@@ -232,6 +235,8 @@ def _scales(value: object, count: int, label: str, field: str, device: torch.dev
         raise ValueError(f"{label}: its {field} holds inf, NaN or negative scales: the peer's run had diverged, or "
                          f"{_CORRUPT}")
     return scales.to(device)
+
+
 def _step(value: object, label: str) -> torch.Tensor:
     """The step count as a stock fp32 tensor."""
     if not is_real_number(value) or not math.isfinite(step := float(value)) or step < 0 or step != int(step):
@@ -240,8 +245,7 @@ def _step(value: object, label: str) -> torch.Tensor:
 
 
 def _check_moments(out: Mapping[str, torch.Tensor], label: str) -> None:
-    """Dequantized moments are finite (a scale near the float maximum could overflow) and the second
-    moments non-negative."""
+    """The moments are floating point and the second moments non-negative."""
     for key, value in out.items():
         if key == "step" or not isinstance(value, torch.Tensor) or sharding.is_sharded(value):
             continue

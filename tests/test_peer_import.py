@@ -329,6 +329,8 @@ MALFORMED = {  # (peer, change of parameter 0's entry, what the message says)
                                  r"codes have shape \(2559,\), where a state of shape \(64, 80\) packs 5120"),
     "an fp8 NaN code": ("torchao AdamWFp8", _torchao_attr("exp_avg", "codes", _nan_fp8),
                         r"fp8 codes hold inf or NaN"),
+    "fp8 codes times a huge scale": ("torchao AdamWFp8", _torchao_attr("exp_avg", "scale", lambda s: s.fill_(3e38)),
+                                     r"its codes times its scales overflow to inf"),
     "a negative second moment": ("torchao AdamWFp8", _torchao_attr("exp_avg_sq", "codes", lambda c: (-c.float()).to(
         c.dtype)), r"second moment 'exp_avg_sq' holds negative values"),
 }
