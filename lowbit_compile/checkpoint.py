@@ -63,6 +63,9 @@ from .kernels import blockquant
 from .kernels.formats import DYNAMIC_MAP_VERSION, StateFormat, decode, upgrade_dynamic8_codes
 from .kernels.residual import KEYS as MASTER_KEYS
 from .kernels.rounding import SEED as ROUNDING_SEED
+from .peer_state import BNB_KEYS as _BNB_KEYS
+from .peer_state import TORCHAO_CLASSES as _TORCHAO_CLASSES
+from .peer_state import from_peer_state_dict as from_peer_state_dict  # public here too
 from .state import QuantizedState, bits_of
 from .state_schema import is_real_number
 
@@ -434,14 +437,10 @@ def _outside_stacklevel() -> int:
     return level
 
 
-# Other libraries' optimizer states: what identifies them, and what to do instead. Their moments are not
-# read yet (an importer would dequantize them with their own maps); the advice is written here only.
-_BNB_KEYS = frozenset({"__bnb_optimizer_quant_state__", "state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2",
-                       "max1", "max2", "new_max1", "new_max2", "unorm_vec", "gnorm_vec"})
-_TORCHAO_CLASSES = frozenset({"OptimState8bit", "OptimStateFp8", "OptimState4bit"})
-FOREIGN_ADVICE = ("lowbit_compile cannot read their moments yet: load only the model's state dict, build this "
-                  "optimizer afresh (its moments restart from zero, as when switching optimizers mid-run), and "
-                  "skip optimizer.load_state_dict for this checkpoint")
+# Other libraries' optimizer states: what identifies them (peer_state.py, which reads them), and what to do.
+FOREIGN_ADVICE = ("convert it first, which keeps its moments (dequantized with that library's own maps, then stored "
+                  "in this optimizer's format) and its step: "
+                  "optimizer.load_state_dict(lowbit_compile.checkpoint.from_peer_state_dict(state_dict))")
 
 
 def foreign_library(entry: Mapping, kept: Mapping[str, Any]) -> str | None:
