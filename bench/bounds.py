@@ -99,7 +99,7 @@ class IdleRow(NamedTuple):
     within_bound: bool  # |p - p_fp32| <= bound, element by element
 
 
-def _interval(x: torch.Tensor, fmt: StateFormat) -> tuple[torch.Tensor, torch.Tensor]:
+def stored_interval(x: torch.Tensor, fmt: StateFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """In float64, where ``fmt`` may store the fp32 values ``x`` (the stated bound)."""
     x = x.reshape(-1)
     x64 = x.double()
@@ -136,11 +136,12 @@ def _decayed(lo: torch.Tensor, hi: torch.Tensor, fmt: StateFormat, beta: float, 
     return lo, hi
 
 
-def idle_row_run(fmt: str, steps: int, block_size: int = 256, backend: str = "reference") -> IdleRow:
+def idle_row_run(fmt: str, steps: int, block_size: int = 256, backend: str = "reference",
+                 rounding: str = "nearest") -> IdleRow:
     """Adam (lr 1e-3, default betas) on two rows of one block each: one step with N(0, 1) gradients
     (1e-20 in the second row), then ``steps`` steps with zero gradients, against stock.
 
-    The bound: after the update both runs hold the same m and v up to the format's bound (``_interval``).
+    The bound: after the update both runs hold the same m and v up to the format's bound (``stored_interval``).
     While idle, m and v only decay (``x *= beta``), and a decayed block re-quantizes to the same codes
     (``test_a_decaying_block_keeps_its_codes``), so the stored values stay within the decayed interval
     (``_decayed``); a positive v stays at least the smallest code of its block. Each step's update over
@@ -153,7 +154,7 @@ def idle_row_run(fmt: str, steps: int, block_size: int = 256, backend: str = "re
     grad = torch.randn(2, block_size, generator=gen) * torch.tensor([[1.0], [1e-20]])
     ours_p, stock_p = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
     ours = lowbit_compile(torch.optim.Adam([ours_p], lr=lr), fmt, block_size=block_size, outliers=0, min_8bit_size=0,
-                          backend=backend)
+                          backend=backend, rounding=rounding)
     stock = torch.optim.Adam([stock_p], lr=lr)
     history = torch.empty(steps, 2, 2 * block_size)  # stock's m and v after each idle step
     with warnings.catch_warnings():
@@ -166,7 +167,7 @@ def idle_row_run(fmt: str, steps: int, block_size: int = 256, backend: str = "re
         first = stock_p.detach().double().reshape(-1)
         state = stock.state[stock_p]
         fm, fv = (ours.state[ours_p][k].fmt for k in ("exp_avg", "exp_avg_sq"))
-        (m_lo, m_hi), (v_lo, v_hi) = _interval(state["exp_avg"], fm), _interval(state["exp_avg_sq"], fv)
+        (m_lo, m_hi), (v_lo, v_hi) = stored_interval(state["exp_avg"], fm), stored_interval(state["exp_avg_sq"], fv)
         for i in range(steps):
             ours.step()
             stock.step()

@@ -22,6 +22,7 @@ import torch
 
 import lowbit_compile
 from lowbit_compile import QuantizedState
+from lowbit_compile.formats.rounding import SEED as ROUNDING_SEED
 
 OPTIONS = {"min_8bit_size": 0}  # every state low-bit: 1-D biases and norms too
 LR, WEIGHT_DECAY, STEPS, CHECKPOINT_AT = 1e-2, 0.01, 6, 3
@@ -47,8 +48,9 @@ ADOPTION = {
 
 
 def low_bit_states(opt: torch.optim.Optimizer) -> tuple[int, int]:
-    """(low-bit per-element states, all tensor states that are not ``step``)."""
-    values = [v for s in opt.state.values() for k, v in s.items() if k != "step" and isinstance(v, torch.Tensor)]
+    """(low-bit per-element states, all tensor states but ``step`` and the stochastic-rounding counter)."""
+    values = [v for s in opt.state.values() for k, v in s.items()
+              if k not in ("step", ROUNDING_SEED) and isinstance(v, torch.Tensor)]
     return sum(isinstance(v, QuantizedState) for v in values), len(values)
 
 

@@ -479,8 +479,8 @@ def test_another_librarys_state_dict_is_refused_naming_it_and_what_to_do(layout)
         sd, library = foreign(opt, lambda p: bnb_entry(p, layout.endswith("wrapped"))), "bitsandbytes"
     else:
         sd, library = foreign(opt, lambda p: torchao_entry(p, layout)), "torchao"
-    refused(opt, params, sd, rf"saved by a {library} optimizer .*cannot read their moments yet: load only the "
-            r"model's state dict")
+    refused(opt, params, sd, rf"saved by a {library} optimizer .*convert it first, which keeps its moments .*: "
+            r"optimizer\.load_state_dict\(lowbit_compile\.checkpoint\.from_peer_state_dict\(state_dict\)\)")
 
 
 def test_a_stock_state_dict_of_other_parameters_is_refused_naming_what_to_do():

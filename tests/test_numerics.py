@@ -335,7 +335,7 @@ def _rig(opt_name: str, fmt: str):
     cls, kwargs = OPTIMIZERS[opt_name]
     ours_p, stock_p = (torch.nn.Parameter(torch.zeros(RIG_NUMEL)) for _ in range(2))
     ours = lowbit_compile(cls([ours_p], **kwargs), fmt, block_size=RIG_BLOCK, outliers=1, min_8bit_size=0,
-                          backend="reference")
+                          backend="reference", rounding="nearest")  # stochastic rounding: tests/test_rounding.py
     stock = cls([stock_p], **kwargs)
     for p, opt in ((ours_p, ours), (stock_p, stock)):
         p.grad = torch.ones(RIG_NUMEL)
@@ -532,6 +532,22 @@ def test_a_long_idle_row_stays_finite_and_within_its_bound(fmt):
     assert row.finite
     assert row.within_bound, row
     assert row.bound_over_movement < 1.0, row  # the bound says something: less than stock's own movement
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", BLOCKWISE)
+def test_a_long_idle_row_under_the_default_stays_finite_and_as_close_as_nearests_bound(fmt):
+    """The same row under the default rounding (v stochastic): a decaying block no longer keeps its codes,
+    so the per-element bound above does not apply; the row stays finite and its distance from stock (the
+    norm over stock's movement) stays under the bound proven for rounding to nearest."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        nearest, default = idle_row_run(fmt, 5000), idle_row_run(fmt, 5000, rounding="auto")
+    finally:
+        torch.set_num_threads(threads)
+    assert default.finite
+    assert default.off_over_movement <= nearest.bound_over_movement, (default, nearest)
 
 
 @pytest.mark.parametrize("name", BLOCKWISE)

@@ -117,9 +117,12 @@ def test_exact_master_weights_train_the_bf16_model_as_the_fp32_master_recipe_doe
     pytest.importorskip("sklearn")
     task = SMALL_TASKS["digits_ft"]()
     runs = {}
-    for name in ("bf16p-exact-fp32", "bf16p-master", "bf16p-exact", "bf16p-master-dynamic8-b512-k0", "bf16p-adamw"):
+    for name in ("bf16p-exact-fp32", "bf16p-master", "bf16p-exact-dynamic8-b512-k0", "bf16p-master-dynamic8-b512-k0",
+                 "bf16p-adamw"):
         spec = OptimizerSpec(name)
         runs[name] = train(task, spec.build, seed=3, steps=4, param_dtype=spec.param_dtype)
     assert runs["bf16p-exact-fp32"].train_loss == runs["bf16p-master"].train_loss
-    assert runs["bf16p-exact"].train_loss == runs["bf16p-master-dynamic8-b512-k0"].train_loss
+    # the same format on both sides (the default, sqrt8, met dynamic8's losses for 4 steps only by chance
+    # while every state rounded to nearest)
+    assert runs["bf16p-exact-dynamic8-b512-k0"].train_loss == runs["bf16p-master-dynamic8-b512-k0"].train_loss
     assert runs["bf16p-adamw"].train_loss != runs["bf16p-master"].train_loss

@@ -571,3 +571,26 @@ class TestPrintedStochasticKernels(TestCase):
 == integer fp8
 -                APPROXIMATE=True)
 +                APPROXIMATE=True, seed=clone_default, STREAM=1)""")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("fmt", ["sqrt8", "int8", "dynamic8", "fp8_e4m3"])
+def test_a_positive_v_far_below_its_block_never_rounds_stochastically_to_code_0(backend, fmt):
+    """v of 1e-30 beside 4e29 in one block: sqrt8's root of it is below 2^-75, whose square is 0 in fp32,
+    and the stochastic encode read the zero-point rule from that square (code 0 on the reference and
+    C++); every backend keeps a positive v at a positive code."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    p = torch.nn.Parameter(torch.zeros(64))
+    opt = lowbit_compile(torch.optim.AdamW([p]), fmt, block_size=32, min_8bit_size=0, backend=backend,
+                         rounding="stochastic")
+    p.grad = torch.ones(64)
+    opt.step()
+    state = opt.state[p]
+    state["exp_avg_sq"].copy_(torch.full((64,), 1e-30))
+    state["exp_avg"].copy_(torch.zeros(64))
+    p.grad = torch.zeros(64)
+    p.grad[0] = 2e16  # v[0] = 0.001 * 4e32 = 4e29: the block's scale
+    opt.step()
+    v = state["exp_avg_sq"].dequantize()
+    assert bool((v > 0).all()), v

@@ -66,7 +66,7 @@ def test_nearest_prototype_tracks_the_library(name, one_thread):
     torch.manual_seed(0)
     lib, proto = torch.nn.Linear(128, 64), torch.nn.Linear(128, 64)
     proto.load_state_dict(lib.state_dict())
-    opts = [make_optimizer(v)(list(m.parameters()), HYPER) for v, m in ((name, lib), (name + "+nearest-proto", proto))]
+    opts = [make_optimizer(v)(list(m.parameters()), HYPER) for v, m in ((name + "+nearest", lib), (name + "+nearest-proto", proto))]
     for _ in range(10):
         x = torch.randn(32, 128)
         for m, opt in zip((lib, proto), opts):

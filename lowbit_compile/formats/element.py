@@ -180,9 +180,12 @@ def encode(x: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor | None = Non
         special = torch.where(torch.isnan(x), nan, torch.where(x > 0, pos_inf, neg_inf)).to(torch.uint8)
         return torch.where(flagged & ~torch.isfinite(x), special, codes).view(fmt.code_dtype)
     if draws is not None:
-        nearest = encode(x, fmt)
         rounding = fmt.spec.round_stochastic or round_stochastic
-        return rounding(x * x.abs() if fmt.spec.root_domain else x, nearest, fmt, draws)
+        if not fmt.spec.root_domain:
+            return rounding(x, encode(x, fmt), fmt, draws)
+        codes = rounding(x * x.abs(), encode(x, fmt), fmt, draws)
+        # x * |x| underflows to 0 for a root below 2^-75: the zero-point rule reads the root itself
+        return torch.where((x > 0) & (codes == 0), 1, codes) if fmt.nonneg else codes
     return fmt.spec.encode(x, fmt)
 
 

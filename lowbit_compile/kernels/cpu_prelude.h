@@ -706,13 +706,14 @@ LB_INLINE vi lb_stochastic_int8(vf y, vf t) {
 }
 // sqrt8 from the root-domain magnitude r (the nearest encode's input) and the sign of `sign`: the value
 // y = a * a of the clamped root a, the inner code c = floor(a), y - c * c in one fma (c * c is exact)
-// and the outer code's value 2c + 1 above c * c: all exact, nothing decoded.
+// and the outer code's value 2c + 1 above c * c: all exact, nothing decoded. A positive root lifts a code 0
+// to 1 (a root below 2^-75 squares to 0).
 template <bool U>
 LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vf t) {
   const vf a = lb_min_nn(r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)), c = lb_floor(a), y = a * a;
   const vf d = lb_fma(-c, c, y), gap = lb_fma(c, lb_splat(2.0f), lb_splat(1.0f));
   const vi m = lb_step_up(c, t * gap, d);
-  return U ? lb_lift_positive(m, y) : lb_code_byte(lb_sign_of(m, sign));
+  return U ? lb_lift_positive(m, a) : lb_code_byte(lb_sign_of(m, sign));  // a, not y: a * a may underflow
 }
 // fp8 on the magnitude, nothing decoded: the codes around |y| are the multiples c and c + 1 of its
 // binade's unit 2^(max(e, MIN_EXP) - M) (the outer one at the binade's top is the next binade's first

@@ -1,5 +1,5 @@
-"""Other libraries' optimizer states (bitsandbytes, torchao): what identifies them in a saved entry, and
-the refusal that names the library and what to do instead.
+"""Other libraries' optimizer states (bitsandbytes, torchao) met by ``load_state_dict``: what identifies them in
+a saved entry (``peer_state.py``, which reads them), and the refusal that names the library and the conversion.
 """
 
 from __future__ import annotations
@@ -7,14 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-# Their moments are not read yet (an importer would dequantize them with their own maps); the advice is
-# written here only.
-_BNB_KEYS = frozenset({"__bnb_optimizer_quant_state__", "state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2",
-                       "max1", "max2", "new_max1", "new_max2", "unorm_vec", "gnorm_vec"})
-_TORCHAO_CLASSES = frozenset({"OptimState8bit", "OptimStateFp8", "OptimState4bit"})
-FOREIGN_ADVICE = ("lowbit_compile cannot read their moments yet: load only the model's state dict, build this "
-                  "optimizer afresh (its moments restart from zero, as when switching optimizers mid-run), and "
-                  "skip optimizer.load_state_dict for this checkpoint")
+from .peer_state import BNB_KEYS as _BNB_KEYS
+from .peer_state import TORCHAO_CLASSES as _TORCHAO_CLASSES
+
+FOREIGN_ADVICE = ("convert it first, which keeps its moments (dequantized with that library's own maps, then stored "
+                  "in this optimizer's format) and its step: "
+                  "optimizer.load_state_dict(lowbit_compile.checkpoint.from_peer_state_dict(state_dict))")
 
 
 def foreign_library(entry: Mapping, kept: Mapping[str, Any]) -> str | None:
