@@ -38,7 +38,7 @@ BACKENDS = backends.BACKENDS  # the one list of backends (the API, enable(), the
 # state missing here is treated as signed, which is always correct, only coarser.
 NONNEG_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
 
-# The per-element states of the stock optimizers lowbit_compile rewrites (api.SUPPORTED, every flag):
+# The per-element states of the stock optimizers lowbit_compile rewrites (runtime.wrap.SUPPORTED, every flag):
 # a fmt dict or override may name these for an optimizer that lacks them (one config for several
 # optimizers); any other name must be a per-element state of the optimizer it is applied to.
 STOCK_STATES = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg",

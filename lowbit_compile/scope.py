@@ -338,7 +338,7 @@ class Scope(contextlib.ContextDecorator):
 
 
 def enable(fmt: str | Mapping[str, str] | Callable = DEFAULT_FMT, **options: Any) -> Any:
-    """Rewrite every supported ``torch.optim`` optimizer (``api.REWRITTEN``: Adam, AdamW, SGD, ..., Muon,
+    """Rewrite every supported ``torch.optim`` optimizer (``runtime.wrap.REWRITTEN``: Adam, AdamW, SGD, ..., Muon,
     RMSprop, ...) stepped inside the scope with low-bit states; others are left stock and counted.
 
     Use as ``@enable(fmt="int8")``, bare ``@enable``, or ``with enable(...):``. Options are those of

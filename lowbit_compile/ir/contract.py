@@ -130,7 +130,7 @@ class StateAccess:
     """A ``lowbit::dequantize`` (``value`` None), ``lowbit::quantize_`` or ``lowbit::quantize_stochastic_``
     node, parsed: the state's key, format and storage inputs (in :data:`PARTS` order); the stock dtype
     the state is read as; the new value a quantize stores; for stochastic rounding, the step counter
-    input and the state's stream (``rounding.py``)."""
+    input and the state's stream (``formats/rounding.py``)."""
 
     node: Node
     key: str

@@ -71,7 +71,8 @@ def quantize_stochastic_(
     stream: int,
     fmt: str,
 ) -> None:
-    """``quantize_`` rounding stochastically, with the draws of counter ``seed`` in ``stream`` (``rounding.py``)."""
+    """``quantize_`` rounding stochastically, with the draws of counter ``seed`` in ``stream``
+    (``formats/rounding.py``)."""
     draws = rounding.state_draws(float(seed), stream, x.numel(), x.device)
     blockquant.quantize_into(
         x, blockquant.Quantized(codes, scales, patch_values, patch_index), StateFormat.from_tag(fmt), draws
