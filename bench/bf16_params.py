@@ -46,9 +46,9 @@ def make(variant: str):
             return _adamw(params, hyper, fused=True)
         if variant == "torch AdamW foreach=False":
             return _adamw(params, hyper, foreach=False)
-        from lowbit_compile import compile as compile_module
         from lowbit_compile import lowbit_compile
         from lowbit_compile.config import DEFAULT_FMT
+        from lowbit_compile.runtime import compile as compile_module
 
         if not hasattr(compile_module, "_stock_fp32_opmath"):
             compile_module._stock_fp32_opmath = compile_module.fp32_opmath

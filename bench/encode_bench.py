@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from lowbit_compile.formats import StateFormat, encode
+from lowbit_compile.formats.dynamic import legacy_dynamic_map
 from lowbit_compile.kernels import cpp_printer, cpu_build
-from lowbit_compile.kernels.formats import StateFormat, encode, legacy_dynamic_map
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
-import lowbit_compile.kernels.blockquant as bq
-import lowbit_compile.kernels.formats as fm
+import lowbit_compile.formats.blockquant as bq
+import lowbit_compile.formats.element as fm
 from bench.quality import mean_std
 from bench.tasks import TASKS, OptimizerSpec, train
 from bench.zero_point import FULL, SMALL, zero_point_check

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.step_bench import LR, PARAM_SETS, WEIGHT_DECAY, load_average, make_params  # noqa: E402
-from lowbit_compile import compile as compile_module  # noqa: E402
 from lowbit_compile import lowbit_compile  # noqa: E402
 from lowbit_compile.kernels import cpp_printer  # noqa: E402
+from lowbit_compile.runtime import compile as compile_module
 
 RESULTS = Path(__file__).parent / "results"
 FORMATS = ("sqrt8", "int8", "dynamic8", "fp8_e4m3")

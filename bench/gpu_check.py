@@ -39,11 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file fr
 
 import torch  # noqa: E402
 
+from bench.quantized_contract import assert_codes_within_one_step  # noqa: E402
 from lowbit_compile import lowbit_compile  # noqa: E402
 from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS  # noqa: E402
-from lowbit_compile.kernels import blockquant, triton_backend  # noqa: E402
-from lowbit_compile.kernels.formats import StateFormat  # noqa: E402
-from tests.quantized_contract import assert_codes_within_one_step  # noqa: E402
+from lowbit_compile.formats import (
+    StateFormat,  # noqa: E402
+    blockquant,
+)
+from lowbit_compile.kernels import triton_backend  # noqa: E402
 
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
 LR, WEIGHT_DECAY = 1e-3, 0.1

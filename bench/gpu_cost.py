@@ -103,8 +103,8 @@ def cases() -> list[Case]:
 @functools.cache
 def step_body(case: Case) -> torch.fx.GraphModule:
     """The body of the split step ``lowbit_compile`` builds for this case (traced on the CPU)."""
-    from lowbit_compile import compile as compile_module
     from lowbit_compile import lowbit_compile
+    from lowbit_compile.runtime import compile as compile_module
 
     captured = []
     original = compile_module.lower
@@ -136,7 +136,7 @@ def target_for(arch: int):
 
 
 def emitted_for(case: Case, arch: int):
-    from lowbit_compile.kernels.formats import StateFormat
+    from lowbit_compile.formats import StateFormat
     from lowbit_compile.kernels.triton_printer import dequantize_graph, emit_kernel, quantize_graph
 
     if case.state_kernel:
@@ -232,7 +232,7 @@ def common_path_lib() -> str | None:
         return None
     assert source.count(_ANY_SET) == 1, "triton_lib.any_set changed: update bench/gpu_cost.py"
     source = source.replace(_ANY_SET, "    return False\n")
-    source = source.replace("from .formats", "from lowbit_compile.kernels.formats")
+    source = source.replace("from ..formats", "from lowbit_compile.formats")
     name = "lowbit_triton_lib_common_path"
     filename = f"<{name}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)

@@ -32,7 +32,7 @@ import torch
 import lowbit_compile
 from bench.tasks import TASKS, Hyper, OptimizerSpec, train
 from lowbit_compile.config import DEFAULT_FMT
-from lowbit_compile.monitor import MAX_REL_ERROR, MAX_ZERO_FLUSH, LowbitHealthWarning
+from lowbit_compile.health import MAX_REL_ERROR, MAX_ZERO_FLUSH, LowbitHealthWarning
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -1,13 +1,13 @@
 """Numerics of each format against stock fp32 Adam, in two cases (issue 13):
 
 * **drift**: 30 steps on PyTorch's own optim_db Adam/AdamW inputs (every CPU fp32 kwargs variant,
-  the parameter shapes of ``tests/helpers.py``'s ``model_params``) with gradients scaled by 1, 0.1, 0.01,
+  the parameter shapes of ``bench/shapes.py``'s ``model_params``) with gradients scaled by 1, 0.1, 0.01,
   0.001 in turn: the relative L2 distance of the params to stock's, over stock's movement
   (``||p - p_fp32|| / ||p_fp32 - p_0||``) and over stock's params (``||p - p_fp32|| / ||p_fp32||``);
 * **idle**: an embedding-like table whose rows are updated once (gradients N(0, 1), and 1e-20 for
   the second row) and then idle (gradients exactly 0) for 5,000 Adam steps, default betas: whether
-  every param stays finite, how far it ends from stock, and the bound ``tests/test_numerics.py``
-  asserts for it, both over stock's movement during the idle steps.
+  every param stays finite, how far it ends from stock, and the bound ``bench/bounds.py`` states
+  (``tests/test_numerics.py`` asserts it), both over stock's movement during the idle steps.
 
     python bench/numerics.py                 # both cases, default layout (blocks of 512, no patches)
     python bench/numerics.py --idle-steps 1000
@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 import torch
 from torch.testing._internal.common_optimizers import optim_db
 
+from bench.bounds import idle_row_run
+from bench.shapes import model_params
 from lowbit_compile import lowbit_compile
-from tests.helpers import model_params
-from tests.test_numerics import idle_row_run
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")

@@ -19,7 +19,7 @@ every step).
 PROTOTYPE, not the library feature: ``<ours>+nearest-proto`` and ``<ours>+sr-proto`` emulate 8-bit states
 in plain torch. The stock optimizer keeps fp32 states, and after every step each per-element state of
 a tensor the library would quantize (``min_8bit_size``) is replaced by its block-quantized round trip:
-``kernels/blockquant.py``'s reference for nearest, an unbiased stochastic encode (round up with the
+``formats/blockquant.py``'s reference for nearest, an unbiased stochastic encode (round up with the
 probability of the distance to the code below over the code gap) for ``sr``, drawn from a generator
 seeded by (seed, step, tensor), so a run is reproducible. The ``nearest-proto`` rows check the
 emulation against the library's own runs. Writes ``bench/results/rounding.{json,md}``.
@@ -46,8 +46,8 @@ from bench.step_bench import ROUNDINGS as LIBRARY_ROUNDINGS
 from bench.tasks import Digits, Hyper, OptimizerSpec, train
 from lowbit_compile import lowbit_compile
 from lowbit_compile.config import DEFAULT_MIN_8BIT_SIZE, NONNEG_STATES
-from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat, decode, dynamic_map
+from lowbit_compile.formats import StateFormat, blockquant, decode, format_names
+from lowbit_compile.formats.dynamic import dynamic_map
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
@@ -175,7 +175,7 @@ def emulate_states(opt: torch.optim.Optimizer, fmt: str | dict = "dynamic8", blo
 
     def fmt_of(key: str) -> str:
         name = fmt.get(key, "fp32") if isinstance(fmt, dict) else fmt
-        if name not in FORMAT_NAMES:
+        if name not in format_names():
             raise ValueError(f"unknown format {name!r}")
         return name
 

@@ -14,9 +14,10 @@ tensors that are new each round as in training, with the same values); the ratio
 to torch's fused fp32 AdamW on the same parameters; GB/s of the minimal bytes a step moves (read and
 write p, read g, read and write every state) and that as % of the stream bandwidth measured in the
 same section; the first step in a fresh process with a cold and then a warm compile cache; the peak
-extra resident memory of a steady step. Results go to bench/results/ as JSON (every round) and
-markdown (bench/results/latest.md is the newest full run), with the machine's load averages, since
-a shared machine slows a compute-bound step as much as a memory-bound one.
+extra resident memory of a steady step. Results go to bench/results/step_bench[_<mode>]_<isa>_<sizes>.{json,md,png,log}
+(``_result_base``: our kernels' ISA, the sizes run; ``--optimizers`` and ``--master`` name their mode), JSON
+after every round, each run replacing the last one of its configuration (older runs are in git), with the
+machine's load averages, since a shared machine slows a compute-bound step as much as a memory-bound one.
 
 The peers are an optional extra: pip install -e ".[peers]" torch==<your torch>.
 """
@@ -637,8 +638,8 @@ def main() -> None:
         parser.error(f"--peers: unknown {unknown}; choose bitsandbytes, torchao or none")
     cands = contenders(peers, formats)
     RESULTS.mkdir(exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    log = _logger(RESULTS / f"step_bench_{stamp}{'_quick' if quick else ''}.log")
+    base = _result_base("", sizes)
+    log = _logger(base.with_suffix(".log"))
 
     result = {"mode": "quick" if quick else "full", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
         "cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "load_start": load_average(),
@@ -652,7 +653,7 @@ def main() -> None:
                              and (c.family != "floor" or dtype == "float32")]
             result["sections"] += run_section(size, getattr(torch, dtype), threads if size != "small500" else [1],
                                               section_cands, rounds, log)
-            _write(result, stamp, quick or args.sizes is not None)
+            _write(result, base)
     if not args.no_first_step:
         first_size = "6M" if quick else "25M"
         result["first_step_size"] = first_size
@@ -661,7 +662,7 @@ def main() -> None:
                 and (not quick or c.name in ("torch AdamW fused", "lowbit int8 +patches"))]
         result["first_steps"] = first_steps(pick, first_size, "float32", log)
     result["machine"]["load_end"] = load_average()
-    _write(result, stamp, quick or args.sizes is not None)
+    _write(result, base)
     print(markdown(result))
 
 
@@ -671,8 +672,8 @@ def master_main(args: argparse.Namespace) -> None:
     threads = [int(t) for t in (args.threads or "1,2").split(",")]
     rounds = args.rounds or 10
     RESULTS.mkdir(exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    log = _logger(RESULTS / f"step_bench_master_{stamp}.log")
+    base = _result_base("master", sizes)
+    log = _logger(base.with_suffix(".log"))
 
     result = {"mode": "master weights", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
         "cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "load_start": load_average(),
@@ -684,7 +685,6 @@ def master_main(args: argparse.Namespace) -> None:
         fp32 = next(r["step_ms_median"] for r in section["rows"] if r["contender"] == "torch AdamW fused, fp32 params")
         for row in section["rows"]:
             row["x_fused_fp32"] = row["step_ms_median"] / fp32
-    base = RESULTS / f"step_bench_master_{stamp}"
     base.with_suffix(".json").write_text(json.dumps(result, indent=1))
     text = markdown(result) + "\n" + "\n".join(
         f"- {s['size']}, {s['threads']} thread(s): " + "; ".join(
@@ -693,12 +693,12 @@ def master_main(args: argparse.Namespace) -> None:
              "AdamW on the bf16 params. State B/param counts the recipe's fp32 copies; GB/s assumes 2-byte p "
              "and g for every row.)\n")
     base.with_suffix(".md").write_text(text)
-    (RESULTS / "master_latest.md").write_text(text)
     print(text)
 
 
 def _logger(path: Path) -> Callable[[str], None]:
-    """Print a line and append it to ``path``."""
+    """Print a line and append it to ``path`` (emptied first: the log of this run only)."""
+    path.write_text("")
     def log(msg: str) -> None:
         print(msg, flush=True)
         with path.open("a") as f:
@@ -718,28 +718,24 @@ def optimizers_main(args: argparse.Namespace) -> None:
     size = (args.sizes or "12M").split(",")[0]
     threads = int((args.threads or "1").split(",")[0])
     RESULTS.mkdir(exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {"mode": "optimizers", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
         "cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__, "load_start": load_average()}}
     result["optimizers"] = run_optimizers(size, names, threads, args.rounds or 7, formats, print)
     result["machine"]["load_end"] = load_average()
-    base = RESULTS / f"step_bench_optimizers_{stamp}"
+    base = _result_base("optimizers", [size])
     base.with_suffix(".json").write_text(json.dumps(result, indent=1))
     text = optimizers_markdown(result)
     base.with_suffix(".md").write_text(text)
     print(text)
 
 
-def _write(result: dict, stamp: str, partial: bool) -> None:
-    """The run's JSON, markdown and plot; a full run (default sizes, not --quick) is also latest.md."""
+def _write(result: dict, base: Path) -> None:
+    """The run's JSON, markdown and plot (``base`` + suffix), replacing the last run's of the same configuration
+    (:func:`_result_base`)."""
     result["machine"].setdefault("load_end", load_average())
-    base = RESULTS / f"step_bench_{stamp}{'_quick' if partial else ''}"
     base.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    text = markdown(result)
-    base.with_suffix(".md").write_text(text)
+    base.with_suffix(".md").write_text(markdown(result))
     plot(result, base.with_suffix(".png"))
-    if not partial:
-        (RESULTS / "latest.md").write_text(text)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -809,6 +805,15 @@ def force_avx2() -> None:
     native = cpu_build.load_async
     cpu_build.load_async = lambda source, extra_flags=(): native(source, (*extra_flags, "-mno-avx512f"))
     _KERNEL_ISA = "AVX2"
+
+
+def _result_base(mode: str, sizes: list[str]) -> Path:
+    """Where a run's files go, named by its configuration: the mode (the main table, ``optimizers``, ``master``),
+    what our kernels are built for (``avx2`` under ``--isa avx2``, else the CPU's: ``avx512``, ``avx2``,
+    ``default``) and the sizes: ``step_bench_avx512_100M``. One current result per configuration; a run
+    replaces the last one's (older runs are in git)."""
+    isa = (_KERNEL_ISA or torch.backends.cpu.get_cpu_capability()).lower()
+    return RESULTS / "_".join(["step_bench", *([mode] if mode else []), isa, "-".join(sizes)])
 
 
 def _cpu_name() -> str:

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
+from bench.shapes import transformer_params
 from bench.state_drift import stored_moment
 from bench.tasks import PEERS, Hyper, OptimizerSpec
-from tests.helpers import transformer_params
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FULL = {"d": 384, "layers": 6, "vocab": 4864}  # 12,613,632 params

@@ -21,7 +21,7 @@ import torch
 
 import lowbit_compile
 from bench.tasks import OptimizerSpec, ZipfEmbedding, train
-from lowbit_compile.monitor import AVERAGE_WEIGHT, MAX_ZERO_FLUSH, Alert
+from lowbit_compile.health import AVERAGE_WEIGHT, MAX_ZERO_FLUSH, Alert
 
 PNG = Path(__file__).resolve().parents[1] / "bench" / "results" / "monitor_zipf.png"
 LAYOUTS = {"sqrt8 (default)": "sqrt8", "int8, blocks of 2048": "int8-b2048-k0"}

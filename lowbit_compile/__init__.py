@@ -14,20 +14,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import optim
     from .api import is_wrapped, lowbit_compile, restore
-    from .enable import Scope, enable
-    from .master import load_master_params, master_params
+    from .health import LowbitHealthWarning, Monitor, monitor
+    from .masters import load_master_params, master_params
     from .memory import memory_report
-    from .monitor import LowbitHealthWarning, Monitor, monitor
     from .passes.trace import trace_count
+    from .scope import Scope, enable
     from .state import QuantizedState
-    from .stats import StateStats, stats
+    from .state_stats import StateStats, stats
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "optim": ".optim", "is_wrapped": ".api", "lowbit_compile": ".api", "restore": ".api", "Scope": ".enable",
-    "enable": ".enable", "load_master_params": ".master", "master_params": ".master", "memory_report": ".memory",
-    "LowbitHealthWarning": ".monitor", "Monitor": ".monitor", "monitor": ".monitor", "trace_count": ".passes.trace",
-    "QuantizedState": ".state", "StateStats": ".stats", "stats": ".stats",
+    "optim": ".optim", "is_wrapped": ".api", "lowbit_compile": ".api", "restore": ".api", "Scope": ".scope",
+    "enable": ".scope", "load_master_params": ".masters", "master_params": ".masters", "memory_report": ".memory",
+    "LowbitHealthWarning": ".health", "Monitor": ".health", "monitor": ".health", "trace_count": ".passes.trace",
+    "QuantizedState": ".state", "StateStats": ".state_stats", "stats": ".state_stats",
 }
 __all__ = ["LowbitHealthWarning", "Monitor", "QuantizedState", "Scope", "StateStats", "enable", "is_wrapped",
            "load_master_params", "lowbit_compile", "master_params", "memory_report", "monitor", "optim", "restore",
@@ -44,8 +44,8 @@ def _load() -> None:
     # `from lowbit_compile import lowbit_compile` gives the function; `@lowbit_compile.enable(...)` works on it too.
     fn = globals()["lowbit_compile"]
     fn.enable, fn.stats, fn.monitor = globals()["enable"], globals()["stats"], globals()["monitor"]
-    # a stock optimizer stepping over a low-bit checkpoint's states fails naming the fix (checkpoint.py)
-    importlib.import_module(".checkpoint", __name__).guard_stock_steps()
+    # a stock optimizer stepping over a low-bit checkpoint's states fails naming the fix (state/stock.py)
+    importlib.import_module(".state.stock", __name__).guard_stock_steps()
 
 
 def _running_the_cli() -> bool:

@@ -18,7 +18,17 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .options import MAX_PARAM_COUNT, Options, ScopeOptions, cli_flags, parse_spec
+from .options import (
+    FORMATS,
+    FP32,
+    MAX_PARAM_COUNT,
+    PARAM_DTYPE_NAMES,
+    Options,
+    ScopeOptions,
+    cli_flags,
+    parse_spec,
+    with_formats,
+)
 
 # The runner's flags: the options of lowbit_compile and enable() that have one (options.py), and its
 # own; everything from the script path (or -m MODULE) on belongs to the script.
@@ -33,21 +43,36 @@ _FLAG_NAMES = {**{f.name: flag for f, flag in _OPTION_FLAGS}, "param_dtype": "--
                "--zero-stage", "shards": "--shards", "muon_params": "--muon-params"}
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Lists the registered formats where a flag's help names them (:data:`options.FORMATS`): the registry
+    loads torch, so only printing the help loads it, not parsing the command line."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        if text is None or FORMATS not in text:
+            return text
+        from .formats import format_names
+
+        return with_formats(text, format_names())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m lowbit_compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a training script with its torch.optim optimizers rewritten",
-                         usage="python -m lowbit_compile run [options] (script.py | -m module) [args...]")
+                         usage="python -m lowbit_compile run [options] (script.py | -m module) [args...]",
+                         formatter_class=_HelpFormatter)
     for field, flag in _OPTION_FLAGS:
         run.add_argument(flag, dest=field.name, default=field.metadata["cli_default"], help=field.metadata["cli"],
                          **field.metadata["argparse"])
     for flag, kwargs in _RUNNER_FLAGS:
         run.add_argument(flag, **kwargs)
-    est = sub.add_parser("estimate", help="training memory of a model size, stock AdamW vs low-bit states")
+    est = sub.add_parser("estimate", help="training memory of a model size, stock AdamW vs low-bit states",
+                         formatter_class=_HelpFormatter)
     est.add_argument("--params", required=True, type=parse_count, help="parameter count: 7e9, 7B, 125M")
-    est.add_argument("--param-dtype", default="fp32", help="fp32, bf16 or fp16")
-    est.add_argument("--master-weights", choices=("fp32", "exact", "8bit"), metavar="MODE",
+    est.add_argument("--param-dtype", default=FP32, help=", ".join(PARAM_DTYPE_NAMES))
+    est.add_argument("--master-weights", choices=(FP32, "exact", "8bit"), metavar="MODE",
                      help="the fp32 master of bf16/fp16 params, a MODE as run's flag takes (exact, 8bit: our "
                           "residual in the low-bit column), or fp32 (the recipe's fp32 copy in both columns)")
     for field, flag in _OPTION_FLAGS:
@@ -145,7 +170,7 @@ def _run(args: argparse.Namespace, target: tuple[str, str], script_args: list[st
 
     _load()  # torch loads here, after the command line and the script were checked
     from .config import UnmatchedOverride
-    from .enable import Scope
+    from .scope import Scope
 
     try:
         scope = Scope(**_given(**given))

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .formats import StateFormat, format_names, passthrough
+from .formats.residual import MODES as MASTER_MODES
+from .formats.residual import PARAM_DTYPES as MASTERED_DTYPES
+from .formats.residual import MasterFormat
+from .formats.rounding import DEFAULT_ROUNDING, ROUNDINGS
 from .kernels import backends
-from .kernels.formats import FORMAT_NAMES, StateFormat
-from .kernels.residual import MODES as MASTER_MODES
-from .kernels.rounding import DEFAULT_ROUNDING, ROUNDINGS, rounds_stochastically
 from .options import (  # noqa: F401 (the defaults and spec types, where they were named before options.py)
     DEFAULT_BLOCK_SIZE,
     DEFAULT_FMT,
@@ -36,7 +38,7 @@ BACKENDS = backends.BACKENDS  # the one list of backends (the API, enable(), the
 # state missing here is treated as signed, which is always correct, only coarser.
 NONNEG_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
 
-# The per-element states of the stock optimizers lowbit_compile rewrites (api.SUPPORTED, every flag):
+# The per-element states of the stock optimizers lowbit_compile rewrites (runtime.wrap.SUPPORTED, every flag):
 # a fmt dict or override may name these for an optimizer that lacks them (one config for several
 # optimizers); any other name must be a per-element state of the optimizer it is applied to.
 STOCK_STATES = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg",
@@ -125,13 +127,19 @@ class Config:
                                         f"remove it.{hint}", text, shown, hint)
 
     def stochastic(self, formats: Mapping[str, StateFormat]) -> frozenset[str]:
-        """The quantized states of ``formats`` that round stochastically (``rounding.rounds_stochastically``:
+        """The quantized states of ``formats`` that round stochastically (:func:`rounds_stochastically`:
         a per-state dict's unnamed states as the default does; fp32 states never round)."""
         return frozenset(k for k, f in formats.items()
                          if rounds_stochastically(_pick(self.rounding, k) or DEFAULT_ROUNDING, f))
 
     def format_name(self, state_key: str) -> str:
         return _pick(self.fmt, state_key) or DEFAULT_FMT
+
+    def master_format(self, param: torch.Tensor) -> MasterFormat | None:
+        """How ``param`` keeps its fp32 master (None: it is fp32, its own master, or the option is off)."""
+        if self.master_weights is None or param.dtype not in MASTERED_DTYPES:
+            return None
+        return MasterFormat(self.master_weights, param.dtype)
 
     def formats_for(self, param: torch.Tensor, per_element: tuple[str, ...], name: str | None = None,
                     nonneg: Collection[str] = NONNEG_STATES) -> tuple[tuple[str, StateFormat], ...]:
@@ -150,7 +158,7 @@ class Config:
         out = []
         for key in per_element:
             fmt_name = _pick(spec, key) if spec is not None else None
-            fmt_name = fmt_name or ("fp32" if small else self.format_name(key))
+            fmt_name = fmt_name or (passthrough().name if small else self.format_name(key))
             out.append((key, StateFormat.make(fmt_name, self.block_size, self.outliers, key in nonneg)))
         return tuple(out)
 
@@ -207,7 +215,7 @@ def _pick(spec: str | tuple[tuple[str, str], ...] | None, state_key: str) -> str
 
 def _fmt_key(fmt: object, what: str) -> str | tuple[tuple[str, str], ...]:
     """A validated, hashable form of a fmt argument: a name, or sorted (state, name) pairs."""
-    return _spec_key(fmt, what, FORMAT_NAMES, _width_hint)
+    return _spec_key(fmt, what, format_names(), _width_hint)
 
 
 # A width as other libraries name a state format: bitsandbytes' "8bit" and "4bit", "int4", "nf4", "16-bit".
@@ -221,7 +229,7 @@ def _width_hint(name: str) -> str | None:
     if match is None:
         return None
     bits = int(match.group(1))
-    widths = {f: StateFormat(f).bits for f in FORMAT_NAMES}
+    widths = {f: StateFormat(f).bits for f in format_names()}
     same = sorted((f for f, b in widths.items() if b == bits), key=lambda f: f != DEFAULT_FMT)
     if not same:
         smallest = min(widths.values())
@@ -261,3 +269,15 @@ def _choice(value: object, what: str, choices: tuple[str, ...], hint: Callable[[
                              f"{' or '.join(map(repr, close))}?)")
     raise ValueError(f"{what} must be one of {choices}, got {value!r}")
 
+
+def rounds_stochastically(spec: str, fmt: StateFormat) -> bool:
+    """Whether a state of ``fmt`` rounds stochastically under ``spec`` (one of :data:`ROUNDINGS`): ``"auto"``
+    (the default) for the non-negative states of the 8-bit formats, the second moments the sign pass
+    proves (Adam's ``exp_avg_sq``, RMSprop's ``square_avg``, ...): they decay by under a code a step, which
+    rounding to nearest holds in place (v's ratchet, docs/numerics.md); signed states (momenta) and the
+    16-bit bf16 states round to nearest."""
+    if fmt.passthrough:
+        return False
+    if spec == "auto":
+        return fmt.nonneg and fmt.blockwise
+    return spec == "stochastic"

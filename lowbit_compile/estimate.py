@@ -3,7 +3,7 @@ fp32 states against a low-bit format, per component.
 
 The same accounting people do by hand ("7B params, fp16 weights and grads, fp32 m, v and master
 weights: 7e9 x (2 + 2 + 4 + 4 + 4) B = 112 GB"), with the low-bit states' sizes taken from the real
-storage layout (``kernels.blockquant.empty`` on the meta device: codes, per-block scales, outlier
+storage layout (``formats.blockquant.empty`` on the meta device: codes, per-block scales, outlier
 patches), so the estimate follows any change of layout. Activations, the allocator's caches and
 per-tensor scalars (the step counters) are not counted; the block count assumes tensors much
 larger than a block (each tensor's last, partial block adds at most one block per tensor).
@@ -17,13 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from .config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS, NONNEG_STATES, Config
-from .kernels import blockquant
-from .kernels.formats import StateFormat
-from .kernels.residual import MODES as MASTER_MODES
-from .kernels.residual import MasterFormat, tie_words
-from .options import MAX_PARAM_COUNT, Options, is_int
+from .formats import StateFormat, blockquant
+from .formats.residual import MODES as MASTER_MODES
+from .formats.residual import MasterFormat, tie_words
+from .options import FP32, MAX_PARAM_COUNT, PARAM_DTYPE_NAMES, Options, is_int
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PARAM_DTYPES = dict(zip(PARAM_DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
 GB = 10**9
 
 # ZeRO stages (Rajbhandari et al. 2020): 1 shards optimizer states (and the fp32 master weights the
@@ -73,7 +72,7 @@ class Estimate:
 def estimate(
     params: int,
     *,
-    param_dtype: str = "fp32",
+    param_dtype: str = FP32,
     master_weights: bool | str | None = False,
     fmt: str | Mapping[str, str] = DEFAULT_FMT,
     block_size: int = DEFAULT_BLOCK_SIZE,
@@ -102,10 +101,10 @@ def estimate(
                          f"int64), got {params!r}".replace("e+", "e"))
     if param_dtype not in PARAM_DTYPES:
         raise ValueError(f"param_dtype must be one of {tuple(PARAM_DTYPES)}, got {param_dtype!r}")
-    mode = "fp32" if master_weights is True else (master_weights or None)
-    if mode not in (None, "fp32", *MASTER_MODES):
+    mode = FP32 if master_weights is True else (master_weights or None)
+    if mode not in (None, FP32, *MASTER_MODES):
         raise ValueError(f"master_weights must be True, 'fp32', 'exact', '8bit' or False, got {master_weights!r}")
-    if mode and param_dtype == "fp32":
+    if mode and param_dtype == FP32:
         raise ValueError("master weights are an fp32 copy of 16-bit params; pass param_dtype='bf16' or 'fp16'")
     if not isinstance(shards, int) or shards < 1:
         raise ValueError(f"shards must be a positive int, got {shards!r}")
@@ -125,7 +124,7 @@ def estimate(
         Row(f"grads ({param_dtype}{', released' if release_grads else ''})", local("grads") * p_bytes,
             0 if release_grads else local("grads") * p_bytes),
     ]
-    if mode == "fp32":
+    if mode == FP32:
         rows.append(Row("master weights (fp32)", local("master") * 4, local("master") * 4))
     elif mode:
         n_master = local("master")

@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .monitor import MAX_REL_ERROR, MAX_ZERO_FLUSH, Monitor, Sink, monitor
+from .health import MAX_REL_ERROR, MAX_ZERO_FLUSH, Monitor, Sink, monitor
 
 
 class LowbitMonitorCallback(TrainerCallback):

@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
-from .monitor import MAX_REL_ERROR, MAX_ZERO_FLUSH, Monitor, Sink, monitor
+from .health import MAX_REL_ERROR, MAX_ZERO_FLUSH, Monitor, Sink, monitor
 
 
 class LowbitMonitor(Callback):

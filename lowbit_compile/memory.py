@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import sharding
-from .state import QuantizedState
-from .wrapped import wrapped_of
+from .runtime.wrapped import wrapped_of
+from .state import QuantizedState, sharding
 
 
 @dataclass(frozen=True)

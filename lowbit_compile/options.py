@@ -24,6 +24,10 @@ DEFAULT_BLOCK_SIZE = 512
 DEFAULT_OUTLIERS = 0
 DEFAULT_MIN_8BIT_SIZE = 4096
 MAX_PARAM_COUNT = 10**18  # the most parameters estimate() sizes: tensor sizes are int64 (9.2e18)
+# How options and messages spell a parameter's dtype (fp32, bf16, fp16: estimate's param_dtype, the CLI's
+# --param-dtype, repr's per-state summary); the first is also estimate's master_weights of a plain fp32 copy.
+PARAM_DTYPE_NAMES = ("fp32", "bf16", "fp16")
+FP32 = PARAM_DTYPE_NAMES[0]
 
 FmtSpec = str | Mapping[str, str]
 RoundingSpec = str | Mapping[str, str]  # "auto" | "nearest" | "stochastic", or per state
@@ -79,12 +83,12 @@ class Options:
 
     fmt: str | Mapping[str, str] = option(
         DEFAULT_FMT,
-        '``"sqrt8"``, ``"dynamic8"``, ``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"`` or ``"fp32"`` (stock, bit '
-        'for bit), or a dict from state name to one of those (any case: ``"INT8"`` is ``"int8"``). The default, '
-        '``"sqrt8"`` in blocks of 512 without patches, was chosen on the quality, zero-point and step-time '
-        'benchmarks (docs/formats-and-quality.md); ``"dynamic8"`` spans more decades below a block\'s largest value.',
+        'a registered format, one of {formats} (``"fp32"``: the stock tensor, bit for bit), or a dict from state '
+        'name to one of those (any case: ``"INT8"`` is ``"int8"``). The default, ``"sqrt8"`` in blocks of 512 '
+        'without patches, was chosen on the quality, zero-point and step-time benchmarks '
+        '(docs/formats-and-quality.md); ``"dynamic8"`` spans more decades below a block\'s largest value.',
         always_shown=True,
-        cli=f"state format ({DEFAULT_FMT}, the default; dynamic8, int8, fp8_e4m3, fp8_e5m2, bf16, fp32) or per state: "
+        cli=f"state format ({DEFAULT_FMT}, the default; registered: {{formats}}) or per state: "
             "exp_avg=int8,exp_avg_sq=dynamic8", parse=parse_spec)
     block_size: int = option(
         DEFAULT_BLOCK_SIZE,
@@ -125,7 +129,7 @@ class Options:
         'a residual state (``master_residual``): ``"exact"`` is bit for bit an fp32 master copy stepped by the '
         'stock optimizer and the param refreshed from it (2.125 B/param), ``"8bit"`` keeps the master to 1/256 of '
         "the param's spacing, unbiased (1 B/param). The stock states are then those of the fp32 step (then in "
-        "``fmt``). fp32 parameters are their own master and stay as they are. See ``lowbit_compile.master``.",
+        "``fmt``). fp32 parameters are their own master and stay as they are. See ``lowbit_compile.state.master``.",
         cli="keep the fp32 master of bf16/fp16 params as a residual state: exact (2.125 B/param, bit for bit an "
             "fp32 master copy) or 8bit (1 B/param)", metavar="MODE")
     rounding: RoundingSpec = option(
@@ -285,14 +289,24 @@ def entry_signature(head: Iterable[inspect.Parameter], *schemas: type, returns: 
     return inspect.Signature(params, return_annotation=returns)
 
 
-def args_doc(*schemas: type, indent: int = 8) -> str:
-    """The ``Args:`` lines of the fields of ``schemas``, for an entry point's docstring."""
+def args_doc(*schemas: type, formats: Sequence[str], indent: int = 8) -> str:
+    """The ``Args:`` lines of the fields of ``schemas``, for an entry point's docstring; ``formats``: the
+    registered format names (``formats.format_names()``), which this module cannot import (no torch here)."""
     lines = []
     for schema in schemas:
         for f in dataclasses.fields(schema):
-            lines.append(textwrap.fill(f"{f.name}: {f.metadata['doc']}", 108, initial_indent=" " * indent,
+            doc = with_formats(f.metadata["doc"], formats, quoted=True)
+            lines.append(textwrap.fill(f"{f.name}: {doc}", 108, initial_indent=" " * indent,
                                        subsequent_indent=" " * (indent + 4)))
     return "\n".join(lines)
+
+
+FORMATS = "{formats}"  # where an option's doc or CLI help lists the registered formats
+
+
+def with_formats(text: str, formats: Sequence[str], quoted: bool = False) -> str:
+    """``text`` with the registered format names where it says :data:`FORMATS` (as literals in a docstring)."""
+    return text.replace(FORMATS, ", ".join(f'``"{n}"``' if quoted else n for n in formats))
 
 
 def cli_flags(*schemas: type) -> list[tuple[dataclasses.Field, str]]:

@@ -1,6 +1,7 @@
 """What a param group must hold for the rewritten step, checked where an optimizer is wrapped, a group is
-added and a step meets a group it has not seen: an error naming the entry and the fix, before anything
-changes (a stock step fails deep in the trace on such a group, or steps with it silently)."""
+added, a step meets a group it has not seen and a checkpoint's groups are loaded: an error naming the entry
+and the fix, before anything changes (a stock step fails deep in the trace on such a group, or steps with
+it silently)."""
 
 from __future__ import annotations
 
@@ -13,52 +14,64 @@ import torch
 from .passes.trace import unhooked_step
 
 
-def check_group(where: str, group: Any, defaults: Mapping[str, Any], complete: bool = True) -> None:
-    """Refuse a group that is not a dict with ``params``, or whose numeric hyperparameters (those with a
-    number, or a tuple of numbers, as the optimizer's default) are not numbers as the default's, or, when
-    the step reads every default (``complete``: torch.optim's own steps), missing."""
+def check_group(where: str, group: Any, reference: Mapping[str, Any], complete: bool = True,
+                origin: str = "the default", bools: bool = False) -> None:
+    """Refuse a group that is not a dict with ``params``, or whose hyperparameters are of another kind than
+    ``reference``'s (the optimizer's defaults, or for a checkpoint's group the live one, ``origin`` naming
+    which): a number where it has a number, a tuple of as many numbers (or Nones where it has None) where it
+    has one, and with ``bools`` a bool (or None) where it has a bool. A hyperparameter ``reference`` has and
+    ``group`` lacks is refused when the step reads every one (``complete``: torch.optim's own steps)."""
     if not isinstance(group, Mapping):
         raise TypeError(f"{where} must be a dict, got {type(group).__name__}")
     if "params" not in group:
         raise ValueError(f"{where} has no 'params': a param group is a dict such as {{'params': [...], 'lr': 1e-3}}; "
                          "add_param_group() fills in the optimizer's defaults for the rest")
-    for key, default in defaults.items():
-        if key == "params" or not _numeric(default):
+    for key, ref in reference.items():
+        if key in ("params", "param_names") or not (_numeric(ref) or (bools and isinstance(ref, bool))):
             continue
         if key not in group:
-            if not complete:  # a step of one's own may read it with group.get(key, default)
+            if not complete or isinstance(ref, bool):  # a step of one's own may read it with group.get(key, default)
                 continue
-            raise ValueError(f"{where} has no {key!r} (the optimizer's default is {default!r}); add groups with "
+            raise ValueError(f"{where} has no {key!r} (the optimizer's default is {ref!r}); add groups with "
                              "add_param_group(), which fills in the defaults")
-        _check_value(f"{where}[{key!r}]", group[key], default)
+        _check_value(f"{where}[{key!r}]", group[key], ref, origin)
 
 
-def _number(value: Any) -> bool:
-    """A real number (not a bool) or a one-element tensor: what a float hyperparameter may be."""
+def is_real_number(value: object) -> bool:
+    """One real number: a Python or numpy number (not a bool) or a one-element real tensor."""
     if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and not value.is_complex()
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _numeric(default: Any) -> bool:
-    """Whether a default is a hyperparameter of numbers: a number, or a tuple of numbers (and Nones)."""
-    if isinstance(default, (tuple, list)):
-        return bool(default) and all(v is None or _number(v) for v in default) and any(map(_number, default))
-    return _number(default)
+def _numeric(ref: Any) -> bool:
+    """Whether a hyperparameter of numbers: a number, or a tuple of numbers (and Nones)."""
+    if isinstance(ref, (tuple, list)):
+        return bool(ref) and all(v is None or is_real_number(v) for v in ref) and any(map(is_real_number, ref))
+    return is_real_number(ref)
 
 
-def _check_value(where: str, value: Any, default: Any) -> None:
-    if isinstance(default, (tuple, list)):
-        if not isinstance(value, (tuple, list)) or len(value) != len(default):
-            raise ValueError(f"{where} must be a tuple of {len(default)} numbers, as the default {default!r}, got "
-                             f"{value!r}")
-        for i, (v, d) in enumerate(zip(value, default)):
-            if not (_number(v) or (v is None and d is None)):
-                raise ValueError(f"{where}[{i}] must be a number{' or None' if d is None else ''}, as in the default "
-                                 f"{default!r}, got {v!r}{_as_number(v)}")
-    elif not _number(value):
-        raise ValueError(f"{where} must be a number or a one-element tensor, as the default {default!r}, got "
-                         f"{value!r}{_as_number(value)}")
+def _shown(value: Any) -> str:
+    """A value for a message: its repr where short (a checkpoint may hold anything), else its type."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__}"
+
+
+def _check_value(where: str, value: Any, ref: Any, origin: str) -> None:
+    if isinstance(ref, bool):
+        if not (value is None or isinstance(value, bool)):
+            raise ValueError(f"{where} must be a bool or None, as {origin} {ref!r}, got {_shown(value)}")
+    elif isinstance(ref, (tuple, list)):
+        if not isinstance(value, (tuple, list)) or len(value) != len(ref):
+            raise ValueError(f"{where} must be a tuple of {len(ref)} numbers, as {origin} {ref!r}, got "
+                             f"{_shown(value)}")
+        for i, (v, d) in enumerate(zip(value, ref)):
+            if not (is_real_number(v) or (v is None and d is None)):
+                raise ValueError(f"{where}[{i}] must be a number{' or None' if d is None else ''}, as in {origin} "
+                                 f"{ref!r}, got {_shown(v)}{_as_number(v)}")
+    elif not is_real_number(value):
+        raise ValueError(f"{where} must be a number or a one-element tensor, as {origin} {ref!r}, got "
+                         f"{_shown(value)}{_as_number(value)}")
 
 
 def _as_number(value: Any) -> str:

@@ -3,8 +3,9 @@
 format and the states beside the codes (outlier patches, master residuals, rounding counters, SGD, Muon,
 Adafactor), each with the step that follows it.
 
-``python -m tests.checkpoint_cases DIR`` writes them; run it only for a new layout: the fixtures already saved
-are the record of what older releases wrote, never regenerated.
+``python -m tests.checkpoint_cases tests/fixtures/checkpoints/v<LAYOUT_VERSION>`` writes them; run it only for a new
+layout (``state/codec.py``'s ``LAYOUT_VERSION``): the fixtures already saved are the record of what older releases
+wrote, never regenerated.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from lowbit_compile import lowbit_compile
+from lowbit_compile.checkpoint import LAYOUT_VERSION
 from tests.helpers import saved_and_loaded
 
 SHAPES = ((24, 50), (300,), (33, 20))  # rows narrower than a block, a 1-D one, a non-multiple of the block
@@ -87,7 +89,7 @@ def make(name: str) -> dict:
     again = wrapped(name, resumed, "reference")
     again.load_state_dict(saved_and_loaded(state_dict))  # a stock load keeps the step tensors it is given
     step(again, resumed, gs[3])
-    return {"version": 0, "case": name, "params": saved, "grads": gs[3], "state_dict": state_dict,
+    return {"version": LAYOUT_VERSION, "case": name, "params": saved, "grads": gs[3], "state_dict": state_dict,
             "params_after": [p.detach().clone() for p in resumed], "state_dict_after": saved_and_loaded(again.state_dict())}
 
 

@@ -30,8 +30,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.tasks import FP32MasterCopy
-from lowbit_compile import QuantizedState, checkpoint, lowbit_compile, memory_report, restore, sharding
+from lowbit_compile import QuantizedState, lowbit_compile, memory_report, restore
 from lowbit_compile.checkpoint import stock_state_dict
+from lowbit_compile.state import codec, sharding
 
 LR = 1e-2
 FLATTENS_PACKED_STATES = torch.__version__ >= "2.10"  # flatten_optimizer_state_dict takes dict states
@@ -309,15 +310,15 @@ def reblocked_1d(rank: int, world: int, workdir: Path) -> None:
     """Shards with more blocks than a gathered table holds (here: a table shrunk to one record per
     block, 300 + 300 elements in blocks of 256) are saved as the held values quantized as one tensor,
     and load from there within the format's resolution."""
-    capacity = checkpoint._capacity
-    checkpoint._capacity = lambda numel, block_size: -(-numel // block_size)
+    capacity = codec._capacity
+    codec._capacity = lambda numel, block_size: -(-numel // block_size)
     try:
         model = Vector(600)
         opt = lowbit_compile(torch.optim.AdamW(model.parameters(), lr=LR), **{**CONFIG, "min_8bit_size": 0})
         train_vector(model, opt, 2, seed=1)
         held = dense_states(opt, model.w)
         model_sd, optim_sd = get_state_dict(model, opt)
-        assert optim_sd["state"]["w"]["exp_avg"]["row_splits"] == checkpoint._int("0,600")
+        assert optim_sd["state"]["w"]["exp_avg"]["row_splits"] == codec._int("0,600")
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(workdir / f"reblocked{world}"))
         resumed = Vector(600)
         resumed_opt = lowbit_compile(torch.optim.AdamW(resumed.parameters(), lr=LR), **{**CONFIG, "min_8bit_size": 0})
@@ -329,7 +330,7 @@ def reblocked_1d(rank: int, world: int, workdir: Path) -> None:
             assert torch.equal(saved[key], QuantizedState.from_dense(values, fmt).dequantize()), key
         assert_within_resolution(resumed_opt, resumed.w, saved)
     finally:
-        checkpoint._capacity = capacity
+        codec._capacity = capacity
 
 
 TABLES = ("block_scales", "block_patch_values", "block_patch_index")
@@ -630,7 +631,7 @@ def fsdp_release(rank: int, world: int, workdir: Path) -> None:
     """FSDP2 with release_grads: each rank's shard steps as its reduce-scattered grad lands (the grads
     are released before opt.step()), bit for bit the run without release (int8 and fp32 states, uneven
     shards); a DCP checkpoint taken with release resumes exactly."""
-    from lowbit_compile.released_grad import is_released
+    from lowbit_compile.runtime.released_grad import is_released
 
     for config in (CONFIG, {**CONFIG, "fmt": "fp32"}):
         nets = [fsdp_net(), fsdp_net()]

@@ -1,18 +1,15 @@
 """Build the graphs of each pass for one param of a stock optimizer (for snapshot tests), at the
-default state layout unless told otherwise."""
+default state layout unless told otherwise: the library's own rewrite (``passes.pipeline``)."""
 
 from __future__ import annotations
 
 import torch
 
 from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS, Config
-from lowbit_compile.kernels.rounding import DEFAULT_ROUNDING
+from lowbit_compile.formats.rounding import DEFAULT_ROUNDING
 from lowbit_compile.options import Options
-from lowbit_compile.passes.quantize_states import quantize_states
-from lowbit_compile.passes.roles import label_roles
-from lowbit_compile.passes.split import split_prologue
-from lowbit_compile.state_schema import init_state, probe_schema
-from lowbit_compile.trace_cache import trace_for
+from lowbit_compile.passes.pipeline import Rewrite, rewrite
+from lowbit_compile.state.schema import init_state, probe_schema, trace_for
 
 
 def pass_graphs(opt: torch.optim.Optimizer, fmt: str | dict = DEFAULT_FMT, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -24,9 +21,7 @@ def pass_graphs(opt: torch.optim.Optimizer, fmt: str | dict = DEFAULT_FMT, block
     formats = dict(config.formats_for(param, schema.per_element, nonneg=schema.nonneg))
     state = init_state(param, schema, formats)
     traced = trace_for(opt, group, param, state, schema.per_element).graph
-    roles = label_roles(traced)
-    quantized = quantize_states(roles, formats, config.stochastic(formats))
-    return {"traced": traced, "roles": roles, "quantized": quantized, "split": split_prologue(quantized)}
+    return {"traced": traced, **rewrite(traced, Rewrite(formats, config.stochastic(formats)))}
 
 
 def body(opt: torch.optim.Optimizer, fmt: str | dict = DEFAULT_FMT, **layout) -> torch.fx.GraphModule:

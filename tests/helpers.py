@@ -1,12 +1,12 @@
-"""Helpers shared by several test modules (and bench/numerics.py, bench/zero_point.py): parameter sets
-and twin runs against stock, optim_db's inputs, bit views, probe values of the state formats, the C++
-prelude's test harness, the formats' error bounds, the parameter loop of one's own optimizers, checkpoint
-round trips, and ``python -m lowbit_compile run`` in this process."""
+"""Helpers shared by several test modules: twin runs against stock (on ``bench/shapes.py``'s parameter
+sets), optim_db's inputs, bit views, probe values of the state formats, the C++ prelude's test harness,
+the parameter loop of one's own optimizers, checkpoint round trips, and ``python -m lowbit_compile run``
+in this process. What the benchmarks share with the tests lives in bench/ (the tests import it; bench
+never imports tests)."""
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import io
 import logging
 import signal
@@ -17,32 +17,22 @@ import pytest
 import torch
 from torch.testing._internal.common_optimizers import optim_db
 
+from bench.shapes import model_params
 from lowbit_compile import QuantizedState
 from lowbit_compile.cli import main
+from lowbit_compile.formats import StateFormat, decode, format_names, registered
+from lowbit_compile.formats.dynamic import dynamic_map, dynamic_thresholds
 from lowbit_compile.kernels import cpp_printer, cpu_build
-from lowbit_compile.kernels.formats import StateFormat, decode, dynamic_map, dynamic_thresholds
 
-BLOCKWISE = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8"]
+# The registry's formats, as the tests list them: every one, those a kernel stores (blockwise and bf16),
+# the blockwise ones, the fp8 ones.
+FORMATS = list(format_names())
+KERNEL_FORMATS = [f.name for f in registered() if not f.passthrough]
+BLOCKWISE = [f.name for f in registered() if f.blockwise]
+FP8 = [f.name for f in registered() if f.fp8_mantissa is not None]
 
 
 # -- parameter sets, and twin runs against stock ----------------------------------------------------
-
-def transformer_params(d: int = 128, layers: int = 2, vocab: int = 512) -> list[torch.nn.Parameter]:
-    """Shapes of a small GPT: embeddings, attention and MLP matrices, norms and biases."""
-    shapes = [(vocab, d), (256, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
-    shapes += [(d,), (d,)]
-    return [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-
-
-def model_params() -> list[torch.nn.Parameter]:
-    """Shapes of a small transformer block: matrices, vectors, a scalar, a non-contiguous weight."""
-    shapes = [(96, 32), (32,), (32, 96), (96,), (), (7, 5, 3)]
-    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    params.append(torch.nn.Parameter(torch.randn(40, 24).t()))  # non-contiguous param
-    return params
-
 
 def twin_params(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     """Copies of ``params``, keeping a non-contiguous param's layout."""
@@ -192,6 +182,8 @@ def dynamic8_probes(nonneg: bool, seed: int = 0) -> torch.Tensor:
 
 # -- the C++ prelude's element formats, called on whole arrays from Python -------------------------
 
+# dir 0: decode, 1: encode, 2: decode under a block scale (its sign bit set: a flagged block); fmt: the
+# format's index in BLOCKWISE
 FORMATS_HARNESS = r"""
 template <int F, bool U> static void run(int dir, float scale, void* codes, float* x, int64_t n) {
   uint8_t* c = (uint8_t*)codes;
@@ -201,20 +193,10 @@ template <int F, bool U> static void run(int dir, float scale, void* codes, floa
     else lb_st(x + i, lb_decode_scaled<F, U>(lb_ld_codes<F, U>(c + i), lb_splat(__builtin_fabsf(scale)),
                                              __builtin_signbit(scale)));  // a block's scale, as the kernels
 }
-// dir 0: decode, 1: encode, 2: decode under a block scale (its sign bit set: a flagged block)
 extern "C" void convert(int fmt, int nonneg, int dir, float scale, void* codes, float* x, int64_t n) {
   switch (fmt * 2 + nonneg) {
-    case 0: run<LB_INT8, false>(dir, scale, codes, x, n); break;
-    case 1: run<LB_INT8, true>(dir, scale, codes, x, n); break;
-    case 2: run<LB_DYNAMIC8, false>(dir, scale, codes, x, n); break;
-    case 3: run<LB_DYNAMIC8, true>(dir, scale, codes, x, n); break;
-    case 4: run<LB_E4M3, false>(dir, scale, codes, x, n); break;
-    case 5: run<LB_E4M3, true>(dir, scale, codes, x, n); break;
-    case 6: run<LB_E5M2, false>(dir, scale, codes, x, n); break;
-    case 7: run<LB_E5M2, true>(dir, scale, codes, x, n); break;
-    case 8: run<LB_SQRT8, false>(dir, scale, codes, x, n); break;
-    case 9: run<LB_SQRT8, true>(dir, scale, codes, x, n); break;
-  }
+""" + "".join(f"    case {2 * i + u}: run<{f.cpp_name}, {'true' if u else 'false'}>(dir, scale, codes, x, n); break;\n"
+              for i, f in enumerate(f for f in registered() if f.blockwise) for u in (0, 1)) + """  }
 }
 """
 
@@ -250,47 +232,6 @@ def probe_values(fmt: StateFormat) -> torch.Tensor:
     if fmt.nonneg:
         x = x.abs()
     return torch.nn.functional.pad(x, (0, -len(x) % 16)).contiguous()
-
-
-# -- the formats' error bounds (README, "Numerics") ------------------------------------------------
-
-# Mantissa bits and smallest normal exponent of the fp8 formats, for their rounding bound.
-_FP8 = {"fp8_e4m3": (3, -6), "fp8_e5m2": (2, -14)}
-
-
-@functools.cache
-def _finite_map(nonneg: bool, flagged: bool) -> torch.Tensor:
-    """The dynamic map values a finite value may decode to (a flagged block's specials excluded)."""
-    table = dynamic_map(nonneg).double()
-    if not flagged:
-        return table
-    return table[:253] if nonneg else table[1:254]
-
-
-def element_bound(x: torch.Tensor, scale: torch.Tensor, fmt: StateFormat, flagged: torch.Tensor) -> torch.Tensor:
-    """Per finite non-patch element (float64): how far its decoded value may be from ``x``."""
-    scale = torch.where(scale > 0, scale, 1.0)  # a zero scale holds only zeros (bound 0 + slack)
-    if fmt.name == "int8":
-        step = scale / 2
-    elif fmt.name == "sqrt8":  # the nearest square root: |c^2 - t| <= sqrt(t) + 1/4 (t = |x| / scale)
-        step = ((x.abs() / scale).sqrt() + 0.25) * scale
-    elif fmt.name == "dynamic8":  # the nearest finite map value
-        t = x / scale
-        step = torch.where(flagged, *((t[:, None] - _finite_map(fmt.nonneg, f)[None, :]).abs().amin(1)
-                                      for f in (True, False))) * scale
-    else:
-        mantissa, min_exp = _FP8[fmt.name]
-        step = torch.maximum(2.0 ** -(mantissa + 1) * x.abs(), 2.0 ** (min_exp - mantissa - 1) * scale)
-    if fmt.nonneg:  # the zero-point rule raises a tiny positive value to the smallest code
-        step = torch.where(x > 0, torch.maximum(step, fmt.min_positive * scale - x), step)
-    return step + 2.0**-20 * (x.abs() + step) + 2.0**-149
-
-
-def bf16_bound(x: torch.Tensor, nonneg: bool) -> torch.Tensor:
-    """Round to nearest bf16 (half an ulp: 2^-8 relative, 2^-134 absolute among subnormals),
-    saturating; for a non-negative state a positive value below 2^-133 is raised to it."""
-    bound = 2.0**-8 * x.abs() + 2.0**-134
-    return torch.where(x > 0, torch.maximum(bound, 2.0**-133 - x), bound) if nonneg else bound
 
 
 # -- test tiers -------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 
 import lowbit_compile
 from lowbit_compile import QuantizedState
-from lowbit_compile.kernels.rounding import SEED as ROUNDING_SEED
+from lowbit_compile.formats.rounding import SEED as ROUNDING_SEED
 
 OPTIONS = {"min_8bit_size": 0}  # every state low-bit: 1-D biases and norms too
 LR, WEIGHT_DECAY, STEPS, CHECKPOINT_AT = 1e-2, 0.01, 6, 3

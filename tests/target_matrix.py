@@ -22,9 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .helpers import FP8 as _FP8
+from .helpers import KERNEL_FORMATS
+
 ARCHS = (70, 75, 80, 86, 89, 90)
-FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
-FP8 = ("fp8_e4m3", "fp8_e5m2")
+FORMATS = tuple(KERNEL_FORMATS)
+FP8 = tuple(_FP8)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (block size, patches per block): the library's default, one block per row with patches, patches in a
 # tile of several blocks (2-D argmax)
@@ -90,7 +93,7 @@ class Kernel:
         return {(self.target, f, self.dtype) for f in self.formats}
 
     def graph(self) -> torch.fx.GraphModule:
-        from lowbit_compile.kernels.formats import StateFormat
+        from lowbit_compile.formats import StateFormat
         from lowbit_compile.kernels.triton_printer import dequantize_graph, quantize_graph
 
         from .graphs import pass_graphs

@@ -12,12 +12,9 @@ from expecttest import TestCase
 from lowbit_compile import checkpoint, enable, is_wrapped, lowbit_compile, memory_report, optim
 from lowbit_compile.config import Config
 from lowbit_compile.options import Options
-from lowbit_compile.passes.quantize_states import quantize_states
-from lowbit_compile.passes.roles import label_roles
-from lowbit_compile.passes.stages import split_stages
+from lowbit_compile.passes.pipeline import Rewrite, rewrite
 from lowbit_compile.state import QuantizedState
-from lowbit_compile.state_schema import init_state, probe_schema
-from lowbit_compile.trace_cache import trace_for
+from lowbit_compile.state.schema import init_state, probe_schema, trace_for
 from tests.helpers import assert_same, optim_db_params, saved_and_loaded, state_bits, step_twins, train
 
 STEPS = 6
@@ -226,7 +223,7 @@ def _staged(shape, fmt="sqrt8"):
                    .formats_for(param, schema.per_element, nonneg=schema.nonneg))
     traced = trace_for(opt, group, param, init_state(param, schema, formats), schema.per_element,
                        shape=schema.trace_shape(param)).graph
-    return split_stages(quantize_states(label_roles(traced, staged=True), formats))
+    return rewrite(traced, Rewrite(formats, staged=True))["split"]
 
 
 class TestAdafactorStages(TestCase):

@@ -9,10 +9,9 @@ import warnings
 import pytest
 import torch
 
+from bench.shapes import transformer_params
 from lowbit_compile import QuantizedState, lowbit_compile, memory_report, optim, restore, trace_count
 from lowbit_compile.config import DEFAULT_FMT
-
-from .helpers import transformer_params
 
 
 def _step(opt, params, n=1, scale=1.0):

@@ -12,15 +12,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from lowbit_compile import QuantizedState, checkpoint, enable, lowbit_compile, restore
 from lowbit_compile.config import DEFAULT_OUTLIERS
-from lowbit_compile.kernels.formats import (
-    StateFormat,
-    decode,
-    dynamic_map,
-    encode,
-    legacy_dynamic_map,
-    special_codes,
-    upgrade_dynamic8_codes,
-)
+from lowbit_compile.formats import StateFormat, decode, encode, special_codes
+from lowbit_compile.formats.dynamic import dynamic_map, legacy_dynamic_map, upgrade_codes
+from lowbit_compile.state import codec
 
 from .helpers import assert_same, saved_and_loaded, state_bits, text, train
 
@@ -100,7 +94,7 @@ def test_a_1e8_element_flat_buffer_packs_within_2_05_bytes_per_element():
     size = 0
     for nonneg in (False, True):
         qs = QuantizedState.full(param.shape, 0.0, StateFormat.make("dynamic8", 512, 0, nonneg), torch.float32, "cpu")
-        size += packed_bytes(checkpoint.pack(qs, param))
+        size += packed_bytes(codec.pack(qs, param))
     assert size / n <= 2.05, size / n
 
 
@@ -462,8 +456,8 @@ def test_a_corrupt_state_fails_naming_it_and_changes_nothing(name):
 def _two_shard_checkpoint(x: torch.Tensor, fmt: StateFormat, split: int) -> dict:
     """What FSDP2 on two ranks saves for a state ``x`` (gathered, as full_state_dict gives it):
     each rank quantized its rows on their own, blocks counted from its first element."""
-    halves = [checkpoint.pack(QuantizedState.from_dense(part, fmt), part) for part in (x[:split], x[split:])]
-    gathered = {name: torch.cat([h[name] for h in halves]) for name in ("codes", *checkpoint._TABLES)}
+    halves = [codec.pack(QuantizedState.from_dense(part, fmt), part) for part in (x[:split], x[split:])]
+    gathered = {name: torch.cat([h[name] for h in halves]) for name in ("codes", *codec._TABLES)}
     return {**halves[0], **gathered, "shape": text(",".join(map(str, x.shape))),
             "row_splits": text(f"0,{split},{x.shape[0]}")}
 
@@ -477,7 +471,7 @@ def test_a_checkpoint_of_two_shards_loads_unsharded(shape, split):
     dense = torch.cat([s.dequantize() for s in shards])
     assert torch.equal(checkpoint.stock_state_dict({"state": {0: {"m": packed}}})["state"][0]["m"], dense)
 
-    loaded = checkpoint.unpack(packed, torch.empty(shape))
+    loaded = codec.unpack(packed, torch.empty(shape))
     # blocks of the first shard start where the unsharded blocks do: all but its last are kept bit for bit
     whole = (split * dense[0].numel()) // 64
     assert torch.equal(loaded.codes[: whole * 64], shards[0].codes[: whole * 64])
@@ -496,16 +490,16 @@ def test_the_row_splits_of_many_shards_survive_a_weights_only_load():
     fmt = StateFormat("int8", 64, 0, False)
     x = torch.randn(1498, 64)
     shards = [QuantizedState.from_dense(part, fmt) for part in torch.split(x, 5)]
-    packed = [checkpoint.pack(s, part) for s, part in zip(shards, torch.split(x, 5))]
-    saved = {**packed[0], **{name: torch.cat([p[name] for p in packed]) for name in ("codes", *checkpoint._TABLES)},
-             "shape": text("1498,64"), "row_splits": text(checkpoint._splits_text([*range(0, 1498, 5), 1498]))}
-    assert checkpoint._text(saved["row_splits"]) == "*5"
-    assert checkpoint._splits_text([0, 5, 10, 12]) == "0,5,10,12"  # short lists stay lists
+    packed = [codec.pack(s, part) for s, part in zip(shards, torch.split(x, 5))]
+    saved = {**packed[0], **{name: torch.cat([p[name] for p in packed]) for name in ("codes", *codec._TABLES)},
+             "shape": text("1498,64"), "row_splits": text(codec._splits_text([*range(0, 1498, 5), 1498]))}
+    assert codec._text(saved["row_splits"]) == "*5"
+    assert codec._splits_text([0, 5, 10, 12]) == "0,5,10,12"  # short lists stay lists
     buffer = io.BytesIO()
     torch.save({"state": {0: {"m": saved}}}, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)["state"][0]["m"]
-    state = checkpoint.unpack(loaded, torch.empty(1498, 64))
+    state = codec.unpack(loaded, torch.empty(1498, 64))
     assert torch.equal(state.codes, torch.cat([s.codes for s in shards]))
     assert torch.equal(state.dequantize(), torch.cat([s.dequantize() for s in shards]))
 
@@ -530,16 +524,16 @@ def test_a_header_that_claims_a_huge_parameter_costs_less_to_refuse_than_a_valid
     and the refusal grows the peak resident set no more than loading the valid state of that parameter."""
     fmt = StateFormat("int8", 256, 2, False)
     param = torch.empty(2048, 256)
-    valid = checkpoint.pack(QuantizedState.from_dense(torch.randn(param.shape), fmt), param)
+    valid = codec.pack(QuantizedState.from_dense(torch.randn(param.shape), fmt), param)
     hostile = {**valid, "shape": text(f"{rows},256"), "row_splits": text("*1")}
-    checkpoint.unpack(valid, param)  # warm: the first load pays for imports and caches
-    loading = _peak_rss_growth(lambda: checkpoint.unpack(valid, param))
+    codec.unpack(valid, param)  # warm: the first load pays for imports and caches
+    loading = _peak_rss_growth(lambda: codec.unpack(valid, param))
     with pytest.raises(ValueError, match=rf"saved for a parameter of shape \({rows}, 256\), not \(2048, 256\)"):
-        checkpoint.unpack(hostile, param)
+        codec.unpack(hostile, param)
 
     def refuse():
         with pytest.raises(ValueError):
-            checkpoint.unpack(hostile, param)
+            codec.unpack(hostile, param)
 
     # 1 MiB: a page or two of the allocator's (a warm valid load reuses freed memory and can grow by 0);
     # the 3e7-row claim read as claimed grew it by 1.2 GB, the 1e12-row one raised MemoryError
@@ -662,11 +656,11 @@ def test_old_map_codes_of_a_flagged_block_keep_their_special_codes():
     for nonneg in (False, True):
         fmt = StateFormat("dynamic8", nonneg=nonneg)
         codes = torch.arange(256).to(torch.uint8)
-        upgraded = upgrade_dynamic8_codes(codes, nonneg, torch.ones(256, dtype=torch.bool))
+        upgraded = upgrade_codes(codes, fmt, torch.ones(256, dtype=torch.bool))
         special = list(special_codes(fmt))
         assert upgraded[special].tolist() == special
         finite = torch.ones(256, dtype=torch.bool)
         finite[special] = False
         assert torch.all(decode(upgraded[finite], fmt).abs() <= fmt.flagged_qmax)
-        plain = upgrade_dynamic8_codes(codes, nonneg, torch.zeros(256, dtype=torch.bool))
+        plain = upgrade_codes(codes, fmt, torch.zeros(256, dtype=torch.bool))
         assert torch.equal(plain, encode(legacy_dynamic_map(nonneg), fmt))

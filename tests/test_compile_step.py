@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import lowbit_compile
 from lowbit_compile import lowbit_compile as wrap
-from lowbit_compile.step_op import REFUSALS
+from lowbit_compile.runtime.step_op import REFUSALS
 
 # torch 2.9's dynamo cannot call a step set on the optimizer object (stock's under an LR scheduler
 # neither): there the compiled function breaks at opt.step() and the step is one op in a graph of its own
@@ -179,7 +179,7 @@ def test_the_op_run_by_a_dispatch_mode_builds_the_first_steps_kernels():
     off; the op's first run traces the optimizer (make_fx, functionalized) all the same."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lowbit_compile.wrapped import wrapped_of
+    from lowbit_compile.runtime.wrapped import wrapped_of
 
     class PassThrough(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -200,7 +200,7 @@ def test_the_op_run_by_a_dispatch_mode_builds_the_first_steps_kernels():
 @pytest.mark.slow
 def test_under_inductor_the_op_steps_the_optimizers_own_tensors_bit_for_bit(monkeypatch):
     """Inductor writes the op's inputs in place (no copies of params or states to run it on)."""
-    from lowbit_compile import step_op
+    from lowbit_compile.runtime import step_op
 
     copied = []
     same = step_op._same

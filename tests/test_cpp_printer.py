@@ -11,12 +11,12 @@ import torch
 from expecttest import TestCase
 
 from examples.lion import Lion
-from lowbit_compile.api import SUPPORTED
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.kernels.cpp_printer import emit_step, format_constants
 from lowbit_compile.kernels.lowering import Target
 from lowbit_compile.passes.opmath import compute_in_fp32
 from lowbit_compile.passes.split import split_prologue
+from lowbit_compile.runtime.wrap import SUPPORTED
 
 from .graphs import body, pass_graphs
 
@@ -736,8 +736,8 @@ template <> struct lb_dyn<true> {
 def test_dynamic8_level_tables_are_generated_from_formats(monkeypatch):
     """lb_dyn<U> holds formats.dynamic_level_table field by field (``lower`` by level, the rest at
     permute slot (127 + L) & 7): a change in formats.py reaches the kernels, no copy to forget."""
+    from lowbit_compile.formats.dynamic import DYNAMIC_LEVEL_FIELDS, dynamic_level_table
     from lowbit_compile.kernels import cpp_printer
-    from lowbit_compile.kernels.formats import DYNAMIC_LEVEL_FIELDS, dynamic_level_table
 
     def rendered(text: str, nonneg: bool, name: str) -> list[float]:
         block = text.split(f"struct lb_dyn<{'true' if nonneg else 'false'}> {{")[1].split("\n};")[0]

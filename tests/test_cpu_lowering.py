@@ -12,20 +12,29 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from lowbit_compile import QuantizedState, compile, lowbit_compile
+from lowbit_compile import QuantizedState, lowbit_compile
 from lowbit_compile.config import DEFAULT_FMT
-from lowbit_compile.kernels import blockquant, cpp_printer, cpu, cpu_build
+from lowbit_compile.formats import StateFormat, blockquant, decode, encode
+from lowbit_compile.formats.blockquant import decode_scaled
+from lowbit_compile.kernels import cpp_printer, cpu, cpu_build
 from lowbit_compile.kernels.backends import resolve
-from lowbit_compile.kernels.blockquant import decode_scaled
-from lowbit_compile.kernels.formats import StateFormat, decode, encode
 from lowbit_compile.kernels.lowering import Target
 from lowbit_compile.passes.opmath import compute_in_fp32
 from lowbit_compile.passes.split import split_prologue
+from lowbit_compile.runtime import compile
 
 from .graphs import pass_graphs
-from .helpers import BLOCKWISE, CPU_BUILDS, FORMATS_HARNESS, dynamic8_probes, prelude_harness, probe_values
+from .helpers import (
+    BLOCKWISE,
+    CPU_BUILDS,
+    FORMATS,
+    FORMATS_HARNESS,
+    KERNEL_FORMATS,
+    dynamic8_probes,
+    prelude_harness,
+    probe_values,
+)
 
-FORMATS = ["int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8", "bf16", "fp32"]
 
 @pytest.mark.parametrize("build", list(CPU_BUILDS))
 def test_prelude_formats_match_torch_code_for_code(build):
@@ -283,7 +292,7 @@ def test_kernels_build_for_avx512(tmp_path):
     AVX-512): the element formats, bf16 conversions and every format's step (patches, stochastic
     rounding; bf16 params), built for x86-64-v4, use 512-bit registers."""
     sources = {"formats": cpp_printer.PRELUDE + FORMATS_HARNESS, "bf16": cpp_printer.PRELUDE + _BF16_HARNESS}
-    for fmt in BLOCKWISE + ["bf16"]:
+    for fmt in KERNEL_FORMATS:
         for dtype in (torch.float32, torch.bfloat16):
             opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(64, dtype=dtype))], weight_decay=0.1)
             graphs = pass_graphs(opt, fmt, block_size=64, outliers=2, rounding="stochastic")

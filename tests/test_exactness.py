@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.shapes import model_params
 from lowbit_compile import lowbit_compile
 
-from .helpers import model_params, optim_db_params, slow_but, step_twins, twin_optimizers, twin_params
+from .helpers import optim_db_params, slow_but, step_twins, twin_optimizers, twin_params
 
 STEPS = 30
 ADAMS = (torch.optim.Adam, torch.optim.AdamW)

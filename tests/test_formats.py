@@ -6,22 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit_compile import QuantizedState, checkpoint
-from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import (
-    StateFormat,
-    decode,
-    dynamic_level_table,
-    dynamic_levels,
-    dynamic_map,
-    dynamic_thresholds,
-    encode,
-    normalize,
-)
+from lowbit_compile import QuantizedState
+from lowbit_compile.formats import StateFormat, blockquant, decode, encode, normalize
+from lowbit_compile.formats.dynamic import dynamic_level_table, dynamic_levels, dynamic_map, dynamic_thresholds
+from lowbit_compile.state import codec
 
-from .helpers import BLOCKWISE, dynamic8_probes
+from .helpers import BLOCKWISE, FP8, KERNEL_FORMATS, dynamic8_probes
 
-ALL = BLOCKWISE + ["bf16"]
+ALL = KERNEL_FORMATS
 # Half a code step of each element format, relative to the largest code (qmax) or to the value.
 FP8_REL = {"fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}
 FP8_SUBNORMAL_STEP = {"fp8_e4m3": 2.0**-9, "fp8_e5m2": 2.0**-16}
@@ -216,7 +208,7 @@ def test_bf16_format_is_round_to_nearest(nonneg):
     assert fmt.patches == 0 and blockquant.quantize(x, fmt).scales.numel() == 0
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("name", FP8)
 def test_fp8_encode_is_the_nearest_code_ties_to_even_by_the_formats_own_arithmetic(name):
     """fp8 codes are the nearest of the format's finite values (decoded by the library), ties to the
     even code, -0 kept: every midpoint and its fp32 neighbours, every value, random magnitudes over
@@ -319,6 +311,6 @@ class TestQuantizedState:
     def test_packed_round_trip(self):
         s = self._state()
         param = torch.empty(s.shape)
-        back = checkpoint.unpack(checkpoint.pack(s, param), param)
+        back = codec.unpack(codec.pack(s, param), param)
         assert back.fmt == s.fmt and back.shape == s.shape
         assert all(torch.equal(a, b) for a, b in zip(back.storage_parts, s.storage_parts))

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from lowbit_compile import QuantizedState, lowbit_compile
-from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import StateFormat
-from lowbit_compile.kernels.residual import SEED_PERIOD
+from lowbit_compile.formats import StateFormat, blockquant
+from lowbit_compile.formats.residual import SEED_PERIOD
 
 from .helpers import assert_same, saved_and_loaded, text, train
 

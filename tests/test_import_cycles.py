@@ -122,3 +122,32 @@ def test_cycle_finder_sees_top_level_and_lazy_imports(tmp_path: Path) -> None:
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
     (pkg / "b.py").write_text("")
     assert find_cycle(import_graph(pkg)) is None
+
+
+# The wings, lowest first (DESIGN.md): a module imports only modules of its own wing or of lower ones. The
+# modules at the package root are the API but for what the user gives: the option schema (options.py, which
+# imports nothing) below everything, the validated configuration and the param-group checks (config.py,
+# param_groups.py) over the passes and kernels they read; kernels/ and passes/ stand side by side, on ir/.
+WINGS = ("options", "formats", "ir", "kernels|passes", "config", "state", "runtime", "api")
+
+
+def wing(module: str) -> int:
+    parts = module.split(".")[1:]
+    if not parts:
+        return WINGS.index("api")
+    if parts[0] in ("kernels", "passes"):
+        return WINGS.index("kernels|passes")
+    if parts == ["options"]:
+        return WINGS.index("options")
+    if parts in (["config"], ["param_groups"]):
+        return WINGS.index("config")
+    return WINGS.index(parts[0]) if parts[0] in WINGS else WINGS.index("api")
+
+
+def test_the_wings_point_one_way() -> None:
+    """options <- formats <- ir <- kernels, passes <- config <- state <- runtime <- the API: no module imports one of
+    a higher wing, and kernels/ and passes/ import each other's modules nowhere."""
+    upward = [f"{m} -> {t}" for m, targets in import_graph().items() for t in targets
+              if wing(t) > wing(m) or (wing(t) == wing(m) == WINGS.index("kernels|passes")
+                                       and m.split(".")[1] != t.split(".")[1])]
+    assert upward == []

@@ -243,7 +243,7 @@ def test_a_damaged_key_is_replaced_once_and_the_libraries_signed_with_it_removed
 _TRITON_CHILD = r"""
 import json, os, warnings
 import torch, triton
-from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.formats import StateFormat
 from lowbit_compile.kernels.triton_backend import compile_for_target
 from lowbit_compile.kernels.triton_printer import quantize_graph
 with warnings.catch_warnings(record=True) as caught:

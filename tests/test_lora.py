@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lowbit_compile import QuantizedState, lowbit_compile, memory_report
-from lowbit_compile.kernels.rounding import SEED as ROUNDING_SEED
+from lowbit_compile.formats.rounding import SEED as ROUNDING_SEED
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

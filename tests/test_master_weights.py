@@ -39,15 +39,12 @@ from lowbit_compile.checkpoint import stock_state_dict
 from lowbit_compile.cli import main
 from lowbit_compile.config import Config
 from lowbit_compile.estimate import estimate
-from lowbit_compile.kernels import cpp_printer, residual, triton_printer
+from lowbit_compile.formats import residual
+from lowbit_compile.kernels import cpp_printer, triton_printer
 from lowbit_compile.kernels.lowering import Target, unsupported
 from lowbit_compile.options import Options
-from lowbit_compile.passes.master_weights import master_weights
-from lowbit_compile.passes.quantize_states import quantize_states
-from lowbit_compile.passes.roles import label_roles
-from lowbit_compile.passes.split import split_prologue
-from lowbit_compile.state_schema import init_state, probe_schema
-from lowbit_compile.trace_cache import trace_for
+from lowbit_compile.passes.pipeline import Rewrite, rewrite
+from lowbit_compile.state.schema import init_state, probe_schema, trace_for
 
 from .helpers import bits, slow_but
 
@@ -204,9 +201,8 @@ def master_graphs(opt: torch.optim.Optimizer, fmt: str, mode: str) -> dict[str, 
     config = Config.of(Options(fmt, block_size=512, outliers=0, min_8bit_size=0, backend="reference"))
     formats = dict(config.formats_for(param, schema.per_element, nonneg=schema.nonneg))
     traced = trace_for(opt, group, stand_in, init_state(stand_in, schema, formats), schema.per_element).graph
-    rewritten = master_weights(quantize_states(label_roles(traced), formats),
-                               residual.MasterFormat(mode, param.dtype))
-    return {"master": rewritten, "split": split_prologue(rewritten)}
+    graphs = rewrite(traced, Rewrite(formats, master=residual.MasterFormat(mode, param.dtype)))
+    return {"master": graphs["master"], "split": graphs["split"]}
 
 
 class TestMasterGraphs(TestCase):
@@ -967,17 +963,17 @@ def test_the_cli_takes_the_option(tmp_path, capsys, monkeypatch):
 def test_tie_bits_are_saved_per_row_and_read_back(shape, monkeypatch):
     """Rows of whole bytes save the words' own bytes; other widths are repacked in chunks (forced small
     here): either way row r's bits are the flags of its elements, and loading gives the words back."""
-    from lowbit_compile import master
+    from lowbit_compile.state import codec
 
-    monkeypatch.setattr(master, "_CHUNK", 64)
+    monkeypatch.setattr(codec, "_CHUNK", 64)
     n = torch.Size(shape).numel()
     flags = torch.rand(n, generator=torch.Generator().manual_seed(0)) < 0.3
     param = torch.empty(shape)
-    packed = master._pack_ties(residual.pack_ties(flags), param)
+    packed = codec.pack_ties(residual.pack_ties(flags), param)
     rows, width = (shape[0], n // shape[0]) if shape else (1, 1)
     per_row = ((packed["bits"].to(torch.int32)[:, :, None] >> torch.arange(8)) & 1).reshape(rows, -1)
     assert torch.equal(per_row[:, :width].reshape(-1).bool(), flags)
-    assert torch.equal(residual.unpack_ties(master._unpack_ties(packed, param), n), flags)
+    assert torch.equal(residual.unpack_ties(codec.unpack_ties(packed, param), n), flags)
 
 
 @pytest.mark.parametrize("mode", ["exact", "8bit"])

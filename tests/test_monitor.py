@@ -15,7 +15,7 @@ import lowbit_compile
 from bench.tasks import OptimizerSpec, ZipfEmbedding, train
 from lowbit_compile import LowbitHealthWarning, enable, monitor
 from lowbit_compile import lowbit_compile as wrap
-from lowbit_compile.monitor import MAX_ZERO_FLUSH, MIN_SAMPLES
+from lowbit_compile.health import MAX_ZERO_FLUSH, MIN_SAMPLES
 
 EVERY = 10
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from lowbit_compile import compile as compile_module
 from lowbit_compile import lowbit_compile
 from lowbit_compile.passes.opmath import compute_in_fp32
 from lowbit_compile.passes.split import split_prologue
+from lowbit_compile.runtime import compile as compile_module
 
 from .graphs import code, pass_graphs
 

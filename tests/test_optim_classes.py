@@ -16,8 +16,8 @@ import lowbit_compile
 from examples.lion import Lion
 from lowbit_compile import QuantizedState, is_wrapped, optim, restore
 from lowbit_compile import lowbit_compile as wrap
-from lowbit_compile.api import SUPPORTED
 from lowbit_compile.config import DEFAULT_FMT
+from lowbit_compile.runtime.wrap import SUPPORTED
 
 SHAPES = [(64, 80), (80,)]  # one tensor quantized (>= min_8bit_size=4096 elements), one kept fp32
 

@@ -15,7 +15,7 @@ from lowbit_compile import lowbit_compile, optim
 from lowbit_compile.cli import _OPTION_FLAGS, main
 from lowbit_compile.options import Options, ScopeOptions
 
-Scope = importlib.import_module("lowbit_compile.enable").Scope
+Scope = importlib.import_module("lowbit_compile.scope").Scope
 LIBRARY = [f.name for f in dataclasses.fields(Options)]
 SCOPE = [f.name for f in dataclasses.fields(ScopeOptions)]
 
@@ -46,7 +46,7 @@ def test_each_option_is_documented_where_it_is_taken():
     for name in LIBRARY:
         assert f"    {name}: " in lowbit_compile.__doc__, name
     for name in SCOPE:
-        assert f"{name}: " in importlib.import_module("lowbit_compile.enable").enable.__doc__, name
+        assert f"{name}: " in importlib.import_module("lowbit_compile.scope").enable.__doc__, name
 
 
 @pytest.mark.parametrize("call,where", [
@@ -76,7 +76,7 @@ def test_cli_flags_carry_the_schema_defaults_and_parsers(capsys):
 
 
 def test_a_state_format_defaults_to_the_shipped_blocks():
-    from lowbit_compile.kernels.formats import StateFormat
+    from lowbit_compile.formats import StateFormat
     from lowbit_compile.options import DEFAULT_BLOCK_SIZE, DEFAULT_OUTLIERS
 
     fmt = StateFormat("int8")

@@ -19,8 +19,11 @@ import torch
 from bench.other_optimizers import OPTIMIZERS as OTHER_OPTIMIZERS
 from bench.other_optimizers import run as run_other
 from examples.lion import Lion
-from lowbit_compile import QuantizedState, compile, lowbit_compile, restore, state_schema, trace_cache, trace_count
+from lowbit_compile import QuantizedState, lowbit_compile, restore, trace_count
 from lowbit_compile.config import DEFAULT_FMT
+from lowbit_compile.passes import trace_cache
+from lowbit_compile.runtime import compile
+from lowbit_compile.state import schema as state_schema
 
 from .helpers import each_param, optim_db_params, slow_but, step_twins, twin_optimizers
 

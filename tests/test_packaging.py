@@ -23,7 +23,7 @@ def test_wheel_has_one_top_level_name_and_imports(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"lowbit_compile"}
-    assert "lowbit_compile/passes/trace.py" in names and "lowbit_compile/kernels/formats.py" in names
+    assert "lowbit_compile/passes/trace.py" in names and "lowbit_compile/formats/registry.py" in names
     assert "lowbit_compile/py.typed" in names  # PEP 561: type checkers read the package's hints
     assert "lowbit_compile/kernels/cpu_prelude.h" in names  # the C++ prelude the CPU kernels include
     info = next(n.rsplit("/", 1)[0] for n in names if n.endswith(".dist-info/METADATA"))
@@ -41,7 +41,7 @@ def test_wheel_has_one_top_level_name_and_imports(tmp_path):
     code = (
         "import lowbit_compile, torch;"
         "from lowbit_compile import lowbit_compile as lc, restore;"
-        "from lowbit_compile.kernels import formats;"
+        "from lowbit_compile import formats;"
         f"assert lowbit_compile.__file__.startswith({str(target)!r}), lowbit_compile.__file__;"
         "p = torch.nn.Parameter(torch.randn(5000)); o = lc(torch.optim.Adam([p]));"
         "p.grad = torch.ones_like(p); o.step(); print(type(o.state[p]['exp_avg']).__name__)"

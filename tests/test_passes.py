@@ -6,7 +6,7 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from lowbit_compile.kernels.contract import role_of
+from lowbit_compile.ir.contract import role_of
 from lowbit_compile.passes.roles import NotElementwiseError, label_roles
 from lowbit_compile.passes.trace import trace_count
 

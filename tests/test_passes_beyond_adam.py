@@ -13,7 +13,7 @@ from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.signs import Interval, prove_nonneg
 from lowbit_compile.passes.split import split_prologue
 from lowbit_compile.passes.trace import hyper_slots, trace_step
-from lowbit_compile.trace_cache import trace_group
+from lowbit_compile.passes.trace_cache import trace_group
 
 from .graphs import code, pass_graphs
 from .helpers import each_param

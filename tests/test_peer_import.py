@@ -19,11 +19,12 @@ import pytest
 import torch
 import torchao.optim
 
+from bench.bounds import stored_interval
 from lowbit_compile import QuantizedState, lowbit_compile
 from lowbit_compile.checkpoint import from_peer_state_dict
 
 from .helpers import slow_but
-from .test_numerics import _interval, assert_holds
+from .test_numerics import assert_holds
 
 # partial blocks on purpose: 20 whole blocks of 256 (both peers quantize it); 4100 elements, a partial last
 # bitsandbytes block (torchao keeps it fp32: not a multiple of its block); 10 elements, fp32 in both peers
@@ -194,7 +195,7 @@ def test_after_import_ours_steps_as_the_peers_continued_run(name):
             assert torch.all(off <= gap[i]), (name, t, SHAPES[i], float((off - gap[i]).max()))
             for key, value in zip(("exp_avg", "exp_avg_sq"), new_ours):
                 stored = ours.state[q][key]
-                lo, hi = _interval(value.float(), stored.fmt)
+                lo, hi = stored_interval(value.float(), stored.fmt)
                 held = stored.dequantize().double().reshape(-1)
                 assert torch.all((lo <= held) & (held <= hi)), (name, t, SHAPES[i], key)
         if k == 0:  # the bound holds the moments and the step count: without them, it breaks

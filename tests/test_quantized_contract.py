@@ -11,12 +11,12 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from bench.quantized_contract import assert_codes_within_one_step, assert_params_within_bound, code_rank
 from lowbit_compile import lowbit_compile
-from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.formats import StateFormat, blockquant
 
 from .graphs import body
-from .quantized_contract import assert_codes_within_one_step, assert_params_within_bound, code_rank
+from .helpers import BLOCKWISE
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before triton is imported
@@ -24,7 +24,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before tr
 from lowbit_compile.kernels.lowering import Target  # noqa: E402
 from lowbit_compile.kernels.triton_printer import emit_kernel, quantize_graph  # noqa: E402
 
-EIGHT_BIT = ("int8", "sqrt8", "dynamic8", "fp8_e4m3", "fp8_e5m2")
+EIGHT_BIT = BLOCKWISE
 BLOCK = 64
 # no shrinking: each example runs interpreted kernels, and the failing example is printed as found
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow],

@@ -15,13 +15,12 @@ import torch
 import lowbit_compile
 from lowbit_compile import QuantizedState, enable, restore
 from lowbit_compile import lowbit_compile as wrap
-from lowbit_compile import release as release_module
-from lowbit_compile.released_grad import ReleasedGrad, is_released
-from lowbit_compile.run import StepPlan
+from lowbit_compile.runtime import release as release_module
+from lowbit_compile.runtime.released_grad import ReleasedGrad, is_released
+from lowbit_compile.runtime.run import StepPlan
 
-from .helpers import run_command
+from .helpers import FORMATS, run_command
 
-FORMATS = ["fp32", "sqrt8", "dynamic8", "int8", "fp8_e4m3", "fp8_e5m2", "bf16"]
 BIG = {"min_8bit_size": 1024, "block_size": 128}  # the matrices get 8-bit states, biases and norms fp32
 
 

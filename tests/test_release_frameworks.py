@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lowbit_compile
-from lowbit_compile.released_grad import is_released
+from lowbit_compile.runtime.released_grad import is_released
 
 from .test_release import assert_same_run
 

@@ -14,16 +14,15 @@ from expecttest import TestCase
 
 from lowbit_compile import enable, lowbit_compile
 from lowbit_compile.cli import main
-from lowbit_compile.kernels import blockquant, residual, rounding
+from lowbit_compile.formats import StateFormat, blockquant, decode, encode, residual, rounding
+from lowbit_compile.formats.residual import first_counter
 from lowbit_compile.kernels.cpp_printer import emit_step
-from lowbit_compile.kernels.formats import StateFormat, decode, encode
 from lowbit_compile.kernels.lowering import Target
-from lowbit_compile.kernels.residual import first_counter
 
 from .graphs import body, pass_graphs
-from .helpers import assert_same, saved_and_loaded, state_bits
+from .helpers import BLOCKWISE, KERNEL_FORMATS, assert_same, saved_and_loaded, state_bits
 
-FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
+FORMATS = KERNEL_FORMATS
 
 
 INCREMENTS = (1e-2, 1e-3, 1e-4)  # of a code gap (issue 49)
@@ -479,7 +478,7 @@ def test_the_default_rounds_the_non_negative_states_of_8_bit_formats_stochastica
     stochastically in every 8-bit format, momenta (signed) and bf16 states to nearest; ``"nearest"``
     rounds every state to nearest, as before."""
     p = torch.nn.Parameter(torch.randn(64))
-    for fmt in ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2"):
+    for fmt in BLOCKWISE:
         assert _stochastic_states(torch.optim.AdamW([p], amsgrad=True), fmt) == {"exp_avg_sq", "max_exp_avg_sq"}
     assert _stochastic_states(torch.optim.AdamW([p]), "bf16") == set()
     assert _stochastic_states(torch.optim.AdamW([p]), {"exp_avg": "int8", "exp_avg_sq": "bf16"}) == set()

@@ -10,9 +10,11 @@ import torch
 
 from bench.rounding import check_name, code_values, library_has_rounding, make_optimizer, round_trip
 from bench.tasks import Digits, Hyper, train
-from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.formats import StateFormat
 
-FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
+from .helpers import KERNEL_FORMATS
+
+FORMATS = KERNEL_FORMATS
 HYPER = Hyper(steps=10, lr=1e-3, weight_decay=0.01, warmup=1, eval_every=5)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit_compile.sharding import _chunk
+from lowbit_compile.state.sharding import _chunk
 
 
 def test_shards_split_rows_as_torch_chunk_with_empty_shards_last():

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit_compile import QuantizedState, checkpoint, lowbit_compile, sharding
-from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile import QuantizedState, lowbit_compile
+from lowbit_compile.formats import StateFormat
+from lowbit_compile.state import codec, sharding
 
 from .helpers import assert_same
 
@@ -62,7 +63,7 @@ def test_a_sharded_load_reads_the_rows_of_this_ranks_shard(rank_1_of_2):
     saved = QuantizedState.from_dense(full, fmt)
     param = sharded(torch.empty(SHAPE), rank_1_of_2)
     assert sharding.local_rows(param) == (5, 9)
-    loaded = sharding.local(checkpoint.unpack(checkpoint.pack(saved, full), param, "exp_avg"))
+    loaded = sharding.local(codec.unpack(codec.pack(saved, full), param, "exp_avg"))
     expected = QuantizedState.from_dense(saved.dequantize()[5:].contiguous(), fmt)
     assert loaded.shape == (4, 40)
     assert_same(list(loaded.storage_parts), list(expected.storage_parts))

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from lowbit_compile import compile, lowbit_compile, run, trace_cache, trace_count
-from lowbit_compile.trace_cache import LruCache
+from lowbit_compile import lowbit_compile, trace_count
+from lowbit_compile.passes import trace_cache
+from lowbit_compile.passes.trace_cache import LruCache
+from lowbit_compile.runtime import compile, run
 
 from .helpers import each_param
 

@@ -7,15 +7,12 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from lowbit_compile.compile import fp32_opmath
 from lowbit_compile.config import Config
 from lowbit_compile.options import Options
-from lowbit_compile.passes.opmath import compute_in_fp32
-from lowbit_compile.passes.quantize_states import quantize_states
+from lowbit_compile.passes.pipeline import Rewrite, rewrite
 from lowbit_compile.passes.roles import NotElementwiseError, label_roles
-from lowbit_compile.passes.stages import split_stages
-from lowbit_compile.state_schema import init_state, probe_schema
-from lowbit_compile.trace_cache import trace_for
+from lowbit_compile.runtime.compile import fp32_opmath
+from lowbit_compile.state.schema import init_state, probe_schema, trace_for
 
 from .helpers import each_param
 
@@ -29,10 +26,7 @@ def _muon_graphs(shape=(6, 4), fmt="sqrt8", dtype=torch.float32, **kwargs):
     formats = dict(config.formats_for(param, schema.per_element, nonneg=schema.nonneg))
     state = init_state(param, schema, formats)
     traced = trace_for(opt, group, param, state, schema.per_element, shape=schema.trace_shape(param)).graph
-    rewritten = quantize_states(label_roles(traced, staged=True), formats)
-    if fp32_opmath(group, dtype, formats):
-        rewritten = compute_in_fp32(rewritten)
-    return traced, split_stages(rewritten)
+    return traced, rewrite(traced, Rewrite(formats, opmath=fp32_opmath(group, dtype, formats), staged=True))["split"]
 
 
 class TestMuonStages(TestCase):

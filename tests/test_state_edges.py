@@ -12,8 +12,9 @@ import torch
 
 from lowbit_compile import QuantizedState, checkpoint, enable, lowbit_compile, memory_report, restore
 from lowbit_compile.config import STOCK_STATES
-from lowbit_compile.state import StateView
-from lowbit_compile.state_schema import probe_schema
+from lowbit_compile.state import codec
+from lowbit_compile.state.quantized import StateView
+from lowbit_compile.state.schema import probe_schema
 
 OPTIONS = {"fmt": "int8", "block_size": 64, "min_8bit_size": 0}
 
@@ -126,7 +127,7 @@ def test_a_state_dict_kept_in_memory_stays_consistent_with_the_live_state(shape)
     exported = checkpoint.stock_state_dict(sd)
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(exported["state"][0][key], opt.state[p][key].dequantize())
-        restored = checkpoint.unpack(sd["state"][0][key], p, key)
+        restored = codec.unpack(sd["state"][0][key], p, key)
         assert all(torch.equal(a, b) for a, b in zip(restored.storage_parts, opt.state[p][key].storage_parts))
 
 
@@ -208,7 +209,7 @@ def test_meta_parameters_hold_low_bit_states_that_start_afresh_once_materialised
 
 
 def test_stock_state_names_cover_every_supported_optimizer():
-    from lowbit_compile.api import SUPPORTED
+    from lowbit_compile.runtime.wrap import SUPPORTED
 
     flags = {torch.optim.Adam: {"amsgrad": True}, torch.optim.AdamW: {"amsgrad": True},
              torch.optim.SGD: {"momentum": 0.9}, torch.optim.RMSprop: {"momentum": 0.9, "centered": True}}

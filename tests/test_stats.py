@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import lowbit_compile as lc
+from bench.shapes import transformer_params
 from lowbit_compile import lowbit_compile, stats
-
-from .helpers import transformer_params
 
 BACKEND = "reference"  # what stats measures does not depend on the lowering; this one needs no compiler
 
@@ -118,7 +117,7 @@ def test_rows_are_named_and_print_as_a_table():
 
 
 def test_stepping_never_calls_stats(monkeypatch):
-    stats_module = importlib.import_module("lowbit_compile.stats")  # the name alone is the function
+    stats_module = importlib.import_module("lowbit_compile.state_stats")  # the name alone is the function
 
     def fail(*args, **kwargs):
         raise AssertionError("stats code ran during step()")
@@ -159,7 +158,7 @@ def test_sampled_stats_are_exact_on_the_blocks_they_measure(fmt, outliers):
         for row in rows:
             fmt_ = opt.state[p][row.state].fmt
             x = twin.state[twin_p][row.state].reshape(-1)[index]
-            back = lc.kernels.blockquant.dequantize(lc.kernels.blockquant.quantize(x, fmt_), fmt_)
+            back = lc.formats.blockquant.dequantize(lc.formats.blockquant.quantize(x, fmt_), fmt_)
             assert row.sampled == index.numel() / 5000
             assert row.rel_error == pytest.approx(((back - x).norm() / x.norm()).item(), rel=1e-5)
             assert row.zero_flush == ((x != 0) & (back == 0)).sum().item() / (x != 0).sum().item()

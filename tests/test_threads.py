@@ -9,7 +9,10 @@ import threading
 import pytest
 import torch
 
-from lowbit_compile import compile, lowbit_compile, state_schema, trace_cache, trace_count
+from lowbit_compile import lowbit_compile, trace_count
+from lowbit_compile.passes import trace_cache
+from lowbit_compile.runtime import compile
+from lowbit_compile.state import schema as state_schema
 
 CASES = [(torch.optim.AdamW, {"weight_decay": 0.1}), (torch.optim.Adam, {"amsgrad": True}),
          (torch.optim.RAdam, {}), (torch.optim.NAdam, {}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),

@@ -13,9 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.shapes import transformer_params
 from lowbit_compile import lowbit_compile
-
-from .helpers import transformer_params
 
 BOUNDS = {  # (max, mean) |param - fp32 param| / lr after 30 steps
     "int8": (3.0, 0.11),

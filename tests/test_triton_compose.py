@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from lowbit_compile import lowbit_compile
-from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.formats import StateFormat, blockquant
 from lowbit_compile.kernels.kernel import RowLaunch
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from expecttest import TestCase
 
-from lowbit_compile.kernels.formats import StateFormat
+from lowbit_compile.formats import StateFormat
 from lowbit_compile.kernels.lowering import LoweringError, Target
 
 from .graphs import body

@@ -8,10 +8,9 @@ import os
 import pytest
 import torch
 
-from lowbit_compile.kernels import blockquant, rounding
-from lowbit_compile.kernels.formats import FORMAT_NAMES, StateFormat
+from lowbit_compile.formats import StateFormat, blockquant, rounding
 
-from .helpers import CORNER_BLOCK, CORNER_N, bits, corner_values, dynamic8_probes
+from .helpers import CORNER_BLOCK, CORNER_N, KERNEL_FORMATS, bits, corner_values, dynamic8_probes
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 import triton  # noqa: E402  (after the importorskip: triton comes with the test extra)
@@ -25,7 +24,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK, N = CORNER_BLOCK, CORNER_N  # the layout corner_values builds
 
 
-FORMATS = [(name, nonneg) for name in FORMAT_NAMES if name != "fp32" for nonneg in (False, True)]
+FORMATS = [(name, nonneg) for name in KERNEL_FORMATS for nonneg in (False, True)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
+from bench.quantized_contract import assert_codes_within_one_step, assert_params_within_bound
 from lowbit_compile import lowbit_compile
 from lowbit_compile.kernels.kernel import RowLaunch
 
 from .helpers import bits, slow_but
-from .quantized_contract import assert_codes_within_one_step, assert_params_within_bound
 
 triton_backend = pytest.importorskip("lowbit_compile.kernels.triton_backend")
 assert os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py before triton is imported

@@ -17,8 +17,7 @@ import torch
 from expecttest import assert_expected_inline
 
 from lowbit_compile import lowbit_compile
-from lowbit_compile.kernels import blockquant
-from lowbit_compile.kernels.formats import StateFormat, decode, encode
+from lowbit_compile.formats import StateFormat, blockquant, decode, encode
 
 from . import target_matrix
 from .helpers import BLOCKWISE, bits, corner_values, prelude_harness, probe_values

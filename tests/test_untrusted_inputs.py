@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lowbit_compile import enable, lowbit_compile, optim
+from lowbit_compile.ir.contract import identifier
 from lowbit_compile.kernels import cpu_build
-from lowbit_compile.kernels.contract import identifier
 
 from .helpers import each_param, run_command
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-from .contract import PARTS, Part
-from .formats import StateFormat
+from ..formats import StateFormat
+from ..ir.contract import PARTS, Part
 
 
 @dataclass(frozen=True)
@@ -151,8 +151,6 @@ def _pipelined_vectors(lanes: Pipelined, head: list[str]) -> list[str]:
 
 
 # ---- the block function -------------------------------------------------------------------------------
-FORMAT_ENUM = {"int8": "LB_INT8", "dynamic8": "LB_DYNAMIC8", "fp8_e4m3": "LB_E4M3", "fp8_e5m2": "LB_E5M2",
-               "bf16": "LB_BF16_CODES", "sqrt8": "LB_SQRT8"}  # the prelude's name of each blockwise format
 _CTYPES = {torch.float32: "float", torch.bfloat16: "uint16_t", torch.float16: "uint16_t", torch.uint8: "uint8_t",
            torch.int16: "int16_t", torch.int8: "int8_t", torch.int32: "int32_t"}
 # Per-block bools (a fused encode pending, lerp's weight test) the lane loop is compiled for each
@@ -193,7 +191,7 @@ class KernelState:
     @property
     def template(self) -> str:
         """Its format's template arguments in the prelude (``lb_format<F, U>``'s)."""
-        return f"{FORMAT_ENUM[self.fmt.name]}, {sign_name(self.fmt)}"
+        return f"{self.fmt.spec.cpp_name}, {sign_name(self.fmt)}"
 
 
 def sign_name(fmt: StateFormat) -> str:

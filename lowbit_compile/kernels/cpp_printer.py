@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule, Node
 
-from .contract import (
+from ..formats import StateFormat, domain_bound, registered, special_codes
+from ..formats.dynamic import DYNAMIC_LEVEL_FIELDS, dynamic_level_table
+from ..ir.contract import (
     PARTS,
     MasterAccess,
     Part,
@@ -43,24 +45,7 @@ from .contract import (
     master_access,
     state_access,
 )
-from .cpp_layout import (
-    FORMAT_ENUM,
-    BlockKernel,
-    KernelState,
-    LanePass,
-    PointerInput,
-    Stmt,
-    sign_name,
-)
-from .formats import (
-    DYNAMIC_LEVEL_FIELDS,
-    FORMAT_IDS,
-    FORMAT_NAMES,
-    StateFormat,
-    domain_bound,
-    dynamic_level_table,
-    special_codes,
-)
+from .cpp_layout import BlockKernel, KernelState, LanePass, PointerInput, Stmt, sign_name
 from .lowering import LoweringError, Target, lower_body
 from .primitives import Kind, Value
 
@@ -70,11 +55,11 @@ DEFAULT_CHUNK = 2048  # block length when no state is blockwise (only the unit o
 _LOAD = {torch.float32: "lb_ld", torch.bfloat16: "lb_ld_bf16", torch.float16: "lb_ld_f16"}
 _STORE = {torch.float32: "lb_st", torch.bfloat16: "lb_st_bf16", torch.float16: "lb_st_f16"}
 _ROUND = {torch.bfloat16: "lb_round_bf16", torch.float16: "lb_round_f16"}
-# Formats whose encode is a few vector instructions: the next block's lane loop writes a block's codes,
-# its square roots and conversions overlapping that block's arithmetic. dynamic8's longer encode (seven
-# permutes, two fmas and a floor per vector) runs slower that way than in a loop of its own
-# (bench/results/cpu_fused_encode.md).
-_FUSED_ENCODES = frozenset({"int8", "sqrt8", "fp8_e4m3", "fp8_e5m2"})
+# Formats whose encode is a few vector instructions (ElementFormat.fused_cpu_encode): the next block's lane
+# loop writes a block's codes, its square roots and conversions overlapping that block's arithmetic.
+# dynamic8's longer encode (seven permutes, two fmas and a floor per vector) runs slower that way than in a
+# loop of its own (bench/results/cpu_fused_encode.md).
+_FUSED_ENCODES = frozenset(f.name for f in registered() if f.fused_cpu_encode)
 
 
 @dataclass(frozen=True)
@@ -117,17 +102,17 @@ def _cfloat(x: float) -> str:
 
 
 def format_constants() -> str:
-    """The prelude's format enum and per-format constants, from ``formats.py``."""
-    enum = ", ".join(f"{FORMAT_ENUM[n]} = {FORMAT_IDS[n]}" for n in FORMAT_NAMES if n in FORMAT_ENUM)
+    """The prelude's format enum and per-format constants, from the registry (every format a kernel reads:
+    those with a ``cpp_name``)."""
+    kernel_formats = [f for f in registered() if f.cpp_name is not None]
+    enum = ", ".join(f"{f.cpp_name} = {f.id}" for f in kernel_formats)
     lines = ["enum { " + enum + " };",
              "template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, "
              "the two in encode's input domain, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, "
              "min_exponent)"]
-    for name in FORMAT_NAMES:
-        if name not in FORMAT_ENUM:
-            continue
+    for spec in kernel_formats:
         for nonneg in (False, True):
-            fmt = StateFormat(name, nonneg=nonneg)
+            fmt = StateFormat(spec.name, nonneg=nonneg)
             fields = f"static constexpr float qmax = {_cfloat(fmt.qmax)}, min_positive = {_cfloat(fmt.min_positive)};"
             if fmt.blockwise:
                 pos_inf, neg_inf, nan = special_codes(fmt)
@@ -136,9 +121,9 @@ def format_constants() -> str:
                            f"enc_qmax = {_cfloat(domain_bound(fmt, fmt.qmax))}, "
                            f"enc_flagged_qmax = {_cfloat(domain_bound(fmt, fmt.flagged_qmax))}; static constexpr int "
                            f"pos_inf_code = {pos_inf}, neg_inf_code = {neg_inf}, nan_code = {nan};")
-            if name.startswith("fp8"):
+            if spec.fp8_mantissa is not None:
                 fields += f" static constexpr int mantissa = {fmt.mantissa_bits}, min_exponent = {fmt.min_exponent};"
-            lines.append(f"template <> struct lb_format<{FORMAT_ENUM[name]}, {_cbool(nonneg)}> {{ {fields} }};")
+            lines.append(f"template <> struct lb_format<{spec.cpp_name}, {_cbool(nonneg)}> {{ {fields} }};")
     return "\n".join(lines + _dynamic_levels())
 
 
@@ -229,7 +214,7 @@ class CppPrinter:
                 written |= {access.param, access.residual, access.ties}
         part_spec: dict[Node, tuple[torch.dtype, str, bool]] = {}
         for state in self.states.values():
-            codes_dtype = torch.bfloat16 if state.fmt.name == "bf16" else torch.uint8
+            codes_dtype = torch.uint8 if state.fmt.blockwise else state.fmt.code_dtype  # bytes, or bf16 values
             lengths = ("n", "blocks", "patches", "patches") if state.fmt.blockwise else ("n", "empty", "empty", "empty")
             for part, dtype, length in zip(PARTS, (codes_dtype, torch.float32, torch.bfloat16, torch.int16), lengths):
                 part_spec[state.parts[part]] = (dtype, length, state.writes)
@@ -328,7 +313,7 @@ class CppPrinter:
         state = self.states[access.key]
         name = self._name("v", f"{access.node.name}_decoded")
         k, codes = state.ident, state.ptr(Part.CODES)
-        if state.fmt.name == "bf16":
+        if not state.fmt.blockwise:  # bf16 values
             self._lane(name, f"vf {name} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);")
             return _named(name, torch.float32, Kind.ELEMENT)
         t = state.template
@@ -349,7 +334,7 @@ class CppPrinter:
             state.rand = self._name("h", f"{state.ident}_rand")
             self.kernel.pre.append(f"const lb_rand {state.rand} = {{lb_hash32_s((uint32_t){_operand(seed)} ^ "
                             f"({access.stream}u << 24)), start}};")
-        if state.fmt.name == "bf16":
+        if not state.fmt.blockwise:  # bf16 values
             v, codes = f"lb_bf16_state_clamp<{sign_name(state.fmt)}>({x.text})", state.ptr(Part.CODES)
             if seed is not None:
                 bits = f"lb_bf16_bits_stochastic({v}, lb_draws({state.rand}.key, {state.rand}.first + i))"
@@ -537,7 +522,7 @@ class CppPrinter:
         """A non-negative sqrt8 state whose stored value's square root the step takes anyway (Adam's
         denominator) keeps that root in a second block buffer, and its encode takes no square root."""
         for s in self.states.values():
-            if s.writes and s.root is None and s.fmt.name == "sqrt8" and s.fmt.nonneg:
+            if s.writes and s.root is None and s.fmt.spec.root_domain and s.fmt.nonneg:
                 s.root = next((v.defines for v in self.kernel.body.values if v.root_of == s.value), None)
                 if s.root is not None:
                     self.kernel.body.stores.append(Stmt(f"if (full) lb_st(root_{s.ident} + i, {s.root}); "

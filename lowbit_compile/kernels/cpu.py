@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
+from ..ir.contract import Role, role_of
 from . import cpu_build
-from .contract import Role, role_of
 from .cpp_printer import ENTRY, EmittedStep, PointerInput, emit_step
 from .kernel import advance_counters, body_sources, check_grad, same_scalar_states, step_counters
 from .lowering import Target

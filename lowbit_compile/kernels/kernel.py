@@ -14,8 +14,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch.fx import GraphModule
 
-from .contract import Role, is_step_counter, role_of
-from .residual import SEED_PERIOD
+from ..formats.residual import SEED_PERIOD
+from ..ir.contract import Role, is_step_counter, role_of
 
 
 class BuildError(RuntimeError):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .contract import Role, input_of, master_access, state_access
+from ..ir.contract import Role, input_of, master_access, state_access
 from .primitives import Kind, Primitives, Value
 
 aten = torch.ops.aten

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from torch.fx import Node
 
-from .contract import MasterAccess, StateAccess
+from ..ir.contract import MasterAccess, StateAccess
 
 
 class Kind(enum.Enum):
@@ -70,7 +70,7 @@ class Primitives(Protocol):
     def quantize(self, state: StateAccess, value: Value, seed: Value | None) -> None:
         """Encode ``value`` as the state's new codes, block scales and patches: to nearest, or with the step
         counter ``seed`` stochastically (the random bits of ``seed``, the state's stream and the element's
-        index: ``rounding.py``)."""
+        index: ``formats/rounding.py``)."""
 
     def master_read(self, master: MasterAccess) -> Value:
         """The fp32 master of the param's elements: each 16-bit value joined with its residual."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch.fx import GraphModule
 
-from .contract import Role, role_of
+from ..ir.contract import Role, is_view, role_of
 from .kernel import RowLaunch, StepKernel
 
 _SHAPED = (Role.PARAM, Role.GRAD, Role.PER_ELEMENT_STATE)
@@ -123,12 +123,6 @@ def peak_bytes(gm: GraphModule, kernels: frozenset[str] = frozenset()) -> int:
             if last_use.get(a) == i:
                 live.pop(a, None)
     return peak
-
-
-def is_view(target: object) -> bool:
-    """Whether the op ``target`` returns a view of its input."""
-    schema = getattr(target, "_schema", None)
-    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None
 
 
 def _nbytes(val: object) -> int:

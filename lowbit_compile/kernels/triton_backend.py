@@ -25,9 +25,9 @@ import triton
 from torch.fx import GraphModule
 from triton.runtime.interpreter import InterpretedFunction
 
-from . import blockquant, triton_cache
-from .contract import Role, role_of
-from .formats import StateFormat, dynamic_lookup_table
+from ..formats import StateFormat, blockquant, element_format
+from ..ir.contract import Role, role_of
+from . import triton_cache
 from .kernel import (
     BuildError,
     RowLaunch,
@@ -158,6 +158,7 @@ class TritonKernel:
 _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int8: "*i8",
                   torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32", torch.float8_e4m3fn: "*fp8e4nv",
                   torch.float8_e5m2: "*fp8e5"}
+_NUMBER_TYPE = _POINTER_TYPES[torch.float32].removeprefix("*")  # a number argument: an fp32
 
 
 def _warps(e: EmittedKernel) -> int:
@@ -196,7 +197,7 @@ def compile_emitted(emitted: EmittedKernel, arch: int = 90, aligned: bool = Fals
     if interpreting():
         raise RuntimeError("compiling for a target needs TRITON_INTERPRET unset: it builds real Triton kernels")
     params = [p for p in emitted.params if not (emitted.batched and p in emitted.tensor_params)]
-    signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else "fp32" for p in params}
+    signature = {p.name: _POINTER_TYPES[p.dtype] if p.dtype is not None else _NUMBER_TYPE for p in params}
     if emitted.batched:  # the tensors' pointers are read from the row table (BatchedLaunch's int64/int32 tables)
         signature.update(row_table_ptr="*i64", program_rows_ptr="*i32", BLOCK="constexpr", ROWS="constexpr",
                          MASKED="constexpr")
@@ -235,10 +236,9 @@ def _compile(source: str, name: str, key: str) -> Callable:
 
 
 @functools.cache
-def _table(kind: str, nonneg: bool, device: torch.device) -> torch.Tensor:
-    """A dynamic8 table on ``device`` (``kind`` is ``"lookup"``, the one table kernels read)."""
-    assert kind == "lookup", kind
-    return dynamic_lookup_table(nonneg).to(device)
+def _table(name: str, nonneg: bool, device: torch.device) -> torch.Tensor:
+    """The lookup table of format ``name`` (``ElementFormat.lookup_table``) on ``device``."""
+    return element_format(name).lookup_table(nonneg).to(device)
 
 
 _KERNELS: dict[str, TritonKernel] = {}

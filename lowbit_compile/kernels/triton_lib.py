@@ -1,5 +1,5 @@
 """Triton building blocks of the emitted step kernels: exact rounding, and the block decode and
-block encode of every format in ``formats.py`` (the reference is ``blockquant.py``).
+block encode of every format of the registry (``formats/``) (the reference is ``blockquant.py``).
 
 Every rounding here ends in a value that is exactly representable in the target type, computed with
 IEEE fp32 arithmetic or integer bit arithmetic, so a kernel gives the same bits on a GPU and under
@@ -26,15 +26,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .formats import DYNAMIC_CELL_BITS, DYNAMIC_CELLS, DYNAMIC_FIRST_EXPONENT, DYNAMIC_NO_EDGE, FORMAT_IDS
+from ..formats import registered
+from ..formats.dynamic import DYNAMIC_CELL_BITS, DYNAMIC_CELLS, DYNAMIC_FIRST_EXPONENT, DYNAMIC_NO_EDGE
 
-# Element formats (constexpr ids, formats.FORMAT_IDS); fp32 states never reach a kernel.
-INT8 = tl.constexpr(FORMAT_IDS["int8"])
-DYNAMIC8 = tl.constexpr(FORMAT_IDS["dynamic8"])
-FP8_E4M3 = tl.constexpr(FORMAT_IDS["fp8_e4m3"])
-FP8_E5M2 = tl.constexpr(FORMAT_IDS["fp8_e5m2"])
-BF16_CODES = tl.constexpr(FORMAT_IDS["bf16"])
-SQRT8 = tl.constexpr(FORMAT_IDS["sqrt8"])
+# Element formats: the registry's number of each format (ElementFormat.id) under its triton_name, the name
+# the printed kernels pass as FMT; fp32 states never reach a kernel.
+_FORMAT_IDS = {f.triton_name: f.id for f in registered() if f.triton_name is not None}
+INT8 = tl.constexpr(_FORMAT_IDS["INT8"])
+DYNAMIC8 = tl.constexpr(_FORMAT_IDS["DYNAMIC8"])
+FP8_E4M3 = tl.constexpr(_FORMAT_IDS["FP8_E4M3"])
+FP8_E5M2 = tl.constexpr(_FORMAT_IDS["FP8_E5M2"])
+BF16_CODES = tl.constexpr(_FORMAT_IDS["BF16_CODES"])
+SQRT8 = tl.constexpr(_FORMAT_IDS["SQRT8"])
 
 # Value dtypes of params and stock states: every value lives in fp32 registers, rounded to its dtype.
 F32 = tl.constexpr(0)
@@ -183,7 +186,7 @@ def fp8_value(code, MANTISSA_BITS: tl.constexpr):
         return fp8_scaled_value(code, MANTISSA_BITS)
 
 
-# The dynamic8 lookup table (formats.dynamic_lookup_table): 256 code values, then the cells of magnitudes.
+# The dynamic8 lookup table (formats.dynamic.dynamic_lookup_table): 256 code values, then the cells of magnitudes.
 _CELL_SHIFT = tl.constexpr(23 - DYNAMIC_CELL_BITS)
 _FIRST_CELL = tl.constexpr((127 + DYNAMIC_FIRST_EXPONENT) << DYNAMIC_CELL_BITS)
 _LAST_CELL = tl.constexpr(DYNAMIC_CELLS - 1)
@@ -192,7 +195,7 @@ _IN_CELL = tl.constexpr(DYNAMIC_NO_EDGE - 1)  # the mantissa bits below a cell's
 
 @triton.jit
 def dynamic8_code(y, table_ptr, NONNEG: tl.constexpr):
-    """``formats.encode`` of dynamic8 through ``formats.dynamic_lookup_table``: |y|'s cell (its exponent
+    """``formats.encode`` of dynamic8 through ``formats.dynamic.dynamic_lookup_table``: |y|'s cell (its exponent
     and top mantissa bits) gives the code magnitude p of the cell's lowest value and where in the cell
     the lower edge of p + 1 lies; one compare of |y|'s low mantissa bits with it settles the code."""
     a = y if NONNEG else tl.abs(y)
@@ -209,7 +212,7 @@ def dynamic8_code(y, table_ptr, NONNEG: tl.constexpr):
 
 @triton.jit
 def dynamic8_value(codes, table_ptr):
-    """``formats.decode`` of dynamic8 codes (uint8): the value table of ``formats.dynamic_lookup_table``."""
+    """``formats.decode`` of dynamic8 codes (uint8): the value table of ``formats.dynamic.dynamic_lookup_table``."""
     return tl.load(table_ptr + codes.to(tl.int32))
 
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .blockquant import PATCH_INDEX_DTYPE, PATCH_VALUE_DTYPE
-from .contract import (
+from ..formats import StateFormat, special_codes
+from ..formats.blockquant import PATCH_INDEX_DTYPE, PATCH_VALUE_DTYPE
+from ..ir.contract import (
     GraphInput,
     MasterAccess,
     Role,
@@ -32,7 +33,6 @@ from .contract import (
     state_access,
     state_part_inputs,
 )
-from .formats import StateFormat, special_codes
 from .lowering import LoweringError, Target, lower_body
 from .primitives import Kind, Value
 
@@ -55,7 +55,7 @@ class KernelParam:
     """One runtime argument of an emitted kernel, in order.
 
     ``kind`` is ``"input"`` (the body input at ``index``: a pointer when ``tensor``, else a number)
-    or ``"table"`` (the launcher supplies ``formats.dynamic_lookup_table``).
+    or ``"table"`` (the launcher supplies the ``lookup_table`` of the format ``table`` names).
     ``dtype`` is what a pointer points to (None for a number).
     """
 
@@ -313,7 +313,7 @@ class TritonPrinter:
 
     def dequantize(self, state: StateAccess) -> Value:
         fmt = state.fmt
-        table = self._table("lookup", fmt) if fmt.name == "dynamic8" else "None"
+        table = self._table("lookup", fmt) if fmt.spec.lookup_table is not None else "None"
         name = self._ident(state.node.name)
         self.lines.append(f"# {fmt.tag()}")
         self.lines += _call_lines(f"{name} = lb.dequantize", self._state_args(state) + [
@@ -324,13 +324,14 @@ class TritonPrinter:
     def quantize(self, state: StateAccess, value: Value, seed: Value | None) -> None:
         fmt = state.fmt
         self.written.update(state.parts)
-        table = self._table("lookup", fmt) if fmt.name == "dynamic8" else "None"
+        table = self._table("lookup", fmt) if fmt.spec.lookup_table is not None else "None"
+
         def inv(divisor: float) -> float:
             return _fp32_reciprocal(divisor) if self.target.cuda else 0.0
 
         flags = []
         if fmt.blockwise:
-            if fmt.neg_qmax != fmt.qmax:  # signed dynamic8: a scale per side
+            if fmt.neg_qmax != fmt.qmax:  # an asymmetric signed map: a scale per side
                 flags = [f"NEG_QMAX={fmt.neg_qmax!r}", f"INV_NEG_QMAX={inv(fmt.neg_qmax)!r}"]
             flags += [f"FLAGGED_QMAX={fmt.flagged_qmax!r}", f"INV_FLAGGED_QMAX={inv(fmt.flagged_qmax)!r}",
                       *_special_codes(fmt)]
@@ -367,9 +368,10 @@ class TritonPrinter:
         self.lines += _call_lines("lb.master_write", args + self._master_flags(master))
 
     def _table(self, kind: str, fmt: StateFormat) -> str:
-        name = f"dynamic8_{'unsigned' if fmt.nonneg else 'signed'}_{kind}_ptr"
+        """The kernel parameter of ``fmt``'s table (``ElementFormat.lookup_table``, the only ``kind``)."""
+        name = f"{fmt.name}_{'unsigned' if fmt.nonneg else 'signed'}_{kind}_ptr"
         if all(t.name != name for t in self.tables):
-            self.tables.append(KernelParam(name, "table", table=kind, nonneg=fmt.nonneg, dtype=torch.float32))
+            self.tables.append(KernelParam(name, "table", table=fmt.name, nonneg=fmt.nonneg, dtype=torch.float32))
         return name
 
     def bind(self, value: Value, name: str) -> Value:
@@ -456,17 +458,13 @@ class TritonPrinter:
 
 
 # helpers ----------------------------------------------------------------------------------------------
-_FORMAT_NAMES = {"int8": "lb.INT8", "dynamic8": "lb.DYNAMIC8", "fp8_e4m3": "lb.FP8_E4M3", "fp8_e5m2": "lb.FP8_E5M2",
-                 "bf16": "lb.BF16_CODES", "sqrt8": "lb.SQRT8"}
-
-
 def _is_fp8(fmt: StateFormat) -> bool:
-    return fmt.name in ("fp8_e4m3", "fp8_e5m2")
+    return fmt.spec.fp8_mantissa is not None
 
 
 def _format_id(fmt: StateFormat) -> str:
-    """The triton_lib constant of a format (each is ``formats.FORMAT_IDS[name]``)."""
-    return _FORMAT_NAMES[fmt.name]
+    """The triton_lib constant of a format (``ElementFormat.triton_name``, whose value is its id)."""
+    return f"lb.{fmt.spec.triton_name}"
 
 
 def _special_codes(fmt: StateFormat) -> list[str]:

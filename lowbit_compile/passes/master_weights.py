@@ -3,7 +3,7 @@ param plus a residual state, so a bf16/fp16 model trains as if an fp32 copy of i
 
 The step is traced on an fp32 param, an fp32 grad and fp32-dtype states (which ``quantize_states``
 then rewrites to their formats like any other step's): what stepping an fp32 master copy runs. This
-pass gives the graph the 16-bit param and grad and the residual inputs (``kernels/residual.py``):
+pass gives the graph the 16-bit param and grad and the residual inputs (``formats/residual.py``):
 
 * every read of the param reads ``lowbit::master_read(param, residual)``, the fp32 master;
 * every read of the grad reads it cast to fp32 (exact: what ``master.grad = param.grad.float()`` gives);
@@ -22,7 +22,8 @@ import copy
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..kernels.contract import (
+from ..formats.residual import RESIDUAL, SEED, TIES, MasterFormat, tie_words
+from ..ir.contract import (
     GraphInput,
     Role,
     add_master_read,
@@ -32,7 +33,6 @@ from ..kernels.contract import (
     set_input,
     set_per_element,
 )
-from ..kernels.residual import RESIDUAL, SEED, TIES, MasterFormat, tie_words
 
 aten = torch.ops.aten
 

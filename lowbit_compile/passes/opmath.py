@@ -20,8 +20,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from ..kernels import ops
-from ..kernels.contract import Role, is_per_element, role_of, set_per_element
+from ..ir import ops
+from ..ir.contract import Role, is_per_element, role_of, set_per_element
 from .stages import eager_nodes
 
 aten = torch.ops.aten

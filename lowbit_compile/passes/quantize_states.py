@@ -17,7 +17,9 @@ from collections.abc import Collection, Mapping
 import torch
 from torch.fx import GraphModule, Node
 
-from ..kernels.contract import (
+from ..formats import StateFormat
+from ..formats.rounding import MAX_STREAMS, SEED
+from ..ir.contract import (
     Role,
     add_dequantize,
     add_quantize,
@@ -27,8 +29,6 @@ from ..kernels.contract import (
     set_per_element,
     state_part_inputs,
 )
-from ..kernels.formats import StateFormat
-from ..kernels.rounding import MAX_STREAMS, SEED
 
 
 def quantize_states(gm: GraphModule, formats: Mapping[str, StateFormat],

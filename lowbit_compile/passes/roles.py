@@ -16,7 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils._pytree import tree_flatten
 
-from ..kernels.contract import (
+from ..ir.contract import (
     PER_ELEMENT_ROLES,
     GraphInput,
     Role,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import GraphModule, Node
 
-from ..kernels.contract import Role, input_of, role_of
+from ..ir.contract import Role, input_of, role_of
 
 if TYPE_CHECKING:
     from .trace import HyperSlot
@@ -169,7 +169,7 @@ def _ranges(gm: GraphModule, assumed: set[str], ranges: Mapping[HyperSlot, Inter
             else:
                 env[node] = ANY
         elif node.op == "call_function":
-            rule = _RULES.get(node.target)
+            rule = SIGN_RULES.get(node.target)
             env[node] = rule(node, of) if rule is not None else ANY
     return env
 
@@ -329,7 +329,9 @@ def _minimum(a: Interval, b: Interval) -> Interval:
 
 _PRODUCTS = (aten.mul.Tensor, aten.mul.Scalar, operator.mul)
 
-_RULES: dict[object, Callable[[Node, Callable], Interval]] = {
+# Each op's range from its arguments'; an op without a rule gives any value (ANY). Every op the lowering
+# table covers has a rule here or is in SIGN_NEUTRAL (tests/test_lowering.py).
+SIGN_RULES: dict[object, Callable[[Node, Callable], Interval]] = {
     aten.add.Tensor: lambda n, of: _add(of(n.args[0]), _mul(_alpha(n, of), of(n.args[1]))),
     aten.add.Scalar: lambda n, of: _add(of(n.args[0]), _mul(_alpha(n, of), of(n.args[1]))),
     aten.sub.Tensor: lambda n, of: _add(of(n.args[0]), _neg(_mul(_alpha(n, of), of(n.args[1])))),
@@ -346,6 +348,8 @@ _RULES: dict[object, Callable[[Node, Callable], Interval]] = {
     aten.lerp.Scalar: _lerp,
     aten.lerp.Tensor: _lerp,
     aten.sqrt.default: _const(NONNEG),
+    aten.rsqrt.default: _const(NONNEG),  # 1 / sqrt(x), NaN below 0
+    aten.reciprocal.default: lambda n, of: _div(Interval(1.0, 1.0), of(n.args[0])),
     aten.abs.default: _unary(_abs),
     aten.exp.default: _const(NONNEG),
     aten.pow.Tensor_Scalar: _pow,
@@ -362,6 +366,7 @@ _RULES: dict[object, Callable[[Node, Callable], Interval]] = {
     aten.alias.default: _same,
     aten._to_copy.default: _same,
     aten.copy.default: lambda n, of: of(n.args[1]),
+    aten.copy_.default: lambda n, of: of(n.args[1]),
     aten.scalar_tensor.default: _same,
     aten._local_scalar_dense.default: _same,
     aten.full.default: lambda n, of: of(n.args[1]),
@@ -381,6 +386,13 @@ _RULES: dict[object, Callable[[Node, Callable], Interval]] = {
 }
 
 for _op in (aten.gt.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.le.Scalar, aten.eq.Scalar, aten.ne.Scalar,
-            aten.gt.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.le.Tensor, aten.eq.Tensor, aten.ne.Tensor):
-    _RULES[_op] = _const(Interval(0.0, 1.0))
+            aten.gt.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.le.Tensor, aten.eq.Tensor, aten.ne.Tensor,
+            aten.logical_and.default, aten.logical_or.default, aten.logical_not.default):
+    SIGN_RULES[_op] = _const(Interval(0.0, 1.0))
+
+# Lowered ops the proof never meets: the quantize rewrite adds the state and master ops after it (it runs on
+# the traced step, passes/roles.py's labels).
+SIGN_NEUTRAL = frozenset({torch.ops.lowbit.dequantize.default, torch.ops.lowbit.quantize_.default,
+                          torch.ops.lowbit.quantize_stochastic_.default, torch.ops.lowbit.master_read.default,
+                          torch.ops.lowbit.master_write_.default})
 

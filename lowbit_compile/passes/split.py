@@ -14,7 +14,7 @@ import operator
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..kernels.contract import is_per_element, set_per_element
+from ..ir.contract import is_per_element, set_per_element
 
 
 def split_prologue(gm: GraphModule) -> GraphModule:

@@ -21,19 +21,19 @@ from collections.abc import Callable
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..kernels.contract import (
+from ..ir.contract import (
     GraphInput,
     Role,
     Temporary,
     input_of,
     is_per_element,
+    is_view,
     is_whole_tensor,
     role_of,
     set_input,
     set_per_element,
     state_access,
 )
-from ..kernels.staged import is_view
 from .trace import check_branch
 
 aten = torch.ops.aten

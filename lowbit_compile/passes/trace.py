@@ -33,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..kernels.contract import GraphInput, Role, identifier, set_input
+from ..ir.contract import GraphInput, Role, identifier, set_input
 from .canonicalize import elementwise_forms
 
 if TYPE_CHECKING:
