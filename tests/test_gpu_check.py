@@ -15,7 +15,13 @@ pytest.importorskip("triton")
 gpu_check = pytest.importorskip("bench.gpu_check")
 
 
-def test_dry_run_checks_times_and_writes_json(tmp_path):
+def test_dry_run_checks_times_and_writes_json(tmp_path, monkeypatch):
+    # a smaller Llama than the dry run's (each of its optimizer's blocks is a program the Triton interpreter
+    # runs): the embeddings, head and MLP weights (4096 elements) still take 8-bit states, attention's
+    # (1024) fp32 ones under min_8bit_size
+    monkeypatch.setattr(gpu_check, "LLAMA_TINY", {
+        "vocab_size": 128, "hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 32})
     out = tmp_path / "gpu_check.json"
     report = gpu_check.main(["--device", "cpu", "--dry-run", "--formats", "int8", "--cases", "adam-bf16-params-wd",
                              "--skip-peers", "--model-steps", "1", "--out", str(out)])

@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.bounds import bf16_bound, element_bound, idle_row_run, reference_layout, same_values
+from bench.bounds import IdleRow, bf16_bound, element_bound, idle_row_run, reference_layout, same_values
 from lowbit_compile import QuantizedState, checkpoint, lowbit_compile
 from lowbit_compile.formats import StateFormat, blockquant
 from lowbit_compile.kernels import cpp_printer, cpu_build
@@ -517,18 +517,24 @@ def test_grad_scaler_skipped_step_leaves_quantized_states_bitwise(fused):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+@functools.cache
+def _idle_row_5000(fmt: str, rounding: str = "nearest") -> IdleRow:
+    """``idle_row_run(fmt, 5000)``, once per process (both idle-row tests hold the run to nearest)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 5,000 steps of tiny ops: thread wake-ups would cost more than the ops
+    try:
+        return idle_row_run(fmt, 5000, rounding=rounding)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 def test_a_long_idle_row_stays_finite_and_within_its_bound(fmt):
     """The issue's embedding row: updated once, then idle for 5,000 steps (fp8 NaNed its block after
     ~700, or after 2 with gradients of 1e-20): every param stays finite and ends within the bound of
     stock's (``idle_row_run``)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 5,000 steps of tiny ops: thread wake-ups would cost more than the ops
-    try:
-        row = idle_row_run(fmt, 5000)
-    finally:
-        torch.set_num_threads(threads)
+    row = _idle_row_5000(fmt)
     assert row.finite
     assert row.within_bound, row
     assert row.bound_over_movement < 1.0, row  # the bound says something: less than stock's own movement
@@ -540,12 +546,7 @@ def test_a_long_idle_row_under_the_default_stays_finite_and_as_close_as_nearests
     """The same row under the default rounding (v stochastic): a decaying block no longer keeps its codes,
     so the per-element bound above does not apply; the row stays finite and its distance from stock (the
     norm over stock's movement) stays under the bound proven for rounding to nearest."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        nearest, default = idle_row_run(fmt, 5000), idle_row_run(fmt, 5000, rounding="auto")
-    finally:
-        torch.set_num_threads(threads)
+    nearest, default = _idle_row_5000(fmt), _idle_row_5000(fmt, "auto")
     assert default.finite
     assert default.off_over_movement <= nearest.bound_over_movement, (default, nearest)
 

@@ -114,19 +114,24 @@ def _statistical(name: str, nonneg: bool, increments: tuple[float, ...], draws_e
     """At each increment of a code gap above the inner code (over code pairs across the format's range),
     ``draws_each`` encodes with the library's own draws (consecutive elements of one counter: distinct
     hashes) take the outer code as often as the increment says: ``|taken - expected| <= BIAS * n + 5
-    sigma`` (a binomial's sigma: a 5-sigma check fails by chance with probability 6e-7)."""
+    sigma`` (a binomial's sigma: a 5-sigma check fails by chance with probability 6e-7). The increments'
+    values are encoded side by side, a chunk of the counter's elements at a time."""
     fmt = StateFormat.make(name, 0, 0, nonneg)
     inner, outer = _neighbours(fmt, 64)
-    for delta in increments:
-        x, seen = _between(fmt, inner, outer, torch.full_like(inner, delta))
-        reps, per_chunk = -(-draws_each // x.numel()), max(1, 2**20 // x.numel())
-        taken = 0.0
-        for first in range(0, reps, per_chunk):
-            k = min(per_chunk, reps - first)
-            draws = rounding.state_draws(7, 3, (first + k) * x.numel())[first * x.numel():]
-            taken += float((_decoded(encode(x.repeat(k), fmt, draws=draws), fmt) == outer.repeat(k)).sum())
-        n, expected, variance = reps * x.numel(), reps * float(seen.sum()), reps * float((seen * (1 - seen)).sum())
-        assert abs(taken - expected) <= BIAS * n + 5 * variance**0.5, (delta, taken / n, expected / n)
+    x, seen = (torch.cat(t) for t in zip(*(_between(fmt, inner, outer, torch.full_like(inner, d))
+                                           for d in increments)))
+    outer = outer.repeat(len(increments))
+    reps, per_chunk = -(-draws_each // inner.numel()), max(1, 2**22 // x.numel())
+    taken = torch.zeros(x.numel(), dtype=torch.float64)
+    for first in range(0, reps, per_chunk):
+        k = min(per_chunk, reps - first)
+        draws = rounding.state_draws(7, 3, k * x.numel(), first=first * x.numel())
+        taken += (_decoded(encode(x.repeat(k), fmt, draws=draws), fmt).view(k, -1) == outer).sum(0)
+    for delta, taken_at, seen_at in zip(increments, taken.chunk(len(increments)), seen.chunk(len(increments))):
+        n, expected = reps * inner.numel(), reps * float(seen_at.sum())
+        variance = reps * float((seen_at * (1 - seen_at)).sum())
+        taken_at = float(taken_at.sum())
+        assert abs(taken_at - expected) <= BIAS * n + 5 * variance**0.5, (delta, taken_at / n, expected / n)
 
 
 @pytest.mark.parametrize("nonneg", [False, True])
