@@ -33,6 +33,7 @@ Runs one at a time in this process with 1 thread; every run is saved as it ends 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -52,7 +53,7 @@ from bench.step_bench import ROUNDINGS as LIBRARY_ROUNDINGS
 from bench.tasks import OptimizerSpec, train
 from bench.zero_point import SMALL, zero_point_check
 from lowbit_compile import lowbit_compile
-from lowbit_compile.formats import ElementFormat, StateFormat, format_names
+from lowbit_compile.formats import ElementFormat, StateFormat, format_names, registry
 from lowbit_compile.formats.registry import register
 from lowbit_compile.formats.rounding import threshold
 
@@ -149,8 +150,11 @@ def round_stochastic4(x: torch.Tensor, codes: torch.Tensor, fmt: StateFormat, dr
     return lift_zero(out, x, t, fmt).to(torch.uint8)
 
 
-def register_maps() -> None:
-    """Register every map of :func:`maps` as a bench-only format (once per process): uint8 codes, qmax 1."""
+def register_maps() -> list[str]:
+    """Register every map of :func:`maps` not registered yet as a bench-only format of this process (uint8
+    codes, qmax 1); returns the names it registered. Only the screen's own process does it for good (the
+    fused backends have no kernel for them); tests use :func:`maps_registered`."""
+    added = []
     for name in maps():
         if name in format_names():
             continue
@@ -159,9 +163,20 @@ def register_maps() -> None:
             name, (torch.uint8, torch.uint8), qmax=(1.0, 1.0),
             min_positive=(float(m[m > 0].min()), float(v[v > 0].min())), encode=encode4, decode=decode4,
             unsigned_map=True, special_codes=(SPECIAL, SPECIAL), round_stochastic=round_stochastic4))
+        added.append(name)
+    return added
 
 
-register_maps()
+@contextlib.contextmanager
+def maps_registered():
+    """The maps registered for the block only, then taken out of the registry again (the registry has no
+    public removal: the library's completeness tests must not see bench-only formats)."""
+    added = register_maps()
+    try:
+        yield
+    finally:
+        for name in added:
+            registry._REGISTRY.pop(name, None)
 
 
 # building and running --------------------------------------------------------------------------------------
@@ -221,37 +236,45 @@ def zero_point(variant: str) -> dict:
 
 
 # the report --------------------------------------------------------------------------------------------------
+def _gap(e: dict | None) -> str:
+    if e is None:
+        return "–"
+    gap, sd = e["paired_gap_pct"]
+    return f"{gap:+.2f} ± {sd:.2f}%" + ("" if e["matches_fp32"] else " ✗")
+
+
 def markdown(data: dict) -> str:
+    """A zero-point table, then one table per task: each optimizer's paired gap to fp32."""
     runs, zps, meta = data["runs"], data["zero_point"], data["meta"]
     summary = summarize(runs) if runs else {}
-    lines = [f"Measured {meta['date']} (UTC) at commit {meta.get('commit')} (main {meta.get('main_commit')}), torch "
-             f"{meta['torch']}, one run at a time with 1 thread on {meta['cpus']} shared CPUs, load average at "
-             f"start {meta.get('loadavg')}; torchao run eagerly; commands: "
-             + "; ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", "") for r in runs) if c), ""]
-    variants = list(dict.fromkeys([*zps, *(r["variant"] for r in runs)]))
-    lines += ["| optimizer | B/param (m+v) | ZP: v stored 0 (ppm) | ZP max / mean \\|p - p_fp32\\| / lr | "
-              + " | ".join(f"{t}" for t in summary) + " |",
-              "|---|---:|---:|---:|" + "---:|" * len(summary)]
-    for v in variants:
-        zp = zps.get(v)
-        cells = [f"{nominal_bytes(v):.3f}",
-                 "–" if zp is None else f"{zp['zeros_ppm']:.1f}",
-                 "–" if zp is None else f"{zp['max_lr']:.3f} / {zp['mean_lr']:.4f}"]
-        for task in summary:
-            e = summary[task].get(v)
-            if e is None:
-                cells.append("–")
-            elif v == "fp32":
-                cells.append(f"{e['loss_mean']:.4f} (seed sd ±{e['fp32_noise_pct']:.2f}%, n={len(e['seeds'])})")
-            else:
-                gap, sd = e["paired_gap_pct"]
-                cells.append(f"{gap:+.2f} ± {sd:.2f}% (n={len(e['seeds'])})" + ("" if e["matches_fp32"] else " ✗"))
-        lines.append(f"| {v} | " + " | ".join(cells) + " |")
-    lines += ["", "Task cells: paired gap of the final validation loss to fp32 AdamW of the same seed, mean ± sd "
-              "over seeds (n), ✗ where the mean is farther than 0.5% or fp32's own seed sd; the fp32 row gives "
-              "its loss and seed sd. B/param: m + v of a quantized tensor, packed, with fp32 scales (what the "
-              "format would store; the screen stores a byte per code). ZP: the zero-point check of "
-              "`bench/zero_point.py` on its 0.5M set (20 AdamW steps, lr 1e-3)."]
+    lines = [f"Measured from {meta['date']} (UTC), torch {meta['torch']}, one run at a time with 1 thread on "
+             f"{meta['cpus']} shared CPUs (other work ran beside it); torchao run eagerly; ours on the reference "
+             "lowering. Stages (commit, load average at start, wall time):", ""]
+    for st in meta.get("stages", []):
+        wall = f", {st['wall_seconds'] / 60:.1f} min" if "wall_seconds" in st else ""
+        load = " ".join(f"{x:.2f}" for x in st["loadavg"]) if st.get("loadavg") else "unrecorded"
+        lines.append(f"- {st['date']} at {st['commit']}, load {load}{wall}: `{st['command']}`")
+    if zps:
+        lines += ["", "### Zero-point check (`bench/zero_point.py`, 0.5M set, 20 AdamW steps, lr 1e-3, N(0, 1) grads)",
+                  "", "| optimizer | v stored as 0 where fp32 v > 0 | max \\|p - p_fp32\\| / lr | mean / lr |",
+                  "|---|---:|---:|---:|"]
+        for v, zp in zps.items():
+            lines.append(f"| {v} | {zp['zeros_ppm']:.1f} ppm | {zp['max_lr']:.3f} | {zp['mean_lr']:.4f} |")
+    for task, entries in summary.items():
+        fp32 = entries.get("fp32")
+        head = "no fp32 runs" if fp32 is None else (f"fp32 loss {fp32['loss_mean']:.4f}, seed sd "
+                                                   f"±{fp32['fp32_noise_pct']:.2f}% over seeds {fp32['seeds']}")
+        lines += ["", f"### {task} ({head})", "",
+                  "| optimizer | B/param (m+v) | paired gap to fp32 | seeds | final loss |", "|---|---:|---:|---|---:|"]
+        order = sorted(entries, key=lambda v: (v != "fp32", v != "ao-AdamW4bit", entries[v]["paired_gap_pct"][0]))
+        for v in order:
+            e = entries[v]
+            lines.append(f"| {v} | {nominal_bytes(v):.3f} | {_gap(e) if v != 'fp32' else '0 (reference)'} | "
+                         f"{','.join(map(str, e['seeds']))} | {e['loss_mean']:.4f} |")
+    lines += ["", "Paired gap: final validation loss over fp32 AdamW's of the same seed - 1, mean ± sd over the "
+              "seeds; ✗ where the mean is farther than 0.5% or fp32's own seed sd (`bench/quality.py`'s rule). "
+              "B/param: m + v of a quantized tensor, packed (4-bit codes two a byte) with fp32 scales: what the "
+              "format would store (the screen stores a byte per code; tensors under 4096 elements stay fp32)."]
     return "\n".join(lines)
 
 
@@ -267,11 +290,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--report", action="store_true", help="only rebuild the table from the JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    register_maps()
     path = args.out / "format_screen4.json"
-    data = {"runs": [], "zero_point": {}, "meta": run_meta(1, 1, False, loadavg=os.getloadavg())}
+    command = " ".join(["python", "bench/format_screen4.py", *sys.argv[1:]])
+    meta = run_meta(1, 1, False)
+    stage = {"command": command, "date": meta["date"], "commit": meta["commit"], "loadavg": os.getloadavg()}
+    data = {"runs": [], "zero_point": {}, "meta": {**meta, "stages": []}}
     if (args.resume or args.report) and path.exists():
-        saved = json.loads(path.read_text())
-        data = {**saved, "meta": saved["meta"] if args.report else data["meta"]}
+        data = json.loads(path.read_text())
+    if not args.report:
+        data["meta"].setdefault("stages", []).append(stage)
     for v in args.variants:  # a bad name fails here, before an hour of runs
         build(v)
 
@@ -285,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.zero_point:
             for v in args.variants:
                 if OptimizerSpec(split_name(v)[0]).kind == "ours" and v not in data["zero_point"]:
-                    data["zero_point"][v] = zero_point(v)
+                    data["zero_point"][v] = {**zero_point(v), "command": command}
                     print("zero-point", v, data["zero_point"][v], flush=True)
                     save()
         done = {(r["task"], r["variant"], r["seed"]) for r in data["runs"]}
@@ -295,11 +323,11 @@ def main(argv: list[str] | None = None) -> None:
                     if (task, v, seed) in done:
                         continue
                     record = run_one(task, v, seed, args.step_scale)
-                    record["command"] = " ".join(["python", "bench/format_screen4.py", *sys.argv[1:]])
+                    record["command"] = command
                     data["runs"].append(record)
                     print(task, v, seed, f"{record['val'][-1]['loss']:.4f}", f"{record['seconds']:.0f}s", flush=True)
                     save()
-        data["meta"]["wall_seconds"] = data["meta"].get("wall_seconds", 0) + time.perf_counter() - start
+        stage["wall_seconds"] = time.perf_counter() - start
     save()
     print(markdown(data))
 
