@@ -247,7 +247,10 @@ def markdown(data: dict) -> str:
     """A zero-point table, then one table per task: each optimizer's paired gap to fp32."""
     runs, zps, meta = data["runs"], data["zero_point"], data["meta"]
     summary = summarize(runs) if runs else {}
-    lines = [f"Measured from {meta['date']} (UTC), torch {meta['torch']}, one run at a time with 1 thread on "
+    lines = ["# 4-bit state formats: a screen on the reference lowering (issue 51 item 3)", ""]
+    if meta.get("notes"):
+        lines += [meta["notes"], ""]
+    lines += [f"Measured from {meta['date']} (UTC), torch {meta['torch']}, one run at a time with 1 thread on "
              f"{meta['cpus']} shared CPUs (other work ran beside it); torchao run eagerly; ours on the reference "
              "lowering. Stages (commit, load average at start, wall time):", ""]
     for st in meta.get("stages", []):
@@ -288,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--resume", action="store_true", help="keep the runs already in the JSON and skip them")
     ap.add_argument("--report", action="store_true", help="only rebuild the table from the JSON")
+    ap.add_argument("--notes", type=Path, help="with --report: keep this text (what it says) in the JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     register_maps()
@@ -300,6 +304,8 @@ def main(argv: list[str] | None = None) -> None:
         data = json.loads(path.read_text())
     if not args.report:
         data["meta"].setdefault("stages", []).append(stage)
+    elif args.notes:
+        data["meta"]["notes"] = args.notes.read_text().strip()
     for v in args.variants:  # a bad name fails here, before an hour of runs
         build(v)
 
