@@ -250,10 +250,13 @@ def markdown(data: dict) -> str:
     lines = ["# 4-bit state formats: a screen on the reference lowering (issue 51 item 3)", ""]
     if meta.get("notes"):
         lines += [meta["notes"], ""]
-    lines += [f"Measured from {meta['date']} (UTC), torch {meta['torch']}, one run at a time with 1 thread on "
-             f"{meta['cpus']} shared CPUs (other work ran beside it); torchao run eagerly; ours on the reference "
-             "lowering. Stages (commit, load average at start, wall time):", ""]
-    for st in meta.get("stages", []):
+    stages = meta.get("stages", [])
+    wall = sum(st.get("wall_seconds") or 0 for st in stages) / 60
+    lines += [f"Measured from {stages[0]['date'] if stages else meta['date']} (UTC), {wall:.0f} minutes in all, torch "
+              f"{meta['torch']}, one run at a time with 1 thread on {meta['cpus']} shared CPUs (other work ran beside "
+              "it); torchao run eagerly; ours on the reference lowering. Stages (commit, load average at start, wall "
+              "time):", ""]
+    for st in stages:
         wall = f", {st['wall_seconds'] / 60:.1f} min" if "wall_seconds" in st else ""
         load = " ".join(f"{x:.2f}" for x in st["loadavg"]) if st.get("loadavg") else "unrecorded"
         lines.append(f"- {st['date']} at {st['commit']}, load {load}{wall}: `{st['command']}`")
