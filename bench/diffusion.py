@@ -31,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 import torch
 from torch import nn
 
-from bench.quality import load_runs, mean_std, results_header, run_meta, run_pool, scale_steps, state_bytes, summarize
+from bench.quality import scale_steps, state_bytes
 from bench.rounding import check_name, make_optimizer
+from bench.runs import load_runs, mean_std, results_header, run_meta, run_pool, summarize
 from bench.tasks import TASKS, DiffusionDigits, Task, train
 
 RESULTS = Path(__file__).resolve().parent / "results"

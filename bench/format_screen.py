@@ -28,7 +28,7 @@ import torch
 
 import lowbit_compile.formats.blockquant as bq
 import lowbit_compile.formats.element as fm
-from bench.quality import mean_std
+from bench.runs import mean_std
 from bench.tasks import TASKS, OptimizerSpec, train
 from bench.zero_point import FULL, SMALL, zero_point_check
 

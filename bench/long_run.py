@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
-from bench.quality import load_runs, mean_std, results_header, run_meta, run_pool, state_bytes, summarize
+from bench.quality import state_bytes
 from bench.rounding import check_name, make_optimizer
+from bench.runs import load_runs, mean_std, results_header, run_meta, run_pool, summarize
 from bench.state_drift import ShadowProbe
 from bench.state_drift import plot as plot_drift
 from bench.state_drift import summary as drift_summary

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 import torch
 from torch import nn
 
+from bench.runs import load_runs, results_header, run_meta, run_pool, summarize
 from bench.step_bench import ROUNDINGS as LIBRARY_ROUNDINGS
 from bench.tasks import Digits, Hyper, OptimizerSpec, train
 from lowbit_compile import lowbit_compile
@@ -253,7 +254,6 @@ def markdown(lion: dict, others: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.quality import load_runs, results_header, run_meta, run_pool, summarize
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", nargs="+", help="default: fp32 and every format with each rounding")

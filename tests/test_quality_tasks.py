@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.quality import summarize
+from bench.runs import summarize
 from bench.tasks import (
     TASKS,
     CharGPT,
