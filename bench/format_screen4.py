@@ -47,8 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: f
 
 import torch
 
-from bench.quality import _task, run_meta, state_bytes, summarize
+from bench.quality import _task, state_bytes
 from bench.rounding import split_name
+from bench.runs import run_meta, summarize
 from bench.step_bench import ROUNDINGS as LIBRARY_ROUNDINGS
 from bench.tasks import OptimizerSpec, train
 from bench.zero_point import SMALL, zero_point_check
