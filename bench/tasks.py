@@ -540,11 +540,13 @@ class OptimizerSpec:
     """An optimizer by name: ``fp32`` (stock AdamW), one of ours such as ``int8`` or ``int8-b256-k0``
     (format, then optional ``-b<block_size>`` and ``-k<outliers>``; ``fp8_e4m3/dynamic8`` gives the
     first moment one format and the second moments another), or a peer from ``PEERS``.
-    ``compile_peers=False`` runs torchao eagerly (see ``torchao_eager``); ``backend`` is ours."""
+    ``compile_peers=False`` runs torchao eagerly (see ``torchao_eager``); ``backend`` and ``rounding`` (the
+    ``rounding=`` option) are ours."""
 
     name: str
     compile_peers: bool = False
     backend: str = "auto"
+    rounding: str | None = None  # None: the library's default
 
     @property
     def kind(self) -> str:
@@ -602,7 +604,8 @@ class OptimizerSpec:
         if self.kind == "fp32":
             return opt
 
-        return lowbit_compile(opt, **self.lowbit_options(), backend=self.backend)
+        rounding = {} if self.rounding is None else {"rounding": self.rounding}
+        return lowbit_compile(opt, **self.lowbit_options(), backend=self.backend, **rounding)
 
 
 # 16-bit params and fp32 master weights (bench/quality.py's master grid) ---------------------------------

@@ -59,10 +59,11 @@ def _steps(params0: list[torch.Tensor], spec: OptimizerSpec, steps: int, seed: i
         yield params, opt
 
 
-def zero_point_check(names: list[str], size: dict, steps: int = STEPS, seed: int = 1, backend: str = "auto",
-                     progress: Callable[[str, ZeroPoint], None] | None = None) -> dict[str, ZeroPoint]:
-    """Run fp32 AdamW and each optimizer of ``names`` (``OptimizerSpec`` names; ours lowered by
-    ``backend``) for ``steps`` steps with the same random gradients from the same
+def zero_point_check(names: list[str | OptimizerSpec], size: dict, steps: int = STEPS, seed: int = 1,
+                     backend: str = "auto", progress: Callable[[str, ZeroPoint], None] | None = None
+                     ) -> dict[str | OptimizerSpec, ZeroPoint]:
+    """Run fp32 AdamW and each optimizer of ``names`` (``OptimizerSpec`` names, ours lowered by
+    ``backend``, or specs as they are) for ``steps`` steps with the same random gradients from the same
     ``transformer_params(**size)``. After every step, count the second-moment entries stored as 0
     where fp32's are positive (a v flushed for one step already makes that step's update too
     large); after the last, compare the parameters."""
@@ -75,7 +76,8 @@ def zero_point_check(names: list[str], size: dict, steps: int = STEPS, seed: int
     for name in names:
         start = time.perf_counter()
         zeros = []
-        for params, opt in _steps(params0, OptimizerSpec(name, backend=backend), steps, seed):
+        spec = name if isinstance(name, OptimizerSpec) else OptimizerSpec(name, backend=backend)
+        for params, opt in _steps(params0, spec, steps, seed):
             mask = positive[len(zeros)]
             zeros.append(sum(int(((stored_moment(opt, p, "exp_avg_sq") == 0) & m).sum()) for p, m in zip(params, mask)))
         seconds = time.perf_counter() - start
