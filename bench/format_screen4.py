@@ -53,7 +53,6 @@ from bench.runs import run_meta, summarize
 from bench.step_bench import ROUNDINGS as LIBRARY_ROUNDINGS
 from bench.tasks import OptimizerSpec, train
 from bench.zero_point import SMALL, zero_point_check
-from lowbit_compile import lowbit_compile
 from lowbit_compile.formats import ElementFormat, StateFormat, format_names, registry
 from lowbit_compile.formats.registry import register
 from lowbit_compile.formats.rounding import threshold
@@ -181,22 +180,17 @@ def maps_registered():
 
 
 # building and running --------------------------------------------------------------------------------------
-def build(name: str, seed: int = 0):
-    """``(params, hyper) -> optimizer`` for ``name`` (see the module docstring): ours on the reference
-    lowering with the rounding its suffix names, or ``fp32`` / a peer as ``OptimizerSpec`` builds them."""
+def spec(name: str) -> OptimizerSpec:
+    """The optimizer ``name`` (see the module docstring): ours on the reference lowering with the rounding
+    its suffix names, or ``fp32`` / a peer as ``OptimizerSpec`` builds them."""
     base, suffix = split_name(name)
-    spec = OptimizerSpec(base)
-    if spec.kind != "ours":
+    optimizer = OptimizerSpec(base)
+    if optimizer.kind != "ours":
         if suffix:
             raise ValueError(f"{name!r}: a rounding suffix applies to ours only")
-        return spec.build
-    options = spec.lowbit_options()
-
-    def make(params, hyper):
-        opt = torch.optim.AdamW(params, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=hyper.weight_decay)
-        return lowbit_compile(opt, **options, backend="reference", rounding=LIBRARY_ROUNDINGS[suffix])
-
-    return make
+        return optimizer
+    optimizer.lowbit_options()  # a bad -b/-k option fails here, before any run
+    return OptimizerSpec(base, backend="reference", rounding=LIBRARY_ROUNDINGS[suffix])
 
 
 def nominal_bytes(name: str) -> float:
@@ -215,7 +209,7 @@ def run_one(task_name: str, variant: str, seed: int, step_scale: float) -> dict:
     """Train one (task, optimizer, seed): the record ``bench/quality.py`` writes, so its summary applies."""
     task = _task(task_name, step_scale)
     built: list[torch.optim.Optimizer] = []
-    make = build(variant, seed)
+    make = spec(variant).build
 
     def remember(params, hyper):
         built.append(make(params, hyper))
@@ -230,9 +224,8 @@ def run_one(task_name: str, variant: str, seed: int, step_scale: float) -> dict:
 
 def zero_point(variant: str) -> dict:
     """``bench/zero_point.py``'s check on its 0.5M set (20 steps, gradient seed 1) for one of ours or a peer."""
-    base, suffix = split_name(variant)
-    spec = OptimizerSpec(base, backend="reference", rounding=LIBRARY_ROUNDINGS[suffix])
-    r = zero_point_check([spec], SMALL, backend="reference")[spec]
+    optimizer = spec(variant)
+    r = zero_point_check([optimizer], SMALL, backend="reference")[optimizer]
     return {"zeros_ppm": r.zeros_ppm, "max_lr": r.max_off_lr, "mean_lr": r.mean_off_lr, "seconds": r.seconds}
 
 
@@ -311,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.notes:
         data["meta"]["notes"] = args.notes.read_text().strip()
     for v in args.variants:  # a bad name fails here, before an hour of runs
-        build(v)
+        spec(v)
 
     def save() -> None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -254,7 +254,6 @@ def markdown(lion: dict, others: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", nargs="+", help="default: fp32 and every format with each rounding")
     ap.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
