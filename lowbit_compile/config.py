@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import StateFormat, format_names, passthrough
+from .formats import StateFormat, element_format, format_names, passthrough
 from .formats.residual import MODES as MASTER_MODES
 from .formats.residual import PARAM_DTYPES as MASTERED_DTYPES
 from .formats.residual import MasterFormat
@@ -49,7 +49,7 @@ class Config:
     """What ``lowbit_compile(opt, ...)`` was asked for."""
 
     fmt: str | tuple[tuple[str, str], ...]
-    block_size: int
+    block_size: int | None  # None: the formats' own (block_size_of)
     outliers: int
     min_8bit_size: int
     backend: str
@@ -76,12 +76,18 @@ class Config:
             if isinstance(matcher, str):
                 matcher = _pattern(matcher)
             override_keys.append((matcher, _fmt_key(spec, f"overrides[{matcher!r}]")))
-        if not is_int(block_size) or block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two (e.g. 256 or 2048), got {block_size!r}")
-        if block_size > 32768:
+        if block_size is not None and (not is_int(block_size) or block_size < 1 or block_size & (block_size - 1)):
+            raise ValueError(f"block_size must be a positive power of two (e.g. 256 or 2048) or None (the formats' "
+                             f"own), got {block_size!r}")
+        if block_size is not None and block_size > 32768:
             raise ValueError(f"block_size must be at most 32768 (patch offsets are int16), got {block_size}")
-        if not is_int(outliers) or not 0 <= outliers <= min(block_size, 64):
-            raise ValueError(f"outliers must be an int in [0, min(block_size, 64)], got {outliers!r}")
+        smallest = block_size or min([DEFAULT_BLOCK_SIZE, *_default_blocks(fmt_key, override_keys)])
+        if not is_int(outliers) or not 0 <= outliers <= min(smallest, 64):
+            raise ValueError(f"outliers must be an int in [0, min(block_size, 64)] (block_size {smallest} here), got "
+                             f"{outliers!r}")
+        if block_size == 1 and any(element_format(n).bits == 4 for n in _named_formats(fmt_key, override_keys)):
+            raise ValueError("block_size must be at least 2 for a 4-bit format (a block is whole bytes, two codes "
+                             "each), got 1")
         if not is_int(options.min_8bit_size) or options.min_8bit_size < 0:
             raise ValueError(f"min_8bit_size must be a non-negative int, got {options.min_8bit_size!r}")
         if options.master_weights is not None and options.master_weights not in MASTER_MODES:
@@ -155,12 +161,20 @@ class Config:
         small = param.numel() < self.min_8bit_size
         if param.numel() == 0:  # nothing to store: a stock (empty) state whatever the overrides say
             spec, small = None, True
-        out = []
+        names = []
         for key in per_element:
             fmt_name = _pick(spec, key) if spec is not None else None
-            fmt_name = fmt_name or (passthrough().name if small else self.format_name(key))
-            out.append((key, StateFormat.make(fmt_name, self.block_size, self.outliers, key in nonneg)))
-        return tuple(out)
+            names.append(fmt_name or (passthrough().name if small else self.format_name(key)))
+        block = self.block_size_of(names)
+        return tuple((key, StateFormat.make(n, block, self.outliers, key in nonneg)) for key, n in zip(per_element, names))
+
+    def block_size_of(self, names: Iterable[str]) -> int:
+        """The block of a parameter whose states have the formats ``names``: ``block_size`` where given,
+        else the smallest default of those formats (a 4-bit one's, ``ElementFormat.default_block_size``),
+        ``DEFAULT_BLOCK_SIZE`` for the others; one block for all, as the fused kernels step them."""
+        if self.block_size is not None:
+            return self.block_size
+        return min((DEFAULT_BLOCK_SIZE, *(element_format(n).default_block_size or DEFAULT_BLOCK_SIZE for n in names)))
 
 
 class UnmatchedOverride(ValueError):
@@ -211,6 +225,19 @@ def _pick(spec: str | tuple[tuple[str, str], ...] | None, state_key: str) -> str
     if spec is None or isinstance(spec, str):
         return spec
     return dict(spec).get(state_key)
+
+
+def _named_formats(fmt_key: str | tuple[tuple[str, str], ...], overrides: Iterable[tuple[object, object]]
+                   ) -> set[str]:
+    """Every format name the validated fmt and the overrides' fmt specs name."""
+    specs = [fmt_key, *(spec for _, spec in overrides)]
+    return {n for spec in specs for n in ([spec] if isinstance(spec, str) else [n for _, n in spec])}
+
+
+def _default_blocks(fmt_key: str | tuple[tuple[str, str], ...], overrides: Iterable[tuple[object, object]]
+                    ) -> list[int]:
+    """The default blocks (``ElementFormat.default_block_size``) of the formats named, where they have one."""
+    return [b for n in _named_formats(fmt_key, overrides) if (b := element_format(n).default_block_size)]
 
 
 def _fmt_key(fmt: object, what: str) -> str | tuple[tuple[str, str], ...]:

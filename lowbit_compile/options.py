@@ -90,11 +90,13 @@ class Options:
         always_shown=True,
         cli=f"state format ({DEFAULT_FMT}, the default; registered: {{formats}}) or per state: "
             "exp_avg=int8,exp_avg_sq=dynamic8", parse=parse_spec)
-    block_size: int = option(
-        DEFAULT_BLOCK_SIZE,
-        "elements sharing one scale; a power of two (at most 32768).",
+    block_size: int | None = option(
+        None,
+        f"elements sharing one scale; a power of two (at most 32768). None: {DEFAULT_BLOCK_SIZE}, or the smaller "
+        "block a 4-bit format is measured best with (docs/formats-and-quality.md); a parameter's states share "
+        "the smallest of their formats' blocks.",
         always_shown=True,
-        cli=f"elements per scale (default {DEFAULT_BLOCK_SIZE})", type=int)
+        cli=f"elements per scale (default {DEFAULT_BLOCK_SIZE}; a 4-bit format's own, smaller)", type=int)
     outliers: int = option(
         DEFAULT_OUTLIERS,
         "largest-magnitude values per block kept exactly in bf16 (patches); they help the linear int8 grid, not "
@@ -203,7 +205,7 @@ class OptionKeywords(TypedDict, total=False):
     """The keywords of ``lowbit_compile`` after ``fmt``, for static type checkers (``**options:
     Unpack[OptionKeywords]``); ``tests/test_options.py`` holds them to :class:`Options`."""
 
-    block_size: int
+    block_size: int | None
     outliers: int
     min_8bit_size: int
     backend: str

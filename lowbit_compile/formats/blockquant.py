@@ -1,7 +1,8 @@
 """Block quantization with 16-bit outlier patches, in plain torch: the reference every kernel matches.
 
 One state of ``n`` elements is stored as
-  * ``codes``          (n,)            one code per element, in the format's code dtype;
+  * ``codes``          (n,)            one code per element, in the format's code dtype (a 4-bit format:
+                       (ceil(n/2),)    uint8, two codes a byte, ``packing.py``);
   * ``scales``         (n_blocks,)     fp32: the absmax of the block's finite non-patch values / qmax
                                        (signed dynamic8: per side, see below),
                                        negative (sign bit set) where the block is *flagged*;
@@ -48,6 +49,7 @@ import torch
 
 from .builtin import PATCHES
 from .element import StateFormat, decode, encode, normalize
+from .packing import pack4, unpack4
 
 PATCH_VALUE_DTYPE = PATCHES.code_dtype[0]
 PATCH_INDEX_DTYPE = torch.int16
@@ -72,7 +74,7 @@ def empty(numel: int, fmt: StateFormat, device: torch.device | str = "cpu") -> Q
     """Uninitialized storage for one state of ``numel`` elements."""
     nb, k = n_blocks(numel, fmt), fmt.patches
     return Quantized(
-        torch.empty(numel, dtype=fmt.code_dtype, device=device),
+        torch.empty(fmt.storage_numel(numel), dtype=fmt.storage_dtype, device=device),
         torch.empty(nb, dtype=torch.float32, device=device),
         torch.empty(nb, k, dtype=PATCH_VALUE_DTYPE, device=device),
         torch.empty(nb, k, dtype=PATCH_INDEX_DTYPE, device=device),
@@ -163,7 +165,14 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, draws: torc
     out.scales.copy_(scale)
     if fmt.nonneg:  # x * inverse may underflow to 0; the zero-point rule needs it positive
         normalized = torch.where(blocks > 0, normalized.clamp(min=_SMALLEST_SUBNORMAL), normalized)
-    out.codes.copy_(encode(normalized, fmt, flagged, draws).reshape(-1)[:n])
+    codes = encode(normalized, fmt, flagged, draws).reshape(-1)[:n]
+    out.codes.copy_(pack4(codes) if fmt.packed else codes)
+
+
+def unpacked_codes(codes: torch.Tensor, numel: int, fmt: StateFormat) -> torch.Tensor:
+    """The stored ``codes`` of ``numel`` elements one a ``fmt.code_dtype`` element (a 4-bit format's
+    unpacked, any other's as they are)."""
+    return unpack4(codes, numel, fmt.code_dtype) if fmt.packed else codes
 
 
 def invalid_records(scales: torch.Tensor, patch_index: torch.Tensor, fmt: StateFormat) -> str | None:
@@ -202,13 +211,15 @@ def decode_scaled(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat) -
     return torch.where(torch.isfinite(values), values * scales.abs(), values)
 
 
-def dequantize(q: Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The flat values held by ``q``, as a new tensor of ``dtype``."""
-    n = q.codes.numel()
+def dequantize(q: Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32,
+               numel: int | None = None) -> torch.Tensor:
+    """The flat values held by ``q``, as a new tensor of ``dtype``; a 4-bit format needs ``numel`` where
+    the count is odd (its packed codes hold one more nibble; default: twice the bytes)."""
     if not fmt.blockwise:
         return decode(q.codes, fmt).to(dtype)
+    n = numel if numel is not None else q.codes.numel() * (2 if fmt.packed else 1)
     nb, b = q.scales.numel(), fmt.block_size
-    codes = q.codes
+    codes = unpacked_codes(q.codes, n, fmt)
     if nb * b != n:
         codes = torch.nn.functional.pad(codes.view(torch.uint8), (0, nb * b - n)).view(codes.dtype)
     values = decode_scaled(codes.view(nb, b), q.scales[:, None], fmt)
@@ -233,10 +244,13 @@ def full(numel: int, value: float, fmt: StateFormat, device: torch.device | str 
         )
     one = quantize(torch.full((min(numel, fmt.block_size),), value, device=device), fmt)
     nb = n_blocks(numel, fmt)
-    codes = torch.empty(numel, dtype=one.codes.dtype, device=device)
-    whole = numel // max(one.codes.numel(), 1)
-    codes[: whole * one.codes.numel()].view(whole, -1).copy_(one.codes)  # one pass, no repeat-then-clone
-    codes[whole * one.codes.numel():].copy_(one.codes[: numel - whole * one.codes.numel()])
+    size, width = fmt.storage_numel(numel), one.codes.numel()  # a block of a 4-bit format: whole bytes
+    codes = torch.empty(size, dtype=one.codes.dtype, device=device)
+    whole = size // max(width, 1)
+    codes[: whole * width].view(whole, -1).copy_(one.codes)  # one pass, no repeat-then-clone
+    codes[whole * width:].copy_(one.codes[: size - whole * width])
+    if fmt.packed and numel % 2:
+        codes[-1:] &= 0xF  # the unused last nibble is 0, as quantize leaves it
     return Quantized(
         codes,
         one.scales.repeat(nb),

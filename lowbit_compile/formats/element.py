@@ -40,7 +40,10 @@ class StateFormat:
     nonneg: bool = False
 
     def __post_init__(self) -> None:
-        element_format(self.name)  # a registered format, or an error naming them
+        spec = element_format(self.name)  # a registered format, or an error naming them
+        if spec.bits == 4 and self.block_size % 2:
+            raise ValueError(f"format {self.name!r} packs two codes a byte: its block_size must be even, got "
+                             f"{self.block_size}")
 
     @property
     def spec(self) -> ElementFormat:
@@ -67,9 +70,23 @@ class StateFormat:
 
     @property
     def bits(self) -> int:
-        """Bits per element stored (what other libraries' "8bit", "4bit" name; a packed format, two codes a
-        byte, says so here)."""
-        return self.code_dtype.itemsize * 8
+        """Bits per element stored (what other libraries' "8bit", "4bit" name)."""
+        return self.spec.bits or self.code_dtype.itemsize * 8
+
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit codes a byte (``packing.py``): the stored codes are uint8 bytes, ``code_dtype`` is one
+        unpacked code's."""
+        return self.bits == 4
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of the stored codes tensor: packed bytes, or the codes themselves."""
+        return torch.uint8 if self.packed else self.code_dtype
+
+    def storage_numel(self, numel: int) -> int:
+        """Elements of the stored codes tensor of a state of ``numel`` elements."""
+        return (numel + 1) // 2 if self.packed else numel
 
     @property
     def qmax(self) -> float:

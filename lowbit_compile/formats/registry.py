@@ -34,7 +34,9 @@ class ElementFormat:
     format's name in the C++ prelude's enum and among ``triton_lib``'s constexprs (None: no kernel reads
     it). ``lookup_table``: the table a Triton kernel of the format reads (the launcher passes it).
     ``map_version`` / ``upgrade_codes``: a format whose code map changed saves its version, and converts the
-    codes of older ones on load.
+    codes of older ones on load. ``bits``: the bits of one code where it is not the code dtype's width; 4 packs two codes a byte (``packing.py``),
+    ``code_dtype`` then naming the dtype of one unpacked code. ``default_block_size``: the block a state of
+    the format gets when ``block_size`` is not given (None: ``options.DEFAULT_BLOCK_SIZE``).
     """
 
     name: str
@@ -59,6 +61,8 @@ class ElementFormat:
     lookup_table: Callable[[bool], torch.Tensor] | None = None
     map_version: int | None = None
     upgrade_codes: Callable[..., torch.Tensor] | None = None  # (codes, StateFormat, flagged) -> codes
+    bits: int | None = None  # None: the width of code_dtype
+    default_block_size: int | None = None
 
     @property
     def id(self) -> int:
@@ -77,6 +81,9 @@ def register(fmt: ElementFormat) -> ElementFormat:
         raise ValueError(f"format {fmt.name!r} is registered already")
     if fmt.blockwise and fmt.special_codes is None:
         raise ValueError(f"blockwise format {fmt.name!r} needs the special codes of a flagged block")
+    if fmt.bits not in (None, 4) or (fmt.bits == 4 and (not fmt.blockwise or fmt.default_block_size is None)):
+        raise ValueError(f"format {fmt.name!r}: bits is None (its code dtype's width) or 4 (a blockwise format "
+                         f"with a default_block_size), got {fmt.bits}")
     _REGISTRY[fmt.name] = fmt
     return fmt
 

@@ -185,6 +185,9 @@ class TritonPrinter:
     # layout ------------------------------------------------------------------------------------
     def _tiling(self) -> tuple[int, int]:
         accesses = [a for a in map(state_access, self.graph.nodes) if a is not None]
+        missing = sorted({a.fmt.name for a in accesses if not a.fmt.passthrough and a.fmt.spec.triton_name is None})
+        if missing:
+            raise LoweringError(f"the Triton kernel has no code for format(s) {missing} yet")
         sizes = {a.fmt.block_size for a in accesses if a.fmt.blockwise}
         if len(sizes) > 1:
             raise LoweringError(

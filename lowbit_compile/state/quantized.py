@@ -73,7 +73,7 @@ class QuantizedState(torch.Tensor):
             stop = min(n, start + step)
             b0, b1 = (start // fmt.block_size, -(-stop // fmt.block_size)) if fmt.blockwise else (0, 0)
             part = blockquant.Quantized(
-                storage.codes[start:stop], storage.scales[b0:b1],
+                storage.codes[fmt.storage_numel(start):fmt.storage_numel(stop)], storage.scales[b0:b1],
                 storage.patch_values[b0:b1], storage.patch_index[b0:b1],
             )
             blockquant.quantize_into(flat[start:stop], part, fmt)
@@ -86,7 +86,7 @@ class QuantizedState(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The values as a plain tensor of the stock state's shape and dtype (or ``dtype``)."""
-        flat = blockquant.dequantize(self.storage_parts, self.fmt, dtype or self.dtype)
+        flat = blockquant.dequantize(self.storage_parts, self.fmt, dtype or self.dtype, self.shape.numel())
         return flat.view(self.shape)
 
     # tensor protocol --------------------------------------------------------------------------
@@ -198,7 +198,12 @@ def write_values(dst: QuantizedState, values: torch.Tensor) -> None:
     fresh = blockquant.quantize(padded[blocks].reshape(-1), fmt)  # a partial block keeps its zero padding
     element = (blocks[:, None] * b + torch.arange(b, device=dst.device)).reshape(-1)
     inside = element < n
-    bits_of(dst.codes)[element[inside]] = bits_of(fresh.codes)[inside]
+    if fmt.packed:  # whole blocks are whole bytes (an even block size), the last one's too
+        byte = (blocks[:, None] * (b // 2) + torch.arange(b // 2, device=dst.device)).reshape(-1)
+        kept = byte < dst.codes.numel()
+        dst.codes[byte[kept]] = fresh.codes[kept]
+    else:
+        bits_of(dst.codes)[element[inside]] = bits_of(fresh.codes)[inside]
     dst.scales[blocks] = fresh.scales
     dst.patch_values[blocks] = fresh.patch_values
     dst.patch_index[blocks] = fresh.patch_index
