@@ -35,7 +35,7 @@ def element_bound(x: torch.Tensor, scale: torch.Tensor, fmt: StateFormat, flagge
     scale = torch.where(scale > 0, scale, 1.0)  # a zero scale holds only zeros (bound 0 + slack)
     if fmt.name == "int8":
         step = scale / 2
-    elif fmt.name == "sqrt8":  # the nearest square root: |c^2 - t| <= sqrt(t) + 1/4 (t = |x| / scale)
+    elif fmt.spec.root_domain:  # the nearest square root (sqrt8, sqrt4): |c^2 - t| <= sqrt(t) + 1/4 (t = |x| / scale)
         step = ((x.abs() / scale).sqrt() + 0.25) * scale
     elif fmt.name == "dynamic8":  # the nearest finite map value
         t = x / scale

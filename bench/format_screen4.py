@@ -8,8 +8,9 @@ byte per code here: packing two codes a byte changes the memory, not what trains
 table for m (signed) and one for v (unsigned), values relative to the block's absmax (qmax 1):
 
 - ``lin4``: ``k / 7`` (k = -7..7) for m, ``k / 15`` (0..15) for v;
-- ``sqrt4``, ``cbrt4``, ``qrt4``: ``sign |k|^p / 7^p``, ``k^p / 15^p`` with p = 2, 3, 4 (the code is the
-  value's square, cube or fourth root rounded, as ``sqrt8`` at 4 bits);
+- ``sqrt4t``, ``cbrt4``, ``qrt4``: ``sign |k|^p / 7^p``, ``k^p / 15^p`` with p = 2, 3, 4 (the code is the
+  nearest table value to the value, as ``sqrt8`` at 4 bits; ``sqrt4t`` was ``sqrt4`` in the results, a name
+  the library's shipped ``sqrt4`` now has: the same map, its nearest rounding on the root);
 - ``fp4``: floats without subnormals (code 0 is zero, the top binade [1, 2) scaled to 1): 2 exponent and 1
   mantissa bit with a sign for m (0.125 .. 1, 8 magnitudes), 3 exponent and 1 mantissa bit for v (2^-7 .. 1);
 - ``ao4``: torchao ``AdamW4bit``'s maps (``torchao/optim/subclass_4bit.py``): its 4-bit dynamic map
@@ -89,7 +90,7 @@ def torchao_maps() -> tuple[list[float], list[float]]:
 def maps() -> dict[str, tuple[list[float], list[float]]]:
     """Every 4-bit map of the screen: name -> (table of m, table of v), sorted, largest magnitude 1."""
     out = {"lin4": (power_map(1, 7, True), power_map(1, 15, False))}
-    for name, p in (("sqrt4", 2), ("cbrt4", 3), ("qrt4", 4)):
+    for name, p in (("sqrt4t", 2), ("cbrt4", 3), ("qrt4", 4)):
         out[name] = (power_map(p, 7, True), power_map(p, 15, False))
     out["fp4"] = (float_map(2, 1, True), float_map(3, 1, False))
     out["ao4"] = torchao_maps()

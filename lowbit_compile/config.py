@@ -166,7 +166,8 @@ class Config:
             fmt_name = _pick(spec, key) if spec is not None else None
             names.append(fmt_name or (passthrough().name if small else self.format_name(key)))
         block = self.block_size_of(names)
-        return tuple((key, StateFormat.make(n, block, self.outliers, key in nonneg)) for key, n in zip(per_element, names))
+        return tuple((key, StateFormat.make(n, block, self.outliers, key in nonneg))
+                     for key, n in zip(per_element, names))
 
     def block_size_of(self, names: Iterable[str]) -> int:
         """The block of a parameter whose states have the formats ``names``: ``block_size`` where given,

@@ -217,7 +217,7 @@ def probe_values(fmt: StateFormat) -> torch.Tensor:
     points = decode(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fmt.code_dtype), fmt)
     points = points[torch.isfinite(points)].unique()
     mids = (points[1:] + points[:-1]) / 2
-    if fmt.name == "sqrt8":  # its ties are midpoints of the square roots, (c + 1/2)^2
+    if fmt.spec.root_domain:  # its ties are midpoints of the square roots, (c + 1/2)^2
         mids = torch.cat([mids, (torch.arange(256.0) + 0.5) ** 2])
     # the float32 neighbours of every tie, and of each power of two from 2^-32 to 2 (dynamic8's
     # encode splits magnitudes into buckets by exponent and top mantissa bits)

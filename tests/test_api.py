@@ -126,7 +126,7 @@ def test_wrapping_again_warns_of_each_option_it_returns_to_its_default():
     assert opt.state[big]["exp_avg"].fmt.name == "dynamic8"
     with pytest.warns(UserWarning, match=r"this AdamW was wrapped with fmt='dynamic8', block_size=256; wrapping it "
                                          rf"again without them, they return to the default fmt='{DEFAULT_FMT}', "
-                                         r"block_size=512 \(an option a call leaves out"):
+                                         r"block_size=None \(an option a call leaves out"):
         lowbit_compile(opt, min_8bit_size=1000)
     assert opt.state[big]["exp_avg"].fmt.name == DEFAULT_FMT and opt.state[big]["exp_avg"].fmt.block_size == 512
     _step(opt, params)
@@ -321,8 +321,11 @@ def _untouched(opt, params, states):
         ({"min_8bit_size": -5}, ValueError, "min_8bit_size"),
         ({"backend": "cuda"}, ValueError, "backend must be one of"),
         ({"fmt": "8bit"}, ValueError, r"got '8bit': did you mean 'sqrt8' \(the default\)\? The 8-bit formats are"),
-        ({"fmt": "4bit"}, ValueError, r"got '4bit': 4-bit formats are not available yet; the smallest states here"),
-        ({"fmt": {"exp_avg_sq": "nf4"}}, ValueError, r"fmt\['exp_avg_sq'\] .*4-bit formats are not available yet"),
+        ({"fmt": "4bit"}, ValueError, r"got '4bit': did you mean 'sqrt4'\? The 4-bit formats are \['sqrt4'\]"),
+        ({"fmt": {"exp_avg_sq": "nf4"}}, ValueError, r"fmt\['exp_avg_sq'\] .*got 'nf4': did you mean 'sqrt4'"),
+        ({"fmt": "int2"}, ValueError, r"got 'int2': 2-bit formats are not available yet; the smallest states here are "
+                                      r"4-bit: \['sqrt4'\]"),
+        ({"fmt": "sqrt4", "block_size": 1}, ValueError, "block_size must be at least 2 for a 4-bit format"),
         ({"fmt": "16-bit"}, ValueError, r"did you mean 'bf16'\?"),
         ({"overrides": {"": "fp32"}}, ValueError, "an override pattern is empty"),
         ({"overrides": {"re:(": "fp32"}}, ValueError, "'re:\\(' is not a valid regular expression"),

@@ -83,7 +83,7 @@ def test_runs_the_script_unmodified_with_its_adamw_rewritten(runner):
     assert "step 1 wrapped True" in out and "step 2 wrapped True" in out
     assert f"formats {{'0.weight': None, '1.weight': '{DEFAULT_FMT}', '1.bias': '{DEFAULT_FMT}'}}" in out  # names learned
     held = int(re.search(r"held (\d+)", out).group(1))
-    assert (f"lowbit-compile: 1 optimizer(s) rewritten (fmt={DEFAULT_FMT}, block_size={DEFAULT_BLOCK_SIZE}, "
+    assert (f"lowbit-compile: 1 optimizer(s) rewritten (fmt={DEFAULT_FMT}, block_size=None, "
             f"outliers={DEFAULT_OUTLIERS})") in err
     saved = STOCK_BYTES - held
     assert summary_row(err)[2:] == ["10,320", "2", f"{STOCK_BYTES:,}", f"{held:,}", f"{saved:,}",
@@ -130,7 +130,7 @@ def test_only_rank_zero_prints_the_summary(runner):
     (["--override", "=fp32", "train.py"], "an override pattern is empty"),
     (["--override", "re:(=fp32", "train.py"], "'re:(' is not a valid regular expression"),
     (["--fmt", "8bit", "train.py"], "did you mean 'sqrt8' (the default)?"),
-    (["--fmt", "4bit", "train.py"], "4-bit formats are not available yet"),
+    (["--fmt", "2bit", "train.py"], "2-bit formats are not available yet"),
     (["--restore-on-signal", "NOPE", "train.py"], "unknown signal"),
     (["--restore-on-signal", "KILL", "train.py"], "SIGKILL cannot be used"),
     (["--restore-on-signal", "SIGSTOP", "train.py"], "SIGSTOP cannot be used"),
@@ -308,6 +308,6 @@ def test_the_help_states_the_library_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert f"({DEFAULT_FMT}, the default;" in text and f"(default {DEFAULT_BLOCK_SIZE})" in text
+    assert f"({DEFAULT_FMT}, the default;" in text and f"(default {DEFAULT_BLOCK_SIZE}; a 4-bit format's own, smaller)" in text
     assert f"(default {DEFAULT_OUTLIERS})" in text and f"(default {DEFAULT_MIN_8BIT_SIZE})" in text
     assert all(name in text for name in BACKENDS)

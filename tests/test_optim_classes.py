@@ -135,7 +135,7 @@ def test_repr_names_the_formats_before_the_stock_text():
     opt = wrap(torch.optim.AdamW(make_params(), lr=1e-2), fmt={"exp_avg": "fp8_e4m3", "exp_avg_sq": "dynamic8"})
     stock = repr(torch.optim.AdamW(make_params(), lr=1e-2))
     header, *rest = repr(opt).splitlines()
-    assert header.startswith("lowbit-compile: fmt={'exp_avg': 'fp8_e4m3', 'exp_avg_sq': 'dynamic8'}, block_size=512")
+    assert header.startswith("lowbit-compile: fmt={'exp_avg': 'fp8_e4m3', 'exp_avg_sq': 'dynamic8'}, block_size=None")
     assert rest[0] == "  states: none yet (made at the first step)" and "\n".join(rest[1:]) == stock
     run(opt, grads(1))
     states = repr(opt).splitlines()[1]

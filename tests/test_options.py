@@ -23,7 +23,7 @@ SCOPE = [f.name for f in dataclasses.fields(ScopeOptions)]
 def test_the_keyword_api_is_the_one_users_had():
     """The signature derived from the schema is, text for text, the one written out before it."""
     assert str(inspect.signature(lowbit_compile)) == (
-        "(opt: 'torch.optim.Optimizer', fmt: 'str | Mapping[str, str]' = 'sqrt8', *, block_size: 'int' = 512, "
+        "(opt: 'torch.optim.Optimizer', fmt: 'str | Mapping[str, str]' = 'sqrt8', *, block_size: 'int | None' = None, "
         "outliers: 'int' = 0, min_8bit_size: 'int' = 4096, backend: 'str' = 'auto', overrides: 'Overrides | None' "
         "= None, model: 'torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None' = None, master_weights: "
         "'str | None' = None, rounding: 'RoundingSpec' = 'auto', release_grads: 'bool' = False) -> "

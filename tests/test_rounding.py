@@ -58,7 +58,7 @@ def _between(fmt: StateFormat, inner: torch.Tensor, outer: torch.Tensor,
     root domain), and the exact fraction of the value the rule sees (float64): fp32 rounds the inputs,
     and sqrt8's rule sees the square of the root (``formats.encode``)."""
     target = inner + p * (outer - inner)
-    if fmt.name == "sqrt8":
+    if fmt.spec.root_domain:
         x = (target.abs().sqrt() * target.sign()).float()
         seen = (x * x.abs()).double()
     else:

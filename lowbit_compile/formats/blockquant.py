@@ -213,11 +213,13 @@ def decode_scaled(codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat) -
 
 def dequantize(q: Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32,
                numel: int | None = None) -> torch.Tensor:
-    """The flat values held by ``q``, as a new tensor of ``dtype``; a 4-bit format needs ``numel`` where
-    the count is odd (its packed codes hold one more nibble; default: twice the bytes)."""
+    """The flat values held by ``q``, as a new tensor of ``dtype``; ``numel``: their count, which a 4-bit
+    format's codes (two a byte) do not say."""
     if not fmt.blockwise:
         return decode(q.codes, fmt).to(dtype)
-    n = numel if numel is not None else q.codes.numel() * (2 if fmt.packed else 1)
+    if fmt.packed and numel is None:
+        raise ValueError(f"dequantize of a {fmt.name} state needs numel: its codes, two a byte, do not say the count")
+    n = q.codes.numel() if numel is None else numel
     nb, b = q.scales.numel(), fmt.block_size
     codes = unpacked_codes(q.codes, n, fmt)
     if nb * b != n:

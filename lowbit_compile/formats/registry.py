@@ -34,9 +34,10 @@ class ElementFormat:
     format's name in the C++ prelude's enum and among ``triton_lib``'s constexprs (None: no kernel reads
     it). ``lookup_table``: the table a Triton kernel of the format reads (the launcher passes it).
     ``map_version`` / ``upgrade_codes``: a format whose code map changed saves its version, and converts the
-    codes of older ones on load. ``bits``: the bits of one code where it is not the code dtype's width; 4 packs two codes a byte (``packing.py``),
-    ``code_dtype`` then naming the dtype of one unpacked code. ``default_block_size``: the block a state of
-    the format gets when ``block_size`` is not given (None: ``options.DEFAULT_BLOCK_SIZE``).
+    codes of older ones on load. ``bits``: the bits of one code where it is not the code dtype's width; 4
+    packs two codes a byte (``packing.py``), ``code_dtype`` then naming the dtype of one unpacked code.
+    ``default_block_size``: the block a state of the format gets when ``block_size`` is not given (None:
+    ``options.DEFAULT_BLOCK_SIZE``; a parameter's states take the smallest of theirs).
     """
 
     name: str

@@ -149,7 +149,7 @@ class StateAccess:
 def state_access(node: Node) -> StateAccess | None:
     """The parsed state node, or None for any other node."""
     if node.target is lowbit.dequantize.default:
-        *parts, tag, dtype_name = node.args
+        parts, (tag, dtype_name) = node.args[:4], node.args[4:6]  # then a packed format's ``like``
         return StateAccess(node, _key(parts), StateFormat.from_tag(tag), tuple(parts), ops.DTYPES[dtype_name])
     if node.target is lowbit.quantize_.default:
         value, *parts, tag = node.args
@@ -170,9 +170,11 @@ def _key(parts: list) -> str:
     return keys.pop()
 
 
-def add_dequantize(graph: Graph, parts: tuple[Node, ...], fmt: StateFormat, dtype: torch.dtype) -> Node:
-    """Insert (at the graph's insertion point) the node that decodes one state as ``dtype``."""
-    return graph.call_function(lowbit.dequantize.default, (*parts, fmt.tag(), ops.dtype_name(dtype)))
+def add_dequantize(graph: Graph, parts: tuple[Node, ...], fmt: StateFormat, dtype: torch.dtype, like: Node) -> Node:
+    """Insert (at the graph's insertion point) the node that decodes one state as ``dtype``; a 4-bit
+    format's takes ``like``, a node of the state's element count (its codes, two a byte, do not say it)."""
+    args = (*parts, fmt.tag(), ops.dtype_name(dtype))
+    return graph.call_function(lowbit.dequantize.default, (*args, like) if fmt.packed else args)
 
 
 def add_quantize(graph: Graph, value: Node, parts: tuple[Node, ...], fmt: StateFormat,

@@ -25,15 +25,17 @@ def dequantize(
     patch_index: torch.Tensor,
     fmt: str,
     dtype: str,
+    like: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode one flat state to ``dtype`` (the dtype the stock optimizer keeps that state in)."""
+    """Decode one flat state to ``dtype`` (the dtype the stock optimizer keeps that state in); a 4-bit
+    format's codes, two a byte, do not say the count: ``like`` (the param) has it."""
     q = blockquant.Quantized(codes, scales, patch_values, patch_index)
-    return blockquant.dequantize(q, StateFormat.from_tag(fmt), DTYPES[dtype])
+    return blockquant.dequantize(q, StateFormat.from_tag(fmt), DTYPES[dtype], None if like is None else like.numel())
 
 
 @dequantize.register_fake
-def _(codes, scales, patch_values, patch_index, fmt, dtype):
-    return codes.new_empty(codes.shape, dtype=DTYPES[dtype])
+def _(codes, scales, patch_values, patch_index, fmt, dtype, like=None):
+    return codes.new_empty(codes.shape if like is None else (like.numel(),), dtype=DTYPES[dtype])
 
 
 @torch.library.custom_op(

@@ -239,7 +239,8 @@ class CppPrinter:
         return tuple(pointers), tuple(scalars)
 
     def _block_and_patches(self) -> tuple[int, int]:
-        missing = sorted({s.fmt.name for s in self.states.values() if not s.fmt.passthrough and s.fmt.spec.cpp_name is None})
+        missing = sorted({s.fmt.name for s in self.states.values()
+                          if not s.fmt.passthrough and s.fmt.spec.cpp_name is None})
         if missing:
             raise LoweringError(f"the CPU kernel has no code for format(s) {missing} yet")
         blockwise = {(s.fmt.block_size, s.fmt.patches) for s in self.states.values() if s.fmt.blockwise}

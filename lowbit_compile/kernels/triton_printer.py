@@ -139,7 +139,7 @@ def dequantize_graph(fmt: StateFormat, dtype: torch.dtype) -> GraphModule:
     out = graph.placeholder("out")
     out.meta.update(val=torch.empty(1, dtype=dtype, device="meta"))
     set_input(out, GraphInput(Role.PER_ELEMENT_STATE, "out"))
-    dq = add_dequantize(graph, parts, fmt, dtype)
+    dq = add_dequantize(graph, parts, fmt, dtype, out)
     dq.meta.update(val=out.meta["val"])
     copy = graph.call_function(aten.copy_.default, (out, dq))
     copy.meta.update(val=out.meta["val"])

@@ -45,7 +45,7 @@ def compute_in_fp32(gm: GraphModule) -> GraphModule:
                 _upcast_reads(graph, node, first_op, eager)
             continue
         if node.target is lowbit.dequantize.default:
-            node.args = (*node.args[:-1], ops.dtype_name(torch.float32))
+            node.args = (*node.args[:5], ops.dtype_name(torch.float32), *node.args[6:])  # (parts, fmt, dtype[, like])
             _widen(node)
         elif node.target is aten._to_copy.default and stock is not None and _float(node.args[0]):
             if not any(u in eager for u in node.users):  # a rounding for the torch ops stays

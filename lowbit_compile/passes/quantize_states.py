@@ -48,6 +48,7 @@ def quantize_states(gm: GraphModule, formats: Mapping[str, StateFormat],
     if rounded:  # one counter, advanced before the first stochastic write-back
         first_write = next(n for n in graph.nodes if any(_is_write_back(n, ph) for ph in rounded))
         seed = add_step_counter(graph, SEED, per_element[-1], first_write)
+    param = next((n for n in graph.nodes if n.op == "placeholder" and role_of(n) is Role.PARAM), None)
     for ph in states:
         key = input_of(ph).key
         fmt = formats[key]
@@ -55,7 +56,7 @@ def quantize_states(gm: GraphModule, formats: Mapping[str, StateFormat],
         dq = None
         if any(not _is_write_back(user, ph) for user in ph.users):  # not a state the step only creates
             with graph.inserting_before(first_op):
-                dq = add_dequantize(graph, parts, fmt, ph.meta["val"].dtype)
+                dq = add_dequantize(graph, parts, fmt, ph.meta["val"].dtype, param)
             dq.meta.update(val=ph.meta["val"])
             set_per_element(dq, True)
         for user in list(ph.users):
