@@ -468,9 +468,12 @@ def quantize_into(x: torch.Tensor, out: blockquant.Quantized, fmt: StateFormat) 
     quantize_op(kernel.key, *kernel.split((flat, *out)))
 
 
-def dequantize(q: blockquant.Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``blockquant.dequantize`` with a Triton kernel: the flat values of ``q`` as a new ``dtype`` tensor."""
-    out = torch.empty(q.codes.numel(), dtype=dtype, device=q.codes.device)
+def dequantize(q: blockquant.Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32,
+               numel: int | None = None) -> torch.Tensor:
+    """``blockquant.dequantize`` with a Triton kernel: the flat values of ``q`` as a new ``dtype`` tensor
+    (``numel`` of them: a 4-bit format's odd count; default: one per code, two per byte of a 4-bit one)."""
+    n = numel if numel is not None else q.codes.numel() * (2 if fmt.packed else 1)
+    out = torch.empty(n, dtype=dtype, device=q.codes.device)
     kernel = _state_kernel("dequantize", fmt, dtype, target_of(out.device))
     dequantize_op(kernel.key, *kernel.split((*q, out)))
     return out
