@@ -470,10 +470,11 @@ def quantize_into(x: torch.Tensor, out: blockquant.Quantized, fmt: StateFormat) 
 
 def dequantize(q: blockquant.Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32,
                numel: int | None = None) -> torch.Tensor:
-    """``blockquant.dequantize`` with a Triton kernel: the flat values of ``q`` as a new ``dtype`` tensor
-    (``numel`` of them: a 4-bit format's odd count; default: one per code, two per byte of a 4-bit one)."""
-    n = numel if numel is not None else q.codes.numel() * (2 if fmt.packed else 1)
-    out = torch.empty(n, dtype=dtype, device=q.codes.device)
+    """``blockquant.dequantize`` with a Triton kernel: the flat values of ``q`` as a new ``dtype`` tensor;
+    ``numel``: their count, which a 4-bit format's codes (two a byte) do not say."""
+    if fmt.packed and numel is None:
+        raise ValueError(f"dequantize of a {fmt.name} state needs numel: its codes, two a byte, do not say the count")
+    out = torch.empty(q.codes.numel() if numel is None else numel, dtype=dtype, device=q.codes.device)
     kernel = _state_kernel("dequantize", fmt, dtype, target_of(out.device))
     dequantize_op(kernel.key, *kernel.split((*q, out)))
     return out
