@@ -224,23 +224,32 @@ def tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def cubin_figures(cubin: bytes) -> dict:
-    """Registers, stack/local and shared memory (``cuobjdump -res-usage``) and the SASS instruction count."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """What ``cuobjdump <flag>`` prints of ``cubin``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+        return subprocess.run([tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers, stack/local (spilled) and shared memory of a cubin (``cuobjdump -res-usage``; any
+    architecture, where ``-sass`` no longer disassembles sm_70)."""
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", cuobjdump(cubin, "-res-usage")))
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "local_bytes": int(fields["LOCAL"]),
+            "cubin_shared": int(fields["SHARED"])}
+
+
+def cubin_figures(cubin: bytes) -> dict:
+    """:func:`resource_usage` and the SASS instruction count."""
+    sass = cuobjdump(cubin, "-sass")
     instructions = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s+\S", line)]
     # the padding after the final EXIT (BRA to itself, NOPs) is never run
     # and the slow-path subroutines placed after it (div.rn's and sqrt.rn's out-of-range operands) rarely are
     last = max((i for i, line in enumerate(instructions) if re.search(r"\bEXIT\b", line)),
                default=len(instructions) - 1)
     body = instructions[:last + 1]
-    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "local_bytes": int(fields["LOCAL"]),
-            "cubin_shared": int(fields["SHARED"]), "sass": len(body),
+    return {**resource_usage(cubin), "sass": len(body),
             "sass_branches": sum(bool(re.search(r"\bBRA\b", line)) for line in body)}
 
 
