@@ -53,6 +53,17 @@ def rne(x):
 
 
 @triton.jit
+def nearest_value_root(r):
+    """sqrt4's encode (``builtin._encode_sqrt4``) of a root ``r`` >= 0: of the roots ``floor(r)`` and the next,
+    the one whose square is nearer ``r * r``, ties to the even root."""
+    low = tl.floor(r)
+    twice = 2.0 * (r * r)
+    mid = low * low + (low + 1.0) * (low + 1.0)
+    odd = low - 2.0 * tl.floor(low * 0.5)
+    return tl.where((twice > mid) | ((twice == mid) & (odd == 1.0)), low + 1.0, low)
+
+
+@triton.jit
 def neg(x):
     """``-x`` with IEEE's sign of zero, the sign bit flipped (NaNs too, as ATen's neg): Triton before 3.8
     compiles a float's ``-x`` as ``0 - x``, which is +0.0 for +0.0."""
@@ -230,12 +241,14 @@ def encode(y, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.const
             return q.to(tl.uint8)
         else:
             return tl.minimum(tl.maximum(rne(y), -QMAX), QMAX).to(tl.int8)
-    elif FMT == SQRT8 or FMT == SQRT4:  # the root rounded half to even
+    elif FMT == SQRT8 or FMT == SQRT4:  # sqrt8: the root rounded half to even; sqrt4: the nearest value's root
         if NONNEG:
-            c = rne(tl.minimum(tl.maximum(y, 0.0), QMAX**0.5))
+            r = tl.minimum(tl.maximum(y, 0.0), QMAX**0.5)
+            c = nearest_value_root(r) if FMT == SQRT4 else rne(r)
             return tl.where((y > 0) & (c == 0), 1.0, c).to(tl.uint8)
         else:
-            c = rne(tl.minimum(tl.abs(y), QMAX**0.5))
+            r = tl.minimum(tl.abs(y), QMAX**0.5)
+            c = nearest_value_root(r) if FMT == SQRT4 else rne(r)
             return tl.where(y < 0, neg(c), c).to(tl.int8)
     elif FMT == DYNAMIC8:
         return dynamic8_code(y, table_ptr, NONNEG)
