@@ -191,7 +191,7 @@ def _round_trips(values: list[torch.Tensor], fmt: StateFormat,
     quantized = blockquant.empty(x.numel(), fmt, x.device)
     draws = None if stochastic_seed is None else state_draws(stochastic_seed, 1, x.numel())
     blockquant.quantize_into(x, quantized, fmt, draws=draws)
-    back = blockquant.dequantize(quantized, fmt)
+    back = blockquant.dequantize(quantized, fmt, numel=x.numel())
     segment = torch.repeat_interleave(torch.arange(len(flats)), torch.tensor(lengths, dtype=torch.long))
     nonzero = x != 0
     terms = [x.double().square(), (back - x).double().square(), nonzero.double(), (nonzero & (back == 0)).double()]
