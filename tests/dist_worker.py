@@ -682,7 +682,8 @@ def ddp_release(rank: int, world: int, workdir: Path) -> None:
 
 
 # sqrt4 (two codes a byte) on the reference backend: a.weight 129x9 (odd rows: shards of 65 and 64 rows, 585
-# and 576 codes), wide 5x301 (rows span blocks of 128; shards of 903 and 602 codes), extra 3001 (1-D, gathered)
+# and 576 codes), wide 5x301 (rows span blocks of 128; shards of 903 and 602 codes), extra 3001 (1-D, gathered),
+# big 64x4096 (a model's width: records per row cost 33 x 4 bytes a row)
 CONFIG4 = {"fmt": "sqrt4", "backend": "reference", "min_8bit_size": 100}
 
 
@@ -693,10 +694,11 @@ class Net4(torch.nn.Module):
         self.a = torch.nn.Linear(9, 129)
         self.extra = torch.nn.Parameter(torch.randn(3001) * 0.1)
         self.wide = torch.nn.Parameter(torch.randn(5, 301) * 0.1)
+        self.big = torch.nn.Parameter(torch.randn(64, 4096) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (torch.tanh(self.a(x[:, :9])).square().mean() + (self.extra.square() * x[0, 0]).mean()
-                + (self.wide.square() * x[0, 1]).mean())
+                + (self.wide.square() * x[0, 1]).mean() + (self.big.square() * x[0, 2]).mean())
 
 
 def fsdp_net4() -> tuple[Net4, torch.optim.Optimizer]:
@@ -729,10 +731,13 @@ def fsdp_sqrt4(rank: int, world: int, workdir: Path) -> None:
             n = value.shape.numel()  # this shard's elements: its blocks start at its first
             assert value.codes.numel() == -(-n // 2) and value.scales.numel() == -(-n // 128), (name, key, n)
     path = workdir / f"sqrt4_{world}"
-    dcp.save(dict(zip(("model", "optim"), get_state_dict(net, opt))), checkpoint_id=str(path))
-    written = sum(info.length for index, info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.items()
-                  if index.fqn.startswith("optim.state.wide.exp_avg"))
-    print(f"rank {rank}: DCP wrote m + v of wide (5x301, sqrt4) in {written / 1505:.4f} B/param")
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    saved_bytes = sum(t.numel() * t.element_size() for key in ("exp_avg", "exp_avg_sq")
+                      for t in optim_sd["state"]["big"][key].values() if isinstance(t, torch.Tensor))
+    print(f"rank {rank}: the tensors DCP saves of big's m + v (64x4096, sqrt4) take "
+          f"{saved_bytes / net.big.numel():.4f} B/param")
+    assert saved_bytes / net.big.numel() <= 1.07
     saved = {name: dense_states(opt, p) for name, p in net.named_parameters()}
     if rank == 0:
         torch.save(saved, workdir / f"sqrt4_dense{world}.pt")

@@ -9,10 +9,11 @@ import copy
 import pytest
 import torch
 
+from bench.footprint import SETUPS, SIZES
 from lowbit_compile import QuantizedState, lowbit_compile, memory_report, stats
 from lowbit_compile.checkpoint import stock_state_dict
 from lowbit_compile.cli import main as cli_main
-from lowbit_compile.estimate import estimate
+from lowbit_compile.estimate import GB, estimate
 from lowbit_compile.formats import StateFormat
 from lowbit_compile.state import codec
 from lowbit_compile.state_stats import _round_trips, _sample, _sampled_state
@@ -258,3 +259,13 @@ def test_the_estimate_command_prints_the_4_bit_figures(capsys):
     expected = estimate(7 * 10**9, param_dtype="bf16", master_weights="exact", fmt="sqrt4", release_grads=True)
     assert "block_size=128" in out and f"{expected.lowbit_total:,}" in out
     assert f"{expected.lowbit_total / 7e9:.3f} B low-bit" in out
+
+
+@pytest.mark.parametrize("release", [False, True])
+@pytest.mark.parametrize("setup", SETUPS, ids=[f"{s.label}-{s.param_dtype}" for s in SETUPS])
+def test_the_footprint_tables_totals_are_what_the_estimate_command_prints(setup, release, capsys):
+    for size in SIZES:
+        assert cli_main(["estimate", *setup.flags(size, release).split()]) == 0
+        total = setup.estimate(size, release).lowbit_total
+        [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("total ")]
+        assert line.endswith(f"{total:>19,}{total / GB:>9.3f}"), line
