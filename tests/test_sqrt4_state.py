@@ -14,7 +14,7 @@ from lowbit_compile import QuantizedState, lowbit_compile, memory_report, stats
 from lowbit_compile.checkpoint import stock_state_dict
 from lowbit_compile.cli import main as cli_main
 from lowbit_compile.estimate import GB, estimate
-from lowbit_compile.formats import StateFormat
+from lowbit_compile.formats import StateFormat, blockquant
 from lowbit_compile.state import codec
 from lowbit_compile.state_stats import _round_trips, _sample, _sampled_state
 
@@ -269,3 +269,19 @@ def test_the_footprint_tables_totals_are_what_the_estimate_command_prints(setup,
         total = setup.estimate(size, release).lowbit_total
         [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("total ")]
         assert line.endswith(f"{total:>19,}{total / GB:>9.3f}"), line
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["flat", "per row"])
+def test_a_shards_rows_of_saved_codes_are_its_codes(per_row):
+    """What a shard of rows [3, 6) of a 7x5 parameter reads from a full checkpoint (an unsharded one, flat, or a
+    gathered FSDP2 one, per row): its own codes, whichever nibble its first element is in."""
+    params = make_params([(7, 5)])
+    opt = wrapped(params)
+    train(opt, params, 1, seed=1)
+    held = opt.state[params[0]]["exp_avg"]
+    packed = codec.pack(held, params[0])
+    if per_row:
+        packed["codes"] = codec._code_table(held.codes, held.fmt, 7, 5, per_row=True)
+    every = blockquant.unpacked_codes(held.codes, 35, held.fmt)
+    assert torch.equal(codec._codes(packed, held.fmt, 3, 6, 7, 5), every[15:30])
+    assert torch.equal(codec._codes(packed, held.fmt, 0, 7, 7, 5), every)
