@@ -13,7 +13,7 @@ exactly, and they are recovered at that step:
   bytes, its codes packed from the row's first element (``formats/packing.py``; an odd row's last high nibble
   0): that is the stored bytes themselves (a view) where rows are even, a repacked copy where they are odd and
   the parameter is a ``DTensor``; a plain parameter's odd rows keep the stored bytes flat, ``(ceil(numel / 2),)``
-  (a view: a row of 1-D parameter costs half a byte, not one);
+  (a view: a row of a 1-D parameter costs half a byte, not one);
 * ``block_scales`` / ``block_patch_values`` / ``block_patch_index``: the bytes of each block's fp32
   scale, bf16 patch values and int16 patch offsets, in one of three layouts:
 
