@@ -143,4 +143,5 @@ register(ElementFormat(
     "sqrt4", (torch.int8, torch.uint8), qmax=(7.0**2, 15.0**2), min_positive=(1.0, 1.0),
     encode=_encode_sqrt8, decode=_decode_sqrt8, unsigned_map=True, root_domain=True,
     flagged_qmax=(6.0**2, 12.0**2), special_codes=((0x07, 0xF9, 0xF8), (15, 13, 14)),
-    advice="fmt='sqrt8' for this state (8-bit codes)", bits=4, default_block_size=128))
+    advice="fmt='sqrt8' for this state (8-bit codes)", bits=4, default_block_size=128, fused_cpu_encode=True,
+    cpp_name="LB_SQRT4"))
