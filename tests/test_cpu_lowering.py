@@ -300,6 +300,16 @@ def test_avx2_kernel_matches(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("build", ["16-lanes", "avx2", "x86-64-v2"])
+def test_packed_kernel_matches_in_every_build(monkeypatch, tmp_path, build):
+    """sqrt4's whole step (codes two a byte: nibble loads, packing stores, odd element counts)
+    under each build's code for them, stochastic rounding and patches included."""
+    for flag in CPU_BUILDS[build]:
+        _build_kernels_with(monkeypatch, tmp_path, flag)
+    _assert_same_states(*_twins("sqrt4", *ADAM_FLAGS, torch.float32, SIZES, rounding="stochastic"))
+
+
+@pytest.mark.slow
 def test_kernels_build_for_avx512(tmp_path):
     """The 16-lane intrinsics compile on any machine (the native build runs them only where the CPU has
     AVX-512): the element formats, bf16 conversions and every format's step (patches, stochastic
