@@ -34,8 +34,8 @@ from lowbit_compile.runtime.wrap import REWRITTEN, STAGED
 
 from .helpers import optim_db_cases
 
-FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32", "sqrt8")
-BLOCKWISE = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8")
+FORMATS = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32", "sqrt8", "sqrt4")
+BLOCKWISE = ("int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt8", "sqrt4")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MASTERS = (None, "exact", "8bit")
 LAYOUTS = ((512, 0), (2048, 2), (512, 2))

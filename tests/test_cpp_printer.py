@@ -696,7 +696,9 @@ Lion: - | from -""")
 
     def test_format_constants_come_from_formats_py(self):
         self.assertExpectedInline(format_constants(), """\
-enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3, LB_BF16_CODES = 4, LB_SQRT8 = 6 };
+enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3, LB_BF16_CODES = 4, LB_SQRT8 = 6, LB_SQRT4 = 7 };
+template <int F> constexpr bool lb_root_domain = F == LB_SQRT8 || F == LB_SQRT4;  // encodes from the square root
+template <int F> constexpr bool lb_packed = F == LB_SQRT4;  // two 4-bit codes a byte
 template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, the two in encode's input domain, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, min_exponent)
 template <> struct lb_format<LB_INT8, false> { static constexpr float qmax = (float)0x1.fc00000000000p+6, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc00000000000p+6, flagged_qmax = (float)0x1.f800000000000p+6, enc_qmax = (float)0x1.fc00000000000p+6, enc_flagged_qmax = (float)0x1.f800000000000p+6; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
 template <> struct lb_format<LB_INT8, true> { static constexpr float qmax = (float)0x1.fe00000000000p+7, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fe00000000000p+7, flagged_qmax = (float)0x1.f800000000000p+7, enc_qmax = (float)0x1.fe00000000000p+7, enc_flagged_qmax = (float)0x1.f800000000000p+7; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
@@ -710,6 +712,8 @@ template <> struct lb_format<LB_BF16_CODES, false> { static constexpr float qmax
 template <> struct lb_format<LB_BF16_CODES, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };
 template <> struct lb_format<LB_SQRT8, false> { static constexpr float qmax = (float)0x1.f808000000000p+13, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.f808000000000p+13, flagged_qmax = (float)0x1.f020000000000p+13, enc_qmax = (float)0x1.fc00000000000p+6, enc_flagged_qmax = (float)0x1.f800000000000p+6; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
 template <> struct lb_format<LB_SQRT8, true> { static constexpr float qmax = (float)0x1.fc02000000000p+15, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc02000000000p+15, flagged_qmax = (float)0x1.f020000000000p+15, enc_qmax = (float)0x1.fe00000000000p+7, enc_flagged_qmax = (float)0x1.f800000000000p+7; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
+template <> struct lb_format<LB_SQRT4, false> { static constexpr float qmax = (float)0x1.8800000000000p+5, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.8800000000000p+5, flagged_qmax = (float)0x1.2000000000000p+5, enc_qmax = (float)0x1.c000000000000p+2, enc_flagged_qmax = (float)0x1.8000000000000p+2; static constexpr int pos_inf_code = 7, neg_inf_code = 249, nan_code = 248; };
+template <> struct lb_format<LB_SQRT4, true> { static constexpr float qmax = (float)0x1.c200000000000p+7, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.c200000000000p+7, flagged_qmax = (float)0x1.2000000000000p+7, enc_qmax = (float)0x1.e000000000000p+3, enc_flagged_qmax = (float)0x1.8000000000000p+3; static constexpr int pos_inf_code = 15, neg_inf_code = 13, nan_code = 14; };
 template <bool U> struct lb_dyn {};  // formats.dynamic_level_table
 template <> struct lb_dyn<false> {
   static constexpr int levels = 7;
