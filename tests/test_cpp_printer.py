@@ -315,7 +315,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
         default = _kernel(emit_step(_adamw(), FAST).source)
         out = []
         for fmt, layout in (("int8", {}), ("dynamic8", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("bf16", {}),
-                            ("int8", {"block_size": 2048, "outliers": 2})):
+                            ("int8", {"block_size": 2048, "outliers": 2}), ("sqrt4", {"block_size": 512})):
             kernel = _kernel(emit_step(_adamw(fmt, **layout), FAST).source)
             out.append(f"== {fmt} {layout}\n" + _diff(_vector_loop(default), _vector_loop(kernel)))
         self.assertExpectedInline("\n".join(out), """\
@@ -546,7 +546,26 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      prev_v_addcmul = v_addcmul;
 -      const vf v_sqrt = prev_v_sqrt;
 +      const vf v_addcmul = prev_v_addcmul;
-+      const vf v_sqrt = lb_sqrt(v_addcmul);""")
++      const vf v_sqrt = lb_sqrt(v_addcmul);
+== sqrt4 {'block_size': 512}
+-  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start;
++  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start / 2;
+-  uint8_t* __restrict p_exp_avg_sq_codes = (uint8_t*)ptr[6] + start;
++  uint8_t* __restrict p_exp_avg_sq_codes = (uint8_t*)ptr[6] + start / 2;
+-  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
++  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT4, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT4, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
+-      lb_prefetch(p_exp_avg_codes + i, LB_BLOCK);
+-      lb_prefetch(p_exp_avg_sq_codes + i, LB_BLOCK);
++      lb_prefetch(p_exp_avg_codes + i / 2, LB_BLOCK / 2);
++      lb_prefetch(p_exp_avg_sq_codes + i / 2, LB_BLOCK / 2);
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
++        lb_encode_x4<LB_SQRT4, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
++        lb_encode_x4<LB_SQRT4, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT4, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT4, LB_SIGNED>(p_exp_avg_codes + i / 2) : lb_ld_codes_n<LB_SQRT4, LB_SIGNED>(p_exp_avg_codes + i / 2, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT4, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT4, LB_UNSIGNED>(p_exp_avg_sq_codes + i / 2) : lb_ld_codes_n<LB_SQRT4, LB_UNSIGNED>(p_exp_avg_sq_codes + i / 2, r), SC_exp_avg_sq, FL_exp_avg_sq);""")
 
     def test_bf16_params_with_fp32_opmath_round_once_in_the_store(self):
         """The kernel bf16 params get with low-bit states: fp32 math, bf16 widened on load, the param
