@@ -553,15 +553,22 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  uint8_t* __restrict p_exp_avg_sq_codes = (uint8_t*)ptr[6] + start;
 +  uint8_t* __restrict p_exp_avg_sq_codes = (uint8_t*)ptr[6] + start / 2;
 -  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT4, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT4, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
+-  if (!fuse) lb_finish(job, scratch);
+-  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
+-  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
+-  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
+-  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
+-  const lb_rand q_rand_exp_avg_sq = job.rnd[1];
+-  const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
++  const auto lanes0 = [&](auto c_lerp_small) LB_INLINE_LAMBDA {
 -      lb_prefetch(p_exp_avg_codes + i, LB_BLOCK);
 -      lb_prefetch(p_exp_avg_sq_codes + i, LB_BLOCK);
-+      lb_prefetch(p_exp_avg_codes + i / 2, LB_BLOCK / 2);
-+      lb_prefetch(p_exp_avg_sq_codes + i / 2, LB_BLOCK / 2);
+-      if (fuse && (i & (4 * LB_W - 1)) == 0) {
 -        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
 -        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
-+        lb_encode_x4<LB_SQRT4, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
-+        lb_encode_x4<LB_SQRT4, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
+-      }
++      lb_prefetch(p_exp_avg_codes + i / 2, LB_BLOCK / 2);
++      lb_prefetch(p_exp_avg_sq_codes + i / 2, LB_BLOCK / 2);
 -      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
 -      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
 +      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT4, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT4, LB_SIGNED>(p_exp_avg_codes + i / 2) : lb_ld_codes_n<LB_SQRT4, LB_SIGNED>(p_exp_avg_codes + i / 2, r), SC_exp_avg, FL_exp_avg);

@@ -36,7 +36,6 @@ from .helpers import (
     probe_values,
 )
 
-
 # Every code byte: each code of a format of one-byte codes, each pair of codes of a 4-bit one (two a byte)
 EVERY_BYTE = torch.arange(256, dtype=torch.int32).to(torch.uint8)
 

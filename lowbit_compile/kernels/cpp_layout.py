@@ -311,8 +311,8 @@ class BlockKernel:
         rereads them from cache) and, with ``fused`` states, writes their previous block's codes."""
         used = names_used(statements_of(lanes))
         versions = (["fuse"] if fused else []) + [name for name in self.switches if name in used]
-        ahead = {"n": "i, LB_BLOCK", "pairs": "i / 2, LB_BLOCK / 2"}
-        head = [f"lb_prefetch(p_{p.name} + {ahead[p.length]});" for p in self.pointers if p.length in ahead] if k == 0 else []
+        ahead = {"n": "i, LB_BLOCK", "pairs": "i / 2, LB_BLOCK / 2"} if k == 0 else {}  # (element, next block's)
+        head = [f"lb_prefetch(p_{p.name} + {ahead[p.length]});" for p in self.pointers if p.length in ahead]
         if fused:
             head += self._encode_prev(fused)
         return lane_loop(lanes, k, versions[:_MAX_SWITCHES], head)

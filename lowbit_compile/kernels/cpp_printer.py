@@ -223,8 +223,9 @@ class CppPrinter:
         part_spec: dict[Node, tuple[torch.dtype, str, bool]] = {}
         for state in self.states.values():
             codes_dtype = torch.uint8 if state.fmt.blockwise else state.fmt.code_dtype  # bytes, or bf16 values
-            codes_length = "pairs" if state.fmt.packed else "n"
-            lengths = (codes_length, "blocks", "patches", "patches") if state.fmt.blockwise else ("n", "empty", "empty", "empty")
+            codes_length = "pairs" if state.fmt.packed else "n"  # a 4-bit format's: two codes a byte
+            lengths = ((codes_length, "blocks", "patches", "patches") if state.fmt.blockwise
+                       else ("n", "empty", "empty", "empty"))
             for part, dtype, length in zip(PARTS, (codes_dtype, torch.float32, torch.bfloat16, torch.int16), lengths):
                 part_spec[state.parts[part]] = (dtype, length, state.writes)
         pointers, scalars = [], []

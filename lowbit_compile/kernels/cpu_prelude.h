@@ -380,7 +380,7 @@ LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors
 #endif
 // 4-bit codes (formats/packing.py): two a byte, element 2k in the low nibble of byte k and 2k + 1 in the
 // high one. A byte widened to a 64-bit lane is two 32-bit lanes, so one 64-bit shift moves a byte's high
-// nibble into its element's lane (lb_ld_nibbles), and one moves the odd element's code back (lb_nibbles).
+// nibble into its element's lane (lb_ld_nibbles), and one moves the odd element's code back (lb_st_nibbles).
 typedef int64_t lb_vq __attribute__((vector_size(4 * LB_W)));
 typedef uint8_t lb_vb_half __attribute__((vector_size(LB_W / 2)));
 #ifndef LB_NIBBLES
@@ -718,8 +718,8 @@ LB_INLINE vf lb_decode(vi u) {
 }
 
 // The codes of values already in the format's range (lb_encode clamps first): int8's y in [-qmax,
-// qmax] ([0, qmax] unsigned), a root-domain format's (sqrt8's, sqrt4's) magnitude r in [0, enc_qmax] with the sign of
-// `sign`; rounded half to even. A block's values times its multiplier are (lb_encode_scaled): the
+// qmax] ([0, qmax] unsigned), a root-domain format's (sqrt8's, sqrt4's) magnitude r in [0, enc_qmax]
+// with the sign of `sign`; rounded half to even. A block's values times its multiplier are (lb_encode_scaled): the
 // largest magnitude comes within a few ulps of qmax, which rounds to qmax.
 template <bool U>
 LB_INLINE vi lb_encode_int8(vf y) {
@@ -731,8 +731,8 @@ LB_INLINE vi lb_encode_sqrt8(vf r, vf sign) {
   return U ? lb_lift_positive(lb_cvt_rne(r), r) : lb_code_byte(lb_cvt_signed(r, sign));
 }
 
-// Normalized values (formats.normalize: times qmax/absmax; sqrt8's and sqrt4's in the root domain) -> codes; a
-// positive value of a non-negative state never becomes code 0 (formats.encode). Never NaN: only a
+// Normalized values (formats.normalize: times qmax/absmax; sqrt8's and sqrt4's in the root domain) ->
+// codes; a positive value of a non-negative state never becomes code 0 (formats.encode). Never NaN: only a
 // flagged block holds NaN, and lb_encode_scaled gives it (and +-inf) the block's special codes after
 // encoding.
 template <int F, bool U>
@@ -775,8 +775,8 @@ LB_INLINE vi lb_stochastic_int8(vf y, vf t) {
   if (U) return lb_lift_positive(m, y);
   return lb_code_byte(lb_sign_of(m, yc));
 }
-// sqrt8 and sqrt4 from the root-domain magnitude r (the nearest encode's input) and the sign of `sign`: the value
-// y = a * a of the clamped root a, the inner code c = floor(a), y - c * c in one fma (c * c is exact)
+// sqrt8 and sqrt4 from the root-domain magnitude r (the nearest encode's input) and the sign of `sign`:
+// the value y = a * a of the clamped root a, the inner code c = floor(a), y - c * c in one fma (c * c is exact)
 // and the outer code's value 2c + 1 above c * c: all exact, nothing decoded. A positive root lifts a code 0
 // to 1 (a root below 2^-75 squares to 0).
 template <int F, bool U>
