@@ -7,10 +7,11 @@ SASS instructions per element (the cubin's instructions, ``cuobjdump -sass``, ov
 thread handles), the occupancy registers, shared memory and warps allow, and the bytes per element the
 kernel must move; for a step, also the two variants of its batched kernel (what aligned tensors get: one
 launch over many tensors' whole tiles, one over their partial last tiles): registers, occupancy and SASS
-per element of each. Beside them the same for
-``floor_adamw8``, a plain blockwise 8-bit AdamW kernel (the GPU's floor, the counterpart of the CPU
-memory floor). ``python -m bench.gpu_cost [--arch 90 80]``: prints a table, writes
-``bench/results/gpu_cost.json`` (``--out`` another path). Run with ``TRITON_INTERPRET`` unset.
+per element of each. Beside them the same for ``floor_adamw8``, a plain blockwise 8-bit AdamW kernel
+(the GPU's floor, the counterpart of the CPU memory floor), and ``floor_adamw4``, its 4-bit twin, which
+a 4-bit format's kernels are measured against. ``python -m bench.gpu_cost [--arch 90 80]``: prints a
+table, writes ``bench/results/gpu_cost.json`` (``--out`` another path). Run with ``TRITON_INTERPRET``
+unset.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from triton.compiler import ASTSource
 # per-SM limits: registers, warps, blocks, shared memory (bytes usable per SM; 1 KiB reserved per block)
 SM_LIMITS = {90: (65536, 64, 32, 228 * 1024), 80: (65536, 64, 32, 164 * 1024)}
 FLOOR_BLOCK, FLOOR_ROWS, FLOOR_WARPS = 512, 2, 4  # the H200 run's floor kernel launch
+# the 4-bit floor: blocks of 128 (sqrt4's), in the 8-bit floor's tile of 1024 elements on 4 warps
+FLOOR4_BLOCK, FLOOR4_ROWS = 128, 8
 
 
 @triton.jit
@@ -68,6 +71,40 @@ def floor_adamw8(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, lr, beta1, beta2
     tl.store(v_ptr + offsets, v_root.to(tl.uint8), mask=mask)
 
 
+@triton.jit
+def floor_adamw4(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, lr, beta1, beta2, eps, decay, bc1, bc2_root,
+                 BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """:func:`floor_adamw8` with 4-bit codes, two a byte (element 2i in the low nibble of byte i): m's
+    roots -7..7 (sign-extended), v's 0..15: the least a blockwise 4-bit step does."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offsets = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = offsets < n
+    pairs = rows[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    pair_mask = pairs * 2 < n
+    p = tl.load(p_ptr + offsets, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0)
+    mb = tl.load(m_ptr + pairs, mask=pair_mask, other=0)
+    vb = tl.load(v_ptr + pairs, mask=pair_mask, other=0)
+    mc = tl.reshape(tl.join((mb << 4) >> 4, mb >> 4), (ROWS, BLOCK)).to(tl.float32)
+    vc = tl.reshape(tl.join(vb & 15, vb >> 4), (ROWS, BLOCK)).to(tl.float32)
+    row_mask = rows * BLOCK < n
+    m = mc * tl.abs(mc) * tl.load(ms_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    v = vc * vc * tl.load(vs_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p * decay - lr * (m / bc1) / (tl.sqrt(v) / bc2_root + eps)
+    tl.store(p_ptr + offsets, p, mask=mask)
+    m_scale = tl.max(tl.abs(m), axis=1) / 49.0  # 7^2
+    v_scale = tl.max(v, axis=1) / 225.0  # 15^2
+    tl.store(ms_ptr + rows, m_scale, mask=row_mask)
+    tl.store(vs_ptr + rows, v_scale, mask=row_mask)
+    m_root = (tl.sqrt(tl.abs(m) / tl.maximum(m_scale, 1e-38)[:, None]) + 12582912.0) - 12582912.0
+    v_root = (tl.sqrt(v / tl.maximum(v_scale, 1e-38)[:, None]) + 12582912.0) - 12582912.0
+    m_lo, m_hi = tl.split(tl.reshape(tl.where(m < 0, -m_root, m_root).to(tl.int8), (ROWS, BLOCK // 2, 2)))
+    v_lo, v_hi = tl.split(tl.reshape(v_root.to(tl.uint8), (ROWS, BLOCK // 2, 2)))
+    tl.store(m_ptr + pairs, (m_lo & 15) | (m_hi << 4), mask=pair_mask)
+    tl.store(v_ptr + pairs, v_lo | (v_hi << 4), mask=pair_mask)
+
 
 @dataclass(frozen=True)
 class Case:
@@ -84,7 +121,7 @@ class Case:
 
 def cases() -> list[Case]:
     out = []
-    for fmt in ("sqrt8", "int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32"):
+    for fmt in ("sqrt8", "int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "bf16", "fp32", "sqrt4"):
         for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             out.append(Case(f"step {fmt} {tag}-params", fmt, dtype))
     out += [Case("step sqrt8 bf16-params master exact", dtype=torch.bfloat16, master="exact"),
@@ -92,9 +129,9 @@ def cases() -> list[Case]:
             Case("step sqrt8 fp32-params stochastic", rounding="stochastic"),
             Case("step sqrt8 bf16-params stochastic", dtype=torch.bfloat16, rounding="stochastic"),
             *(Case(f"step {fmt} fp32-params nearest", fmt, rounding="nearest")
-              for fmt in ("sqrt8", "int8", "dynamic8", "fp8_e4m3")),
+              for fmt in ("sqrt8", "int8", "dynamic8", "fp8_e4m3", "sqrt4")),
             Case("step sqrt8 fp32-params 2 patches", outliers=2)]
-    for fmt in ("sqrt8", "int8", "dynamic8", "fp8_e4m3", "fp8_e5m2"):
+    for fmt in ("sqrt8", "int8", "dynamic8", "fp8_e4m3", "fp8_e5m2", "sqrt4"):
         for kind in ("quantize", "dequantize"):
             out.append(Case(f"{kind} {fmt} fp32", fmt, state_kernel=kind))
     return out
@@ -136,11 +173,11 @@ def target_for(arch: int):
 
 
 def emitted_for(case: Case, arch: int):
-    from lowbit_compile.formats import StateFormat
+    from lowbit_compile.formats import StateFormat, element_format
     from lowbit_compile.kernels.triton_printer import dequantize_graph, emit_kernel, quantize_graph
 
-    if case.state_kernel:
-        fmt = StateFormat.make(case.fmt, 512, case.outliers, False)
+    if case.state_kernel:  # in blocks of 512, or of the format's own default (a 4-bit one's)
+        fmt = StateFormat.make(case.fmt, element_format(case.fmt).default_block_size or 512, case.outliers, False)
         graph = (quantize_graph if case.state_kernel == "quantize" else dequantize_graph)(fmt, case.dtype)
         name = f"lowbit_{case.state_kernel}"
     else:
@@ -151,9 +188,12 @@ def emitted_for(case: Case, arch: int):
 def bytes_per_element(graph: torch.fx.GraphModule, emitted) -> float:
     """What the kernel must read and write per element: per-element tensors at their dtype (read, and
     written where stored; a state kernel only reads its input and only writes its output), block scales
-    and patches per block, 0-d tensors and tables nothing."""
+    and patches per block, 0-d tensors and tables nothing; a state's codes at its format's bits (4-bit: half a byte)."""
+    from lowbit_compile.ir.contract import state_access
+
     steps = emitted.name == "lowbit_step"
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    code_bits = {a.parts[0]: a.fmt.bits for a in map(state_access, graph.graph.nodes) if a is not None}
     total = 0.0
     for p in emitted.params:
         if p.kind != "input" or not p.tensor:
@@ -166,8 +206,11 @@ def bytes_per_element(graph: torch.fx.GraphModule, emitted) -> float:
         elif p.name.endswith("ties_ptr"):
             total += times * size / 32  # one bit per element (read and written only at ties: at most this)
         else:  # state codes and master residuals (state parts: no example value), params, grads, stock states
-            val = placeholders[p.index].meta.get("val")
-            if p.name.endswith(("codes_ptr", "residual_ptr")) or isinstance(val, torch.Tensor) and val.dim() > 0:
+            node = placeholders[p.index]
+            val = node.meta.get("val")
+            if node in code_bits:
+                total += times * code_bits[node] / 8
+            elif p.name.endswith(("codes_ptr", "residual_ptr")) or isinstance(val, torch.Tensor) and val.dim() > 0:
                 total += times * size
     return total
 
@@ -181,23 +224,32 @@ def tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def cubin_figures(cubin: bytes) -> dict:
-    """Registers, stack/local and shared memory (``cuobjdump -res-usage``) and the SASS instruction count."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """What ``cuobjdump <flag>`` prints of ``cubin``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+        return subprocess.run([tool("cuobjdump"), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers, stack/local (spilled) and shared memory of a cubin (``cuobjdump -res-usage``; any
+    architecture, where ``-sass`` no longer disassembles sm_70)."""
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", cuobjdump(cubin, "-res-usage")))
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "local_bytes": int(fields["LOCAL"]),
+            "cubin_shared": int(fields["SHARED"])}
+
+
+def cubin_figures(cubin: bytes) -> dict:
+    """:func:`resource_usage` and the SASS instruction count."""
+    sass = cuobjdump(cubin, "-sass")
     instructions = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/\s+\S", line)]
     # the padding after the final EXIT (BRA to itself, NOPs) is never run
     # and the slow-path subroutines placed after it (div.rn's and sqrt.rn's out-of-range operands) rarely are
     last = max((i for i, line in enumerate(instructions) if re.search(r"\bEXIT\b", line)),
                default=len(instructions) - 1)
     body = instructions[:last + 1]
-    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "local_bytes": int(fields["LOCAL"]),
-            "cubin_shared": int(fields["SHARED"]), "sass": len(body),
+    return {**resource_usage(cubin), "sass": len(body),
             "sass_branches": sum(bool(re.search(r"\bBRA\b", line)) for line in body)}
 
 
@@ -241,6 +293,13 @@ def common_path_lib() -> str | None:
     sys.modules[name] = module
     exec(compile(source, filename, "exec"), module.__dict__)
     return name
+
+
+def floor_bits(case: Case) -> int:
+    """The floor a case is measured against: the 4-bit one for a 4-bit format's kernels, else the 8-bit one."""
+    from lowbit_compile.formats import element_format
+
+    return 4 if element_format(case.fmt).bits == 4 else 8
 
 
 def compile_case(case: Case, arch: int) -> dict:
@@ -313,20 +372,25 @@ def figures(compiled, arch: int, warps: int, elements: float) -> dict:
             "sass_per_element": round(fig["sass"] / elements, 1), **occupancy(arch, fig["registers"], shared, warps)}
 
 
-def compile_floor(arch: int) -> dict:
+FLOORS = {8: (floor_adamw8, FLOOR_BLOCK, FLOOR_ROWS), 4: (floor_adamw4, FLOOR4_BLOCK, FLOOR4_ROWS)}
+
+
+def compile_floor(arch: int, bits: int = 8) -> dict:
+    """The figures of the floor kernel of ``bits``-bit states (``FLOORS``) for ``arch``."""
+    kernel, block, rows = FLOORS[bits]
     signature = {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*i8", "v_ptr": "*u8", "ms_ptr": "*fp32",
                  "vs_ptr": "*fp32", "n": "i64", **{k: "fp32" for k in ("lr", "beta1", "beta2", "eps", "decay", "bc1",
                                                                        "bc2_root")},
                  "BLOCK": "constexpr", "ROWS": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
              if kind.startswith("*") or kind == "i64"}
-    source = ASTSource(floor_adamw8, signature, constexprs={"BLOCK": FLOOR_BLOCK, "ROWS": FLOOR_ROWS}, attrs=attrs)
+    source = ASTSource(kernel, signature, constexprs={"BLOCK": block, "ROWS": rows}, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": FLOOR_WARPS,
                                                                                     "enable_fp_fusion": True})
-    elements = FLOOR_BLOCK * FLOOR_ROWS / (FLOOR_WARPS * 32)
-    return {"kernel": "floor_adamw8 (bench)", "block": FLOOR_BLOCK, "rows": FLOOR_ROWS, "num_warps": FLOOR_WARPS,
+    elements = block * rows / (FLOOR_WARPS * 32)
+    return {"kernel": f"{kernel.__name__} (bench)", "block": block, "rows": rows, "num_warps": FLOOR_WARPS,
             "num_stages": 3, "enable_fp_fusion": True, "elements_per_thread": elements,
-            "bytes_per_element": 4 * 3 + 1 * 4 + 4 * 2 * 2 / FLOOR_BLOCK,
+            "bytes_per_element": 4 * 3 + bits / 8 * 4 + 4 * 2 * 2 / block,
             **figures(compiled, arch, FLOOR_WARPS, elements)}
 
 
@@ -342,21 +406,24 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     for arch in args.arch:
-        floor = compile_floor(arch)
-        rows.append({"arch": arch, **floor, "sass_common": floor["sass"],
-                     "sass_common_per_element": floor["sass_per_element"], "x_floor_sass": 1.0, "x_floor_common": 1.0})
+        floors = {bits: compile_floor(arch, bits) for bits in FLOORS}
+        for floor in floors.values():
+            rows.append({"arch": arch, **floor, "sass_common": floor["sass"],
+                         "sass_common_per_element": floor["sass_per_element"], "x_floor_sass": 1.0,
+                         "x_floor_common": 1.0})
         for case in cases():
             if args.only and not re.search(args.only, case.name):
                 continue
             t = time.perf_counter()
-            row = {"arch": arch, **compile_case(case, arch)}
+            floor = floors[floor_bits(case)]
+            row = {"arch": arch, **compile_case(case, arch), "floor": floor["kernel"]}
             row["x_floor_sass"] = round(row["sass_per_element"] / floor["sass_per_element"], 2)
             row["x_floor_common"] = round(row["sass_common_per_element"] / floor["sass_per_element"], 2)
             if "batched_common_per_element" in row:
                 row["x_floor_batched"] = round(row["batched_common_per_element"] / floor["sass_per_element"], 2)
             row["compile_s"] = round(time.perf_counter() - t, 1)
             rows.append(row)
-            print_row(row, header=len(rows) == 2)
+            print_row(row, header=len(rows) == len(floors) + 1)
     print()
     print_table(rows)
     import lowbit_compile

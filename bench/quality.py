@@ -34,6 +34,7 @@ from bench.tasks import PEERS, TASKS, OptimizerSpec, Task, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2")
+FOUR_BIT = ("sqrt4",)  # at its own layout (blocks of 128), beside torchao's AdamW4bit
 # (block_size, outliers). Scales and patches of m + v must stay under 0.02 B/param for the 2.02 B/param
 # budget: 2048 with 2 patches adds 0.0117, 1024 without 0.0078, 512 without (the default) 0.0156;
 # 256 without patches (0.031, over) is the layout of bitsandbytes and torchao.
@@ -50,10 +51,10 @@ def full_grid(task: str | None = None) -> list[str]:
         ours = [f"{f}-b{b}-k{k}" for f in FORMATS for b, k in ((2048, 2), (512, 0))] + [
             "int8-b2048-k0", "dynamic8-b1024-k0", "dynamic8-b256-k0"]
     elif task == "char_gpt_2m":  # ~2 minutes a run: the default layout of each format, and the peers
-        return ["fp32", *(f"{f}-b512-k0" for f in FORMATS[:4]), *PEERS]
+        return ["fp32", *(f"{f}-b512-k0" for f in FORMATS[:4]), *FOUR_BIT, *PEERS]
     else:
         ours = [f"{f}-b{b}-k{k}" for f in FORMATS for b, k in LAYOUTS]
-    return ["fp32", *ours, "bf16", *PEERS]
+    return ["fp32", *ours, *FOUR_BIT, "bf16", *PEERS]
 
 
 # Master weights: bf16 params with stock AdamW (no fp32 master), the fp32 master recipe (stock AdamW, and
@@ -218,12 +219,13 @@ def plot(runs: list[dict], summary: dict, task: str, path: Path) -> None:
               ("ours, block 1024 and 512 (dashed), no patches", lambda v: v.endswith(("-b1024-k0", "-b512-k0"))),
               ("ours, block 256, no patches (the peers' layout)", lambda v: v.endswith("-b256-k0")),
               ("bitsandbytes and torchao", lambda v: v in PEERS),
+              ("4 bits: ours (blocks of 128), torchao AdamW4bit", lambda v: v in (*FOUR_BIT, "ao-AdamW4bit")),
               ("bf16 params: stock AdamW, the fp32 master recipe, master weights", lambda v: v.startswith("bf16p-"))]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
     def color(variant: str) -> str:
         fmt = variant.split("-")[0]
-        order = [*FORMATS, "bf16", *PEERS, *MASTER_GRID]
+        order = [*FORMATS, *FOUR_BIT, "bf16", *PEERS, *MASTER_GRID]
         return colors[order.index(fmt if fmt in order else variant) % len(colors)]
 
     fig, axes = plt.subplots(2, 4, figsize=(21, 8.5))
@@ -233,7 +235,7 @@ def plot(runs: list[dict], summary: dict, task: str, path: Path) -> None:
     ax.set(title=f"{task}: validation loss of fp32 AdamW", xlabel="step", ylabel="val loss")
     ax.legend(fontsize=7)
     panels = [(title, pick) for title, pick in panels if any(pick(v) for v in curves)]  # a task's grid
-    slots = [axes[0][1], axes[0][2], axes[0][3], axes[1][0], axes[1][1]]
+    slots = [axes[0][1], axes[0][2], axes[0][3], axes[1][0], axes[1][1], axes[1][2]]
     for ax in slots[len(panels):]:
         ax.remove()
     for ax, (title, pick) in zip(slots, panels):
@@ -249,8 +251,7 @@ def plot(runs: list[dict], summary: dict, task: str, path: Path) -> None:
         ax.set_ylim(min(min(shown), 0) - pad, max(max(shown), 0) + pad)
         ax.set(title=title, xlabel="step", ylabel="val loss gap to fp32 (%)")
         ax.legend(fontsize=7)
-    ax = axes[1][2]
-    axes[1][3].remove()
+    ax = axes[1][3]
     rows = sorted((v for v in summary[task] if v != "fp32"), key=_order)
     means = [summary[task][v]["paired_gap_pct"][0] for v in rows]
     errs = [summary[task][v]["paired_gap_pct"][1] for v in rows]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS, NONNEG_STATES, Config
+from .config import DEFAULT_FMT, DEFAULT_OUTLIERS, NONNEG_STATES, Config
 from .formats import StateFormat, blockquant
 from .formats.residual import MODES as MASTER_MODES
 from .formats.residual import MasterFormat, tie_words
@@ -75,7 +75,7 @@ def estimate(
     param_dtype: str = FP32,
     master_weights: bool | str | None = False,
     fmt: str | Mapping[str, str] = DEFAULT_FMT,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     outliers: int = DEFAULT_OUTLIERS,
     shards: int = 1,
     zero_stage: int = 3,
@@ -94,7 +94,8 @@ def estimate(
     (``lowbit_compile(..., master_weights=...)``) in the low-bit one. With ``shards`` > 1 the components
     ZeRO stage ``zero_stage`` shards are divided evenly (rounded up) over the devices. With
     ``release_grads`` the low-bit column holds no grads: each steps and is freed as it lands in backward
-    (what is in flight then, the grad stepping and a bucket of small ones, is not counted).
+    (what is in flight then, the grad stepping and a bucket of small ones, is not counted). ``block_size``
+    None: each optimizer's states share the smallest default block of their formats, as ``lowbit_compile``'s.
     """
     if not is_int(params) or not 1 <= params <= MAX_PARAM_COUNT:
         raise ValueError(f"the parameter count must be an int from 1 to {MAX_PARAM_COUNT:.0e} (tensor sizes are "
@@ -136,11 +137,15 @@ def estimate(
     states = [(key, local("states", params - muon_params)) for key in states]
     if muon_params:
         states.append(("momentum_buffer", local("states", muon_params)))
+    blocks = {key: config.block_size_of(config.format_name(k) for k, _ in states if k != "momentum_buffer")
+              for key, _ in states if key != "momentum_buffer"}
+    if muon_params:
+        blocks["momentum_buffer"] = config.block_size_of([config.format_name("momentum_buffer")])
     short = {"exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "max v"}
     dtype_name = next(k for k, v in PARAM_DTYPES.items() if v == state_dtype)
     for key, n_state in states:
         label = f"{key} ({short[key]}, {dtype_name})" if key in short else f"Muon momentum ({dtype_name})"
-        state_fmt = StateFormat.make(config.format_name(key), block_size, outliers, key in NONNEG_STATES)
+        state_fmt = StateFormat.make(config.format_name(key), blocks[key], outliers, key in NONNEG_STATES)
         stock = n_state * state_dtype.itemsize
         if state_fmt.passthrough:
             rows.append(Row(label, stock, stock))
@@ -155,7 +160,7 @@ def estimate(
     fmt_text = config.fmt if isinstance(config.fmt, str) else dict(config.fmt)
     which = f"Muon ({muon_params:,} of them) + AdamW" if muon_params else "Adam/AdamW"
     title = (f"{which} memory for {params:,} parameters ({what}), {where}; low-bit: fmt={fmt_text}, "
-             f"block_size={block_size}, outliers={outliers}"
+             f"block_size={'/'.join(map(str, sorted(set(blocks.values()), reverse=True)))}, outliers={outliers}"
              + (f", master_weights={mode!r}" if mode in MASTER_MODES else "")
              + (", release_grads=True (grads freed as each steps in backward)" if release_grads else ""))
     return Estimate(tuple(rows), title, params if shards == 1 else 0)

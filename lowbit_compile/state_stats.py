@@ -139,9 +139,10 @@ def _sampled_state(value: QuantizedState, index: torch.Tensor) -> torch.Tensor:
         return blockquant.dequantize(blockquant.Quantized(value.codes[index], *value.storage_parts[1:]), fmt,
                                      value.dtype)
     blocks = torch.unique_consecutive(index // fmt.block_size)
-    part = blockquant.Quantized(value.codes[index], value.scales[blocks], value.patch_values[blocks],
-                                value.patch_index[blocks])
-    return blockquant.dequantize(part, fmt, value.dtype)
+    # a 4-bit format's blocks are whole bytes (an even block size), two codes each: the bytes of every other index
+    codes = value.codes[index[::2] // 2] if fmt.packed else value.codes[index]
+    part = blockquant.Quantized(codes, value.scales[blocks], value.patch_values[blocks], value.patch_index[blocks])
+    return blockquant.dequantize(part, fmt, value.dtype, index.numel())
 
 
 @torch.no_grad()
@@ -190,7 +191,7 @@ def _round_trips(values: list[torch.Tensor], fmt: StateFormat,
     quantized = blockquant.empty(x.numel(), fmt, x.device)
     draws = None if stochastic_seed is None else state_draws(stochastic_seed, 1, x.numel())
     blockquant.quantize_into(x, quantized, fmt, draws=draws)
-    back = blockquant.dequantize(quantized, fmt)
+    back = blockquant.dequantize(quantized, fmt, numel=x.numel())
     segment = torch.repeat_interleave(torch.arange(len(flats)), torch.tensor(lengths, dtype=torch.long))
     nonzero = x != 0
     terms = [x.double().square(), (back - x).double().square(), nonzero.double(), (nonzero & (back == 0)).double()]

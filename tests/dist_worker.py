@@ -681,7 +681,94 @@ def ddp_release(rank: int, world: int, workdir: Path) -> None:
     print(f"rank {rank}: DDP with release_grads refused before any step")
 
 
-SCENARIOS = {"fsdp": fsdp, "reshard": reshard, "ddp_and_zero": ddp_and_zero, "fsdp1_flat": fsdp1_flat,
+# sqrt4 (two codes a byte) on the reference backend: a.weight 129x9 (odd rows: shards of 65 and 64 rows, 585
+# and 576 codes), wide 5x301 (rows span blocks of 128; shards of 903 and 602 codes), extra 3001 (1-D, gathered),
+# big 64x4096 (a model's width: records per row cost 33 x 4 bytes a row)
+CONFIG4 = {"fmt": "sqrt4", "backend": "reference", "min_8bit_size": 100}
+
+
+class Net4(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(9, 129)
+        self.extra = torch.nn.Parameter(torch.randn(3001) * 0.1)
+        self.wide = torch.nn.Parameter(torch.randn(5, 301) * 0.1)
+        self.big = torch.nn.Parameter(torch.randn(64, 4096) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(self.a(x[:, :9])).square().mean() + (self.extra.square() * x[0, 0]).mean()
+                + (self.wide.square() * x[0, 1]).mean() + (self.big.square() * x[0, 2]).mean())
+
+
+def fsdp_net4() -> tuple[Net4, torch.optim.Optimizer]:
+    net = Net4()
+    fully_shard(net.a)
+    fully_shard(net)
+    return net, lowbit_compile(torch.optim.AdamW(net.parameters(), lr=LR), **CONFIG4)
+
+
+def quantized4(opt: torch.optim.Optimizer, net: torch.nn.Module) -> dict[str, dict[str, QuantizedState]]:
+    """Every sqrt4 state of ``net``'s params, this rank's shard."""
+    out = {}
+    for name, p in net.named_parameters():
+        held = {k: sharding.local(v) for k, v in opt.state[p].items() if sharding.is_quantized(v)}
+        assert sorted(held) == ["exp_avg", "exp_avg_sq"], name
+        out[name] = held
+        for value in held.values():
+            assert value.fmt.name == "sqrt4" and value.fmt.block_size == 128, (name, value.fmt)
+    return out
+
+
+def fsdp_sqrt4(rank: int, world: int, workdir: Path) -> None:
+    """sqrt4 states of FSDP2 shards (uneven, odd row widths, odd code counts) step on their own blocks, save
+    through DCP and resume bit for bit at the same world size; loaded at the other world size (1 <-> 2), each
+    held value is the saved one (a block both shardings share) or the saved values re-quantized."""
+    net, opt = fsdp_net4()
+    train(net, opt, 2, seed=1)
+    for name, held in quantized4(opt, net).items():
+        for key, value in held.items():
+            n = value.shape.numel()  # this shard's elements: its blocks start at its first
+            assert value.codes.numel() == -(-n // 2) and value.scales.numel() == -(-n // 128), (name, key, n)
+    path = workdir / f"sqrt4_{world}"
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    saved_bytes = sum(t.numel() * t.element_size() for key in ("exp_avg", "exp_avg_sq")
+                      for t in optim_sd["state"]["big"][key].values() if isinstance(t, torch.Tensor))
+    print(f"rank {rank}: the tensors DCP saves of big's m + v (64x4096, sqrt4) take "
+          f"{saved_bytes / net.big.numel():.4f} B/param")
+    assert saved_bytes / net.big.numel() <= 1.07
+    saved = {name: dense_states(opt, p) for name, p in net.named_parameters()}
+    if rank == 0:
+        torch.save(saved, workdir / f"sqrt4_dense{world}.pt")
+    train(net, opt, 3, seed=2)
+    resumed, resumed_opt = fsdp_net4()
+    dcp_load(resumed, resumed_opt, path)
+    train(resumed, resumed_opt, 3, seed=2)
+    assert bitwise(full(resumed), full(net)), "a DCP resume of sqrt4 states is not exact"
+    for (name, a), b in zip(quantized4(opt, net).items(), quantized4(resumed_opt, resumed).values()):
+        for key in a:
+            assert all(torch.equal(x, y) for x, y in zip(a[key].storage_parts, b[key].storage_parts)), (name, key)
+    other = 3 - world
+    if not (workdir / f"sqrt4_{other}").exists():
+        return
+    moved, moved_opt = fsdp_net4()
+    dcp_load(moved, moved_opt, workdir / f"sqrt4_{other}")
+    for name, values in torch.load(workdir / f"sqrt4_dense{other}.pt").items():
+        p = dict(moved.named_parameters())[name]
+        start, stop = sharding.local_rows(p)
+        for key, full_values in values.items():
+            held = moved_opt.state[p][key].to_local()
+            expected = full_values[start:stop]
+            requantized = QuantizedState.from_dense(expected, held.fmt).dequantize()
+            now = held.dequantize()
+            assert bool(((now == expected) | (now == requantized)).all()), (name, key)
+            print(f"rank {rank}: {name}.{key} from world {other}: {(now == expected).float().mean():.3f} of it "
+                  "bit for bit")
+    train(moved, moved_opt, 1, seed=3)
+
+
+SCENARIOS = {"fsdp_sqrt4": fsdp_sqrt4, "fsdp": fsdp, "reshard": reshard, "ddp_and_zero": ddp_and_zero, "fsdp1_flat": fsdp1_flat,
              "fsdp_master": fsdp_master, "reshard_master": reshard_master, "fsdp_muon": fsdp_muon,
              "fsdp_release": fsdp_release, "ddp_release": ddp_release}
 

@@ -9,7 +9,8 @@ take it: the batched kernel's full-tile and masked last-tile variants each once 
 the formats left over, always including an fp8 one; block layouts and signed/unsigned states rotate
 over the state kernels. So each kernel kind meets every architecture while each compile covers as
 many cells as it can: compile time is what limits this test. ``python -m tests.target_matrix``
-(TRITON_INTERPRET unset) compiles the plan and prints one JSON line per kernel.
+(TRITON_INTERPRET unset) compiles the plan and prints one JSON line per kernel, with its registers and the
+bytes it spills (``cuobjdump -res-usage``: stack and local memory).
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def _cpu_seconds() -> float:
 
 
 def main() -> None:
+    from bench.gpu_cost import resource_usage
     from lowbit_compile.kernels.triton_backend import compile_for_target
 
     kernels = plan()
@@ -159,13 +161,17 @@ def main() -> None:
     gc.freeze()
     for kernel, graph in zip(kernels, graphs):
         wall, cpu = time.perf_counter(), _cpu_seconds()
+        usage = {}
         try:
-            compile_for_target(graph, kernel.target.arch, fp8_native=kernel.target.fp8_native, batched=kernel.batched,
-                               masked=kernel.masked)
+            compiled = compile_for_target(graph, kernel.target.arch, fp8_native=kernel.target.fp8_native,
+                                          batched=kernel.batched, masked=kernel.masked)
+            usage = resource_usage(compiled.asm["cubin"])
             error = None
         except Exception as e:  # reported per kernel; the test fails on any
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         print(json.dumps({"kernel": str(kernel), "ok": error is None, "error": error,
+                          "registers": usage.get("registers"),
+                          "spill_bytes": usage["stack_bytes"] + usage["local_bytes"] if usage else None,
                           "wall_s": round(time.perf_counter() - wall, 3), "cpu_s": round(_cpu_seconds() - cpu, 3)}),
               flush=True)
     gc.unfreeze()

@@ -70,6 +70,13 @@ def test_checkpoints_move_between_world_sizes(workdir):
     print(launch("reshard", 2, workdir))
 
 
+def test_fsdp2_sqrt4_states_shard_resume_exactly_and_move_between_world_sizes(workdir):
+    """2 ranks (save, resume exactly) -> 1 process (loads the 2 ranks' checkpoint) -> 2 ranks (loads it back)."""
+    print(launch("fsdp_sqrt4", 2, workdir))
+    print(launch("fsdp_sqrt4", 1, workdir))
+    print(launch("fsdp_sqrt4", 2, workdir))
+
+
 def test_ddp_and_zero_redundancy_optimizer_train_like_one_process(workdir):
     print(launch("ddp_and_zero", 2, workdir))
 

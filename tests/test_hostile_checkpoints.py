@@ -320,6 +320,9 @@ FUZZ_CONFIGS = {
     "fp8, 8bit masters": (torch.optim.AdamW, {}, torch.bfloat16, {"fmt": "fp8_e4m3", "master_weights": "8bit"}),
     "SGD": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, torch.float32, {"fmt": "int8", "outliers": 1}),
     "Adafactor": (torch.optim.Adafactor, {"lr": 1e-2}, torch.float32, {"fmt": "int8"}),
+    "sqrt4 m, sqrt8 v, exact bf16 masters": (torch.optim.AdamW, {}, torch.bfloat16,
+                                             {"fmt": {"exp_avg": "sqrt4", "exp_avg_sq": "sqrt8"},
+                                              "master_weights": "exact"}),
 }
 FUZZ_SHAPES = [(9, 40), (70,), (9, 40)]  # two of one shape: another param's states fit
 

@@ -250,8 +250,8 @@ def cpu_quantize(x: torch.Tensor, fmt: StateFormat, roots: bool = False) -> bloc
     return out
 
 
-def cpu_dequantize(q: blockquant.Quantized, fmt: StateFormat) -> torch.Tensor:
-    out = torch.empty(q.codes.numel())
+def cpu_dequantize(q: blockquant.Quantized, fmt: StateFormat, numel: int) -> torch.Tensor:
+    out = torch.empty(numel)
     _cpu_call(out, q, fmt, 0)
     return out
 
@@ -264,10 +264,10 @@ def triton_quantize(x: torch.Tensor, fmt: StateFormat) -> blockquant.Quantized:
     return out
 
 
-def triton_dequantize(q: blockquant.Quantized, fmt: StateFormat) -> torch.Tensor:
+def triton_dequantize(q: blockquant.Quantized, fmt: StateFormat, numel: int) -> torch.Tensor:
     from lowbit_compile.kernels import triton_backend
 
-    return triton_backend.dequantize(q, fmt, torch.float32)
+    return triton_backend.dequantize(q, fmt, torch.float32, numel)
 
 
 KERNEL_BLOCKS = {"cpu": (cpu_quantize, cpu_dequantize), "triton": (triton_quantize, triton_dequantize)}
@@ -292,7 +292,7 @@ def test_kernel_blocks_store_what_the_reference_stores(backend, name, nonneg, da
     quantize, dequantize = KERNEL_BLOCKS[backend]
     want = blockquant.quantize(x, fmt)
     assert_same_storage(quantize(x, fmt), want)
-    assert same_values(dequantize(want, fmt), blockquant.dequantize(want, fmt))
+    assert same_values(dequantize(want, fmt, x.numel()), blockquant.dequantize(want, fmt, numel=x.numel()))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -316,7 +316,7 @@ def test_triton_bf16_states_store_what_the_reference_stores(nonneg, data):
     x = data.draw(block_values(64, nonneg))
     got = triton_quantize(x, fmt)
     assert same_values(got.codes, blockquant.quantize(x, fmt).codes)
-    assert same_values(triton_dequantize(got, fmt), blockquant.dequantize(got, fmt))
+    assert same_values(triton_dequantize(got, fmt, x.numel()), blockquant.dequantize(got, fmt))
 
 
 # -- whole steps on the reference lowering ------------------------------------------------------------

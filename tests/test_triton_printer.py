@@ -207,6 +207,48 @@ def adamw_step(
 +                FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=0.0, POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254,
 +                APPROXIMATE=True, seed=clone_default, STREAM=2)""")
 
+    def test_a_4bit_format_differs_from_sqrt8_in_its_codes_bytes_and_its_map(self):
+        """sqrt4 against sqrt8 in one layout (batched: the pointers' types show): both signs' codes are
+        uint8 bytes (two codes each), a dequantize says the sign the bytes do not, and the map's range and
+        special codes are sqrt4's; the arithmetic is the same."""
+        sqrt8, sqrt4 = (printer.emit_kernel(body(torch.optim.AdamW(one_param()), fmt, block_size=128), "adamw_step",
+                                            CUDA, batched=True).source.splitlines() for fmt in ("sqrt8", "sqrt4"))
+        diff = [line for line in difflib.unified_diff(sqrt8, sqrt4, "sqrt8", "sqrt4", n=0, lineterm="")
+                if not line.startswith("@@")]
+        self.assertExpectedInline("\n".join(diff), """\
+--- sqrt8
++++ sqrt4
+-    exp_avg_codes_ptr = tl.multiple_of(tl.load(entry + 4).to(tl.pointer_type(tl.int8), bitcast=True), 16)
++    exp_avg_codes_ptr = tl.multiple_of(tl.load(entry + 4).to(tl.pointer_type(tl.uint8), bitcast=True), 16)
+-    # sqrt8:128:0:s
++    # sqrt4:128:0:s
+-                                       offsets, mask, row_mask, FMT=lb.SQRT8, K=0, POS_INF_CODE=127,
+-                                       NEG_INF_CODE=129, NAN_CODE=128)
+-    # sqrt8:128:0:u
++                                       offsets, mask, row_mask, FMT=lb.SQRT4, K=0, POS_INF_CODE=7,
++                                       NEG_INF_CODE=249, NAN_CODE=248, NONNEG=False)
++    # sqrt4:128:0:u
+-                                         offsets, mask, row_mask, FMT=lb.SQRT8, K=0, POS_INF_CODE=255,
+-                                         NEG_INF_CODE=253, NAN_CODE=254)
++                                         offsets, mask, row_mask, FMT=lb.SQRT4, K=0, POS_INF_CODE=15,
++                                         NEG_INF_CODE=13, NAN_CODE=14, NONNEG=True)
+-    # sqrt8:128:0:s
++    # sqrt4:128:0:s
+-                FMT=lb.SQRT8, NONNEG=False, K=0, QMAX=16129.0, MIN_POSITIVE=1.0, INV_QMAX=6.200012285262346e-05,
+-                FLAGGED_QMAX=15876.0, INV_FLAGGED_QMAX=6.29881615168415e-05, POS_INF_CODE=127, NEG_INF_CODE=129,
+-                NAN_CODE=128, APPROXIMATE=True)
+-    # sqrt8:128:0:u
++                FMT=lb.SQRT4, NONNEG=False, K=0, QMAX=49.0, MIN_POSITIVE=1.0, INV_QMAX=0.020408162847161293,
++                FLAGGED_QMAX=36.0, INV_FLAGGED_QMAX=0.02777777798473835, POS_INF_CODE=7, NEG_INF_CODE=249,
++                NAN_CODE=248, APPROXIMATE=True)
++    # sqrt4:128:0:u
+-                row_mask, FMT=lb.SQRT8, NONNEG=True, K=0, QMAX=65025.0, MIN_POSITIVE=1.0,
+-                INV_QMAX=1.537870048196055e-05, FLAGGED_QMAX=63504.0, INV_FLAGGED_QMAX=1.5747040379210375e-05,
+-                POS_INF_CODE=255, NEG_INF_CODE=253, NAN_CODE=254, APPROXIMATE=True, seed=clone_default, STREAM=2)
++                row_mask, FMT=lb.SQRT4, NONNEG=True, K=0, QMAX=225.0, MIN_POSITIVE=1.0,
++                INV_QMAX=0.004444444552063942, FLAGGED_QMAX=144.0, INV_FLAGGED_QMAX=0.0069444444961845875,
++                POS_INF_CODE=15, NEG_INF_CODE=13, NAN_CODE=14, APPROXIMATE=True, seed=clone_default, STREAM=2)""")
+
 
 def test_an_op_without_a_lowering_is_an_error_naming_it():
     graph = body(torch.optim.Adam(one_param()))

@@ -33,6 +33,7 @@ CASES = {
     "adamw-int8": (torch.optim.AdamW, "int8", torch.float32, 256 * 5 + 37, 256, {}),
     "adamw-dynamic8": (torch.optim.AdamW, "dynamic8", torch.float32, 256 * 5 + 37, 256, {}),
     "adamw-sqrt8": (torch.optim.AdamW, "sqrt8", torch.float32, 256 * 5 + 37, 256, {}),
+    "adamw-sqrt4": (torch.optim.AdamW, "sqrt4", torch.float32, 128 * 5 + 37, 128, {}),  # an odd count: half a byte
     "adamw-fp8_e4m3": (torch.optim.AdamW, "fp8_e4m3", torch.float32, 64 * 9 + 5, 64, {}),
     "adamw-fp8_e5m2": (torch.optim.AdamW, "fp8_e5m2", torch.float32, 256 * 5 + 37, 256, {}),
     "adamw-bf16": (torch.optim.AdamW, "bf16", torch.float32, 1000, 256, {}),
@@ -161,8 +162,9 @@ RAGGED = [1, 7, 255, 256, 257, 1000, 3 * 256 + 5]
 
 # (format, param sizes, batched kernel calls per step): int8 tiles are its 256-blocks, fp32's 2048 elements
 @pytest.mark.parametrize("fmt, sizes, calls", [("int8", RAGGED, 2), ("fp32", RAGGED, 1),
-                                               ("int8", [256, 512, 3 * 256], 1), ("int8", [1, 7, 255], 1)],
-                         ids=["int8", "fp32", "whole-tiles", "last-tiles"])
+                                               ("int8", [256, 512, 3 * 256], 1), ("int8", [1, 7, 255], 1),
+                                               ("sqrt4", RAGGED, 2)],
+                         ids=["int8", "fp32", "whole-tiles", "last-tiles", "sqrt4"])
 def test_many_small_tensors_step_in_two_launches_with_the_bits_of_one_launch_each(monkeypatch, fmt, sizes, calls):
     """Params of one group, of odd sizes (one element, partial blocks, several blocks) or whole tiles only
     or partial last tiles only: the batched launch gives the bits of one launch per tensor, in one kernel

@@ -38,6 +38,23 @@ def _encode_sqrt8(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     return root.to(fmt.code_dtype)
 
 
+def _encode_sqrt4(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """The code whose value ``c * |c|`` is nearest the value ``x * |x|``, ties to the even code: between
+    roots c and c + 1 it rounds up where ``2 x^2 > c^2 + (c + 1)^2`` (one fp32 square, exact integers).
+    Rounding the root instead (sqrt8's) takes values from a quarter of a gap up at 4 bits: Zipf +1.9%
+    against fp32 (bench/results/quality.md)."""
+    top = domain_bound(fmt, fmt.qmax)
+    r = x.clamp(0.0, top) if fmt.nonneg else x.abs().clamp(max=top)
+    low = torch.floor(r)
+    twice, mid = 2.0 * (r * r), low * low + (low + 1.0) * (low + 1.0)
+    root = torch.where((twice > mid) | ((twice == mid) & (low % 2 == 1)), low + 1.0, low)
+    if fmt.nonneg:
+        root = torch.where((x > 0) & (root == 0), 1.0, root)
+    else:
+        root = torch.where(x < 0, -root, root)
+    return root.to(fmt.code_dtype)
+
+
 def _decode_sqrt8(codes: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     root = codes.float()
     return root * root.abs()
@@ -136,13 +153,14 @@ register(ElementFormat(
     encode=_encode_sqrt8, decode=_decode_sqrt8, unsigned_map=True, root_domain=True,
     flagged_qmax=(126.0**2, 252.0**2), special_codes=((0x7F, 0x81, 0x80), (255, 253, 254)),  # as int8
     advice=_WIDEST, fused_cpu_encode=True, cpp_name="LB_SQRT8", triton_name="SQRT8"))
-# sqrt4: sqrt8's map in 4 bits, two codes a byte (packing.py): roots -7..7 (-8 spare) or 0..15, in blocks of
-# 128 (bench/results/format_screen4.md: larger blocks lose to fp32 on the quality tasks); a flagged block's
-# +inf, -inf and NaN are 7, -7 and -8 (finite -6..6) or 15, 13 and 14 (finite 0..12). The C++ kernel writes
-# its codes in loops of their own: in the next block's lane loop its step took 1.17x as long on AVX2
-# (bench/results/cpu_fused_encode_sqrt4_avx2.md)
+# sqrt4: sqrt8's map in 4 bits, two codes a byte (packing.py): roots -7..7 (-8 spare) or 0..15, rounded to
+# the nearest value (not root), in blocks of 128 (bench/results/format_screen4.md: larger blocks lose to
+# fp32 on the quality tasks); a flagged block's +inf, -inf and NaN are 7, -7 and -8 (finite -6..6) or 15,
+# 13 and 14 (finite 0..12). The C++ kernel writes its codes in loops of their own: in the next block's lane
+# loop its step took 1.17x as long on AVX2 (bench/results/cpu_fused_encode_sqrt4_avx2.md)
 register(ElementFormat(
     "sqrt4", (torch.int8, torch.uint8), qmax=(7.0**2, 15.0**2), min_positive=(1.0, 1.0),
-    encode=_encode_sqrt8, decode=_decode_sqrt8, unsigned_map=True, root_domain=True,
+    encode=_encode_sqrt4, decode=_decode_sqrt8, unsigned_map=True, root_domain=True,
     flagged_qmax=(6.0**2, 12.0**2), special_codes=((0x07, 0xF9, 0xF8), (15, 13, 14)),
-    advice="fmt='sqrt8' for this state (8-bit codes)", bits=4, default_block_size=128, cpp_name="LB_SQRT4"))
+    advice="fmt='sqrt8' for this state (8-bit codes)", bits=4, default_block_size=128, cpp_name="LB_SQRT4",
+    triton_name="SQRT4"))

@@ -730,6 +730,23 @@ template <bool U>
 LB_INLINE vi lb_encode_sqrt8(vf r, vf sign) {
   return U ? lb_lift_positive(lb_cvt_rne(r), r) : lb_code_byte(lb_cvt_signed(r, sign));
 }
+// sqrt4's (builtin._encode_sqrt4): the root whose value is nearest r * r, not the nearest root: of c =
+// floor(r) and c + 1, c + 1 where 2 r^2 > c^2 + (c + 1)^2 (one fp32 square; the rest exact), a tie to the
+// even root; a positive root lifts code 0 to 1.
+template <bool U>
+LB_INLINE vi lb_encode_sqrt4(vf r, vf sign) {
+  const vf c = lb_floor(r), twice = lb_splat(2.0f) * (r * r), mid = lb_fma(c, c + c + 2.0f, lb_splat(1.0f));
+  const vi low = __builtin_convertvector(c, vi);
+  const vi up = (twice > mid) | ((twice == mid) & ((low & 1) != 0));
+  const vi m = low - up;  // up is -1 where the root rounds up
+  return U ? lb_lift_positive(m, r) : lb_code_byte(lb_sign_of(m, sign));
+}
+// The nearest code of a root-domain format (the root r in [0, enc_qmax], the sign of `sign`).
+template <int F, bool U>
+LB_INLINE vi lb_encode_root(vf r, vf sign) {
+  if constexpr (F == LB_SQRT4) return lb_encode_sqrt4<U>(r, sign);
+  else return lb_encode_sqrt8<U>(r, sign);
+}
 
 // Normalized values (formats.normalize: times qmax/absmax; sqrt8's and sqrt4's in the root domain) ->
 // codes; a positive value of a non-negative state never becomes code 0 (formats.encode). Never NaN: only a
@@ -742,7 +759,7 @@ LB_INLINE vi lb_encode(vf y) {
     return lb_encode_int8<U>(lb_min_nn(lb_max_nn(y, lb_splat(U ? 0.0f : -qmax)), lb_splat(qmax)));
   } else if constexpr (lb_root_domain<F>) {  // NaN: a non-negative state's 0 (max returns its second operand)
     const vf r = U ? lb_max_nn(y, lb_splat(0.0f)) : lb_abs(y);
-    return lb_encode_sqrt8<U>(lb_min_nn(r, lb_splat(lb_format<F, U>::enc_qmax)), y);
+    return lb_encode_root<F, U>(lb_min_nn(r, lb_splat(lb_format<F, U>::enc_qmax)), y);
   } else if constexpr (F == LB_DYNAMIC8) {
     return lb_encode_dynamic8<U>(y);
   } else {
@@ -1076,7 +1093,7 @@ LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vf t) {
   if constexpr (lb_root_domain<F>) {
     vf r = (ROOT ? root : lb_sqrt(U ? x : lb_abs(x))) * inverse;
     if (FLAGGED) r = lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(f::enc_flagged_qmax));  // NaN: 0
-    code = SR ? lb_stochastic_sqrt8<F, U>(r, x, t) : lb_encode_sqrt8<U>(r, x);  // in range (lb_encode_sqrt8)
+    code = SR ? lb_stochastic_sqrt8<F, U>(r, x, t) : lb_encode_root<F, U>(r, x);  // in range (lb_encode_sqrt8)
   } else {
     vf y = x * inverse;
     if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;

@@ -468,9 +468,13 @@ def quantize_into(x: torch.Tensor, out: blockquant.Quantized, fmt: StateFormat) 
     quantize_op(kernel.key, *kernel.split((flat, *out)))
 
 
-def dequantize(q: blockquant.Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``blockquant.dequantize`` with a Triton kernel: the flat values of ``q`` as a new ``dtype`` tensor."""
-    out = torch.empty(q.codes.numel(), dtype=dtype, device=q.codes.device)
+def dequantize(q: blockquant.Quantized, fmt: StateFormat, dtype: torch.dtype = torch.float32,
+               numel: int | None = None) -> torch.Tensor:
+    """``blockquant.dequantize`` with a Triton kernel: the flat values of ``q`` as a new ``dtype`` tensor;
+    ``numel``: their count, which a 4-bit format's codes (two a byte) do not say."""
+    if fmt.packed and numel is None:
+        raise ValueError(f"dequantize of a {fmt.name} state needs numel: its codes, two a byte, do not say the count")
+    out = torch.empty(q.codes.numel() if numel is None else numel, dtype=dtype, device=q.codes.device)
     kernel = _state_kernel("dequantize", fmt, dtype, target_of(out.device))
     dequantize_op(kernel.key, *kernel.split((*q, out)))
     return out

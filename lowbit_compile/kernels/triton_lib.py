@@ -38,6 +38,7 @@ FP8_E4M3 = tl.constexpr(_FORMAT_IDS["FP8_E4M3"])
 FP8_E5M2 = tl.constexpr(_FORMAT_IDS["FP8_E5M2"])
 BF16_CODES = tl.constexpr(_FORMAT_IDS["BF16_CODES"])
 SQRT8 = tl.constexpr(_FORMAT_IDS["SQRT8"])
+SQRT4 = tl.constexpr(_FORMAT_IDS["SQRT4"])  # sqrt8's map in 4-bit codes, two a byte
 
 # Value dtypes of params and stock states: every value lives in fp32 registers, rounded to its dtype.
 F32 = tl.constexpr(0)
@@ -49,6 +50,17 @@ F16 = tl.constexpr(2)
 def rne(x):
     """Round to the nearest integer, ties to even, for |x| < 2**22 (every code magnitude is < 2**16)."""
     return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def nearest_value_root(r):
+    """sqrt4's encode (``builtin._encode_sqrt4``) of a root ``r`` >= 0: of the roots ``floor(r)`` and the next,
+    the one whose square is nearer ``r * r``, ties to the even root."""
+    low = tl.floor(r)
+    twice = 2.0 * (r * r)
+    mid = low * low + (low + 1.0) * (low + 1.0)
+    odd = low - 2.0 * tl.floor(low * 0.5)
+    return tl.where((twice > mid) | ((twice == mid) & (odd == 1.0)), low + 1.0, low)
 
 
 @triton.jit
@@ -229,12 +241,14 @@ def encode(y, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.const
             return q.to(tl.uint8)
         else:
             return tl.minimum(tl.maximum(rne(y), -QMAX), QMAX).to(tl.int8)
-    elif FMT == SQRT8:  # the root rounded half to even
+    elif FMT == SQRT8 or FMT == SQRT4:  # sqrt8: the root rounded half to even; sqrt4: the nearest value's root
         if NONNEG:
-            c = rne(tl.minimum(tl.maximum(y, 0.0), QMAX**0.5))
+            r = tl.minimum(tl.maximum(y, 0.0), QMAX**0.5)
+            c = nearest_value_root(r) if FMT == SQRT4 else rne(r)
             return tl.where((y > 0) & (c == 0), 1.0, c).to(tl.uint8)
         else:
-            c = rne(tl.minimum(tl.abs(y), QMAX**0.5))
+            r = tl.minimum(tl.abs(y), QMAX**0.5)
+            c = nearest_value_root(r) if FMT == SQRT4 else rne(r)
             return tl.where(y < 0, neg(c), c).to(tl.int8)
     elif FMT == DYNAMIC8:
         return dynamic8_code(y, table_ptr, NONNEG)
@@ -290,7 +304,7 @@ def code_value(bits, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr):
             return bits.to(tl.float32)
         else:
             return bits.to(tl.int8, bitcast=True).to(tl.float32)
-    elif FMT == SQRT8:
+    elif FMT == SQRT8 or FMT == SQRT4:
         if NONNEG:
             c = bits.to(tl.float32)
         else:
@@ -315,8 +329,8 @@ def round_stochastic(x, code, t1, table_ptr, FMT: tl.constexpr, NONNEG: tl.const
     the inner code ``floor``: int8's codes 1 apart, sqrt8's value the square of the clamped root, the inner
     code's value ``c * c`` and the outer's ``2c + 1`` above it, all exact; fp8 counts units of the value's
     binade (nothing decoded); dynamic8 takes the other code around x as code +- 1 and decodes both."""
-    if FMT == SQRT8 or FMT == INT8:
-        if FMT == SQRT8:  # the clamp of encode, which the compiler shares
+    if FMT == SQRT8 or FMT == SQRT4 or FMT == INT8:
+        if FMT != INT8:  # sqrt8's and sqrt4's: the clamp of encode, which the compiler shares
             if NONNEG:
                 a = tl.minimum(tl.maximum(x, 0.0), QMAX**0.5)
             else:
@@ -463,7 +477,7 @@ def code_bits(codes, FMT: tl.constexpr, FP8_NATIVE: tl.constexpr):
     """Codes of any 8-bit format as their uint8 bit patterns."""
     if FMT == DYNAMIC8:
         return codes
-    elif FMT == INT8 or FMT == SQRT8:
+    elif FMT == INT8 or FMT == SQRT8 or FMT == SQRT4:
         return codes.to(tl.uint8, bitcast=True)
     elif FP8_NATIVE:
         return codes.to(tl.uint8, bitcast=True)
@@ -472,14 +486,57 @@ def code_bits(codes, FMT: tl.constexpr, FP8_NATIVE: tl.constexpr):
 
 
 @triton.jit
+def packed_layout(rows, mask):
+    """The bytes of a ``[ROWS, BLOCK]`` tile of 4-bit codes (``formats/packing.py``): their offsets, from
+    ``arange`` so the compiler sees them contiguous, and which to touch (those of the tile's even elements:
+    an odd count's last byte holds one code)."""
+    ROWS: tl.constexpr = mask.shape[0]
+    BLOCK: tl.constexpr = mask.shape[1]
+    byte_mask, _ = tl.split(tl.reshape(mask, (ROWS, BLOCK // 2, 2)))
+    return rows[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :], byte_mask
+
+
+@triton.jit
+def load_codes(codes_ptr, rows, offsets, mask, FMT: tl.constexpr, NONNEG: tl.constexpr):
+    """The codes of a tile, 0 past its end; a 4-bit format's loaded as bytes and unpacked, element 2i the
+    low nibble of byte i and 2i + 1 the high one, a signed state's sign-extended to int8 (-8..7)."""
+    if FMT == SQRT4:
+        byte_offsets, byte_mask = packed_layout(rows, mask)
+        packed = tl.load(codes_ptr + byte_offsets, mask=byte_mask, other=0)
+        if NONNEG:
+            low, high = packed & 0xF, packed >> 4
+        else:  # arithmetic shifts of the int8 byte
+            signed = packed.to(tl.int8, bitcast=True)
+            low, high = (signed << 4) >> 4, signed >> 4
+        return tl.reshape(tl.join(low, high), offsets.shape)
+    else:
+        return tl.load(codes_ptr + offsets, mask=mask, other=0)
+
+
+@triton.jit
+def store_codes(codes_ptr, rows, offsets, codes, mask, FMT: tl.constexpr):
+    """Store a tile's codes; a 4-bit format's (uint8 bits, of which the low nibble counts) two a byte, as
+    :func:`load_codes` reads them. An odd count's last high nibble is 0: past the end codes are 0, the code
+    of the 0.0 a partial block is padded with."""
+    if FMT == SQRT4:
+        byte_offsets, byte_mask = packed_layout(rows, mask)
+        low, high = tl.split(tl.reshape(codes.to(tl.uint8, bitcast=True), (offsets.shape[0], offsets.shape[1] // 2, 2)))
+        tl.store(codes_ptr + byte_offsets, (low & 0xF) | (high << 4), mask=byte_mask)
+    else:
+        tl.store(codes_ptr + offsets, codes, mask=mask)
+
+
+@triton.jit
 def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_ptr, rows, cols, offsets, mask,
                row_mask, FMT: tl.constexpr, K: tl.constexpr, FP8_NATIVE: tl.constexpr = True,
-               POS_INF_CODE: tl.constexpr = 0, NEG_INF_CODE: tl.constexpr = 0, NAN_CODE: tl.constexpr = 0):
+               POS_INF_CODE: tl.constexpr = 0, NEG_INF_CODE: tl.constexpr = 0, NAN_CODE: tl.constexpr = 0,
+               NONNEG: tl.constexpr = False):
     """``blockquant.dequantize`` of one tile of ``[ROWS, BLOCK]`` elements (one block per row) in fp32:
     decode, times the magnitude of the block's scale, the K patches written over their offsets. In a
     flagged block (the scale's sign bit set) the codes ``POS_INF_CODE``, ``NEG_INF_CODE`` and
     ``NAN_CODE`` (``formats.special_codes``, as uint8) are +inf, -inf and NaN, and a non-finite decode is
-    not scaled. fp8 codes are float8, or their uint8 bits where not ``FP8_NATIVE``."""
+    not scaled. fp8 codes are float8, or their uint8 bits where not ``FP8_NATIVE``. ``NONNEG`` is read by
+    4-bit formats only (whose bytes do not say the codes' sign; an 8-bit code's dtype does)."""
     if FMT == BF16_CODES:
         codes = tl.load(codes_ptr + offsets, mask=mask, other=0.0)
         values = bf16_bits_to_f32(codes.to(tl.int16, bitcast=True))
@@ -490,8 +547,8 @@ def dequantize(codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_p
         elif FMT == INT8:
             codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
             values = codes.to(tl.float32)
-        elif FMT == SQRT8:
-            codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
+        elif FMT == SQRT8 or FMT == SQRT4:
+            codes = load_codes(codes_ptr, rows, offsets, mask, FMT, NONNEG)
             values = codes.to(tl.float32)
             values = values * tl.abs(values)
         elif FP8_NATIVE:  # float8 codes (no `other`: the interpreter cannot cast a fill value to fp8)
@@ -589,7 +646,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
         tl.store(scales_ptr + rows, tl.where(flagged, negated, scale), mask=row_mask)
         inverse = tl.where(flagged, inverse_f, inverse)
         flagged = flagged[:, None]
-        if FMT == SQRT8:  # the root domain (formats.normalize), which never underflows
+        if FMT == SQRT8 or FMT == SQRT4:  # the root domain (formats.normalize), which never underflows
             if NONNEG:
                 root = root_of(tl.maximum(x, 0.0), APPROXIMATE)
                 # a flushed subnormal root must still give a positive value a nonzero code
@@ -615,7 +672,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
         if any_flagged:
             special = tl.where(x != x, NAN_CODE, tl.where(x > 0, POS_INF_CODE, NEG_INF_CODE)).to(tl.uint8)
             code = tl.where(flagged & ~(tl.abs(x) < float("inf")), special, code)
-        tl.store(codes_ptr + offsets, code.to(codes.dtype, bitcast=True), mask=mask)
+        store_codes(codes_ptr, rows, offsets, code.to(codes.dtype, bitcast=True), mask, FMT)
 
 
 # fp32 master weights: a 16-bit param and its residual (the reference is residual.py) ---------------------

@@ -308,7 +308,8 @@ class TritonPrinter:
         fmt = access.fmt
         if not fmt.blockwise:
             return [self.param(codes, fmt.code_dtype), "None", "None", "None"]
-        codes_dtype = torch.uint8 if _is_fp8(fmt) and not self.target.fp8_native else fmt.code_dtype  # a uint8 view
+        # a uint8 view of fp8 codes on the integer path; a 4-bit format's packed bytes
+        codes_dtype = torch.uint8 if _is_fp8(fmt) and not self.target.fp8_native else fmt.storage_dtype
         pointers = [self.param(codes, codes_dtype), self.param(scales, torch.float32)]
         if not fmt.patches:
             return pointers + ["None", "None"]
@@ -321,7 +322,7 @@ class TritonPrinter:
         self.lines.append(f"# {fmt.tag()}")
         self.lines += _call_lines(f"{name} = lb.dequantize", self._state_args(state) + [
             table, "rows", "cols", "offsets", "mask", "row_mask", f"FMT={_format_id(fmt)}", f"K={fmt.patches}",
-            *self._fp8_path(fmt), *_special_codes(fmt)])
+            *self._fp8_path(fmt), *_special_codes(fmt), *([f"NONNEG={fmt.nonneg}"] if fmt.packed else [])])
         return Value(name, torch.float32, Kind.ELEMENT)
 
     def quantize(self, state: StateAccess, value: Value, seed: Value | None) -> None:

@@ -9,7 +9,11 @@ A quantized state is saved *packed*: a plain dict of tensors and ints (so
 when the optimizer is rewritten only at its first step, under ``enable()``) keeps their values
 exactly, and they are recovered at that step:
 
-* ``codes``: per parameter row (dim 0), the row's code bytes;
+* ``codes``: per parameter row (dim 0), the row's code bytes. A 4-bit format's row holds ``ceil(width / 2)``
+  bytes, its codes packed from the row's first element (``formats/packing.py``; an odd row's last high nibble
+  0): that is the stored bytes themselves (a view) where rows are even, a repacked copy where they are odd and
+  the parameter is a ``DTensor``; a plain parameter's odd rows keep the stored bytes flat, ``(ceil(numel / 2),)``
+  (a view: a row of a 1-D parameter costs half a byte, not one);
 * ``block_scales`` / ``block_patch_values`` / ``block_patch_index``: the bytes of each block's fp32
   scale, bf16 patch values and int16 patch offsets, in one of three layouts:
 
@@ -59,6 +63,7 @@ import torch
 
 from ..formats import StateFormat, blockquant, decode
 from ..formats import residual as residual_format
+from ..formats.packing import pack4, unpack4
 from ..formats.residual import RESIDUAL, SEED_PERIOD, TIES
 from . import sharding
 from .quantized import QuantizedState, bits_of
@@ -96,7 +101,6 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
     rows, width = _rows(param.shape)
     start, stop = sharding.local_rows(param)
     sharded = sharding.is_sharded(param)
-    code_bytes = qs.codes.element_size()
     parts = qs.storage_parts
     if sharded or not all(_owns_storage(t) for t in parts):
         # copies: a DTensor's row tables are computed, and a view into a larger buffer would make
@@ -106,9 +110,9 @@ def pack(value: torch.Tensor, param: torch.Tensor) -> dict[str, Any]:
     gathered = sharded and qs.fmt.blockwise and width < qs.fmt.block_size
     if gathered:
         parts, splits = _gathered(parts, param, qs, splits)
-    tables = {"codes": parts.codes.view(torch.uint8).view(stop - start, width * code_bytes)}
+    tables = {"codes": _code_table(parts.codes, qs.fmt, stop - start, width, per_row=sharded)}
     if qs.fmt.blockwise:
-        records = _row_tables(parts, width, qs.fmt) if sharded and not gathered else parts[1:]
+        records = _row_tables(parts, stop - start, width, qs.fmt) if sharded and not gathered else parts[1:]
         tables.update(zip(_TABLES, (_as_record_bytes(t) for t in records)))
     out = {
         _VERSION: LAYOUT_VERSION,
@@ -149,19 +153,41 @@ def _gathered(parts: blockquant.Quantized, param: torch.Tensor, qs: QuantizedSta
     scales, values, index = _records(list(torch.split(listed, _record_widths(fmt), dim=1)))
     capacity = _capacity(rows * width, fmt.block_size)
     if scales.numel() > capacity:
-        code_bytes = fmt.code_dtype.itemsize
-        local_codes = parts.codes.view(torch.uint8).view(-1, width * code_bytes)
-        codes = sharding.like(local_codes, param, (rows, width * code_bytes)).full_tensor()
-        codes = codes.view(fmt.code_dtype).view(-1)
+        start, stop = sharding.local_rows(param)
+        local_codes = _code_table(parts.codes, fmt, stop - start, width, per_row=True)
+        codes = _table_codes(sharding.like(local_codes, param, (rows, local_codes.shape[1])).full_tensor(), fmt, width)
         blocks = _listed(splits, width, fmt.block_size, scales, values, index)
         blocks = _Blocks(*(t.to(codes.device) for t in blocks))
         whole = blockquant.quantize(_dequantize(codes, blocks, 0, fmt).to(qs.dtype), fmt)
-        start, stop = sharding.local_rows(param)
-        parts, splits = whole._replace(codes=whole.codes[start * width:stop * width]), [0, rows]
+        mine = blockquant.unpacked_codes(whole.codes, rows * width, fmt)[start * width:stop * width]
+        parts, splits = whole._replace(codes=pack4(mine) if fmt.packed else mine), [0, rows]
         scales, values, index = whole[1:]
     pad = capacity - scales.shape[0]
     tables = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (scales, values, index))
     return blockquant.Quantized(parts.codes, *tables), splits
+
+
+def _code_table(codes: torch.Tensor, fmt: StateFormat, n_rows: int, width: int, per_row: bool) -> torch.Tensor:
+    """The saved code bytes of ``n_rows`` rows of ``width`` from the stored ``codes``: per row, a view where
+    rows start on a byte; a 4-bit format's odd rows repacked per row (a copy) where ``per_row``, else the
+    stored bytes flat (a view)."""
+    if not fmt.packed:
+        return codes.view(torch.uint8).view(n_rows, width * fmt.code_dtype.itemsize)
+    if width % 2 == 0:
+        return codes.view(n_rows, width // 2)
+    if not per_row:
+        return codes
+    rows = unpack4(codes, n_rows * width, fmt.code_dtype).view(torch.uint8).view(n_rows, width)
+    return pack4(torch.cat([rows, rows.new_zeros(n_rows, 1)], dim=1)).view(n_rows, (width + 1) // 2)
+
+
+def _table_codes(table: torch.Tensor, fmt: StateFormat, width: int) -> torch.Tensor:
+    """The flat codes, one a ``fmt.code_dtype`` element (a 4-bit format's unpacked), of a per-row table of
+    code bytes (``_code_table``'s, or a checkpoint's, whose shape is checked)."""
+    table = table.contiguous()
+    if not fmt.packed:
+        return table.view(fmt.code_dtype).reshape(-1)
+    return unpack4(table.reshape(-1), table.numel() * 2, fmt.code_dtype).view(table.shape[0], -1)[:, :width].reshape(-1)
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
@@ -188,11 +214,11 @@ def _slots(width: int, block_size: int) -> int:
     return (width + block_size - 2) // block_size + 1
 
 
-def _row_tables(parts: blockquant.Quantized, width: int, fmt: StateFormat
+def _row_tables(parts: blockquant.Quantized, n_rows: int, width: int, fmt: StateFormat
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row, the scale and patches of each block that intersects it, in block order."""
+    """Per row (``n_rows`` of ``width``), the scale and patches of each block that intersects it, in block order."""
     b, device = fmt.block_size, parts.scales.device
-    n_rows = parts.codes.numel() // width if width else 0
+    n_rows = n_rows if width else 0
     offset = torch.arange(n_rows, device=device) * width
     block = offset[:, None] // b + torch.arange(_slots(width, b), device=device)
     valid = (block <= (offset[:, None] + width - 1) // b) & (block < parts.scales.numel())
@@ -240,8 +266,9 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state", dtyp
     length = torch.clamp(start * width + n - first, max=b)
     at = torch.searchsorted(saved.first, first).clamp(max=max(saved.first.numel() - 1, 0))
     same = (saved.first[at] == first) & (saved.length[at] == length) if saved.first.numel() else first < 0
+    stored = pack4(codes) if fmt.packed else codes
     if bool(same.all()):
-        parts = blockquant.Quantized(codes, saved.scales[at], saved.patch_values[at], saved.patch_index[at])
+        parts = blockquant.Quantized(stored, saved.scales[at], saved.patch_values[at], saved.patch_index[at])
         return sharding.like(QuantizedState(parts, fmt, shard.shape, dtype), param)
     qs = QuantizedState.from_dense(_dequantize(codes, saved, start * width, fmt).to(dtype).view(shard.shape), fmt)
     hit, keep = same.nonzero().squeeze(1), at[same]
@@ -249,7 +276,10 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state", dtyp
     qs.patch_values[hit] = saved.patch_values[keep]
     qs.patch_index[hit] = saved.patch_index[keep]
     exact = same.repeat_interleave(length)
-    bits_of(qs.codes)[exact] = bits_of(codes)[exact]
+    held = blockquant.unpacked_codes(qs.codes, n, fmt)  # the stored codes themselves unless packed
+    bits_of(held)[exact] = bits_of(codes)[exact]
+    if fmt.packed:
+        qs.codes.copy_(pack4(held))
     return sharding.like(qs, param)
 
 
@@ -377,7 +407,7 @@ def _checked_header(packed: dict[str, Any], shape: torch.Size | None = None) -> 
     layout_version(packed)
     fmt, shape, dtype = _header(packed, shape)
     rows, width = _rows(shape)
-    _check_table(packed, "codes", (rows, width * fmt.code_dtype.itemsize), fmt, shape)
+    _check_table(packed, "codes", _codes_shape(packed["codes"], fmt, rows, width), fmt, shape)
     header = _Header(fmt, shape, dtype, _parse_splits(packed, rows, width))
     _check_splits(header)
     if fmt.blockwise:
@@ -398,6 +428,15 @@ def _check_splits(header: _Header) -> None:
     splits, rows = header.row_splits, _rows(header.shape)[0]
     if splits[0] != 0 or splits[-1] != rows or bool((splits[1:] < splits[:-1]).any()):
         raise ValueError(f"row_splits {_brief(splits)} do not split the {rows} rows of the parameter")
+
+
+def _codes_shape(table: object, fmt: StateFormat, rows: int, width: int) -> tuple[int, ...]:
+    """The shape the saved codes must have (``_code_table``'s): ``(rows, row bytes)``, or a plain
+    parameter's 4-bit codes of odd rows flat (a 1-D table that is no ``DTensor``), ``(ceil(numel / 2),)``."""
+    if not fmt.packed:
+        return rows, width * fmt.code_dtype.itemsize
+    flat = width % 2 and isinstance(table, torch.Tensor) and table.dim() == 1 and not sharding.is_sharded(table)
+    return (fmt.storage_numel(rows * width),) if flat else (rows, (width + 1) // 2)
 
 
 def _record_widths(fmt: StateFormat) -> tuple[int, int, int]:
@@ -466,9 +505,22 @@ def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _codes(packed: dict[str, Any], fmt: StateFormat, start: int, stop: int, rows: int, width: int) -> torch.Tensor:
-    """The flat codes of rows ``[start, stop)``, in the format's code dtype."""
-    codes = _as_bytes(_rows_of(packed["codes"], start, stop, rows), "codes").contiguous()
-    return codes.view(fmt.code_dtype).reshape(-1)
+    """The flat codes of rows ``[start, stop)``, one a ``fmt.code_dtype`` element (a 4-bit format's unpacked),
+    after checking that a packed row's (or the flat table's) unused last nibble is 0, as every save leaves it."""
+    table = packed["codes"]
+    if fmt.packed and table.dim() == 1:  # flat (``_codes_shape``): the rows' nibbles from the bytes that hold them
+        first, last = start * width, stop * width
+        held = _as_bytes(table[first // 2:(last + 1) // 2], "codes")
+        spare = held[-1:] >> 4 if last == rows * width and last % 2 else held.new_zeros(0)
+        codes = unpack4(held, 2 * held.numel(), fmt.code_dtype)[first % 2:first % 2 + last - first]
+    else:
+        held = _as_bytes(_rows_of(table, start, stop, rows), "codes")
+        spare = held[:, -1] >> 4 if fmt.packed and width % 2 else held.new_zeros(0)
+        codes = _table_codes(held, fmt, width)
+    if bool(spare.any()):
+        raise ValueError("its 'codes' hold a 4-bit code past the end of a row (the last byte's high nibble is not 0); "
+                         "the checkpoint was damaged or crafted")
+    return codes
 
 
 def _n_saved_blocks(header: _Header, width: int) -> int:
