@@ -5,10 +5,11 @@ per round in a shuffled order; ratios are paired per round.
 
     python bench/fused_encode.py                      # 100M params, fp32, 1 thread, every blockwise format
     python bench/fused_encode.py --size 25M --formats sqrt8,int8 --threads 2
+    python bench/fused_encode.py --size 25M --formats sqrt4,sqrt8 --rounds 15 --name cpu_fused_encode_sqrt4_avx2
 
 Before timing, both layouts step copies of a small parameter set and must leave the same bytes in
 every param and state (the layout changes when codes are written, not what they are). Writes
-bench/results/cpu_fused_encode.{json,md,png}.
+bench/results/cpu_fused_encode.{json,md,png} (``--name``: another name).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def lowbit(params: list[torch.nn.Parameter], fmt: str, fused: bool) -> torch.opt
         opt.step()
         sources = [c.kernel.emitted.source for steps in compile_module._compiled.values() for c in steps
                    if "lb_job" in c.kernel.emitted.source]  # the steps with quantized states
-    if not sources or any(("if (fuse)" in src) != fused for src in sources):
+    if not sources or any(("const bool fuse" in src) != fused for src in sources):
         raise RuntimeError(f"{fmt}: the kernels built do not have the layout asked for (fused={fused})")
     return opt
 
@@ -166,14 +167,15 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--name", default="cpu_fused_encode", help="the results' file name in bench/results")
     args = parser.parse_args()
     result = run(args.size, args.formats.split(","), args.threads, args.rounds)
     text = markdown(result)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_fused_encode.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "cpu_fused_encode.md").write_text(text)
-    plot(result, RESULTS / "cpu_fused_encode.png")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / f"{args.name}.md").write_text(text)
+    plot(result, RESULTS / f"{args.name}.png")
 
 
 if __name__ == "__main__":

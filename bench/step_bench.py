@@ -498,7 +498,8 @@ def child(args: argparse.Namespace) -> None:
     """One contender in this fresh process: time its first step, then the peak extra resident memory
     of a steady step (the kernel's high-water mark, reset just before it)."""
     torch.set_num_threads(args.threads)
-    cand = next(c for c in contenders({"bitsandbytes", "torchao"}, FORMATS) if c.name == args.child)
+    formats = tuple(args.formats.split(",")) if args.formats else FORMATS  # the parent's
+    cand = next(c for c in contenders({"bitsandbytes", "torchao"}, formats) if c.name == args.child)
     params = make_params(PARAM_SETS[args.size](), getattr(torch, args.dtype))
     opt = cand.make(params)
     start = time.perf_counter()
@@ -521,7 +522,8 @@ def _status(field_name: str) -> int:
     raise KeyError(field_name)
 
 
-def first_steps(cands: list[Contender], size: str, dtype: str, log: Callable[[str], None]) -> dict[str, dict]:
+def first_steps(cands: list[Contender], size: str, dtype: str, log: Callable[[str], None],
+                formats: tuple[str, ...] = FORMATS) -> dict[str, dict]:
     out = {}
     for c in cands:
         with tempfile.TemporaryDirectory() as cache:
@@ -530,7 +532,8 @@ def first_steps(cands: list[Contender], size: str, dtype: str, log: Callable[[st
                 env[c.cache_env] = cache
             runs = []
             for temperature in ("cold", "warm"):
-                cmd = [sys.executable, __file__, "--child", c.name, "--size", size, "--dtype", dtype, "--threads", "1"]
+                cmd = [sys.executable, __file__, "--child", c.name, "--size", size, "--dtype", dtype, "--threads", "1",
+                       "--formats", ",".join(formats)]
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
                 if done.returncode != 0:
                     raise RuntimeError(f"{c.name} failed in a fresh process:\n{done.stderr[-3000:]}")
@@ -660,7 +663,7 @@ def main() -> None:
         log(f"first steps in fresh processes ({first_size}, float32, 1 thread)")
         pick = [c for c in cands if c.family != "floor"
                 and (not quick or c.name in ("torch AdamW fused", "lowbit int8 +patches"))]
-        result["first_steps"] = first_steps(pick, first_size, "float32", log)
+        result["first_steps"] = first_steps(pick, first_size, "float32", log, formats)
     result["machine"]["load_end"] = load_average()
     _write(result, base)
     print(markdown(result))

@@ -183,14 +183,14 @@ def dynamic8_probes(nonneg: bool, seed: int = 0) -> torch.Tensor:
 # -- the C++ prelude's element formats, called on whole arrays from Python -------------------------
 
 # dir 0: decode, 1: encode, 2: decode under a block scale (its sign bit set: a flagged block); fmt: the
-# format's index in BLOCKWISE
+# format's index in BLOCKWISE; codes as stored (a 4-bit format's two a byte)
 FORMATS_HARNESS = r"""
 template <int F, bool U> static void run(int dir, float scale, void* codes, float* x, int64_t n) {
   uint8_t* c = (uint8_t*)codes;
   for (int64_t i = 0; i < n; i += LB_W)
-    if (dir == 1) lb_st_codes(c + i, lb_encode<F, U>(lb_ld(x + i)));
-    else if (dir == 0) lb_st(x + i, lb_decode<F, U>(lb_ld_codes<F, U>(c + i)));
-    else lb_st(x + i, lb_decode_scaled<F, U>(lb_ld_codes<F, U>(c + i), lb_splat(__builtin_fabsf(scale)),
+    if (dir == 1) lb_st_codes<F>(lb_codes_at<F>(c, i), lb_encode<F, U>(lb_ld(x + i)));
+    else if (dir == 0) lb_st(x + i, lb_decode<F, U>(lb_ld_codes<F, U>(lb_codes_at<F>(c, i))));
+    else lb_st(x + i, lb_decode_scaled<F, U>(lb_ld_codes<F, U>(lb_codes_at<F>(c, i)), lb_splat(__builtin_fabsf(scale)),
                                              __builtin_signbit(scale)));  // a block's scale, as the kernels
 }
 extern "C" void convert(int fmt, int nonneg, int dir, float scale, void* codes, float* x, int64_t n) {

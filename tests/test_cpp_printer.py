@@ -315,7 +315,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
         default = _kernel(emit_step(_adamw(), FAST).source)
         out = []
         for fmt, layout in (("int8", {}), ("dynamic8", {}), ("fp8_e4m3", {}), ("fp8_e5m2", {}), ("bf16", {}),
-                            ("int8", {"block_size": 2048, "outliers": 2})):
+                            ("int8", {"block_size": 2048, "outliers": 2}), ("sqrt4", {"block_size": 512})):
             kernel = _kernel(emit_step(_adamw(fmt, **layout), FAST).source)
             out.append(f"== {fmt} {layout}\n" + _diff(_vector_loop(default), _vector_loop(kernel)))
         self.assertExpectedInline("\n".join(out), """\
@@ -546,7 +546,33 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      prev_v_addcmul = v_addcmul;
 -      const vf v_sqrt = prev_v_sqrt;
 +      const vf v_addcmul = prev_v_addcmul;
-+      const vf v_sqrt = lb_sqrt(v_addcmul);""")
++      const vf v_sqrt = lb_sqrt(v_addcmul);
+== sqrt4 {'block_size': 512}
+-  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start;
++  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start / 2;
+-  uint8_t* __restrict p_exp_avg_sq_codes = (uint8_t*)ptr[6] + start;
++  uint8_t* __restrict p_exp_avg_sq_codes = (uint8_t*)ptr[6] + start / 2;
+-  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
+-  if (!fuse) lb_finish(job, scratch);
+-  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
+-  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
+-  uint8_t* __restrict q_codes_exp_avg_sq = job.codes[1];
+-  const vf q_mult_exp_avg_sq = lb_splat(job.mult[1]);
+-  const lb_rand q_rand_exp_avg_sq = job.rnd[1];
+-  const auto lanes0 = [&](auto fuse, auto c_lerp_small) LB_INLINE_LAMBDA {
++  const auto lanes0 = [&](auto c_lerp_small) LB_INLINE_LAMBDA {
+-      lb_prefetch(p_exp_avg_codes + i, LB_BLOCK);
+-      lb_prefetch(p_exp_avg_sq_codes + i, LB_BLOCK);
+-      if (fuse && (i & (4 * LB_W - 1)) == 0) {
+-        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
+-        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);
+-      }
++      lb_prefetch(p_exp_avg_codes + i / 2, LB_BLOCK / 2);
++      lb_prefetch(p_exp_avg_sq_codes + i / 2, LB_BLOCK / 2);
+-      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT8, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_SIGNED>(p_exp_avg_codes + i, r), SC_exp_avg, FL_exp_avg);
+-      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT8, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i) : lb_ld_codes_n<LB_SQRT8, LB_UNSIGNED>(p_exp_avg_sq_codes + i, r), SC_exp_avg_sq, FL_exp_avg_sq);
++      vf v_dequantize_default_decoded = lb_decode_scaled<LB_SQRT4, LB_SIGNED>(full ? lb_ld_codes<LB_SQRT4, LB_SIGNED>(p_exp_avg_codes + i / 2) : lb_ld_codes_n<LB_SQRT4, LB_SIGNED>(p_exp_avg_codes + i / 2, r), SC_exp_avg, FL_exp_avg);
++      vf v_dequantize_default_1_decoded = lb_decode_scaled<LB_SQRT4, LB_UNSIGNED>(full ? lb_ld_codes<LB_SQRT4, LB_UNSIGNED>(p_exp_avg_sq_codes + i / 2) : lb_ld_codes_n<LB_SQRT4, LB_UNSIGNED>(p_exp_avg_sq_codes + i / 2, r), SC_exp_avg_sq, FL_exp_avg_sq);""")
 
     def test_bf16_params_with_fp32_opmath_round_once_in_the_store(self):
         """The kernel bf16 params get with low-bit states: fp32 math, bf16 widened on load, the param
@@ -696,7 +722,9 @@ Lion: - | from -""")
 
     def test_format_constants_come_from_formats_py(self):
         self.assertExpectedInline(format_constants(), """\
-enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3, LB_BF16_CODES = 4, LB_SQRT8 = 6 };
+enum { LB_INT8 = 0, LB_DYNAMIC8 = 1, LB_E4M3 = 2, LB_E5M2 = 3, LB_BF16_CODES = 4, LB_SQRT8 = 6, LB_SQRT4 = 7 };
+template <int F> constexpr bool lb_root_domain = F == LB_SQRT8 || F == LB_SQRT4;  // encodes from the square root
+template <int F> constexpr bool lb_packed = F == LB_SQRT4;  // two 4-bit codes a byte
 template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, the two in encode's input domain, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, min_exponent)
 template <> struct lb_format<LB_INT8, false> { static constexpr float qmax = (float)0x1.fc00000000000p+6, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc00000000000p+6, flagged_qmax = (float)0x1.f800000000000p+6, enc_qmax = (float)0x1.fc00000000000p+6, enc_flagged_qmax = (float)0x1.f800000000000p+6; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
 template <> struct lb_format<LB_INT8, true> { static constexpr float qmax = (float)0x1.fe00000000000p+7, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fe00000000000p+7, flagged_qmax = (float)0x1.f800000000000p+7, enc_qmax = (float)0x1.fe00000000000p+7, enc_flagged_qmax = (float)0x1.f800000000000p+7; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
@@ -710,6 +738,8 @@ template <> struct lb_format<LB_BF16_CODES, false> { static constexpr float qmax
 template <> struct lb_format<LB_BF16_CODES, true> { static constexpr float qmax = (float)0x1.0000000000000p+0, min_positive = (float)0x1.0000000000000p-133; };
 template <> struct lb_format<LB_SQRT8, false> { static constexpr float qmax = (float)0x1.f808000000000p+13, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.f808000000000p+13, flagged_qmax = (float)0x1.f020000000000p+13, enc_qmax = (float)0x1.fc00000000000p+6, enc_flagged_qmax = (float)0x1.f800000000000p+6; static constexpr int pos_inf_code = 127, neg_inf_code = 129, nan_code = 128; };
 template <> struct lb_format<LB_SQRT8, true> { static constexpr float qmax = (float)0x1.fc02000000000p+15, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.fc02000000000p+15, flagged_qmax = (float)0x1.f020000000000p+15, enc_qmax = (float)0x1.fe00000000000p+7, enc_flagged_qmax = (float)0x1.f800000000000p+7; static constexpr int pos_inf_code = 255, neg_inf_code = 253, nan_code = 254; };
+template <> struct lb_format<LB_SQRT4, false> { static constexpr float qmax = (float)0x1.8800000000000p+5, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.8800000000000p+5, flagged_qmax = (float)0x1.2000000000000p+5, enc_qmax = (float)0x1.c000000000000p+2, enc_flagged_qmax = (float)0x1.8000000000000p+2; static constexpr int pos_inf_code = 7, neg_inf_code = 249, nan_code = 248; };
+template <> struct lb_format<LB_SQRT4, true> { static constexpr float qmax = (float)0x1.c200000000000p+7, min_positive = (float)0x1.0000000000000p+0; static constexpr float neg_qmax = (float)0x1.c200000000000p+7, flagged_qmax = (float)0x1.2000000000000p+7, enc_qmax = (float)0x1.e000000000000p+3, enc_flagged_qmax = (float)0x1.8000000000000p+3; static constexpr int pos_inf_code = 15, neg_inf_code = 13, nan_code = 14; };
 template <bool U> struct lb_dyn {};  // formats.dynamic_level_table
 template <> struct lb_dyn<false> {
   static constexpr int levels = 7;

@@ -16,6 +16,7 @@ from lowbit_compile import QuantizedState, lowbit_compile
 from lowbit_compile.config import DEFAULT_FMT
 from lowbit_compile.formats import StateFormat, blockquant, decode, encode
 from lowbit_compile.formats.blockquant import decode_scaled
+from lowbit_compile.formats.packing import pack4
 from lowbit_compile.kernels import cpp_printer, cpu, cpu_build
 from lowbit_compile.kernels.backends import resolve
 from lowbit_compile.kernels.lowering import Target
@@ -35,24 +36,35 @@ from .helpers import (
     probe_values,
 )
 
+# Every code byte: each code of a format of one-byte codes, each pair of codes of a 4-bit one (two a byte)
+EVERY_BYTE = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+
+
+def _codes_of_every_byte(fmt: StateFormat) -> torch.Tensor:
+    """The codes EVERY_BYTE holds, one a code dtype element."""
+    return blockquant.unpacked_codes(EVERY_BYTE, 512 if fmt.packed else 256, fmt).view(fmt.code_dtype)
+
 
 @pytest.mark.parametrize("build", list(CPU_BUILDS))
 def test_prelude_formats_match_torch_code_for_code(build):
-    """Every code decodes, and every probe value (ties included) encodes, exactly as formats.py."""
+    """Every code decodes, and every probe value (ties included) encodes, exactly as formats.py (a 4-bit
+    format's codes packed two a byte, as blockquant stores them)."""
     lib = prelude_harness(build)
     for index, name in enumerate(BLOCKWISE):
         for nonneg in (False, True):
             fmt = StateFormat(name, 2048, 2, nonneg)
-            codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-            out = torch.empty(256)
-            lib.convert(index, int(nonneg), 0, ctypes.c_float(1.0), ctypes.c_void_p(codes.data_ptr()),
-                        ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(256))
-            torch.testing.assert_close(out, decode(codes.view(fmt.code_dtype), fmt), rtol=0, atol=0, equal_nan=True)
+            codes = _codes_of_every_byte(fmt)
+            out = torch.empty(codes.numel())
+            lib.convert(index, int(nonneg), 0, ctypes.c_float(1.0), ctypes.c_void_p(EVERY_BYTE.data_ptr()),
+                        ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(codes.numel()))
+            torch.testing.assert_close(out, decode(codes, fmt), rtol=0, atol=0, equal_nan=True)
             x = probe_values(fmt)
-            got = torch.empty(len(x), dtype=torch.uint8)
+            want = encode(x, fmt).view(torch.uint8)
+            want = pack4(want) if fmt.packed else want
+            got = torch.empty_like(want)
             lib.convert(index, int(nonneg), 1, ctypes.c_float(1.0), ctypes.c_void_p(got.data_ptr()),
                         ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(len(x)))
-            assert torch.equal(got, encode(x, fmt).view(torch.uint8)), (name, nonneg)
+            assert torch.equal(got, want), (name, nonneg)
 
 
 @pytest.mark.parametrize("build", list(CPU_BUILDS))
@@ -61,16 +73,16 @@ def test_prelude_decodes_every_code_under_block_scales_as_blockquant(build):
     makes (FLT_MAX / qmax), bit for bit as blockquant.decode_scaled, NaN codes included (e4m3 decodes
     in units of 256 and moves the 256 into the scale)."""
     lib = prelude_harness(build)
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     for index, name in enumerate(BLOCKWISE):
         for nonneg in (False, True):
             fmt = StateFormat(name, 2048, 2, nonneg)
+            codes = _codes_of_every_byte(fmt)
             top = float(torch.tensor(torch.finfo(torch.float32).max) / fmt.qmax)
             for scale in (1.0, 2.0**-149, 3e-39, 1.7e-3, 0.75, top, -1.0, -(2.0**-149), -1.7e-3, -top):
-                out = torch.empty(256)
-                lib.convert(index, int(nonneg), 2, ctypes.c_float(scale), ctypes.c_void_p(codes.data_ptr()),
-                            ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(256))
-                want = decode_scaled(codes.view(fmt.code_dtype), torch.tensor(scale), fmt)
+                out = torch.empty(codes.numel())
+                lib.convert(index, int(nonneg), 2, ctypes.c_float(scale), ctypes.c_void_p(EVERY_BYTE.data_ptr()),
+                            ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(codes.numel()))
+                want = decode_scaled(codes, torch.tensor(scale), fmt)
                 assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (name, nonneg, scale)
 
 
@@ -284,6 +296,16 @@ def test_avx2_kernel_matches(monkeypatch, tmp_path):
     _assert_same_states(ref, ours)
     for a, b in zip(ref[0], ours[0]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", ["16-lanes", "avx2", "x86-64-v2"])
+def test_packed_kernel_matches_in_every_build(monkeypatch, tmp_path, build):
+    """sqrt4's whole step (codes two a byte: nibble loads, packing stores, odd element counts)
+    under each build's code for them, stochastic rounding and patches included."""
+    for flag in CPU_BUILDS[build]:
+        _build_kernels_with(monkeypatch, tmp_path, flag)
+    _assert_same_states(*_twins("sqrt4", *ADAM_FLAGS, torch.float32, SIZES, rounding="stochastic"))
 
 
 @pytest.mark.slow

@@ -156,9 +156,11 @@ register(ElementFormat(
 # sqrt4: sqrt8's map in 4 bits, two codes a byte (packing.py): roots -7..7 (-8 spare) or 0..15, rounded to
 # the nearest value (not root), in blocks of 128 (bench/results/format_screen4.md: larger blocks lose to
 # fp32 on the quality tasks); a flagged block's +inf, -inf and NaN are 7, -7 and -8 (finite -6..6) or 15,
-# 13 and 14 (finite 0..12)
+# 13 and 14 (finite 0..12). The C++ kernel writes its codes in loops of their own: in the next block's lane
+# loop its step took 1.17x as long on AVX2 (bench/results/cpu_fused_encode_sqrt4_avx2.md)
 register(ElementFormat(
     "sqrt4", (torch.int8, torch.uint8), qmax=(7.0**2, 15.0**2), min_positive=(1.0, 1.0),
     encode=_encode_sqrt4, decode=_decode_sqrt8, unsigned_map=True, root_domain=True,
     flagged_qmax=(6.0**2, 12.0**2), special_codes=((0x07, 0xF9, 0xF8), (15, 13, 14)),
-    advice="fmt='sqrt8' for this state (8-bit codes)", bits=4, default_block_size=128, triton_name="SQRT4"))
+    advice="fmt='sqrt8' for this state (8-bit codes)", bits=4, default_block_size=128, cpp_name="LB_SQRT4",
+    triton_name="SQRT4"))

@@ -166,8 +166,8 @@ class PointerInput:
     index: int  # position among the body's inputs
     name: str
     dtype: torch.dtype
-    length: str  # "n" (one per element), "blocks" (one per block), "patches" (K per block), "words" (one
-    # per 32 elements: a master's tie bits) or "empty"
+    length: str  # "n" (one per element), "pairs" (one per two elements: 4-bit codes), "blocks" (one per block),
+    # "patches" (K per block), "words" (one per 32 elements: a master's tie bits) or "empty"
     written: bool
 
 
@@ -261,7 +261,7 @@ class BlockKernel:
         out = []
         for j, p in enumerate(self.pointers):
             const = "" if p.written else "const "
-            offset = {"n": "start", "blocks": "blk", "empty": "0", "words": "0",
+            offset = {"n": "start", "pairs": "start / 2", "blocks": "blk", "empty": "0", "words": "0",
                       "patches": f"blk * {self.patches}"}[p.length]
             out.append(f"{const}{_CTYPES[p.dtype]}* __restrict p_{p.name} = ({const}{_CTYPES[p.dtype]}*)ptr[{j}]"
                        f" + {offset};")
@@ -311,7 +311,8 @@ class BlockKernel:
         rereads them from cache) and, with ``fused`` states, writes their previous block's codes."""
         used = names_used(statements_of(lanes))
         versions = (["fuse"] if fused else []) + [name for name in self.switches if name in used]
-        head = [f"lb_prefetch(p_{p.name} + i, LB_BLOCK);" for p in self.pointers if p.length == "n"] if k == 0 else []
+        ahead = {"n": "i, LB_BLOCK", "pairs": "i / 2, LB_BLOCK / 2"} if k == 0 else {}  # (element, next block's)
+        head = [f"lb_prefetch(p_{p.name} + {ahead[p.length]});" for p in self.pointers if p.length in ahead]
         if fused:
             head += self._encode_prev(fused)
         return lane_loop(lanes, k, versions[:_MAX_SWITCHES], head)

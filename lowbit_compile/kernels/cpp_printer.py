@@ -106,7 +106,15 @@ def format_constants() -> str:
     those with a ``cpp_name``)."""
     kernel_formats = [f for f in registered() if f.cpp_name is not None]
     enum = ", ".join(f"{f.cpp_name} = {f.id}" for f in kernel_formats)
+
+    def those(names: list[str]) -> str:
+        return " || ".join(f"F == {name}" for name in names) or "false"
+
     lines = ["enum { " + enum + " };",
+             "template <int F> constexpr bool lb_root_domain = "
+             f"{those([f.cpp_name for f in kernel_formats if f.root_domain])};  // encodes from the square root",
+             "template <int F> constexpr bool lb_packed = "
+             f"{those([f.cpp_name for f in kernel_formats if f.bits == 4])};  // two 4-bit codes a byte",
              "template <int F, bool U> struct lb_format {};  // qmax, min_positive (blockwise: neg_qmax, flagged_qmax, "
              "the two in encode's input domain, the +inf, -inf and NaN codes of a flagged block; fp8: mantissa, "
              "min_exponent)"]
@@ -215,7 +223,9 @@ class CppPrinter:
         part_spec: dict[Node, tuple[torch.dtype, str, bool]] = {}
         for state in self.states.values():
             codes_dtype = torch.uint8 if state.fmt.blockwise else state.fmt.code_dtype  # bytes, or bf16 values
-            lengths = ("n", "blocks", "patches", "patches") if state.fmt.blockwise else ("n", "empty", "empty", "empty")
+            codes_length = "pairs" if state.fmt.packed else "n"  # a 4-bit format's: two codes a byte
+            lengths = ((codes_length, "blocks", "patches", "patches") if state.fmt.blockwise
+                       else ("n", "empty", "empty", "empty"))
             for part, dtype, length in zip(PARTS, (codes_dtype, torch.float32, torch.bfloat16, torch.int16), lengths):
                 part_spec[state.parts[part]] = (dtype, length, state.writes)
         pointers, scalars = [], []
@@ -320,9 +330,9 @@ class CppPrinter:
         if not state.fmt.blockwise:  # bf16 values
             self._lane(name, f"vf {name} = full ? lb_ld_bf16({codes} + i) : lb_ld_bf16_n({codes} + i, r);")
             return _named(name, torch.float32, Kind.ELEMENT)
-        t = state.template
-        code = [f"vf {name} = lb_decode_scaled<{t}>(full ? lb_ld_codes<{t}>({codes} + i) : "
-                f"lb_ld_codes_n<{t}>({codes} + i, r), SC_{k}, FL_{k});"]
+        t, at = state.template, f"{codes} + i / 2" if state.fmt.packed else f"{codes} + i"  # lb_codes_at
+        code = [f"vf {name} = lb_decode_scaled<{t}>(full ? lb_ld_codes<{t}>({at}) : "
+                f"lb_ld_codes_n<{t}>({at}, r), SC_{k}, FL_{k});"]
         if state.fmt.patches:
             code += [f"while (PN_{k} < i + LB_W) {{  // a patch falls in this vector",
                      f"  {name}[PN_{k} - i] = PV_{k}[PA_{k}];",

@@ -70,7 +70,7 @@ class CpuStep:
         and layout (a wrong binding must fail here, not write out of bounds)."""
         t = row[i]
         blocks = -(-n // self.emitted.block)
-        expected = {"n": n, "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0,
+        expected = {"n": n, "pairs": -(-n // 2), "blocks": blocks, "patches": blocks * self.emitted.patches, "empty": 0,
                     "words": -(-n // 32)}[spec.length]
         if t.dtype not in dtypes or t.numel() != expected:
             raise ValueError(f"input {spec.name!r}: expected {expected} elements of {spec.dtype}, got "

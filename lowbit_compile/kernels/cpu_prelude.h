@@ -278,6 +278,27 @@ LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors
   const vi out = __builtin_ia32_permvarsi256((vi)t, order);
   memcpy(p, &out, sizeof out);
 }
+#define LB_NIBBLES
+LB_INLINE vi lb_ld_u8_wide(const uint8_t* p) {  // LB_W / 2 bytes, each zero-extended to a 64-bit lane
+  lb_v4si b = {0, 0, 0, 0};
+  memcpy(&b, p, 4);
+  return (vi)__builtin_ia32_pmovzxbq256((lb_v16qi)b);
+}
+LB_INLINE void lb_st_nibbles_x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of 4-bit codes, 16 bytes
+  // codes -8..255 pack to 16 bits unchanged; their low nibbles then pack to bytes in element order (as
+  // lb_st_u8x4's), and one multiply-add joins each pair: byte 2k + 16 * byte 2k + 1
+  const lb_v16hi low = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+  const lb_v32qi t = __builtin_ia32_packuswb256(__builtin_ia32_packssdw256(a, b) & low,
+                                                __builtin_ia32_packssdw256(c, d) & low);
+  const vi order = {0, 4, 1, 5, 2, 6, 3, 7};
+  const lb_v32qi e = (lb_v32qi)__builtin_ia32_permvarsi256((vi)t, order);
+  const lb_v32qi weights = {1, 16, 1, 16, 1, 16, 1, 16, 1, 16, 1, 16, 1, 16, 1, 16,
+                            1, 16, 1, 16, 1, 16, 1, 16, 1, 16, 1, 16, 1, 16, 1, 16};
+  const lb_v4di pairs = (lb_v4di)__builtin_ia32_pmaddubsw256(e, weights);
+  const lb_v16qi out = __builtin_ia32_packuswb128((lb_v8hi)__builtin_ia32_si_si256((vi)pairs),
+                                                  (lb_v8hi)__builtin_ia32_extract128i256(pairs, 1));
+  memcpy(p, &out, sizeof out);
+}
 #if defined(__F16C__)
 #define LB_F16C
 LB_INLINE vf lb_f16_bits_to_f32(vh h) { return __builtin_ia32_vcvtph2ps256((lb_v8hi)h); }
@@ -355,6 +376,38 @@ LB_INLINE void lb_st_u8x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors
   lb_st_u8(p + LB_W, b);
   lb_st_u8(p + 2 * LB_W, c);
   lb_st_u8(p + 3 * LB_W, d);
+}
+#endif
+// 4-bit codes (formats/packing.py): two a byte, element 2k in the low nibble of byte k and 2k + 1 in the
+// high one. A byte widened to a 64-bit lane is two 32-bit lanes, so one 64-bit shift moves a byte's high
+// nibble into its element's lane (lb_ld_nibbles), and one moves the odd element's code back (lb_st_nibbles).
+typedef int64_t lb_vq __attribute__((vector_size(4 * LB_W)));
+typedef uint8_t lb_vb_half __attribute__((vector_size(LB_W / 2)));
+#ifndef LB_NIBBLES
+LB_INLINE vi lb_ld_u8_wide(const uint8_t* p) {  // LB_W / 2 bytes, each zero-extended to a 64-bit lane
+  lb_vb_half b;
+  memcpy(&b, p, sizeof b);
+  return (vi)__builtin_convertvector(b, lb_vq);
+}
+#endif
+template <bool S>
+LB_INLINE vi lb_ld_nibbles(const uint8_t* p) {  // the codes at p one a lane, sign-extended (S) or not
+  const lb_vq w = (lb_vq)lb_ld_u8_wide(p);
+  const vi x = (vi)(w | (w << 28));  // each lane's code in its low 4 bits
+  return S ? (x << 28) >> 28 : x & 0xF;
+}
+LB_INLINE void lb_st_nibbles(uint8_t* p, vi c) {  // a vector of codes (their low nibbles), LB_W / 2 bytes
+  lb_vq w = (lb_vq)c & 0xF0000000FLL;
+  w = (w | (w >> 28)) & 0xFF;
+  const lb_vb_half b = __builtin_convertvector(w, lb_vb_half);
+  memcpy(p, &b, sizeof b);
+}
+#ifndef LB_NIBBLES
+LB_INLINE void lb_st_nibbles_x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors, one store each
+  lb_st_nibbles(p, a);
+  lb_st_nibbles(p + LB_W / 2, b);
+  lb_st_nibbles(p + LB_W, c);
+  lb_st_nibbles(p + 3 * LB_W / 2, d);
 }
 #endif
 
@@ -450,6 +503,7 @@ LB_INLINE vi lb_iota() {  // lane l holds l: a constant
   for (int l = 0; l < LB_W; ++l) lane[l] = l;
   return lane;
 }
+LB_INLINE vi lb_lane_mask(int64_t r) { return lb_iota() < lb_splat_i((int32_t)r); }  // lanes [0, r) set
 // The bits of the LB_W elements from `first` on. Where first is a multiple of LB_W (every lane vector of
 // a block of at least LB_W elements) the lanes' hash inputs (first + l) ^ seed_hash are h ^ l, h that of
 // lane 0, so hash32's first round, h ^ l ^ (h >> 16), is scalar work and one xor with the lane numbers.
@@ -477,7 +531,7 @@ enum lb_encoding : unsigned {
   LB_FLAGGED = 1,  // a block holding inf or NaN: finite values within flagged_qmax, special codes for the rest
   LB_LIFT = 2,  // a positive value whose product underflowed still gets a positive code
   LB_STOCHASTIC = 4,  // rounds stochastically (lb_rand)
-  LB_ROOT = 8,  // sqrt8 encodes from the square roots the step took (a non-negative state's)
+  LB_ROOT = 8,  // a root-domain format encodes from the square roots the step took (a non-negative state's)
 };
 template <unsigned M>
 struct lb_mode {
@@ -486,27 +540,44 @@ struct lb_mode {
 
 LB_INLINE vi lb_key(vf x) { return lb_bits_i(x) & 0x7FFFFFFF; }  // |x| as ordered integer bits
 
-// A code in a lane as lb_decode takes it: the signed codes of int8 and sqrt8 (two's complement bytes)
-// sign-extended, so one widening load does what a shift pair would after it; every other format's
-// byte zero-extended. lb_lane turns a code as encodes return it (its lane's low byte: lb_code_byte)
-// into that form.
+// A code in a lane as lb_decode takes it: the signed codes of int8 and the root-domain formats (two's
+// complement) sign-extended, so one widening load does what a shift pair would after it; every other
+// format's code zero-extended. lb_lane turns a code as encodes return it (its lane's low byte:
+// lb_code_byte) into that form.
 template <int F, bool U>
-constexpr bool lb_sign_extended = !U && (F == LB_INT8 || F == LB_SQRT8);
+constexpr bool lb_sign_extended = !U && (F == LB_INT8 || lb_root_domain<F>);
 template <int F, bool U>
 LB_INLINE vi lb_lane(vi byte) { return lb_sign_extended<F, U> ? (byte << 24) >> 24 : byte; }
+// The codes of element i of a block from the block's first code byte: a 4-bit format's two a byte
+// (lb_packed; i is even, as every block and lane vector starts on a byte).
+template <int F, class T>
+LB_INLINE T* lb_codes_at(T* p, int64_t i) { return p + (lb_packed<F> ? i / 2 : i); }
 template <int F, bool U>
-LB_INLINE vi lb_ld_codes(const uint8_t* p) { return lb_sign_extended<F, U> ? lb_ld_s8(p) : lb_ld_u8(p); }
+LB_INLINE vi lb_ld_codes(const uint8_t* p) {
+  if constexpr (lb_packed<F>) return lb_ld_nibbles<lb_sign_extended<F, U>>(p);
+  else return lb_sign_extended<F, U> ? lb_ld_s8(p) : lb_ld_u8(p);
+}
 template <int F, bool U>
-LB_INLINE vi lb_ld_codes_n(const uint8_t* p, int64_t r) {
+LB_INLINE vi lb_ld_codes_n(const uint8_t* p, int64_t r) {  // the first r codes, zero after
   uint8_t t[LB_W] = {0};
-  memcpy(t, p, r);
+  memcpy(t, p, lb_packed<F> ? (r + 1) / 2 : r);
   return lb_ld_codes<F, U>(t);
 }
-LB_INLINE void lb_st_codes(uint8_t* p, vi c) { lb_st_u8(p, c); }  // each lane's low byte
-LB_INLINE void lb_st_codes_n(uint8_t* p, vi c, int64_t r) {
+template <int F>
+LB_INLINE void lb_st_codes(uint8_t* p, vi c) {  // each lane's low byte (a 4-bit format's low nibble)
+  if constexpr (lb_packed<F>) lb_st_nibbles(p, c);
+  else lb_st_u8(p, c);
+}
+template <int F>
+LB_INLINE void lb_st_codes_n(uint8_t* p, vi c, int64_t r) {  // an odd count's last high nibble is 0
   uint8_t t[LB_W];
-  lb_st_u8(t, c);
-  memcpy(p, t, r);
+  lb_st_codes<F>(t, lb_packed<F> ? c & lb_lane_mask(r) : c);
+  memcpy(p, t, lb_packed<F> ? (r + 1) / 2 : r);
+}
+template <int F>
+LB_INLINE void lb_st_codes_x4(uint8_t* p, vi a, vi b, vi c, vi d) {  // four vectors of codes, in one store
+  if constexpr (lb_packed<F>) lb_st_nibbles_x4(p, a, b, c, d);
+  else lb_st_u8x4(p, a, b, c, d);
 }
 
 // An integer code of a non-negative state where y is positive: at least 1 (formats.encode's zero-point
@@ -632,7 +703,7 @@ constexpr float lb_unit = F == LB_E4M3 ? 256.0f : 1.0f;
 template <int F, bool U>
 LB_INLINE vf lb_decode_units(vi u) {
   if constexpr (F == LB_INT8) return __builtin_convertvector(u, vf);
-  else if constexpr (F == LB_SQRT8) {  // the code is the square root: c * |c|
+  else if constexpr (lb_root_domain<F>) {  // the code is the square root: c * |c|
     const vf c = __builtin_convertvector(u, vf);
     return c * (U ? c : lb_abs(c));
   }
@@ -647,8 +718,8 @@ LB_INLINE vf lb_decode(vi u) {
 }
 
 // The codes of values already in the format's range (lb_encode clamps first): int8's y in [-qmax,
-// qmax] ([0, qmax] unsigned), sqrt8's root-domain magnitude r in [0, enc_qmax] with the sign of
-// `sign`; rounded half to even. A block's values times its multiplier are (lb_encode_scaled): the
+// qmax] ([0, qmax] unsigned), a root-domain format's (sqrt8's, sqrt4's) magnitude r in [0, enc_qmax]
+// with the sign of `sign`; rounded half to even. A block's values times its multiplier are (lb_encode_scaled): the
 // largest magnitude comes within a few ulps of qmax, which rounds to qmax.
 template <bool U>
 LB_INLINE vi lb_encode_int8(vf y) {
@@ -659,9 +730,26 @@ template <bool U>
 LB_INLINE vi lb_encode_sqrt8(vf r, vf sign) {
   return U ? lb_lift_positive(lb_cvt_rne(r), r) : lb_code_byte(lb_cvt_signed(r, sign));
 }
+// sqrt4's (builtin._encode_sqrt4): the root whose value is nearest r * r, not the nearest root: of c =
+// floor(r) and c + 1, c + 1 where 2 r^2 > c^2 + (c + 1)^2 (one fp32 square; the rest exact), a tie to the
+// even root; a positive root lifts code 0 to 1.
+template <bool U>
+LB_INLINE vi lb_encode_sqrt4(vf r, vf sign) {
+  const vf c = lb_floor(r), twice = lb_splat(2.0f) * (r * r), mid = lb_fma(c, c + c + 2.0f, lb_splat(1.0f));
+  const vi low = __builtin_convertvector(c, vi);
+  const vi up = (twice > mid) | ((twice == mid) & ((low & 1) != 0));
+  const vi m = low - up;  // up is -1 where the root rounds up
+  return U ? lb_lift_positive(m, r) : lb_code_byte(lb_sign_of(m, sign));
+}
+// The nearest code of a root-domain format (the root r in [0, enc_qmax], the sign of `sign`).
+template <int F, bool U>
+LB_INLINE vi lb_encode_root(vf r, vf sign) {
+  if constexpr (F == LB_SQRT4) return lb_encode_sqrt4<U>(r, sign);
+  else return lb_encode_sqrt8<U>(r, sign);
+}
 
-// Normalized values (formats.normalize: times qmax/absmax; sqrt8's in the root domain) -> codes; a
-// positive value of a non-negative state never becomes code 0 (formats.encode). Never NaN: only a
+// Normalized values (formats.normalize: times qmax/absmax; sqrt8's and sqrt4's in the root domain) ->
+// codes; a positive value of a non-negative state never becomes code 0 (formats.encode). Never NaN: only a
 // flagged block holds NaN, and lb_encode_scaled gives it (and +-inf) the block's special codes after
 // encoding.
 template <int F, bool U>
@@ -669,9 +757,9 @@ LB_INLINE vi lb_encode(vf y) {
   if constexpr (F == LB_INT8) {
     const float qmax = lb_format<F, U>::qmax;
     return lb_encode_int8<U>(lb_min_nn(lb_max_nn(y, lb_splat(U ? 0.0f : -qmax)), lb_splat(qmax)));
-  } else if constexpr (F == LB_SQRT8) {  // NaN: a non-negative state's 0 (max returns its second operand)
+  } else if constexpr (lb_root_domain<F>) {  // NaN: a non-negative state's 0 (max returns its second operand)
     const vf r = U ? lb_max_nn(y, lb_splat(0.0f)) : lb_abs(y);
-    return lb_encode_sqrt8<U>(lb_min_nn(r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)), y);
+    return lb_encode_root<F, U>(lb_min_nn(r, lb_splat(lb_format<F, U>::enc_qmax)), y);
   } else if constexpr (F == LB_DYNAMIC8) {
     return lb_encode_dynamic8<U>(y);
   } else {
@@ -704,13 +792,13 @@ LB_INLINE vi lb_stochastic_int8(vf y, vf t) {
   if (U) return lb_lift_positive(m, y);
   return lb_code_byte(lb_sign_of(m, yc));
 }
-// sqrt8 from the root-domain magnitude r (the nearest encode's input) and the sign of `sign`: the value
-// y = a * a of the clamped root a, the inner code c = floor(a), y - c * c in one fma (c * c is exact)
+// sqrt8 and sqrt4 from the root-domain magnitude r (the nearest encode's input) and the sign of `sign`:
+// the value y = a * a of the clamped root a, the inner code c = floor(a), y - c * c in one fma (c * c is exact)
 // and the outer code's value 2c + 1 above c * c: all exact, nothing decoded. A positive root lifts a code 0
 // to 1 (a root below 2^-75 squares to 0).
-template <bool U>
+template <int F, bool U>
 LB_INLINE vi lb_stochastic_sqrt8(vf r, vf sign, vf t) {
-  const vf a = lb_min_nn(r, lb_splat(lb_format<LB_SQRT8, U>::enc_qmax)), c = lb_floor(a), y = a * a;
+  const vf a = lb_min_nn(r, lb_splat(lb_format<F, U>::enc_qmax)), c = lb_floor(a), y = a * a;
   const vf d = lb_fma(-c, c, y), gap = lb_fma(c, lb_splat(2.0f), lb_splat(1.0f));
   const vi m = lb_step_up(c, t * gap, d);
   return U ? lb_lift_positive(m, a) : lb_code_byte(lb_sign_of(m, sign));  // a, not y: a * a may underflow
@@ -876,7 +964,6 @@ LB_INLINE vf lb_decode_scaled(vi u, vf scale, bool flagged) {
 
 // ---- block quantization with outlier patches (blockquant.quantize_into) -------------------------
 // Magnitudes compare as the integer bits of |x| (NaN above inf, like argmax); -1 marks no element.
-LB_INLINE vi lb_lane_mask(int64_t r) { return lb_iota() < lb_splat_i((int32_t)r); }  // lanes [0, r) set
 // The update loop keeps, per lane, the largest key it wrote to a state's block buffer.
 LB_INLINE vi lb_key_masked(vf x, int64_t r) {
   return r == LB_W ? lb_key(x) : (lb_key(x) & lb_lane_mask(r)) | ~lb_lane_mask(r);
@@ -992,8 +1079,8 @@ static inline void lb_block_scale(const float* buf, int64_t len, float absmax, f
   }
 }
 
-// Values x -> codes (blockquant.quantize_into) under the block's multiplier (sqrt8: its square root).
-// sqrt8 encodes from the root domain (formats.normalize): `root` is sqrt(x) of a non-negative state
+// Values x -> codes (blockquant.quantize_into) under the block's multiplier (sqrt8, sqrt4: its square
+// root). They encode from the root domain (formats.normalize): `root` is sqrt(x) of a non-negative state
 // when the step has it already (LB_ROOT), else taken here. With LB_LIFT (a non-negative state whose
 // multiplier is below 1) a positive value whose product underflowed still gets a positive code (a
 // root times a multiplier's root never underflows); in a flagged block finite values stay within
@@ -1003,10 +1090,10 @@ LB_INLINE vi lb_encode_scaled(vf x, vf root, vf inverse, vf t) {
   typedef lb_format<F, U> f;
   constexpr bool FLAGGED = lb_mode<M>::flagged, LIFT = lb_mode<M>::lift, SR = lb_mode<M>::sr, ROOT = lb_mode<M>::root;
   vi code;
-  if constexpr (F == LB_SQRT8) {
+  if constexpr (lb_root_domain<F>) {
     vf r = (ROOT ? root : lb_sqrt(U ? x : lb_abs(x))) * inverse;
     if (FLAGGED) r = lb_min_nn(U ? lb_max_nn(r, lb_splat(0.0f)) : r, lb_splat(f::enc_flagged_qmax));  // NaN: 0
-    code = SR ? lb_stochastic_sqrt8<U>(r, x, t) : lb_encode_sqrt8<U>(r, x);  // in range (lb_encode_sqrt8)
+    code = SR ? lb_stochastic_sqrt8<F, U>(r, x, t) : lb_encode_root<F, U>(r, x);  // in range (lb_encode_sqrt8)
   } else {
     vf y = x * inverse;
     if (LIFT) y = (x > 0) & (y < 0x1p-149f) ? lb_splat(0x1p-149f) : y;
@@ -1037,7 +1124,7 @@ template <int F, bool U, unsigned M>
 LB_INLINE void lb_encode_x4(const float* buf, const float* root, int64_t j, vf vinv, lb_rand rnd, uint8_t* codes) {
   const lb_vf4 t = lb_thresholds_x4<lb_mode<M>::sr>(rnd, j);
   const auto at = [&](int k) LB_INLINE_LAMBDA { return lb_encode_at<F, U, M>(buf, root, j + k * LB_W, vinv, t.v[k]); };
-  lb_st_u8x4(codes + j, at(0), at(1), at(2), at(3));
+  lb_st_codes_x4<F>(lb_codes_at<F>(codes, j), at(0), at(1), at(2), at(3));
 }
 // The codes of buf[0, len) (lb_encode_at), rounding stochastically with the draws of rnd (LB_STOCHASTIC).
 template <int F, bool U, unsigned M>
@@ -1049,31 +1136,31 @@ static inline void lb_encode_loop(const float* buf, const float* root, int64_t l
   if constexpr (!m::flagged)  // a flagged block (inf or NaN in it) is rare: not unrolled, less to compile
     for (; i + 4 * LB_W <= len; i += 4 * LB_W) lb_encode_x4<F, U, M>(buf, root, i, vinv, rnd, codes);
   for (; i + LB_W <= len; i += LB_W)
-    lb_st_codes(codes + i, lb_encode_at<F, U, M>(buf, root, i, vinv, lb_thresholds_at<m::sr>(rnd, i)));
+    lb_st_codes<F>(lb_codes_at<F>(codes, i), lb_encode_at<F, U, M>(buf, root, i, vinv, lb_thresholds_at<m::sr>(rnd, i)));
   if (i < len) {
     const vf x = lb_ld_n(buf + i, len - i), r = m::root ? lb_ld_n(root + i, len - i) : vf{};
-    lb_st_codes_n(codes + i, lb_encode_scaled<F, U, M>(x, r, vinv, lb_thresholds_at<m::sr>(rnd, i)), len - i);
+    lb_st_codes_n<F>(lb_codes_at<F>(codes, i), lb_encode_scaled<F, U, M>(x, r, vinv, lb_thresholds_at<m::sr>(rnd, i)), len - i);
   }
 }
-// The multiplier a block's encode applies: the inverse of its scale (sqrt8: the inverse's square root,
+// The multiplier a block's encode applies: the inverse of its scale (root domain: the inverse's square root,
 // formats.normalize's root domain).
 template <int F>
-LB_INLINE float lb_multiplier(float inverse) { return F == LB_SQRT8 ? __builtin_sqrtf(inverse) : inverse; }
+LB_INLINE float lb_multiplier(float inverse) { return lb_root_domain<F> ? __builtin_sqrtf(inverse) : inverse; }
 // A multiplier >= 1 keeps every positive value positive (the product is at least the value), so the
 // usual block of a non-negative state skips the underflow test (LB_LIFT).
 template <int F, bool U>
-LB_INLINE bool lb_lifts(float mult) { return F != LB_SQRT8 && U && !(mult >= 1.0f); }
+LB_INLINE bool lb_lifts(float mult) { return !lb_root_domain<F> && U && !(mult >= 1.0f); }
 // Whether the next block's lane loop may write a quantized block's codes, a vector per iteration
 // (lb_encode_at, no underflow lift): lb_quantize_scale left them to encode and no lift is needed.
 // M: LB_ROOT where the state encodes from the step's roots.
 template <int F, bool U, unsigned M>
 LB_INLINE bool lb_fusable(bool enc, float mult) { return enc && (lb_mode<M>::root || !lb_lifts<F, U>(mult)); }
-// The codes of buf[0, len) under the multiplier `mult` (lb_multiplier); sqrt8 encodes from the step's
+// The codes of buf[0, len) under the multiplier `mult` (lb_multiplier); the root domain encodes from the step's
 // roots where it gives them. M: LB_FLAGGED, LB_STOCHASTIC or neither (this picks LB_ROOT and LB_LIFT).
 template <int F, bool U, unsigned M>
 static inline void lb_encode_block(const float* buf, const float* root, int64_t len, float mult, uint8_t* codes,
                                    lb_rand rnd) {
-  if (F == LB_SQRT8 && U && root) lb_encode_loop<F, U, M | LB_ROOT>(buf, root, len, mult, codes, rnd);
+  if (lb_root_domain<F> && U && root) lb_encode_loop<F, U, M | LB_ROOT>(buf, root, len, mult, codes, rnd);
   else if (lb_lifts<F, U>(mult)) lb_encode_loop<F, U, M | LB_LIFT>(buf, nullptr, len, mult, codes, rnd);
   else lb_encode_loop<F, U, M>(buf, nullptr, len, mult, codes, rnd);
 }
@@ -1132,7 +1219,7 @@ __attribute__((noinline)) static void lb_quantize_nonfinite(float* buf, float* r
 // patches are the K largest |x| (ties: lowest offset) in the order the reference's repeated argmax
 // finds them; the scale comes from the rest (lb_block_scale). With M = LB_STOCHASTIC the patches round
 // stochastically, drawing from rnd (the codes draw when they are encoded: lb_encode_block, lb_encode_x4).
-// A non-negative sqrt8 state may give `root`, buf's square roots as the step took them (lb_encode_scaled).
+// A non-negative root-domain state may give `root`, buf's square roots as the step took them (lb_encode_scaled).
 template <int F, bool U, int K, unsigned M = LB_PLAIN>
 static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t block, uint8_t* codes, float* scale,
                               uint16_t* patch_values, int16_t* patch_index, float* mult, lb_rand rnd = {},
@@ -1173,7 +1260,7 @@ static bool lb_quantize_scale(vi lane_max, float* buf, int64_t len, int64_t bloc
 // The codes of two states' blocks of len elements in one loop (each as lb_encode_block encodes it): one
 // state's square roots (sqrt8's signed m) then overlap the other's arithmetic instead of running
 // alone. M1, M2: LB_STOCHASTIC, and LB_ROOT where the state encodes from the roots it is given (a
-// non-negative sqrt8 state).
+// non-negative root-domain state).
 template <int F1, bool U1, unsigned M1, int F2, bool U2, unsigned M2>
 static void lb_encode_pair(const float* buf1, const float* root1, float mult1, uint8_t* codes1, lb_rand rnd1,
                            const float* buf2, const float* root2, float mult2, uint8_t* codes2, lb_rand rnd2,
@@ -1190,9 +1277,9 @@ static void lb_encode_pair(const float* buf1, const float* root1, float mult1, u
     lb_encode_x4<F2, U2, M2>(buf2, root2, i, v2, rnd2, codes2);
   }
   if (i < len) {  // the last partial group, each state alone
-    lb_encode_loop<F1, U1, M1>(buf1 + i, lb_mode<M1>::root ? root1 + i : nullptr, len - i, mult1, codes1 + i,
+    lb_encode_loop<F1, U1, M1>(buf1 + i, lb_mode<M1>::root ? root1 + i : nullptr, len - i, mult1, lb_codes_at<F1>(codes1, i),
                                {rnd1.key, rnd1.first + i});
-    lb_encode_loop<F2, U2, M2>(buf2 + i, lb_mode<M2>::root ? root2 + i : nullptr, len - i, mult2, codes2 + i,
+    lb_encode_loop<F2, U2, M2>(buf2 + i, lb_mode<M2>::root ? root2 + i : nullptr, len - i, mult2, lb_codes_at<F2>(codes2, i),
                                {rnd2.key, rnd2.first + i});
   }
 }
