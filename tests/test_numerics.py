@@ -199,9 +199,9 @@ static void quantize(float* x, int64_t n, int64_t block, uint8_t* codes, float* 
       acc = lb_vmax(acc, lb_key_masked(v, r));
     }
     float mult;
-    if (lb_quantize_scale<F, U, K>(acc, buf, len, block, codes + start, scales + b, pv + b * K, pi + b * K, &mult, {},
+    if (lb_quantize_scale<F, U, K>(acc, buf, len, block, lb_codes_at<F>(codes, start), scales + b, pv + b * K, pi + b * K, &mult, {},
                                    root))
-      lb_encode_block<F, U, LB_PLAIN>(buf, root, len, mult, codes + start, {});
+      lb_encode_block<F, U, LB_PLAIN>(buf, root, len, mult, lb_codes_at<F>(codes, start), {});
   }
 }
 template <int F, bool U, int K>
@@ -212,7 +212,7 @@ static void dequantize(float* out, int64_t n, int64_t block, uint8_t* codes, flo
     const bool flagged = __builtin_signbit(scales[b]);
     for (int64_t i = 0; i < len; i += LB_W) {
       const int64_t r = len - i < LB_W ? len - i : LB_W;
-      const vi c = r == LB_W ? lb_ld_codes<F, U>(codes + start + i) : lb_ld_codes_n<F, U>(codes + start + i, r);
+      const vi c = r == LB_W ? lb_ld_codes<F, U>(lb_codes_at<F>(codes, start + i)) : lb_ld_codes_n<F, U>(lb_codes_at<F>(codes, start + i), r);
       const vf v = lb_decode_scaled<F, U>(c, scale, flagged);
       if (r == LB_W) lb_st(out + start + i, v); else lb_st_n(out + start + i, v, r);
     }
@@ -226,7 +226,7 @@ static void dequantize(float* out, int64_t n, int64_t block, uint8_t* codes, flo
 #define FORMAT(F) ONE(F, 0, 0) ONE(F, 0, 2) ONE(F, 1, 0) ONE(F, 1, 2)
 extern "C" int blocks(int fmt, int nonneg, int k, int q, float* x, int64_t n, int64_t block, uint8_t* codes,
                       float* scales, uint16_t* pv, int16_t* pi) {
-  switch ((fmt * 2 + nonneg) * 4 + k) { FORMAT(LB_INT8) FORMAT(LB_DYNAMIC8) FORMAT(LB_E4M3) FORMAT(LB_E5M2) FORMAT(LB_SQRT8) }
+  switch ((fmt * 2 + nonneg) * 4 + k) { FORMAT(LB_INT8) FORMAT(LB_DYNAMIC8) FORMAT(LB_E4M3) FORMAT(LB_E5M2) FORMAT(LB_SQRT8) FORMAT(LB_SQRT4) }
   return 1;  // a format or patch count this harness does not instantiate
 }
 """
