@@ -46,9 +46,10 @@ from bench.runs import load_runs, results_header, run_meta, run_pool, summarize
 from bench.step_bench import ROUNDINGS as LIBRARY_ROUNDINGS
 from bench.tasks import Digits, Hyper, OptimizerSpec, train
 from lowbit_compile import lowbit_compile
-from lowbit_compile.config import DEFAULT_MIN_8BIT_SIZE, NONNEG_STATES
-from lowbit_compile.formats import StateFormat, blockquant, decode, format_names
+from lowbit_compile.config import DEFAULT_MIN_8BIT_SIZE, NONNEG_STATES, Config
+from lowbit_compile.formats import StateFormat, blockquant, decode, domain_bound, format_names
 from lowbit_compile.formats.dynamic import dynamic_map
+from lowbit_compile.options import Options
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
@@ -117,8 +118,9 @@ def make_optimizer(name: str, make_stock: MakeStock = adamw, compile_peers: bool
 @functools.cache
 def code_values(fmt: StateFormat) -> torch.Tensor:
     """Every value a code of ``fmt`` decodes to (relative to the block scale), sorted, finite, within qmax."""
-    if fmt.name in ("int8", "sqrt8"):  # codes -127..127 (0..255), monotone
-        codes = torch.arange(0 if fmt.nonneg else -127, 256 if fmt.nonneg else 128)
+    if fmt.name == "int8" or fmt.spec.root_domain:  # codes -127..127 (0..255; sqrt4 -7..7, 0..15), monotone
+        top = round(domain_bound(fmt, fmt.qmax))
+        codes = torch.arange(0 if fmt.nonneg else -top, top + 1)
         return decode(codes.to(fmt.code_dtype), fmt)
     if fmt.name == "dynamic8":  # the signed map's spare code 255 decodes to 1 as code 254 does
         values = dynamic_map(fmt.nonneg)
@@ -154,7 +156,7 @@ def round_trip(state: torch.Tensor, fmt: StateFormat, gen: torch.Generator | Non
     ``gen`` is None, else stochastic rounding with block scales as the library computes them."""
     flat = state.reshape(-1)
     if gen is None:
-        return blockquant.dequantize(blockquant.quantize(flat, fmt), fmt).view_as(state)
+        return blockquant.dequantize(blockquant.quantize(flat, fmt), fmt, numel=flat.numel()).view_as(state)
     if not fmt.blockwise:
         return stochastic_round(flat.float(), fmt, gen).view_as(state)
     if fmt.patches:
@@ -166,13 +168,15 @@ def round_trip(state: torch.Tensor, fmt: StateFormat, gen: torch.Generator | Non
     return values.reshape(-1)[: flat.numel()].view_as(state)
 
 
-def emulate_states(opt: torch.optim.Optimizer, fmt: str | dict = "dynamic8", block_size: int = 512,
+def emulate_states(opt: torch.optim.Optimizer, fmt: str | dict = "dynamic8", block_size: int | None = None,
                    outliers: int = 0, min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE, stochastic: bool = False,
                    seed: int = 0) -> torch.optim.Optimizer:
     """Prototype (bench only): after each step of the stock ``opt``, store every per-element state of a
     tensor of at least ``min_8bit_size`` elements in ``fmt`` (a name or a per-state dict) and read it
-    back, rounding to nearest or stochastically. Returns ``opt``."""
+    back, rounding to nearest or stochastically; ``block_size`` None: the formats' own, as the library
+    takes it (``Config.block_size_of``). Returns ``opt``."""
     steps = [0]
+    blocks = Config.of(Options(block_size=block_size))
 
     def fmt_of(key: str) -> str:
         name = fmt.get(key, "fp32") if isinstance(fmt, dict) else fmt
@@ -187,10 +191,12 @@ def emulate_states(opt: torch.optim.Optimizer, fmt: str | dict = "dynamic8", blo
             state = optimizer.state.get(p, {})
             if p.numel() < min_8bit_size:
                 continue
-            for key, value in state.items():
-                if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == p.shape):
-                    continue
-                f = StateFormat.make(fmt_of(key), block_size, outliers, key in NONNEG_STATES)
+            kept = [k for k, v in state.items()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape]
+            block = blocks.block_size_of(fmt_of(k) for k in kept)
+            for key in kept:
+                value = state[key]
+                f = StateFormat.make(fmt_of(key), block, outliers, key in NONNEG_STATES)
                 if f.passthrough:
                     continue
                 gen = torch.Generator().manual_seed((seed * 1_000_003 + steps[0]) * 10_007 + i) if stochastic else None
