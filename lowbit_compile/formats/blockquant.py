@@ -165,8 +165,13 @@ def quantize_into(x: torch.Tensor, out: Quantized, fmt: StateFormat, draws: torc
     out.scales.copy_(scale)
     if fmt.nonneg:  # x * inverse may underflow to 0; the zero-point rule needs it positive
         normalized = torch.where(blocks > 0, normalized.clamp(min=_SMALLEST_SUBNORMAL), normalized)
-    codes = encode(normalized, fmt, flagged, draws).reshape(-1)[:n]
-    out.codes.copy_(pack4(codes) if fmt.packed else codes)
+    out.codes.copy_(stored_codes(encode(normalized, fmt, flagged, draws).reshape(-1)[:n], fmt))
+
+
+def stored_codes(codes: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """Codes one an element as ``fmt`` stores them (a 4-bit format's packed two a byte, any other's as
+    they are): the inverse of :func:`unpacked_codes`."""
+    return pack4(codes) if fmt.packed else codes
 
 
 def unpacked_codes(codes: torch.Tensor, numel: int, fmt: StateFormat) -> torch.Tensor:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .packing import packed_numel
 from .registry import ElementFormat, element_format
 from .rounding import threshold
 
@@ -86,7 +87,7 @@ class StateFormat:
 
     def storage_numel(self, numel: int) -> int:
         """Elements of the stored codes tensor of a state of ``numel`` elements."""
-        return (numel + 1) // 2 if self.packed else numel
+        return packed_numel(numel) if self.packed else numel
 
     @property
     def qmax(self) -> float:

@@ -160,7 +160,7 @@ def _gathered(parts: blockquant.Quantized, param: torch.Tensor, qs: QuantizedSta
         blocks = _Blocks(*(t.to(codes.device) for t in blocks))
         whole = blockquant.quantize(_dequantize(codes, blocks, 0, fmt).to(qs.dtype), fmt)
         mine = blockquant.unpacked_codes(whole.codes, rows * width, fmt)[start * width:stop * width]
-        parts, splits = whole._replace(codes=pack4(mine) if fmt.packed else mine), [0, rows]
+        parts, splits = whole._replace(codes=blockquant.stored_codes(mine, fmt)), [0, rows]
         scales, values, index = whole[1:]
     pad = capacity - scales.shape[0]
     tables = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (scales, values, index))
@@ -266,7 +266,7 @@ def unpack(packed: dict[str, Any], param: torch.Tensor, key: str = "state", dtyp
     length = torch.clamp(start * width + n - first, max=b)
     at = torch.searchsorted(saved.first, first).clamp(max=max(saved.first.numel() - 1, 0))
     same = (saved.first[at] == first) & (saved.length[at] == length) if saved.first.numel() else first < 0
-    stored = pack4(codes) if fmt.packed else codes
+    stored = blockquant.stored_codes(codes, fmt)
     if bool(same.all()):
         parts = blockquant.Quantized(stored, saved.scales[at], saved.patch_values[at], saved.patch_index[at])
         return sharding.like(QuantizedState(parts, fmt, shard.shape, dtype), param)
