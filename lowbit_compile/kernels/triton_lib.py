@@ -53,14 +53,17 @@ def rne(x):
 
 
 @triton.jit
-def nearest_value_root(r):
+def nearest_value_root(r, APPROXIMATE: tl.constexpr = False):
     """sqrt4's encode (``builtin._encode_sqrt4``) of a root ``r`` >= 0: of the roots ``floor(r)`` and the next,
-    the one whose square is nearer ``r * r``, ties to the even root."""
+    the one whose square is nearer ``r * r``, ties to the even root: up where ``r * r - c (c + 1)`` (exact) is
+    over 1/2. ``APPROXIMATE`` (the contract of quantized formats): a tie may round either way."""
     low = tl.floor(r)
-    twice = 2.0 * (r * r)
-    mid = low * low + (low + 1.0) * (low + 1.0)
-    odd = low - 2.0 * tl.floor(low * 0.5)
-    return tl.where((twice > mid) | ((twice == mid) & (odd == 1.0)), low + 1.0, low)
+    d = tl.fma(-low, low + 1.0, r * r)
+    if APPROXIMATE:
+        return tl.where(d > 0.5, low + 1.0, low)
+    else:
+        odd = low - 2.0 * tl.floor(low * 0.5)
+        return tl.where((d > 0.5) | ((d == 0.5) & (odd == 1.0)), low + 1.0, low)
 
 
 @triton.jit
@@ -230,7 +233,7 @@ def dynamic8_value(codes, table_ptr):
 
 @triton.jit
 def encode(y, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.constexpr,
-           MIN_POSITIVE: tl.constexpr, FP8_NATIVE: tl.constexpr = True):
+           MIN_POSITIVE: tl.constexpr, FP8_NATIVE: tl.constexpr = True, APPROXIMATE: tl.constexpr = False):
     """``formats.encode``: normalized values (``formats.normalize``: times their block's ``qmax / absmax``,
     sqrt8's in the root domain) to codes (fp8 codes as float8, or as their uint8 bits where not
     ``FP8_NATIVE``)."""
@@ -244,11 +247,11 @@ def encode(y, table_ptr, FMT: tl.constexpr, NONNEG: tl.constexpr, QMAX: tl.const
     elif FMT == SQRT8 or FMT == SQRT4:  # sqrt8: the root rounded half to even; sqrt4: the nearest value's root
         if NONNEG:
             r = tl.minimum(tl.maximum(y, 0.0), QMAX**0.5)
-            c = nearest_value_root(r) if FMT == SQRT4 else rne(r)
+            c = nearest_value_root(r, APPROXIMATE) if FMT == SQRT4 else rne(r)
             return tl.where((y > 0) & (c == 0), 1.0, c).to(tl.uint8)
         else:
             r = tl.minimum(tl.abs(y), QMAX**0.5)
-            c = nearest_value_root(r) if FMT == SQRT4 else rne(r)
+            c = nearest_value_root(r, APPROXIMATE) if FMT == SQRT4 else rne(r)
             return tl.where(y < 0, neg(c), c).to(tl.int8)
     elif FMT == DYNAMIC8:
         return dynamic8_code(y, table_ptr, NONNEG)
@@ -664,7 +667,7 @@ def quantize(x, codes_ptr, scales_ptr, patch_values_ptr, patch_index_ptr, table_
             if any_flagged:
                 y = tl.where(flagged & (tl.abs(x) < float("inf")),
                              tl.minimum(tl.maximum(y, -FLAGGED_QMAX), FLAGGED_QMAX), y)
-        codes = encode(y, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE)
+        codes = encode(y, table_ptr, FMT, NONNEG, QMAX, MIN_POSITIVE, FP8_NATIVE, APPROXIMATE)
         code = code_bits(codes, FMT, FP8_NATIVE)
         if STREAM != 0:
             t1 = tile_thresholds(seed, rows, offsets, STREAM)

@@ -196,10 +196,12 @@ class TritonPrinter:
             )
         block = sizes.pop() if sizes else DEFAULT_TILE
         if any(a.fmt.blockwise for a in accesses):
-            # one block per program: every thread works on one block, so its per-block work (reductions,
-            # scale, inverse) is not repeated per row of a taller tile (bench/gpu_cost.py: 235 -> 177 SASS
-            # instructions per element for the default step on sm_90)
-            return block, 1
+            # a block per row, rows enough for a tile of 256 elements: a block of 512 alone, so each thread's
+            # per-block work (reductions, scale, inverse) is not repeated per row of a taller tile
+            # (bench/gpu_cost.py: 235 -> 177 SASS instructions per element for the default step on sm_90);
+            # sqrt4's blocks of 128 two to a tile, so a thread's share of the fixed work is over 8 elements
+            # instead of 4 (bench/gpu_cost.py --only sqrt4)
+            return block, max(1, 256 // block)
         return block, max(1, DEFAULT_TILE // block)
 
     def kernel(self, batched: bool = False) -> EmittedKernel:
