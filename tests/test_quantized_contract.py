@@ -115,18 +115,20 @@ def test_fp8_code_rank_orders_codes_by_value():
     assert torch.all(rank[order].diff() >= 0)
 
 
-@pytest.mark.parametrize("fmt", ["sqrt8", "int8", "dynamic8", "fp8_e4m3", "bf16", "fp32"])
+@pytest.mark.parametrize("fmt", ["sqrt8", "int8", "dynamic8", "fp8_e4m3", "sqrt4", "bf16", "fp32"])
 def test_only_kernels_of_8bit_states_take_approximate_arithmetic(fmt):
-    """8-bit states: approximate roots and division, fp contraction, one block per program; fp32 and
-    bf16 states: correctly rounded operations and no contraction (fp32 stays bit for bit stock)."""
+    """8-bit (and 4-bit) states: approximate roots and division, fp contraction, tiles of one block of
+    512 or two of sqrt4's 128, 8 elements a thread; fp32 and bf16 states: correctly rounded operations and
+    no contraction (fp32 stays bit for bit stock)."""
     param = torch.nn.Parameter(torch.randn(64))
-    emitted = emit_kernel(body(torch.optim.AdamW([param]), fmt), "k", Target("cuda"))
+    emitted = emit_kernel(body(torch.optim.AdamW([param]), fmt, block_size=None), "k", Target("cuda"))
     options = triton_backend.launch_options(emitted)
     approximate = fmt not in ("bf16", "fp32")
     assert emitted.approximate == approximate == options["enable_fp_fusion"]
     assert ("tl.sqrt_rn(addcmul)" in emitted.source) != approximate
     assert ("tl.math.div_rn(lerp, add_1)" in emitted.source) != approximate
     if approximate:
-        assert emitted.rows == 1 and options["num_warps"] * 32 * 8 == emitted.block
+        assert emitted.rows == (2 if fmt == "sqrt4" else 1)
+        assert options["num_warps"] * 32 * 8 == emitted.block * emitted.rows
     state = emit_kernel(quantize_graph(StateFormat.make("sqrt8", 512, 0, True), torch.float32), "q", Target("cuda"))
     assert state.approximate and "APPROXIMATE=True" in state.source
