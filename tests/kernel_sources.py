@@ -7,7 +7,8 @@ both roundings; bf16 and fp16 params under the default, int8 and fp32 states wit
 each step wrapped and stepped as a user would (``lowbit_compile(opt, ...)``, ``opt.step()``), the lowering
 of every rewritten step intercepted and printed by the C++ printer and by the Triton printer (CUDA, both FP8
 paths, per-tensor and batched). Then the Triton state kernels (quantize, dequantize) of every format, sign,
-dtype and block layout, the C++ prelude and triton_lib's constants. Nothing is compiled. One line per
+dtype and block layout, the C++ prelude and triton_lib's constants. Every param is quantized
+(``min_8bit_size=0``: the matrix's params are small). Nothing is compiled. One line per
 case: its name, how many sources it printed (with its outcome: stepped, printed or the error that refused
 it) and a digest of their sha256s in order.
 The optim_db flag sets depend on the torch version: compare hashes made with the same torch.
@@ -128,7 +129,7 @@ def step_sources() -> Iterator[tuple[str, list[str]]]:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    opt = lowbit_compile(make(), backend="cpu", **options)
+                    opt = lowbit_compile(make(), backend="cpu", min_8bit_size=0, **options)
                     opt.step()
                 outcome = "stepped"
             except _Printed:
