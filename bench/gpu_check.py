@@ -42,13 +42,14 @@ import torch  # noqa: E402
 from bench.quantized_contract import assert_codes_within_one_step  # noqa: E402
 from lowbit_compile import lowbit_compile  # noqa: E402
 from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS  # noqa: E402
-from lowbit_compile.formats import (
-    StateFormat,  # noqa: E402
+from lowbit_compile.formats import (  # noqa: E402
+    StateFormat,
     blockquant,
+    element_format,
 )
 from lowbit_compile.kernels import triton_backend  # noqa: E402
 
-FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16")
+FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16", "sqrt4")
 LR, WEIGHT_DECAY = 1e-3, 0.1
 
 
@@ -236,7 +237,8 @@ def _torchao(name: str) -> Callable:
     return make
 
 
-def _ours(fmt: str, block_size: int = DEFAULT_BLOCK_SIZE, fp8_native: bool | None = None) -> Callable:
+def _ours(fmt: str, block_size: int | None = None, fp8_native: bool | None = None) -> Callable:
+    """Our AdamW in ``fmt`` on Triton, in blocks of ``block_size`` (None: the format's own)."""
     def make(params):
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
         opt = lowbit_compile(opt, fmt=fmt, block_size=block_size, backend="triton")
@@ -267,23 +269,26 @@ def sweep_launches(device: torch.device, args: argparse.Namespace, copy_gbps: fl
     return rows
 
 
-def bytes_per_param(name: str, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
-    """The least a step can move per param: param read + write, grad read, states read + write, and the
-    per-block scales (fp32) and patches (bf16 value + int16 offset) read + written."""
+def bytes_per_param(name: str, dtype: torch.dtype, block_size: int | None = None) -> float:
+    """The least a step can move per param: param read + write, grad read, states read + write (a 4-bit
+    code half a byte), and the per-block scales (fp32) and patches (bf16 value + int16 offset) read +
+    written; blocks of ``block_size`` (None: the format's own)."""
     p = torch.finfo(dtype).bits // 8
     base = 3 * p
     if name == "torch_adamw_fused":
         return base + 2 * 2 * p  # stock states keep the param dtype
     if name.startswith(("bnb", "torchao")):
         return base + 2 * 2 * 1 + 2 * 2 * 4 / 256  # 8-bit codes, an fp32 absmax per 256
-    fmt = StateFormat.make(name.removeprefix("lowbit_").removesuffix(INT_FP8), block_size, DEFAULT_OUTLIERS, False)
-    codes = fmt.code_dtype.itemsize
+    fmt_name = name.removeprefix("lowbit_").removesuffix(INT_FP8)
+    block = block_size or element_format(fmt_name).default_block_size or DEFAULT_BLOCK_SIZE
+    fmt = StateFormat.make(fmt_name, block, DEFAULT_OUTLIERS, False)
+    codes = fmt.bits / 8
     per_block = 2 * (4 + fmt.patches * 4) / fmt.block_size if fmt.blockwise else 0.0
     return base + 2 * (2 * codes + per_block)
 
 
 def time_method(name: str, make: Callable, size: int, dtype: torch.dtype, device: torch.device,
-                args: argparse.Namespace, copy_gbps: float, block_size: int = DEFAULT_BLOCK_SIZE) -> dict:
+                args: argparse.Namespace, copy_gbps: float, block_size: int | None = None) -> dict:
     label = f"{name} {size:.0e} {str(dtype)[6:]}"
     if device.type != "cuda" and not (name.startswith("lowbit") or name == "torch_adamw_fused"):
         return {"skipped": f"{label}: peers are timed on CUDA only"}
@@ -435,6 +440,8 @@ CASES = {  # (optimizer, fmt, param dtype, block, kwargs)
     "adam-bf16-params-wd": (torch.optim.Adam, "fp8_e4m3", torch.bfloat16, 256, {"weight_decay": 0.1}),
     "adamw-tensor-hypers-bf16": (torch.optim.AdamW, "dynamic8", torch.bfloat16, 256,
                                  {"lr": "tensor", "betas": "tensor"}),
+    "adamw-sqrt4": (torch.optim.AdamW, "sqrt4", torch.float32, 128, {}),
+    "adamw-sqrt4-bf16-params": (torch.optim.AdamW, "sqrt4", torch.bfloat16, 128, {}),
 }
 
 
@@ -529,9 +536,9 @@ def check_state_kernels(device: torch.device, n: int) -> list[dict]:
                 ours = blockquant.empty(n, fmt, device)
                 with fp8_path(native):
                     triton_backend.quantize_into(x, ours, fmt)
-                    dense = triton_backend.dequantize(ref, fmt)
+                    dense = triton_backend.dequantize(ref, fmt, numel=n)
                 mismatches = sum(int((bits(a) != bits(b)).sum()) for a, b in zip(ref, ours))
-                mismatches += int((bits(dense) != bits(blockquant.dequantize(ref, fmt))).sum())
+                mismatches += int((bits(dense) != bits(blockquant.dequantize(ref, fmt, numel=n))).sum())
                 label = f"state kernels {fmt.tag()}" + ("" if native in (None, True) else INT_FP8)
                 results.append({"check": label, "mismatches": mismatches, "ok": mismatches == 0})
     bad = [r["check"] for r in results if not r["ok"]]

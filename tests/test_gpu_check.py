@@ -49,5 +49,5 @@ def test_correctness_part_holds_for_every_case():
     assert all(r["ok"] for r in results), [r for r in results if not r["ok"]]
     checks = {r["check"] for r in results}
     assert checks >= set(gpu_check.CASES) | {f"{c}{gpu_check.INT_FP8}" for c in gpu_check.CASES if "fp8" in c}
-    assert sum(c.startswith("state kernels") for c in checks) == 16
+    assert sum(c.startswith("state kernels") for c in checks) == 18
     assert any(c.startswith("step of") for c in checks)
