@@ -67,8 +67,9 @@ def describe(opt: torch.optim.Optimizer) -> str:
                 if not isinstance(value, torch.Tensor):
                     continue
                 stock_bytes += value.numel() * value.dtype.itemsize
-                if isinstance(value, QuantizedState):
-                    label = value.fmt.name
+                if isinstance(value, QuantizedState):  # the block too: block_size=None leaves it to the format
+                    fmt = value.fmt
+                    label = f"{fmt.name} in blocks of {fmt.block_size}" if fmt.blockwise else fmt.name
                 elif value.shape == param.shape and value.dim() > 0:
                     label = f"stock {_DTYPE_NAMES.get(value.dtype, str(value.dtype))}"
                 else:

@@ -139,7 +139,8 @@ def test_repr_names_the_formats_before_the_stock_text():
     assert rest[0] == "  states: none yet (made at the first step)" and "\n".join(rest[1:]) == stock
     run(opt, grads(1))
     states = repr(opt).splitlines()[1]
-    assert states.startswith("  states: exp_avg fp8_e4m3 x1, stock fp32 x1; exp_avg_sq dynamic8 x1, stock fp32 x1;")
+    assert states.startswith("  states: exp_avg fp8_e4m3 in blocks of 512 x1, stock fp32 x1; exp_avg_sq dynamic8 in "
+                             "blocks of 512 x1, stock fp32 x1;")
     assert "B/param held" in states
     assert repr(restore(opt)) == stock
 
