@@ -43,6 +43,30 @@ FLOOR4_BLOCK, FLOOR4_ROWS = 128, 8
 
 
 @triton.jit
+def floor_adam(p, g, mc, vc, ms_ptr, vs_ptr, rows, row_mask, lr, beta1, beta2, eps, decay, bc1, bc2_root):
+    """The floors' update: m and v from their roots' codes (``mc``, ``vc`` as fp32) and per-row scales, then
+    AdamW (approximate square root and division); the new p, m and v."""
+    m = mc * tl.abs(mc) * tl.load(ms_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    v = vc * vc * tl.load(vs_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    return p * decay - lr * (m / bc1) / (tl.sqrt(v) / bc2_root + eps), m, v
+
+
+@triton.jit
+def floor_roots(m, v, ms_ptr, vs_ptr, rows, row_mask, M_QMAX: tl.constexpr, V_QMAX: tl.constexpr):
+    """The floors' encode: per-row scales (absmax over the largest code's square) stored, and the new codes'
+    roots (rounded half to even; m's magnitude, its sign left to the caller)."""
+    m_scale = tl.max(tl.abs(m), axis=1) / M_QMAX
+    v_scale = tl.max(v, axis=1) / V_QMAX
+    tl.store(ms_ptr + rows, m_scale, mask=row_mask)
+    tl.store(vs_ptr + rows, v_scale, mask=row_mask)
+    m_root = (tl.sqrt(tl.abs(m) / tl.maximum(m_scale, 1e-38)[:, None]) + 12582912.0) - 12582912.0
+    v_root = (tl.sqrt(v / tl.maximum(v_scale, 1e-38)[:, None]) + 12582912.0) - 12582912.0
+    return m_root, v_root
+
+
+@triton.jit
 def floor_adamw8(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, lr, beta1, beta2, eps, decay, bc1, bc2_root,
                  BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """AdamW on fp32 params with sqrt-companded 8-bit m (int8) and v (uint8) codes and an fp32 absmax
@@ -55,18 +79,9 @@ def floor_adamw8(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, lr, beta1, beta2
     mc = tl.load(m_ptr + offsets, mask=mask, other=0).to(tl.float32)
     vc = tl.load(v_ptr + offsets, mask=mask, other=0).to(tl.float32)
     row_mask = rows * BLOCK < n
-    m = mc * tl.abs(mc) * tl.load(ms_ptr + rows, mask=row_mask, other=0.0)[:, None]
-    v = vc * vc * tl.load(vs_ptr + rows, mask=row_mask, other=0.0)[:, None]
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    p = p * decay - lr * (m / bc1) / (tl.sqrt(v) / bc2_root + eps)
+    p, m, v = floor_adam(p, g, mc, vc, ms_ptr, vs_ptr, rows, row_mask, lr, beta1, beta2, eps, decay, bc1, bc2_root)
     tl.store(p_ptr + offsets, p, mask=mask)
-    m_scale = tl.max(tl.abs(m), axis=1) / 16129.0  # 127^2
-    v_scale = tl.max(v, axis=1) / 65025.0  # 255^2
-    tl.store(ms_ptr + rows, m_scale, mask=row_mask)
-    tl.store(vs_ptr + rows, v_scale, mask=row_mask)
-    m_root = (tl.sqrt(tl.abs(m) / tl.maximum(m_scale, 1e-38)[:, None]) + 12582912.0) - 12582912.0
-    v_root = (tl.sqrt(v / tl.maximum(v_scale, 1e-38)[:, None]) + 12582912.0) - 12582912.0
+    m_root, v_root = floor_roots(m, v, ms_ptr, vs_ptr, rows, row_mask, 16129.0, 65025.0)  # 127^2, 255^2
     tl.store(m_ptr + offsets, tl.where(m < 0, -m_root, m_root).to(tl.int8), mask=mask)
     tl.store(v_ptr + offsets, v_root.to(tl.uint8), mask=mask)
 
@@ -88,18 +103,9 @@ def floor_adamw4(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, lr, beta1, beta2
     mc = tl.reshape(tl.join((mb << 4) >> 4, mb >> 4), (ROWS, BLOCK)).to(tl.float32)
     vc = tl.reshape(tl.join(vb & 15, vb >> 4), (ROWS, BLOCK)).to(tl.float32)
     row_mask = rows * BLOCK < n
-    m = mc * tl.abs(mc) * tl.load(ms_ptr + rows, mask=row_mask, other=0.0)[:, None]
-    v = vc * vc * tl.load(vs_ptr + rows, mask=row_mask, other=0.0)[:, None]
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    p = p * decay - lr * (m / bc1) / (tl.sqrt(v) / bc2_root + eps)
+    p, m, v = floor_adam(p, g, mc, vc, ms_ptr, vs_ptr, rows, row_mask, lr, beta1, beta2, eps, decay, bc1, bc2_root)
     tl.store(p_ptr + offsets, p, mask=mask)
-    m_scale = tl.max(tl.abs(m), axis=1) / 49.0  # 7^2
-    v_scale = tl.max(v, axis=1) / 225.0  # 15^2
-    tl.store(ms_ptr + rows, m_scale, mask=row_mask)
-    tl.store(vs_ptr + rows, v_scale, mask=row_mask)
-    m_root = (tl.sqrt(tl.abs(m) / tl.maximum(m_scale, 1e-38)[:, None]) + 12582912.0) - 12582912.0
-    v_root = (tl.sqrt(v / tl.maximum(v_scale, 1e-38)[:, None]) + 12582912.0) - 12582912.0
+    m_root, v_root = floor_roots(m, v, ms_ptr, vs_ptr, rows, row_mask, 49.0, 225.0)  # 7^2, 15^2
     m_lo, m_hi = tl.split(tl.reshape(tl.where(m < 0, -m_root, m_root).to(tl.int8), (ROWS, BLOCK // 2, 2)))
     v_lo, v_hi = tl.split(tl.reshape(v_root.to(tl.uint8), (ROWS, BLOCK // 2, 2)))
     tl.store(m_ptr + pairs, (m_lo & 15) | (m_hi << 4), mask=pair_mask)
