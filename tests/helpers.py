@@ -219,6 +219,11 @@ def probe_values(fmt: StateFormat) -> torch.Tensor:
     mids = (points[1:] + points[:-1]) / 2
     if fmt.spec.root_domain:  # its ties are midpoints of the square roots, (c + 1/2)^2
         mids = torch.cat([mids, (torch.arange(256.0) + 0.5) ** 2])
+        # and, rounding to the nearest value (sqrt4), the roots near sqrt(c^2 + c + 1/2), whose fp32 square can
+        # be that midpoint of c^2 and (c + 1)^2 exactly: 64 ulps either side
+        near = torch.sqrt(torch.arange(256.0, dtype=torch.float64) ** 2 + torch.arange(256.0) + 0.5).float()
+        ulps = torch.arange(-64, 65, dtype=torch.int32)
+        mids = torch.cat([mids, (near.view(torch.int32)[:, None] + ulps).flatten().view(torch.float32)])
     # the float32 neighbours of every tie, and of each power of two from 2^-32 to 2 (dynamic8's
     # encode splits magnitudes into buckets by exponent and top mantissa bits)
     edges = torch.cat([mids, 2.0 ** torch.arange(-32, 2.0)]).view(torch.int32)

@@ -731,14 +731,14 @@ LB_INLINE vi lb_encode_sqrt8(vf r, vf sign) {
   return U ? lb_lift_positive(lb_cvt_rne(r), r) : lb_code_byte(lb_cvt_signed(r, sign));
 }
 // sqrt4's (builtin._encode_sqrt4): the root whose value is nearest r * r, not the nearest root: of c =
-// floor(r) and c + 1, c + 1 where 2 r^2 > c^2 + (c + 1)^2 (one fp32 square; the rest exact), a tie to the
-// even root; a positive root lifts code 0 to 1.
+// floor(r) and c + 1, c + 1 where 2 r^2 > c^2 + (c + 1)^2 (one fp32 square), i.e. where d = r^2 - c (c + 1),
+// exact in one fma, is over 1/2; a tie to the even root: an odd c compares d with the float below 1/2 (no
+// d lies between the two). A positive root lifts code 0 to 1.
 template <bool U>
 LB_INLINE vi lb_encode_sqrt4(vf r, vf sign) {
-  const vf c = lb_floor(r), twice = lb_splat(2.0f) * (r * r), mid = lb_fma(c, c + c + 2.0f, lb_splat(1.0f));
+  const vf c = lb_floor(r), d = lb_fma(-c, c + 1.0f, r * r);
   const vi low = __builtin_convertvector(c, vi);
-  const vi up = (twice > mid) | ((twice == mid) & ((low & 1) != 0));
-  const vi m = low - up;  // up is -1 where the root rounds up
+  const vi m = low - (vi)(d > lb_bits_f(lb_splat_i(0x3F000000) - (low & 1)));  // a true compare is -1: up
   return U ? lb_lift_positive(m, r) : lb_code_byte(lb_sign_of(m, sign));
 }
 // The nearest code of a root-domain format (the root r in [0, enc_qmax], the sign of `sign`).
