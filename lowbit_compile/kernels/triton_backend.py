@@ -40,7 +40,7 @@ from .kernel import (
 )
 from .lowering import Target
 from .triton_env import interpreting
-from .triton_printer import EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
+from .triton_printer import WARP_TILE, EmittedKernel, KernelParam, dequantize_graph, emit_kernel, quantize_graph
 
 
 def target_of(device: torch.device) -> Target:
@@ -164,7 +164,7 @@ _NUMBER_TYPE = _POINTER_TYPES[torch.float32].removeprefix("*")  # a number argum
 def _warps(e: EmittedKernel) -> int:
     tile = e.block * e.rows
     if e.approximate:  # 8 elements per thread, at most 16 warps (bench/gpu_cost.py)
-        return min(16, max(1, tile // 256))
+        return min(16, max(1, tile // WARP_TILE))
     return 4 if tile <= 1024 else 8 if tile <= 4096 else 16
 
 

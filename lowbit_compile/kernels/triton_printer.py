@@ -39,6 +39,7 @@ from .primitives import Kind, Value
 aten = torch.ops.aten
 
 DEFAULT_TILE = 2048  # elements per program instance when blocks are smaller (and when no state has blocks)
+WARP_TILE = 8 * 32  # the elements a warp of a kernel of quantized states holds: 8 a thread
 
 _DTYPE_IDS = {torch.float32: "lb.F32", torch.bfloat16: "lb.BF16", torch.float16: "lb.F16"}
 _RESERVED = frozenset({"pid", "rows", "cols", "offsets", "mask", "row_mask", "n_elements", "first_block",
@@ -196,12 +197,12 @@ class TritonPrinter:
             )
         block = sizes.pop() if sizes else DEFAULT_TILE
         if any(a.fmt.blockwise for a in accesses):
-            # a block per row, rows enough for a tile of 256 elements: a block of 512 alone, so each thread's
+            # a block per row, rows enough for a warp's tile (WARP_TILE): a block of 512 alone, so each thread's
             # per-block work (reductions, scale, inverse) is not repeated per row of a taller tile
             # (bench/gpu_cost.py: 235 -> 177 SASS instructions per element for the default step on sm_90);
             # sqrt4's blocks of 128 two to a tile, so a thread's share of the fixed work is over 8 elements
             # instead of 4 (bench/gpu_cost.py --only sqrt4)
-            return block, max(1, 256 // block)
+            return block, max(1, WARP_TILE // block)
         return block, max(1, DEFAULT_TILE // block)
 
     def kernel(self, batched: bool = False) -> EmittedKernel:
