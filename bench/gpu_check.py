@@ -41,12 +41,8 @@ import torch  # noqa: E402
 
 from bench.quantized_contract import assert_codes_within_one_step  # noqa: E402
 from lowbit_compile import lowbit_compile  # noqa: E402
-from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS  # noqa: E402
-from lowbit_compile.formats import (  # noqa: E402
-    StateFormat,
-    blockquant,
-    element_format,
-)
+from lowbit_compile.config import DEFAULT_BLOCK_SIZE, DEFAULT_FMT, DEFAULT_OUTLIERS, own_block_size  # noqa: E402
+from lowbit_compile.formats import StateFormat, blockquant  # noqa: E402
 from lowbit_compile.kernels import triton_backend  # noqa: E402
 
 FORMATS = ("int8", "dynamic8", "sqrt8", "fp8_e4m3", "fp8_e5m2", "bf16", "sqrt4")
@@ -280,8 +276,7 @@ def bytes_per_param(name: str, dtype: torch.dtype, block_size: int | None = None
     if name.startswith(("bnb", "torchao")):
         return base + 2 * 2 * 1 + 2 * 2 * 4 / 256  # 8-bit codes, an fp32 absmax per 256
     fmt_name = name.removeprefix("lowbit_").removesuffix(INT_FP8)
-    block = block_size or element_format(fmt_name).default_block_size or DEFAULT_BLOCK_SIZE
-    fmt = StateFormat.make(fmt_name, block, DEFAULT_OUTLIERS, False)
+    fmt = StateFormat.make(fmt_name, block_size or own_block_size(fmt_name), DEFAULT_OUTLIERS, False)
     codes = fmt.bits / 8
     per_block = 2 * (4 + fmt.patches * 4) / fmt.block_size if fmt.blockwise else 0.0
     return base + 2 * (2 * codes + per_block)

@@ -179,11 +179,12 @@ def target_for(arch: int):
 
 
 def emitted_for(case: Case, arch: int):
-    from lowbit_compile.formats import StateFormat, element_format
+    from lowbit_compile.config import own_block_size
+    from lowbit_compile.formats import StateFormat
     from lowbit_compile.kernels.triton_printer import dequantize_graph, emit_kernel, quantize_graph
 
     if case.state_kernel:  # in blocks of 512, or of the format's own default (a 4-bit one's)
-        fmt = StateFormat.make(case.fmt, element_format(case.fmt).default_block_size or 512, case.outliers, False)
+        fmt = StateFormat.make(case.fmt, own_block_size(case.fmt), case.outliers, False)
         graph = (quantize_graph if case.state_kernel == "quantize" else dequantize_graph)(fmt, case.dtype)
         name = f"lowbit_{case.state_kernel}"
     else:

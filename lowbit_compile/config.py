@@ -175,7 +175,13 @@ class Config:
         ``DEFAULT_BLOCK_SIZE`` for the others; one block for all, as the fused kernels step them."""
         if self.block_size is not None:
             return self.block_size
-        return min((DEFAULT_BLOCK_SIZE, *(element_format(n).default_block_size or DEFAULT_BLOCK_SIZE for n in names)))
+        return min((DEFAULT_BLOCK_SIZE, *map(own_block_size, names)))
+
+
+def own_block_size(name: str) -> int:
+    """The block the format ``name`` takes when ``block_size`` is not given: its own
+    (``ElementFormat.default_block_size``, sqrt4's 128), else ``DEFAULT_BLOCK_SIZE``."""
+    return element_format(name).default_block_size or DEFAULT_BLOCK_SIZE
 
 
 class UnmatchedOverride(ValueError):
