@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.step_bench import LR, PARAM_SETS, WEIGHT_DECAY, load_average, make_params  # noqa: E402
 from lowbit_compile import lowbit_compile  # noqa: E402
 from lowbit_compile.kernels import cpp_printer  # noqa: E402
+from lowbit_compile.kernels import cpu as cpu_kernels  # noqa: E402
 from lowbit_compile.runtime import compile as compile_module
 
 RESULTS = Path(__file__).parent / "results"
@@ -38,14 +39,16 @@ FORMATS = ("sqrt8", "int8", "dynamic8", "fp8_e4m3")
 
 @contextlib.contextmanager
 def encodes_fused(formats: frozenset[str]):
-    """Steps built inside fuse the encode of ``formats`` only: the layout is chosen when a kernel is
-    emitted, on an optimizer's first step, and inside, no step built outside is reused."""
-    saved = cpp_printer._FUSED_ENCODES, compile_module._compiled
+    """Steps built inside fuse the encode of ``formats`` only, whatever the machine's vector width
+    (``LB_FUSE_ENCODES``, which the prelude otherwise sets for 16 lanes only): the layout is chosen when
+    a kernel is emitted, on an optimizer's first step, and inside, no step built outside is reused."""
+    saved = cpp_printer._FUSED_ENCODES, compile_module._compiled, cpu_kernels.cpu_build.load_async
     cpp_printer._FUSED_ENCODES, compile_module._compiled = formats, {}
+    cpu_kernels.cpu_build.load_async = lambda source: saved[2]("#define LB_FUSE_ENCODES 1\n" + source)
     try:
         yield
     finally:
-        cpp_printer._FUSED_ENCODES, compile_module._compiled = saved
+        cpp_printer._FUSED_ENCODES, compile_module._compiled, cpu_kernels.cpu_build.load_async = saved
 
 
 def lowbit(params: list[torch.nn.Parameter], fmt: str, fused: bool) -> torch.optim.Optimizer:
@@ -56,7 +59,7 @@ def lowbit(params: list[torch.nn.Parameter], fmt: str, fused: bool) -> torch.opt
         opt.step()
         sources = [c.kernel.emitted.source for steps in compile_module._compiled.values() for c in steps
                    if "lb_job" in c.kernel.emitted.source]  # the steps with quantized states
-    if not sources or any(("const bool fuse" in src) != fused for src in sources):
+    if not sources or any(("lb_fuse_if(" in src) != fused for src in sources):
         raise RuntimeError(f"{fmt}: the kernels built do not have the layout asked for (fused={fused})")
     return opt
 

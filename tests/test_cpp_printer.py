@@ -114,7 +114,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
   const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
   vi acc_exp_avg_sq = lb_splat_i(-1);
   float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
-  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
+  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]));
   if (!fuse) lb_finish(job, scratch);
   uint8_t* __restrict q_codes_exp_avg = job.codes[0];
   const vf q_mult_exp_avg = lb_splat(job.mult[0]);
@@ -321,8 +321,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
         self.assertExpectedInline("\n".join(out), """\
 == int8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
+-  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]));
++  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]));
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
@@ -345,7 +345,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == dynamic8 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
+-  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]));
 -  if (!fuse) lb_finish(job, scratch);
 -  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
@@ -376,8 +376,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e4m3 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_E4M3, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
+-  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]));
++  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_E4M3, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E4M3, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]));
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
@@ -400,8 +400,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +      const vf v_sqrt = lb_sqrt(v_addcmul);
 == fp8_e5m2 {}
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_E5M2, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
+-  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]));
++  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_E5M2, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_E5M2, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]));
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
@@ -454,7 +454,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 -  const bool FL_exp_avg_sq = __builtin_signbit(*p_exp_avg_sq_scales);  // a flagged block
 -  vi acc_exp_avg_sq = lb_splat_i(-1);
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
+-  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]));
 -  if (!fuse) lb_finish(job, scratch);
 -  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
@@ -517,8 +517,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  int PA_exp_avg_sq = 0;
 +  int64_t PN_exp_avg_sq = PC_exp_avg_sq ? PI_exp_avg_sq[0] : LB_NO_PATCH;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
+-  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]));
++  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_INT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_INT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]));
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -        lb_encode_x4<LB_SQRT8, LB_SIGNED, LB_PLAIN>(buf_exp_avg, nullptr, i, q_mult_exp_avg, {}, q_codes_exp_avg);
@@ -552,7 +552,7 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  uint8_t* __restrict p_exp_avg_codes = (uint8_t*)ptr[2] + start / 2;
 -  uint8_t* __restrict p_exp_avg_sq_codes = (uint8_t*)ptr[6] + start;
 +  uint8_t* __restrict p_exp_avg_sq_codes = (uint8_t*)ptr[6] + start / 2;
--  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
+-  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]));
 -  if (!fuse) lb_finish(job, scratch);
 -  uint8_t* __restrict q_codes_exp_avg = job.codes[0];
 -  const vf q_mult_exp_avg = lb_splat(job.mult[0]);
@@ -605,8 +605,8 @@ static void lb_step_block(const int64_t* ptr, const float* s, int64_t start, int
 +  uint16_t* __restrict p_param = (uint16_t*)ptr[0] + start;
 +  const uint16_t* __restrict p_grad = (const uint16_t*)ptr[1] + start;
 -  float* __restrict root_exp_avg_sq = scratch + 2 * LB_BLOCK;
--  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]);
-+  const bool fuse = job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]);
+-  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_ROOT>(job.enc[1], job.mult[1]));
++  const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && lb_fusable<LB_SQRT8, LB_SIGNED, LB_PLAIN>(job.enc[0], job.mult[0]) && lb_fusable<LB_SQRT8, LB_UNSIGNED, LB_PLAIN>(job.enc[1], job.mult[1]));
 -    vf prev_v_sqrt = {};
 +    vf prev_v_addcmul = {};
 -        lb_encode_x4<LB_SQRT8, LB_UNSIGNED, LB_STOCHASTIC | LB_ROOT>(buf_exp_avg_sq, root_exp_avg_sq, i, q_mult_exp_avg_sq, q_rand_exp_avg_sq, q_codes_exp_avg_sq);

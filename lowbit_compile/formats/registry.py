@@ -30,7 +30,7 @@ class ElementFormat:
     the code bytes of +inf, -inf and NaN in a flagged block (``blockquant.py``). ``fp8_mantissa``: an fp8
     format's mantissa bits (sign-magnitude codes, rounded by ``element.round_fp8``). ``advice``: what the
     monitor suggests where this format truncates a state. ``fused_cpu_encode``: the C++ kernel encodes a
-    block inside the next block's lane loop (a few vector instructions). ``cpp_name`` / ``triton_name``: the
+    block inside the next block's lane loop (a few vector instructions), where it is built for 16 lanes. ``cpp_name`` / ``triton_name``: the
     format's name in the C++ prelude's enum and among ``triton_lib``'s constexprs (None: no kernel reads
     it). ``lookup_table``: the table a Triton kernel of the format reads (the launcher passes it).
     ``map_version`` / ``upgrade_codes``: a format whose code map changed saves its version, and converts the

@@ -297,7 +297,7 @@ class BlockKernel:
         buffers it overwrites), and what it needs for that."""
         fusable = " && ".join(f"lb_fusable<{w.template}, {_encoding(root=w.root)}>(job.enc[{j}], job.mult[{j}])"
                               for j, w in enumerate(written))
-        out = [f"const bool fuse = job.len == len && len % (4 * LB_W) == 0 && {fusable};",
+        out = [f"const auto fuse = lb_fuse_if(job.len == len && len % (4 * LB_W) == 0 && {fusable});",
                "if (!fuse) lb_finish(job, scratch);"]
         for j, w in enumerate(written):
             out.append(f"uint8_t* __restrict q_codes_{w.ident} = job.codes[{j}];")

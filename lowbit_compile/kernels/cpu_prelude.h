@@ -52,6 +52,23 @@ LB_INLINE void lb_versions(const F& f, bool b, B... rest) {
   if (b) lb_versions([&](auto... c) LB_INLINE_LAMBDA { f(lb_const<true>{}, c...); }, rest...);
   else lb_versions([&](auto... c) LB_INLINE_LAMBDA { f(lb_const<false>{}, c...); }, rest...);
 }
+template <class F, bool V, class... B>
+LB_INLINE void lb_versions(const F& f, lb_const<V>, B... rest) {  // already compile-time: one version
+  lb_versions([&](auto... c) LB_INLINE_LAMBDA { f(lb_const<V>{}, c...); }, rest...);
+}
+
+// Whether a block's lane loop may write the previous block's codes (the fused layout, `fuse`): 16 lanes
+// (AVX-512's 32 registers) overlap the encode with the step's arithmetic; with 8 (AVX2's 16 registers)
+// the encode's values spill inside the loop and a loop of its own is faster (docs/performance.md).
+// bench/fused_encode.py defines LB_FUSE_ENCODES to time both layouts on one machine.
+#ifndef LB_FUSE_ENCODES
+#define LB_FUSE_ENCODES (LB_W == 16)
+#endif
+#if LB_FUSE_ENCODES
+LB_INLINE bool lb_fuse_if(bool fusable) { return fusable; }
+#else
+LB_INLINE lb_const<false> lb_fuse_if(bool) { return {}; }
+#endif
 
 // A broadcast: the integer form, because (vf){} + x is an add GCC may not drop (-0 + 0 is +0) and,
 // re-materialized inside a loop short of registers, costs an add and a shuffle per use.
