@@ -11,7 +11,8 @@ from expecttest import TestCase
 
 from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.signs import Interval, prove_nonneg
-from lowbit_compile.passes.split import split_prologue
+from lowbit_compile.ir.contract import set_per_element
+from lowbit_compile.passes.split import _keep_old_scalar_states, split_prologue
 from lowbit_compile.passes.trace import hyper_slots, trace_step
 from lowbit_compile.passes.trace_cache import trace_group
 
@@ -205,3 +206,22 @@ def forward(self, param, grad, state_ax, sub, neg, clone_default):
     copy_ = torch.ops.aten.copy_.default(param, add_1);  param = add_1 = copy_ = None
     copy__4 = torch.ops.aten.copy_.default(state_ax, add_2);  state_ax = add_2 = copy__4 = None
     return None""")
+
+    def test_old_scalar_states_are_copied_in_graph_order(self):
+        """The copies of several scalar states the body reads (an 8-bit master's seed beside a stochastic
+        state's counter) come in the order of the states, not of their nodes' addresses: a set had named
+        them, and so printed the kernel's source (its cache key), differently from process to process."""
+        aten = torch.ops.aten
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        set_per_element(x, True)
+        states = [graph.placeholder(f"s{i}") for i in range(24)]
+        for state in states:
+            set_per_element(graph.call_function(aten.mul.Tensor, (x, state)), True)
+        for state in states:
+            graph.call_function(aten.copy_.default, (state, graph.call_function(aten.add.Tensor, (state, 1.0))))
+        graph.output(None)
+        _keep_old_scalar_states(graph)
+        clones = [n for n in graph.nodes if n.target is aten.clone.default]
+        self.assertEqual([c.args[0] for c in clones], states)
+        self.assertEqual([c.name for c in clones], ["clone_default"] + [f"clone_default_{i}" for i in range(1, 24)])

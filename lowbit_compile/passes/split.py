@@ -60,7 +60,9 @@ def split_prologue(gm: GraphModule) -> GraphModule:
 def _keep_old_scalar_states(graph: Graph) -> None:
     """The prologue writes the new scalar states (``copy_(state, new)``) before the body runs; a body
     that reads a scalar state (ASGD's ``(param - ax) * mu``) gets a copy of its value from before."""
-    written = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.copy_.default and not is_per_element(n)}
+    # in graph order (a set of nodes iterates by address: the clones' names, and so the kernel's source, varied)
+    written = dict.fromkeys(n.args[0] for n in graph.nodes
+                            if n.target is torch.ops.aten.copy_.default and not is_per_element(n))
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
     for state in written:
         readers = [u for u in state.users if is_per_element(u)]
