@@ -9,9 +9,9 @@ import pytest
 import torch
 from expecttest import TestCase
 
+from lowbit_compile.ir.contract import set_per_element
 from lowbit_compile.passes.roles import label_roles
 from lowbit_compile.passes.signs import Interval, prove_nonneg
-from lowbit_compile.ir.contract import set_per_element
 from lowbit_compile.passes.split import _keep_old_scalar_states, split_prologue
 from lowbit_compile.passes.trace import hyper_slots, trace_step
 from lowbit_compile.passes.trace_cache import trace_group
