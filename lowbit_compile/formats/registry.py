@@ -29,13 +29,13 @@ class ElementFormat:
     the encode takes the value's square root (``element.normalize``), the decode squares. ``special_codes``:
     the code bytes of +inf, -inf and NaN in a flagged block (``blockquant.py``). ``fp8_mantissa``: an fp8
     format's mantissa bits (sign-magnitude codes, rounded by ``element.round_fp8``). ``advice``: what the
-    monitor suggests where this format truncates a state. ``fused_cpu_encode``: the C++ kernel encodes a
-    block inside the next block's lane loop (a few vector instructions), where it is built for 16 lanes.
-    ``cpp_name`` / ``triton_name``: the format's name in the C++ prelude's enum and among ``triton_lib``'s
-    constexprs (None: no kernel reads it). ``lookup_table``: the table a Triton kernel of the format reads
-    (the launcher passes it). ``map_version`` / ``upgrade_codes``: a format whose code map changed saves its version, and converts the
-    codes of older ones on load. ``bits``: the bits of one code where it is not the code dtype's width; 4
-    packs two codes a byte (``packing.py``), ``code_dtype`` then naming the dtype of one unpacked code.
+    monitor suggests where this format truncates a state. ``fused_cpu_encode``: the C++ kernel encodes a block inside
+    the next block's lane loop (a few vector instructions), where it is built for 16 lanes. ``cpp_name`` /
+    ``triton_name``: the format's name in the C++ prelude's enum and among ``triton_lib``'s constexprs (None: no kernel
+    reads it). ``lookup_table``: the table a Triton kernel of the format reads (the launcher passes it). ``map_version``
+    / ``upgrade_codes``: a format whose code map changed saves its version, and converts the codes of older ones on
+    load. ``bits``: the bits of one code where it is not the code dtype's width; 4 packs two codes a byte
+    (``packing.py``), ``code_dtype`` then naming the dtype of one unpacked code.
     ``default_block_size``: the block a state of the format gets when ``block_size`` is not given (None:
     ``options.DEFAULT_BLOCK_SIZE``; a parameter's states take the smallest of theirs).
     """
