@@ -59,7 +59,8 @@ _ROUND = {torch.bfloat16: "lb_round_bf16", torch.float16: "lb_round_f16"}
 # loop writes a block's codes, its square roots and conversions overlapping that block's arithmetic.
 # dynamic8's longer encode (seven permutes, two fmas and a floor per vector) runs slower that way than in a
 # loop of its own (bench/results/cpu_fused_encode.md). Only a 16-lane build fuses (the prelude's lb_fuse_if):
-# with AVX2's 16 registers every format's encode ran faster in a loop of its own (docs/performance.md).
+# with AVX2's 16 registers sqrt8's, int8's and fp8's ran 1.1-1.2x faster in loops of their own at the default
+# rounding, level to nearest (docs/performance.md).
 _FUSED_ENCODES = frozenset(f.name for f in registered() if f.fused_cpu_encode)
 
 
