@@ -35,6 +35,7 @@ from lowbit_compile.runtime import compile as compile_module
 
 RESULTS = Path(__file__).parent / "results"
 FORMATS = ("sqrt8", "int8", "dynamic8", "fp8_e4m3")
+FUSE_FLAG = "-DLB_FUSE_ENCODES=1"  # the fused layout at any vector width (cpu_prelude.h's lb_fuse_if)
 
 
 @contextlib.contextmanager
@@ -42,9 +43,10 @@ def encodes_fused(formats: frozenset[str]):
     """Steps built inside fuse the encode of ``formats`` only, whatever the machine's vector width
     (``LB_FUSE_ENCODES``, which the prelude otherwise sets for 16 lanes only): the layout is chosen when
     a kernel is emitted, on an optimizer's first step, and inside, no step built outside is reused."""
-    saved = cpp_printer._FUSED_ENCODES, compile_module._compiled, cpu_kernels.cpu_build.load_async
+    native = cpu_kernels.cpu_build.load_async
+    saved = cpp_printer._FUSED_ENCODES, compile_module._compiled, native
     cpp_printer._FUSED_ENCODES, compile_module._compiled = formats, {}
-    cpu_kernels.cpu_build.load_async = lambda source: saved[2]("#define LB_FUSE_ENCODES 1\n" + source)
+    cpu_kernels.cpu_build.load_async = lambda source, extra_flags=(): native(source, (*extra_flags, FUSE_FLAG))
     try:
         yield
     finally:
